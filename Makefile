@@ -1,0 +1,19 @@
+# Two front doors: `make demo` runs the main job, `make test` runs the whole suite.
+# Each creates .venv and installs the project into it on first use.
+PY := .venv/bin/python
+STAMP := .venv/.installed
+
+.PHONY: demo test venv
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml constraints.txt
+	python3 -m venv .venv
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -c constraints.txt -e '.[mpi,test,examples]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) examples/demo.py
+
+test: $(STAMP)
+	$(PY) -m pytest -q
