@@ -1,0 +1,180 @@
+"""Processor grids: named dims laid row-major over the ranks of a communicator."""
+from __future__ import annotations
+
+import math
+import re
+from typing import TYPE_CHECKING, Iterable, Mapping, Sequence
+
+if TYPE_CHECKING:
+    from distconv.comm import Communicator
+
+__all__ = ["CANONICAL_DIMS", "ProcessorGrid"]
+
+#: Grid dims a layer may refer to even when the grid leaves them out (their extent is then 1).
+CANONICAL_DIMS = ("N", "C", "F", "H", "W")
+
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
+
+
+class ProcessorGrid:
+    """Named grid dims over the ranks of ``comm``, laid out row-major in the given order.
+
+    ``ProcessorGrid({"N": 2, "C": 2})`` puts rank ``r`` at ``N = r // 2, C = r % 2``. The product of
+    the extents must equal the communicator's size: every layer uses every rank. Different layers
+    may use different grids over the same ranks.
+
+    Sub-communicators over any set of dims (:meth:`subcomm`) are created collectively on first
+    use -- every rank must ask for them in the same order, which a program that runs the same
+    layers on every rank does -- and cached by the partition of ranks they form, so two grids with
+    the same layout share them.
+
+    Args:
+        dims: ordered mapping (or sequence of pairs) from dim name to extent.
+        comm: the communicator whose ranks form the grid. Default: ``distconv.comm.world()``.
+
+    Raises:
+        ValueError: an extent below 1, a repeated or malformed name, or a product of extents
+            different from ``comm.size``.
+    """
+
+    def __init__(
+        self, dims: Mapping[str, int] | Sequence[tuple[str, int]], comm: Communicator | None = None
+    ) -> None:
+        pairs = list(dims.items()) if isinstance(dims, Mapping) else [tuple(p) for p in dims]
+        names = [p[0] for p in pairs]
+        for name, extent in pairs:
+            if not isinstance(name, str) or not _NAME.match(name):
+                raise ValueError(f"ProcessorGrid: dim name {name!r} is not an identifier")
+            if isinstance(extent, bool) or not isinstance(extent, int) or extent < 1:
+                raise ValueError(
+                    f"ProcessorGrid: extent of dim {name!r} must be an int >= 1, got {extent!r}"
+                )
+        if len(set(names)) != len(names):
+            raise ValueError(f"ProcessorGrid: repeated dim names in {names}")
+        if comm is None:
+            from distconv.comm import world
+
+            comm = world()
+        self._layout: tuple[tuple[str, int], ...] = tuple((n, int(e)) for n, e in pairs)
+        size = math.prod(e for _, e in self._layout)
+        if size != comm.size:
+            raise ValueError(
+                f"ProcessorGrid {self._describe()}: {size} grid positions but the communicator has "
+                f"{comm.size} ranks; the product of the extents must equal the world size"
+            )
+        self.comm = comm
+        self._coords = self.coords_of(comm.rank)
+        self._subcomms: dict[tuple[str, ...], Communicator] = {}
+
+    # ----------------------------------------------------------------- value
+    @property
+    def layout(self) -> tuple[tuple[str, int], ...]:
+        """``((name, extent), ...)``: a hashable value for plans and caches."""
+        return self._layout
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(n for n, _ in self._layout)
+
+    @property
+    def shape(self) -> dict[str, int]:
+        return dict(self._layout)
+
+    @property
+    def size(self) -> int:
+        return self.comm.size
+
+    @property
+    def rank(self) -> int:
+        return self.comm.rank
+
+    @property
+    def coords(self) -> dict[str, int]:
+        """This rank's coordinate on every grid dim."""
+        return dict(self._coords)
+
+    def extent(self, name: str) -> int:
+        """Extent of grid dim ``name``: 1 for a canonical dim (N C F H W) the grid leaves out."""
+        for n, e in self._layout:
+            if n == name:
+                return e
+        if name in CANONICAL_DIMS:
+            return 1
+        raise ValueError(
+            f"grid dim {name!r} is not in {self._describe()}; known dims: {', '.join(self.names)}"
+            f" (and {', '.join(CANONICAL_DIMS)} with extent 1)"
+        )
+
+    def coords_of(self, rank: int) -> dict[str, int]:
+        if not 0 <= rank < math.prod(e for _, e in self._layout):
+            raise ValueError(f"rank {rank} is outside {self._describe()}")
+        coords: dict[str, int] = {}
+        for name, extent in reversed(self._layout):
+            rank, coords[name] = divmod(rank, extent)
+        return {n: coords[n] for n in self.names}
+
+    def rank_of(self, coords: Mapping[str, int]) -> int:
+        rank = 0
+        for name, extent in self._layout:
+            rank = rank * extent + coords.get(name, 0)
+        return rank
+
+    # ----------------------------------------------------------------- communicators
+    def segments(self, dims: Iterable[str]) -> list[list[int]]:
+        """The partition of ranks into groups that differ only in ``dims`` (row-major inside)."""
+        wanted = self._order(dims)
+        fixed = [(n, e) for n, e in self._layout if n not in wanted]
+        varying = [(n, self.extent(n)) for n in wanted if n in self.shape]
+        groups = []
+        for outer in range(math.prod(e for _, e in fixed)):
+            base = _unravel(outer, fixed)
+            group = []
+            for inner in range(math.prod(e for _, e in varying)):
+                group.append(self.rank_of({**base, **_unravel(inner, varying)}))
+            groups.append(group)
+        return groups
+
+    def subcomm(self, dims: Iterable[str]) -> Communicator:
+        """Communicator among the ranks that differ only in ``dims`` (sub-rank row-major over them).
+
+        Collective the first time a set of dims is asked for; cached afterwards.
+        """
+        key = self._order(dims)
+        comm = self._subcomms.get(key)
+        if comm is None:
+            comm = self.comm.split(self.segments(key))
+            self._subcomms[key] = comm
+        return comm
+
+    def _order(self, dims: Iterable[str]) -> tuple[str, ...]:
+        dims = tuple(dims) if not isinstance(dims, str) else (dims,)
+        for d in dims:
+            self.extent(d)
+        if len(set(dims)) != len(dims):
+            raise ValueError(f"repeated grid dims in {dims}")
+        return tuple(n for n in self.names if n in dims)
+
+    # ----------------------------------------------------------------- printing
+    def _describe(self) -> str:
+        return "grid(" + " × ".join(f"{n}={e}" for n, e in self._layout) + ")"
+
+    def __repr__(self) -> str:
+        dims = ", ".join(f"{n!r}: {e}" for n, e in self._layout)
+        return f"ProcessorGrid({{{dims}}}, rank={self.rank}, backend={self.comm.backend!r})"
+
+    def __eq__(self, other: object) -> bool:
+        return (
+            isinstance(other, ProcessorGrid)
+            and other._layout == self._layout
+            and other.comm is self.comm
+        )
+
+    def __hash__(self) -> int:
+        return hash((self._layout, id(self.comm)))
+
+
+def _unravel(index: int, dims: Sequence[tuple[str, int]]) -> dict[str, int]:
+    coords: dict[str, int] = {}
+    for name, extent in reversed(dims):
+        index, coords[name] = divmod(index, extent)
+    return coords

@@ -1,0 +1,478 @@
+"""Redistribution between two distributions of a tensor (Dryden et al., §2.3.4–2.3.5).
+
+Planning is a pure function of ``(grid layout, source Dist, target Dist, global shape)`` and is
+cached; execution is a separate pass in which every step is an ``autograd.Function`` whose backward
+is the step's exact adjoint:
+
+=====================================  =========================================================
+forward step                           adjoint (backward)
+=====================================  =========================================================
+AllGather   ``o_g -> *`` over g        ReduceScatter ``Σ_g -> o_g``
+ReduceScatter ``Σ_g -> o_g``           AllGather
+AllReduce   ``Σ_g -> *``               AllReduce
+Slice       ``* -> o_g`` (discard)     Pad ``o_g -> Σ_g``: the local grad in zeros, pending over g
+Pad         ``o_g -> Σ_g``             Slice
+AllToAll    dim i over g -> dim j      AllToAll back, dim j -> dim i
+KeepRoot    ``* -> Σ_g``               KeepRoot (self-adjoint)
+=====================================  =========================================================
+
+The cotangent of a tensor in Dist ``D`` lives in ``D.dual(grid)`` (pending and redundant dims
+swapped): a replicated tensor's gradient is the sum of every rank's contribution. With that
+convention the pairing of a tensor with its cotangent is the sum over all ranks of the local inner
+products, and the backward of a redistribution ``S -> T`` is exactly the redistribution
+``T.dual -> S.dual``. Slicing a replicated tensor therefore needs no communication in backward: its
+gradient stays a pending sum until something needs it complete.
+
+Planning is greedy, shrinking before growing: reduce-scatters, slices, allreduces (one merged
+collective over every pending dim that must be summed), all-to-alls, pads, allgathers (minor dim
+first, so every allgather is a segmented allgather of nested blocks), and finally KeepRoot for
+pending sums the target introduces.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Mapping, Sequence
+
+import torch
+
+from distconv.distribution import Dist, balanced_block, nested_block
+from distconv.grid import CANONICAL_DIMS
+
+if TYPE_CHECKING:
+    from distconv.comm import Communicator
+    from distconv.grid import ProcessorGrid
+
+__all__ = [
+    "AllGather", "AllReduce", "AllToAll", "KeepRoot", "Pad", "Plan", "ReduceScatter", "Slice",
+    "gather", "plan_redistribution", "redistribute", "scatter",
+]
+
+Layout = tuple[tuple[str, int], ...]
+
+
+def _extent(layout: Layout, name: str) -> int:
+    for n, e in layout:
+        if n == name:
+            return e
+    if name in CANONICAL_DIMS:
+        return 1
+    raise ValueError(f"grid dim {name!r} is not in the grid {dict(layout)}")
+
+
+# --------------------------------------------------------------------------- execution context
+@dataclass(frozen=True)
+class _Ctx:
+    """What a step needs at run time: the grid, this rank's coords and the global shape."""
+
+    grid: ProcessorGrid
+    global_shape: tuple[int, ...]
+    where: str  # description for debug-mode agreement checks and error messages
+
+    def extent(self, g: str) -> int:
+        return self.grid.extent(g)
+
+    def coord(self, g: str) -> int:
+        return self.grid.coords.get(g, 0)
+
+    def prefix_block(self, dim: int, prefix: tuple[str, ...]) -> int:
+        """Size of this rank's block of ``dim`` when blocked over ``prefix``."""
+        _, size = nested_block(
+            self.global_shape[dim], [self.extent(g) for g in prefix],
+            [self.coord(g) for g in prefix],
+        )
+        return size
+
+    def parts(self, dim: int, prefix: tuple[str, ...], g: str) -> list[int]:
+        """Sizes of the sub-blocks over ``g`` of this rank's ``prefix`` block of ``dim``."""
+        n, p = self.prefix_block(dim, prefix), self.extent(g)
+        return [balanced_block(n, p, j)[1] for j in range(p)]
+
+    def subrank(self, dims: Sequence[str]) -> int:
+        """This rank's index in the segment over ``dims`` (row-major in grid order)."""
+        index = 0
+        for name in self.grid.names:
+            if name in dims:
+                index = index * self.extent(name) + self.coord(name)
+        return index
+
+    def comm(self, dims: Sequence[str]) -> Communicator:
+        return self.grid.subcomm(dims)
+
+
+def _with(shape: Sequence[int], dim: int, size: int) -> tuple[int, ...]:
+    out = list(shape)
+    out[dim] = size
+    return tuple(out)
+
+
+# --------------------------------------------------------------------------- steps
+@dataclass(frozen=True)
+class AllGather:
+    """``o_{prefix×g} -> o_{prefix}`` on tensor dim ``dim``: segmented allgather over ``g``."""
+
+    dim: int
+    g: str
+    prefix: tuple[str, ...]
+
+    def run(self, x: torch.Tensor, ctx: _Ctx) -> torch.Tensor:
+        sizes = ctx.parts(self.dim, self.prefix, self.g)
+        shapes = [_with(x.shape, self.dim, s) for s in sizes]
+        parts = ctx.comm([self.g]).allgather(x, shapes=shapes, meta=f"{self} in {ctx.where}")
+        return torch.cat(parts, dim=self.dim)
+
+    def adjoint(self) -> ReduceScatter:
+        return ReduceScatter(self.dim, self.g, self.prefix)
+
+    def received(self, shape: Sequence[int], ctx: _Ctx) -> tuple[tuple[int, ...], int]:
+        sizes = ctx.parts(self.dim, self.prefix, self.g)
+        mine = ctx.coord(self.g)
+        got = sum(s for j, s in enumerate(sizes) if j != mine) * _rest(shape, self.dim)
+        return _with(shape, self.dim, sum(sizes)), got
+
+    def __str__(self) -> str:
+        return f"allgather dim {self.dim} over {self.g}"
+
+
+@dataclass(frozen=True)
+class ReduceScatter:
+    """``Σ_g o_{prefix} -> o_{prefix×g}`` on tensor dim ``dim``: segmented reduce-scatter over ``g``."""
+
+    dim: int
+    g: str
+    prefix: tuple[str, ...]
+
+    def run(self, x: torch.Tensor, ctx: _Ctx) -> torch.Tensor:
+        sizes = ctx.parts(self.dim, self.prefix, self.g)
+        chunks = torch.split(x, sizes, dim=self.dim)
+        return ctx.comm([self.g]).reduce_scatter(chunks, meta=f"{self} in {ctx.where}")
+
+    def adjoint(self) -> AllGather:
+        return AllGather(self.dim, self.g, self.prefix)
+
+    def received(self, shape: Sequence[int], ctx: _Ctx) -> tuple[tuple[int, ...], int]:
+        sizes = ctx.parts(self.dim, self.prefix, self.g)
+        mine = sizes[ctx.coord(self.g)]
+        return _with(shape, self.dim, mine), (len(sizes) - 1) * mine * _rest(shape, self.dim)
+
+    def __str__(self) -> str:
+        return f"reduce-scatter dim {self.dim} over {self.g}"
+
+
+@dataclass(frozen=True)
+class AllReduce:
+    """``Σ_{dims} -> *``: one segmented allreduce over all of ``dims``."""
+
+    dims: tuple[str, ...]
+
+    def run(self, x: torch.Tensor, ctx: _Ctx) -> torch.Tensor:
+        return ctx.comm(self.dims).allreduce(x, meta=f"{self} in {ctx.where}")
+
+    def adjoint(self) -> AllReduce:
+        return self
+
+    def received(self, shape: Sequence[int], ctx: _Ctx) -> tuple[tuple[int, ...], int]:
+        p = math.prod(ctx.extent(g) for g in self.dims)
+        n = math.prod(shape)
+        b = balanced_block(n, p, ctx.subrank(self.dims))[1]
+        return tuple(shape), (p - 1) * b + (n - b)
+
+    def __str__(self) -> str:
+        return f"allreduce over {'×'.join(self.dims)}"
+
+
+@dataclass(frozen=True)
+class Slice:
+    """``o_{prefix} -> o_{prefix×g}`` where the tensor is replicated over ``g``: keep the own block."""
+
+    dim: int
+    g: str
+    prefix: tuple[str, ...]
+
+    def run(self, x: torch.Tensor, ctx: _Ctx) -> torch.Tensor:
+        start, size = balanced_block(x.shape[self.dim], ctx.extent(self.g), ctx.coord(self.g))
+        return x.narrow(self.dim, start, size).contiguous()
+
+    def adjoint(self) -> Pad:
+        return Pad(self.dim, self.g, self.prefix)
+
+    def received(self, shape: Sequence[int], ctx: _Ctx) -> tuple[tuple[int, ...], int]:
+        _, size = balanced_block(shape[self.dim], ctx.extent(self.g), ctx.coord(self.g))
+        return _with(shape, self.dim, size), 0
+
+    def __str__(self) -> str:
+        return f"slice dim {self.dim} over {self.g}"
+
+
+@dataclass(frozen=True)
+class Pad:
+    """``o_{prefix×g} -> Σ_g o_{prefix}``: the own block placed in zeros, a pending sum over ``g``."""
+
+    dim: int
+    g: str
+    prefix: tuple[str, ...]
+
+    def run(self, x: torch.Tensor, ctx: _Ctx) -> torch.Tensor:
+        n = ctx.prefix_block(self.dim, self.prefix)
+        start, _ = balanced_block(n, ctx.extent(self.g), ctx.coord(self.g))
+        out = x.new_zeros(_with(x.shape, self.dim, n))
+        out.narrow(self.dim, start, x.shape[self.dim]).copy_(x)
+        return out
+
+    def adjoint(self) -> Slice:
+        return Slice(self.dim, self.g, self.prefix)
+
+    def received(self, shape: Sequence[int], ctx: _Ctx) -> tuple[tuple[int, ...], int]:
+        return _with(shape, self.dim, ctx.prefix_block(self.dim, self.prefix)), 0
+
+    def __str__(self) -> str:
+        return f"pad dim {self.dim} over {self.g}"
+
+
+@dataclass(frozen=True)
+class AllToAll:
+    """Move grid dim ``g`` from the minor end of tensor dim ``src`` to the minor end of ``dst``."""
+
+    src: int
+    dst: int
+    g: str
+    src_prefix: tuple[str, ...]
+    dst_prefix: tuple[str, ...]
+
+    def run(self, x: torch.Tensor, ctx: _Ctx) -> torch.Tensor:
+        send_sizes = ctx.parts(self.dst, self.dst_prefix, self.g)
+        recv_sizes = ctx.parts(self.src, self.src_prefix, self.g)
+        mine = send_sizes[ctx.coord(self.g)]
+        chunks = torch.split(x, send_sizes, dim=self.dst)
+        recv_shapes = [_with(_with(x.shape, self.dst, mine), self.src, s) for s in recv_sizes]
+        parts = ctx.comm([self.g]).alltoall(
+            chunks, recv_shapes=recv_shapes, meta=f"{self} in {ctx.where}"
+        )
+        return torch.cat(parts, dim=self.src)
+
+    def adjoint(self) -> AllToAll:
+        return AllToAll(self.dst, self.src, self.g, self.dst_prefix, self.src_prefix)
+
+    def received(self, shape: Sequence[int], ctx: _Ctx) -> tuple[tuple[int, ...], int]:
+        send_sizes = ctx.parts(self.dst, self.dst_prefix, self.g)
+        recv_sizes = ctx.parts(self.src, self.src_prefix, self.g)
+        c = ctx.coord(self.g)
+        out = _with(_with(shape, self.dst, send_sizes[c]), self.src, sum(recv_sizes))
+        rest = _rest(out, self.src)
+        return out, sum(s for j, s in enumerate(recv_sizes) if j != c) * rest
+
+    def __str__(self) -> str:
+        return f"all-to-all over {self.g}: dim {self.src} -> dim {self.dst}"
+
+
+@dataclass(frozen=True)
+class KeepRoot:
+    """``* -> Σ_g``: the rank at coordinate 0 of ``g`` keeps the value, the others hold zeros."""
+
+    g: str
+
+    def run(self, x: torch.Tensor, ctx: _Ctx) -> torch.Tensor:
+        return x.clone() if ctx.coord(self.g) == 0 else torch.zeros_like(x)
+
+    def adjoint(self) -> KeepRoot:
+        return self
+
+    def received(self, shape: Sequence[int], ctx: _Ctx) -> tuple[tuple[int, ...], int]:
+        return tuple(shape), 0
+
+    def __str__(self) -> str:
+        return f"keep-root over {self.g}"
+
+
+Step = AllGather | ReduceScatter | AllReduce | Slice | Pad | AllToAll | KeepRoot
+
+
+def _rest(shape: Sequence[int], dim: int) -> int:
+    return math.prod(s for d, s in enumerate(shape) if d != dim)
+
+
+# --------------------------------------------------------------------------- planning
+@dataclass(frozen=True)
+class Plan:
+    """The steps that take a tensor from ``src`` to ``dst`` on one grid."""
+
+    layout: Layout
+    src: Dist
+    dst: Dist
+    global_shape: tuple[int, ...]
+    steps: tuple[Step, ...]
+
+    def describe(self) -> str:
+        head = f"{self.src} -> {self.dst}"
+        return head if not self.steps else head + ": " + "; ".join(map(str, self.steps))
+
+    def received_bytes(self, grid: ProcessorGrid, itemsize: int) -> int:
+        """Bytes this rank receives executing the plan (the communicators count the same)."""
+        ctx = _Ctx(grid, self.global_shape, "")
+        shape = self.src.local_shape(self.global_shape, grid)
+        total = 0
+        for step in self.steps:
+            shape, got = step.received(shape, ctx)
+            total += got
+        return total * itemsize
+
+
+def plan_redistribution(
+    layout: Layout, src: Dist, dst: Dist, global_shape: Sequence[int]
+) -> Plan:
+    """Plan the redistribution of a tensor of ``global_shape`` from ``src`` to ``dst``.
+
+    Pure and cached: every rank computes the same plan from shared information only.
+    """
+    return _plan(tuple(layout), src, dst, tuple(int(n) for n in global_shape))
+
+
+@functools.lru_cache(maxsize=4096)
+def _plan(layout: Layout, src: Dist, dst: Dist, global_shape: tuple[int, ...]) -> Plan:
+    for d in (src, dst):
+        if d.ndim != len(global_shape):
+            raise ValueError(
+                f"{d} has {d.ndim} entries but the global shape {global_shape} has "
+                f"{len(global_shape)} dims"
+            )
+        for name in sorted(d.used() | d.pending):
+            _extent(layout, name)
+    live = {n for n, e in layout if e > 1}
+    cur = [[g for g in src.grid_dims_of(i) if g in live] for i in range(src.ndim)]
+    tgt = [tuple(g for g in dst.grid_dims_of(i) if g in live) for i in range(dst.ndim)]
+    pending = {g for g in src.pending if g in live}
+    want_pending = {g for g in dst.pending if g in live}
+    steps: list[Step] = []
+
+    def ready(i: int) -> bool:
+        return tuple(cur[i]) == tgt[i][: len(cur[i])]
+
+    def next_of(i: int) -> str | None:
+        return tgt[i][len(cur[i])] if ready(i) and len(cur[i]) < len(tgt[i]) else None
+
+    def used() -> set[str]:
+        return {g for t in cur for g in t}
+
+    for _ in range(4 * (len(live) + 1) * (len(cur) + 1)):
+        if [tuple(t) for t in cur] == tgt and pending == want_pending:
+            return Plan(layout, src, dst, global_shape, tuple(steps))
+        steps.append(_next_step(cur, tgt, pending, want_pending, ready, next_of, used))
+    raise AssertionError(f"redistribution planner did not converge for {src} -> {dst}")
+
+
+def _next_step(cur, tgt, pending, want_pending, ready, next_of, used) -> Step:  # noqa: ANN001
+    # 1. reduce-scatter a pending sum straight into the target's block
+    for i in range(len(cur)):
+        g = next_of(i)
+        if g is not None and g in pending and g not in want_pending:
+            pending.discard(g)
+            step = ReduceScatter(i, g, tuple(cur[i]))
+            cur[i].append(g)
+            return step
+    # 2. discard: slice a replicated dim into the target's block
+    for i in range(len(cur)):
+        g = next_of(i)
+        if g is not None and g not in used() and g not in pending:
+            step = Slice(i, g, tuple(cur[i]))
+            cur[i].append(g)
+            return step
+    # 3. sum every pending dim the target neither keeps pending nor distributes, in one collective
+    target_used = {g for t in tgt for g in t}
+    done = sorted(g for g in pending if g not in want_pending and g not in target_used)
+    if done:
+        pending.difference_update(done)
+        return AllReduce(tuple(done))
+    extras = [i for i in range(len(cur)) if not ready(i)]
+    # 4. all-to-all: an extra minor grid dim that the target wants next on another tensor dim
+    for i in extras:
+        g = cur[i][-1]
+        for j in range(len(cur)):
+            if j != i and next_of(j) == g:
+                step = AllToAll(i, j, g, tuple(cur[i][:-1]), tuple(cur[j]))
+                cur[i].pop()
+                cur[j].append(g)
+                return step
+    # 5. pad: an extra minor grid dim that the target holds as a pending sum
+    for i in extras:
+        g = cur[i][-1]
+        if g in want_pending and g not in pending:
+            cur[i].pop()
+            pending.add(g)
+            return Pad(i, g, tuple(cur[i]))
+    # 6. allgather the minor extra grid dim
+    if extras:
+        i = extras[0]
+        g = cur[i].pop()
+        return AllGather(i, g, tuple(cur[i]))
+    # 7. a pending sum the target introduces over a dim the tensor is replicated on
+    for g in sorted(want_pending - pending):
+        if g not in used():
+            pending.add(g)
+            return KeepRoot(g)
+    raise AssertionError(f"redistribution planner is stuck at {cur} (pending {sorted(pending)})")
+
+
+# --------------------------------------------------------------------------- execution
+class _StepFunction(torch.autograd.Function):
+    """One redistribution step; backward runs the step's adjoint."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, step: Step, rctx: _Ctx) -> torch.Tensor:  # noqa: ANN001
+        ctx.step, ctx.rctx = step, rctx
+        return step.run(x, rctx)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # noqa: ANN001, ANN205
+        return ctx.step.adjoint().run(grad.contiguous(), ctx.rctx), None, None
+
+
+def redistribute(
+    x: torch.Tensor, grid: ProcessorGrid, src: Dist, dst: Dist, global_shape: Sequence[int]
+) -> torch.Tensor:
+    """Redistribute the local block ``x`` of a tensor of ``global_shape`` from ``src`` to ``dst``.
+
+    Args:
+        x: this rank's block, distributed as ``src``.
+        grid: the processor grid both distributions refer to.
+        src, dst: source and target distributions.
+        global_shape: the tensor's global shape (the same on every rank).
+
+    Returns:
+        This rank's block distributed as ``dst``. Differentiable: the gradient flows back through
+        the exact adjoint of every step, the cotangent living in ``dst.dual(grid)``.
+
+    Raises:
+        ValueError: a distribution that does not fit the grid or the shape, or an ``x`` whose shape
+            is not ``src``'s local block of ``global_shape``.
+    """
+    global_shape = tuple(int(n) for n in global_shape)
+    src.validate(grid, len(global_shape))
+    dst.validate(grid, len(global_shape))
+    expected = src.local_shape(global_shape, grid)
+    if tuple(x.shape) != expected:
+        raise ValueError(
+            f"redistribute: local block has shape {tuple(x.shape)} but {src} of global shape "
+            f"{global_shape} gives rank {grid.rank} (coords {grid.coords}) the shape {expected}"
+        )
+    plan = plan_redistribution(grid.layout, src, dst, global_shape)
+    rctx = _Ctx(grid, global_shape, f"{src} -> {dst} of {global_shape}")
+    for step in plan.steps:
+        x = _StepFunction.apply(x, step, rctx)
+    return x
+
+
+def scatter(x: torch.Tensor, dist: Dist, grid: ProcessorGrid) -> torch.Tensor:
+    """This rank's block of the global tensor ``x`` (the same on every rank) in ``dist``.
+
+    A pending sum keeps the whole value on coordinate 0 and zeros elsewhere.
+    """
+    return redistribute(x, grid, Dist.replicated(x.dim()), dist, x.shape)
+
+
+def gather(
+    x: torch.Tensor, dist: Dist, grid: ProcessorGrid, global_shape: Sequence[int]
+) -> torch.Tensor:
+    """The global tensor, on every rank, from the local blocks ``x`` in ``dist`` (pending sums summed)."""
+    return redistribute(x, grid, dist, Dist.replicated(len(global_shape)), global_shape)
+
