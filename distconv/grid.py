@@ -146,6 +146,11 @@ class ProcessorGrid:
             self._subcomms[key] = comm
         return comm
 
+    def bytes_received(self) -> int:
+        """Bytes this rank has received over the grid's communicator and its sub-communicators
+        (whose counters roll up into it)."""
+        return self.comm.stats.total_bytes()
+
     def _order(self, dims: Iterable[str]) -> tuple[str, ...]:
         dims = tuple(dims) if not isinstance(dims, str) else (dims,)
         for d in dims:

@@ -1,0 +1,598 @@
+"""The :class:`Communicator` interface: validation, accounting and the debug agreement check.
+
+Public operations are template methods. Each one
+
+1. validates its arguments (tensor types, one dtype and device, shapes, roots, chunk counts),
+2. makes the buffers contiguous (inputs are never modified; results are new tensors),
+3. counts the call and the logical bytes this rank receives (see :class:`CommStats`),
+4. in debug mode, checks that every rank of the communicator is entering the same collective,
+5. hands the buffers to the backend's ``_op`` method, which returns a :class:`Work`.
+
+Backends implement only the ``_op`` methods; they never validate or count.
+"""
+
+from __future__ import annotations
+
+import abc
+import hashlib
+import math
+import os
+import threading
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from distconv.comm.errors import CollectiveMismatchError
+
+__all__ = [
+    "REDUCE_OPS",
+    "CommStats",
+    "Communicator",
+    "Work",
+    "allreduce_bytes",
+    "get_debug",
+    "set_debug",
+]
+
+Shape = tuple[int, ...]
+REDUCE_OPS = ("sum", "prod", "max", "min", "avg")
+
+_debug = os.environ.get("DISTCONV_DEBUG", "").strip().lower() not in ("", "0", "false", "no", "off")
+
+
+def set_debug(flag: bool) -> None:
+    """Turn the collective agreement check on or off for every communicator of this process.
+
+    In debug mode every collective first exchanges a digest of (op, meta, dtype, shapes) among
+    the ranks of its communicator and raises :class:`CollectiveMismatchError` on every rank when
+    they differ. The environment variable ``DISTCONV_DEBUG=1`` sets the initial value.
+    The exchange is not counted in :attr:`Communicator.stats`.
+    """
+    global _debug
+    if not isinstance(flag, bool):
+        raise TypeError(f"set_debug: flag must be a bool, got {flag!r}")
+    _debug = flag
+
+
+def get_debug() -> bool:
+    """Whether debug mode (the collective agreement check) is on."""
+    return _debug
+
+
+def allreduce_bytes(n: int, rank: int, size: int, itemsize: int) -> int:
+    """Logical bytes rank ``rank`` receives in a ring allreduce of ``n`` elements.
+
+    A ring reduce-scatter delivers ``(size - 1) * b_r`` elements and the ring allgather the other
+    ``n - b_r``, where ``b_r = n // size + (rank < n % size)`` is the rank's balanced block.
+    """
+    b = n // size + (rank < n % size)
+    return ((size - 1) * b + (n - b)) * itemsize
+
+
+_REDUCERS = {
+    "sum": torch.add,
+    "avg": torch.add,
+    "prod": torch.mul,
+    "max": torch.maximum,
+    "min": torch.minimum,
+}
+
+
+def reduce_in_order(parts: Sequence[torch.Tensor], op: str, size: int) -> torch.Tensor:
+    """Reduce rank-ordered parts locally (a new tensor); bf16/fp16 in fp32, rounded once."""
+    dtype = parts[0].dtype
+    if dtype in (torch.bfloat16, torch.float16):
+        parts = [p.float() for p in parts]
+    out = parts[0].clone()
+    for p in parts[1:]:
+        out = _REDUCERS[op](out, p)
+    if op == "avg":
+        out = out / size
+    return out.to(dtype)
+
+
+class CommStats:
+    """Calls and logical bytes received, per operation name.
+
+    ``calls[op]`` counts every public call (``isend``/``irecv`` count as ``send``/``recv``; a
+    ``split`` that creates a sub-communicator counts as ``split`` with 0 bytes). ``bytes[op]`` is
+    what rank r receives from other ranks, never padding (itemsize ``i``, size ``P``):
+
+    - allgather: sum over s != r of numel(shapes[s]) * i
+    - reduce_scatter: (P - 1) * numel(chunks[r]) * i
+    - allreduce of n elements: ((P - 1) * b_r + (n - b_r)) * i, b_r = n // P + (r < n % P)
+      (ring reduce-scatter + allgather)
+    - alltoall: sum over s != r of numel(recv_shapes[s]) * i
+    - broadcast: n * i on non-roots, 0 on the root; recv: n * i; send and barrier: 0
+
+    The debug agreement check is not counted. A sub-communicator's traffic is also added to its
+    parent's stats, so the world's stats are this process's totals.
+    """
+
+    def __init__(self, *, parent: CommStats | None = None) -> None:
+        self.calls: defaultdict[str, int] = defaultdict(int)
+        self.bytes: defaultdict[str, int] = defaultdict(int)
+        self._parent = parent
+        self._lock = threading.Lock()
+
+    def add(self, op: str, nbytes: int) -> None:
+        with self._lock:
+            self.calls[op] += 1
+            self.bytes[op] += nbytes
+        if self._parent is not None:
+            self._parent.add(op, nbytes)
+
+    def reset(self) -> None:
+        with self._lock:
+            self.calls.clear()
+            self.bytes.clear()
+
+    def snapshot(self) -> dict[str, dict[str, int]]:
+        """A copy: ``{"calls": {op: n}, "bytes": {op: n}}``."""
+        with self._lock:
+            return {"calls": dict(self.calls), "bytes": dict(self.bytes)}
+
+    def total_bytes(self) -> int:
+        with self._lock:
+            return sum(self.bytes.values())
+
+    def __repr__(self) -> str:
+        snap = self.snapshot()
+        return f"CommStats(calls={snap['calls']}, bytes={snap['bytes']})"
+
+
+_UNSET: Any = object()
+
+
+class Work:
+    """Handle of an asynchronous operation; :meth:`wait` returns its result (idempotent)."""
+
+    def __init__(
+        self,
+        wait_fn: Callable[[], Any] | None = None,
+        *,
+        test_fn: Callable[[], bool] | None = None,
+        result: Any = _UNSET,
+    ) -> None:
+        self._wait_fn = wait_fn
+        self._test_fn = test_fn
+        self._result = result
+        self._error: BaseException | None = None
+
+    @classmethod
+    def completed(cls, result: Any) -> Work:
+        return cls(result=result)
+
+    def wait(self) -> Any:
+        if self._error is not None:
+            raise self._error
+        if self._result is _UNSET:
+            assert self._wait_fn is not None
+            try:
+                self._result = self._wait_fn()
+            except BaseException as exc:
+                self._error = exc
+                raise
+            self._wait_fn = None
+        return self._result
+
+    def is_completed(self) -> bool:
+        if self._result is not _UNSET or self._error is not None:
+            return True
+        return bool(self._test_fn()) if self._test_fn is not None else False
+
+    def __repr__(self) -> str:
+        return f"Work(completed={self.is_completed()})"
+
+
+@dataclass(frozen=True)
+class CallSignature:
+    """What one rank is calling: ``common`` must be equal on every rank; for an all-to-all,
+    ``sends[r]`` (shape sent to rank r) must equal rank r's ``recvs[self]``."""
+
+    desc: str
+    common: str
+    sends: tuple[str, ...] | None = None
+    recvs: tuple[str, ...] | None = None
+
+
+def find_mismatch(sigs: Sequence[CallSignature]) -> str | None:
+    """None when the ranks agree, else a message listing what each rank called."""
+    bad = any(s.common != sigs[0].common for s in sigs)
+    if not bad and sigs[0].sends is not None:
+        bad = any(
+            s.sends is None or r.recvs is None or s.sends[j] != r.recvs[i]
+            for i, s in enumerate(sigs)
+            for j, r in enumerate(sigs)
+        )
+    if not bad:
+        return None
+    lines = "\n".join(f"  rank {i}: {s.desc}" for i, s in enumerate(sigs))
+    return f"ranks entered different collectives:\n{lines}"
+
+
+_DIGEST = 8
+_DESC_BYTES = 480
+
+
+def _digest(text: str) -> bytes:
+    return hashlib.sha1(text.encode(), usedforsecurity=False).digest()[:_DIGEST]
+
+
+def encode_signature(sig: CallSignature, size: int) -> bytes:
+    """Fixed-size record (``signature_nbytes(size)``) carrying the digests and a truncated desc."""
+    sends = sig.sends if sig.sends is not None else ("",) * size
+    recvs = sig.recvs if sig.recvs is not None else ("",) * size
+    flag = b"\x01" if sig.sends is not None else b"\x00"
+    body = flag + _digest(sig.common) + b"".join(_digest(x) for x in sends + recvs)
+    desc = sig.desc.encode()[:_DESC_BYTES].ljust(_DESC_BYTES, b"\x00")
+    return body + desc
+
+
+def signature_nbytes(size: int) -> int:
+    return 1 + _DIGEST * (1 + 2 * size) + _DESC_BYTES
+
+
+def decode_signature(rec: bytes, size: int) -> CallSignature:
+    has_pairs = rec[0] == 1
+    common = rec[1 : 1 + _DIGEST].hex()
+    pos = 1 + _DIGEST
+    digs = [rec[pos + i * _DIGEST : pos + (i + 1) * _DIGEST].hex() for i in range(2 * size)]
+    desc = rec[signature_nbytes(size) - _DESC_BYTES :].rstrip(b"\x00").decode(errors="replace")
+    if not has_pairs:
+        return CallSignature(desc, common)
+    return CallSignature(desc, common, tuple(digs[:size]), tuple(digs[size:]))
+
+
+def _shape_of(shape: Any, name: str) -> Shape:
+    if isinstance(shape, torch.Size):
+        return tuple(shape)
+    if isinstance(shape, int) and not isinstance(shape, bool):
+        shape = (shape,)
+    if not isinstance(shape, Sequence) or isinstance(shape, str):
+        raise TypeError(f"{name} must be a shape (a sequence of ints), got {shape!r}")
+    out = []
+    for d in shape:
+        if isinstance(d, bool) or not isinstance(d, int) or d < 0:
+            raise ValueError(f"{name} must contain non-negative ints, got {tuple(shape)!r}")
+        out.append(int(d))
+    return tuple(out)
+
+
+def _numel(shape: Shape) -> int:
+    return math.prod(shape)
+
+
+class Communicator(abc.ABC):
+    """A group of ``size`` ranks that exchange torch tensors.
+
+    Results are new tensors; inputs are never modified. Every collective accepts ``meta: str``,
+    a description (op, grid, dists, shapes) used by the debug agreement check and its messages,
+    and ``async_op``: when true it returns a :class:`Work` whose ``wait()`` returns the result.
+    """
+
+    backend: str = "abstract"
+    _device = torch.device("cpu")  # where the backend's internal buffers live
+
+    def __init__(self, *, rank: int, size: int, timeout: float, parent: Communicator | None = None):
+        if timeout <= 0:
+            raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
+        self._rank = int(rank)
+        self._size = int(size)
+        self.timeout = float(timeout)
+        self.stats = CommStats(parent=parent.stats if parent is not None else None)
+        self._splits: dict[Any, Communicator] = {}
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def size(self) -> int:
+        return self._size
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(backend={self.backend!r}, rank={self.rank}, size={self.size}, "
+            f"timeout={self.timeout})"
+        )
+
+    # ---------------------------------------------------------------- validation helpers
+    def _tensor(self, t: Any, name: str) -> torch.Tensor:
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        self._check_device(t, name)
+        return t.detach().resolve_conj().resolve_neg()
+
+    def _check_device(self, t: torch.Tensor, name: str) -> None:
+        if t.device.type != "cpu":
+            raise ValueError(
+                f"{name} is on device {t.device}; backend {self.backend!r} takes CPU tensors"
+            )
+
+    def _tensors(self, chunks: Any, name: str) -> list[torch.Tensor]:
+        if isinstance(chunks, torch.Tensor) or not isinstance(chunks, Sequence):
+            raise TypeError(f"{name} must be a sequence of {self.size} tensors (one per rank)")
+        if len(chunks) != self.size:
+            raise ValueError(
+                f"{name} must have one tensor per rank: expected {self.size}, got {len(chunks)}"
+            )
+        out = [self._tensor(c, f"{name}[{i}]") for i, c in enumerate(chunks)]
+        dtypes = {c.dtype for c in out}
+        if len(dtypes) > 1:
+            raise TypeError(f"{name} must all have one dtype, got {sorted(map(str, dtypes))}")
+        devices = {c.device for c in out}
+        if len(devices) > 1:
+            raise ValueError(f"{name} must all be on one device, got {sorted(map(str, devices))}")
+        return [c.contiguous() for c in out]
+
+    def _peer(self, value: Any, name: str, *, allow_self: bool = True) -> int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name} must be an int rank in [0, {self.size}), got {value!r}")
+        if not 0 <= value < self.size:
+            raise ValueError(f"{name} must be a rank in [0, {self.size}), got {value}")
+        if not allow_self and value == self.rank:
+            raise ValueError(f"{name} must differ from this rank ({self.rank})")
+        return int(value)
+
+    def _reduce_op(self, op: Any, dtype: torch.dtype) -> str:
+        if op not in REDUCE_OPS:
+            raise ValueError(f"op must be one of {REDUCE_OPS}, got {op!r}")
+        if op == "avg" and not (dtype.is_floating_point or dtype.is_complex):
+            raise TypeError(f"op='avg' needs a floating or complex dtype, got {dtype}")
+        if op in ("max", "min") and dtype.is_complex:
+            raise TypeError(f"op={op!r} is undefined for complex dtype {dtype}")
+        return op
+
+    @staticmethod
+    def _tag(tag: Any) -> int:
+        if isinstance(tag, bool) or not isinstance(tag, int) or tag < 0:
+            raise ValueError(f"tag must be a non-negative int, got {tag!r}")
+        return int(tag)
+
+    # ---------------------------------------------------------------- debug agreement
+    def _agree(self, sig: CallSignature, op: str) -> None:
+        """Raise CollectiveMismatchError on every rank unless all ranks pass matching sigs."""
+        if self.size == 1:
+            return
+        sigs = self._exchange_signatures(sig, op)
+        msg = find_mismatch(sigs)
+        if msg is not None:
+            raise CollectiveMismatchError(
+                f"rank {self.rank}, backend {self.backend!r}, op {op!r}: {msg}"
+            )
+
+    def _exchange_signatures(self, sig: CallSignature, op: str) -> list[CallSignature]:
+        n = signature_nbytes(self.size)
+        rec = torch.frombuffer(bytearray(encode_signature(sig, self.size)), dtype=torch.uint8)
+        rec = rec.to(self._device)
+        parts = self._allgather(rec, [(n,)] * self.size, f"{op}:debug-check").wait()
+        return [decode_signature(p.cpu().numpy().tobytes(), self.size) for p in parts]
+
+    def _enter(self, op: str, meta: str, common: str, nbytes: int, *, sends=None, recvs=None):
+        if not isinstance(meta, str):
+            raise TypeError(f"meta must be a str, got {type(meta).__name__}")
+        if _debug:
+            desc = f"{op}({common}, meta={meta!r})"
+            self._agree(CallSignature(desc, f"{op}|{meta}|{common}", sends, recvs), op)
+        self.stats.add(op, nbytes)
+
+    @staticmethod
+    def _finish(work: Work, async_op: bool) -> Any:
+        return work if async_op else work.wait()
+
+    # ---------------------------------------------------------------- public operations
+    def allreduce(
+        self, t: torch.Tensor, *, op: str = "sum", async_op: bool = False, meta: str = ""
+    ):
+        """Elementwise reduction of ``t`` over all ranks; every rank gets the result."""
+        t = self._tensor(t, "t").contiguous()
+        op = self._reduce_op(op, t.dtype)
+        nbytes = allreduce_bytes(t.numel(), self.rank, self.size, t.element_size())
+        self._enter("allreduce", meta, f"op={op}, dtype={t.dtype}, shape={tuple(t.shape)}", nbytes)
+        return self._finish(self._allreduce(t, op), async_op)
+
+    def allgather(
+        self,
+        t: torch.Tensor,
+        *,
+        shapes: Sequence[Sequence[int]] | None = None,
+        async_op: bool = False,
+        meta: str = "",
+    ):
+        """``result[r]`` is rank r's tensor; ``shapes[r]`` its shape (None: all ``t.shape``)."""
+        t = self._tensor(t, "t").contiguous()
+        if shapes is None:
+            shapes_ = [tuple(t.shape)] * self.size
+        else:
+            if isinstance(shapes, (str, torch.Size)) or not isinstance(shapes, Sequence):
+                raise TypeError(f"shapes must be a sequence of {self.size} shapes, got {shapes!r}")
+            if len(shapes) != self.size:
+                raise ValueError(
+                    f"shapes must have one shape per rank: expected {self.size}, got {len(shapes)}"
+                )
+            shapes_ = [_shape_of(s, f"shapes[{i}]") for i, s in enumerate(shapes)]
+            if shapes_[self.rank] != tuple(t.shape):
+                raise ValueError(
+                    f"shapes[{self.rank}] = {shapes_[self.rank]} must equal this rank's t.shape "
+                    f"{tuple(t.shape)}"
+                )
+        isz = t.element_size()
+        nbytes = sum(_numel(s) for i, s in enumerate(shapes_) if i != self.rank) * isz
+        self._enter("allgather", meta, f"dtype={t.dtype}, shapes={shapes_}", nbytes)
+        return self._finish(self._allgather(t, shapes_, "allgather"), async_op)
+
+    def reduce_scatter(
+        self,
+        chunks: Sequence[torch.Tensor],
+        *,
+        op: str = "sum",
+        async_op: bool = False,
+        meta: str = "",
+    ):
+        """The reduction over ranks s of ``chunks_s[self.rank]``; ``len(chunks) == size``."""
+        cs = self._tensors(chunks, "chunks")
+        op = self._reduce_op(op, cs[0].dtype)
+        shapes = [tuple(c.shape) for c in cs]
+        nbytes = (self.size - 1) * cs[self.rank].numel() * cs[0].element_size()
+        common = f"op={op}, dtype={cs[0].dtype}, shapes={shapes}"
+        self._enter("reduce_scatter", meta, common, nbytes)
+        return self._finish(self._reduce_scatter(cs, op), async_op)
+
+    def alltoall(
+        self,
+        chunks: Sequence[torch.Tensor],
+        *,
+        recv_shapes: Sequence[Sequence[int]] | None = None,
+        async_op: bool = False,
+        meta: str = "",
+    ):
+        """``chunks[r]`` goes to rank r; ``result[s]`` came from rank s (shape ``recv_shapes[s]``;
+        None: the same shape as ``chunks[s]``)."""
+        cs = self._tensors(chunks, "chunks")
+        if recv_shapes is None:
+            rshapes = [tuple(c.shape) for c in cs]
+        else:
+            if isinstance(recv_shapes, (str, torch.Size)) or not isinstance(recv_shapes, Sequence):
+                raise TypeError(f"recv_shapes must be a sequence of {self.size} shapes")
+            if len(recv_shapes) != self.size:
+                raise ValueError(
+                    f"recv_shapes must have one shape per rank: expected {self.size}, "
+                    f"got {len(recv_shapes)}"
+                )
+            rshapes = [_shape_of(s, f"recv_shapes[{i}]") for i, s in enumerate(recv_shapes)]
+            if rshapes[self.rank] != tuple(cs[self.rank].shape):
+                raise ValueError(
+                    f"recv_shapes[{self.rank}] = {rshapes[self.rank]} must equal "
+                    f"chunks[{self.rank}].shape {tuple(cs[self.rank].shape)} "
+                    "(this rank's own chunk)"
+                )
+        isz = cs[0].element_size()
+        nbytes = sum(_numel(s) for i, s in enumerate(rshapes) if i != self.rank) * isz
+        sends = tuple(str(tuple(c.shape)) for c in cs)
+        recvs = tuple(str(s) for s in rshapes)
+        self._enter(
+            "alltoall",
+            meta,
+            f"dtype={cs[0].dtype}",
+            nbytes,
+            sends=sends,
+            recvs=recvs,
+        )
+        return self._finish(self._alltoall(cs, rshapes), async_op)
+
+    def broadcast(self, t: torch.Tensor, *, root: int, async_op: bool = False, meta: str = ""):
+        """Root's ``t`` to every rank; non-roots pass a buffer giving shape and dtype."""
+        t = self._tensor(t, "t").contiguous()
+        root = self._peer(root, "root")
+        nbytes = 0 if self.rank == root else t.numel() * t.element_size()
+        self._enter(
+            "broadcast", meta, f"root={root}, dtype={t.dtype}, shape={tuple(t.shape)}", nbytes
+        )
+        return self._finish(self._broadcast(t, root), async_op)
+
+    def barrier(self, *, meta: str = "") -> None:
+        self._enter("barrier", meta, "", 0)
+        self._barrier().wait()
+
+    def isend(self, t: torch.Tensor, *, dst: int, tag: int = 0) -> Work:
+        t = self._tensor(t, "t").contiguous()
+        dst = self._peer(dst, "dst", allow_self=False)
+        tag = self._tag(tag)
+        self.stats.add("send", 0)
+        return self._send(t, dst, tag)
+
+    def irecv(self, shape: Sequence[int], dtype: torch.dtype, *, src: int, tag: int = 0) -> Work:
+        shape_ = _shape_of(shape, "shape")
+        if not isinstance(dtype, torch.dtype):
+            raise TypeError(f"dtype must be a torch.dtype, got {dtype!r}")
+        src = self._peer(src, "src", allow_self=False)
+        tag = self._tag(tag)
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        self.stats.add("recv", _numel(shape_) * itemsize)
+        return self._recv(shape_, dtype, src, tag)
+
+    def send(self, t: torch.Tensor, *, dst: int, tag: int = 0) -> None:
+        self.isend(t, dst=dst, tag=tag).wait()
+
+    def recv(self, shape: Sequence[int], dtype: torch.dtype, *, src: int, tag: int = 0):
+        return self.irecv(shape, dtype, src=src, tag=tag).wait()
+
+    def split(
+        self, groups: Sequence[Sequence[int]], *, timeout: float | None = None
+    ) -> Communicator:
+        """Sub-communicator of the group holding this rank (sub-rank = position in the group).
+
+        Collective over all ranks of this communicator; ``groups`` partition ``range(size)`` and
+        every rank passes the same groups in the same order. Cached by
+        ``(tuple(map(tuple, groups)), timeout)``. ``timeout`` (default: this communicator's)
+        is the sub-communicator's timeout.
+        """
+        key_groups = self._check_groups(groups)
+        timeout_ = self.timeout if timeout is None else float(timeout)
+        if timeout_ <= 0:
+            raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
+        key = (key_groups, timeout_)
+        cached = self._splits.get(key)
+        if cached is not None:
+            return cached
+        self.stats.add("split", 0)
+        if self.size > 1:
+            sig = CallSignature(f"split(groups={key_groups})", f"split|{key}")
+            self._agree(sig, "split")
+        index = next(i for i, g in enumerate(key_groups) if self.rank in g)
+        sub = self._split(key_groups, index, timeout_)
+        self._splits[key] = sub
+        return sub
+
+    def _check_groups(self, groups: Any) -> tuple[tuple[int, ...], ...]:
+        if isinstance(groups, (str, torch.Tensor)) or not isinstance(groups, Sequence):
+            raise TypeError(f"groups must be a sequence of rank sequences, got {groups!r}")
+        out = []
+        for g in groups:
+            if isinstance(g, (str, torch.Tensor)) or not isinstance(g, Sequence):
+                raise TypeError(f"groups must be a sequence of rank sequences, got {groups!r}")
+            if any(isinstance(r, bool) or not isinstance(r, int) for r in g):
+                raise TypeError(f"groups must contain int ranks, got {groups!r}")
+            if len(g) == 0:
+                raise ValueError(f"groups must not contain empty groups, got {groups!r}")
+            out.append(tuple(int(r) for r in g))
+        flat = sorted(r for g in out for r in g)
+        if flat != list(range(self.size)):
+            raise ValueError(
+                f"groups must partition range({self.size}) (each rank exactly once), got {groups!r}"
+            )
+        return tuple(out)
+
+    # ---------------------------------------------------------------- backend interface
+    @abc.abstractmethod
+    def _allreduce(self, t: torch.Tensor, op: str) -> Work: ...
+
+    @abc.abstractmethod
+    def _allgather(self, t: torch.Tensor, shapes: list[Shape], opname: str) -> Work: ...
+
+    @abc.abstractmethod
+    def _reduce_scatter(self, chunks: list[torch.Tensor], op: str) -> Work: ...
+
+    @abc.abstractmethod
+    def _alltoall(self, chunks: list[torch.Tensor], recv_shapes: list[Shape]) -> Work: ...
+
+    @abc.abstractmethod
+    def _broadcast(self, t: torch.Tensor, root: int) -> Work: ...
+
+    @abc.abstractmethod
+    def _barrier(self) -> Work: ...
+
+    @abc.abstractmethod
+    def _send(self, t: torch.Tensor, dst: int, tag: int) -> Work: ...
+
+    @abc.abstractmethod
+    def _recv(self, shape: Shape, dtype: torch.dtype, src: int, tag: int) -> Work: ...
+
+    @abc.abstractmethod
+    def _split(
+        self, groups: tuple[tuple[int, ...], ...], index: int, timeout: float
+    ) -> Communicator: ...

@@ -1,0 +1,230 @@
+"""mpi4py communicator for MPI-launched jobs (``mpiexec -n P python ...``).
+
+Buffers are numpy views of torch CPU tensors (no staging copies, except where an operation needs
+one contiguous send buffer: the chunks of a reduce-scatter or an all-to-all are concatenated).
+
+- Data movement (allgatherv, alltoallv, broadcast, send/recv) is done on byte views
+  (``MPI.BYTE``), so every dtype moves bit for bit, bf16 and bool included.
+- Reductions use the MPI datatype of the numpy view. bf16 and fp16 have none: they are reduced
+  in fp32 and rounded back once (never a reduction on reinterpreted bits); bool is reduced as
+  int32 (sum/max: any, prod/min: all); ``avg`` is a sum divided by the size.
+- A blocking MPI call cannot be interrupted, so every operation is issued non-blocking
+  (Iallreduce, Iallgatherv, Ireduce_scatter, Ialltoallv, Ibcast, Ibarrier, Isend/Irecv) and
+  polled against a deadline; past it, :class:`CommTimeoutError` names rank, backend and op.
+  After a timeout the communicator is unusable (the request cannot be cancelled).
+- Each kind of operation runs on its own duplicate of the communicator, so ranks that enter
+  different kinds of collective (one allreduce, one allgather) never match each other's
+  messages: they time out instead of exchanging garbage. Ranks entering the same collective
+  with different sizes cannot be detected without an exchange; debug mode does that.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from distconv.comm.base import Communicator, Shape, Work
+from distconv.comm.errors import CommError, CommTimeoutError
+from distconv.comm.single import SingleCommunicator
+
+__all__ = ["MPICommunicator", "init_mpi"]
+
+_KINDS = ("allreduce", "allgather", "reduce_scatter", "alltoall", "broadcast", "barrier", "p2p")
+_WIDEN = {torch.bfloat16: torch.float32, torch.float16: torch.float32, torch.bool: torch.int32}
+
+
+def _mpi() -> Any:
+    from mpi4py import MPI
+
+    return MPI
+
+
+def _bytes_np(t: torch.Tensor) -> np.ndarray:
+    return t.reshape(-1).view(torch.uint8).numpy()
+
+
+def _displs(counts: list[int]) -> list[int]:
+    out, acc = [], 0
+    for c in counts:
+        out.append(acc)
+        acc += c
+    return out
+
+
+class MPICommunicator(Communicator):
+    """An ``mpi4py`` communicator (``backend == "mpi"``); CPU tensors."""
+
+    backend = "mpi"
+
+    def __init__(self, comm: Any, *, timeout: float = 60.0, parent: Communicator | None = None):
+        super().__init__(rank=comm.Get_rank(), size=comm.Get_size(), timeout=timeout, parent=parent)
+        self._comm = comm
+        self._MPI = _mpi()
+        self._by_op = {kind: comm.Dup() for kind in _KINDS}
+
+    # ---------------------------------------------------------------- polling
+    def _issue(self, opname: str, start, finish) -> Work:
+        MPI = self._MPI
+        deadline = time.monotonic() + self.timeout
+        try:
+            reqs = start()
+        except MPI.Exception as exc:
+            raise self._error(opname, exc) from exc
+        if not isinstance(reqs, list):
+            reqs = [reqs]
+
+        def wait() -> Any:
+            spins = 0
+            try:
+                while not MPI.Request.Testall(reqs):
+                    if time.monotonic() > deadline:
+                        raise CommTimeoutError(
+                            f"rank {self.rank}, backend 'mpi', op {opname!r}: did not complete "
+                            f"within {self.timeout} s (a peer is missing, dead, or in a "
+                            "different collective)"
+                        )
+                    spins += 1
+                    if spins > 50:
+                        time.sleep(min(1e-3, 2e-6 * spins))
+            except MPI.Exception as exc:
+                raise self._error(opname, exc) from exc
+            return finish()
+
+        return Work(wait, test_fn=lambda: MPI.Request.Testall(reqs))
+
+    def _error(self, opname: str, exc: BaseException) -> CommError:
+        return CommError(f"rank {self.rank}, backend 'mpi', op {opname!r}: {exc}")
+
+    def _reduce_buffers(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.dtype | None]:
+        wide = _WIDEN.get(t.dtype)
+        return (t.to(wide), wide) if wide is not None else (t, None)
+
+    def _mpi_op(self, op: str) -> Any:
+        MPI = self._MPI
+        ops = {"sum": MPI.SUM, "avg": MPI.SUM, "prod": MPI.PROD, "max": MPI.MAX, "min": MPI.MIN}
+        return ops[op]
+
+    @staticmethod
+    def _narrow(res: torch.Tensor, dtype: torch.dtype, op: str, size: int) -> torch.Tensor:
+        if op == "avg":
+            res = res / size
+        if dtype == torch.bool:
+            return res != 0
+        return res.to(dtype) if res.dtype != dtype else res
+
+    # ---------------------------------------------------------------- operations
+    def _allreduce(self, t: torch.Tensor, op: str) -> Work:
+        src, _ = self._reduce_buffers(t)
+        out = torch.empty_like(src)
+        if out.numel() == 0:
+            return Work.completed(torch.empty_like(t))
+        return self._issue(
+            "allreduce",
+            lambda: self._by_op["allreduce"].Iallreduce(
+                src.numpy(), out.numpy(), op=self._mpi_op(op)
+            ),
+            lambda: self._narrow(out, t.dtype, op, self.size),
+        )
+
+    def _allgather(self, t: torch.Tensor, shapes: list[Shape], opname: str) -> Work:
+        isz = t.element_size()
+        counts = [torch.Size(s).numel() * isz for s in shapes]
+        out = torch.empty(sum(counts), dtype=torch.uint8)
+        B = self._MPI.BYTE
+
+        def finish() -> list[torch.Tensor]:
+            return [p.view(t.dtype).view(s) for p, s in zip(out.split(counts), shapes)]
+
+        return self._issue(
+            opname,
+            lambda: self._by_op["allgather"].Iallgatherv(
+                [_bytes_np(t), B], [out.numpy(), counts, _displs(counts), B]
+            ),
+            finish,
+        )
+
+    def _reduce_scatter(self, chunks: list[torch.Tensor], op: str) -> Work:
+        dtype = chunks[0].dtype
+        mine = chunks[self.rank].shape
+        wide = _WIDEN.get(dtype)
+        flat = torch.cat([c.reshape(-1) for c in chunks])
+        if wide is not None:
+            flat = flat.to(wide)
+        counts = [c.numel() for c in chunks]
+        out = torch.empty(counts[self.rank], dtype=flat.dtype)
+        return self._issue(
+            "reduce_scatter",
+            lambda: self._by_op["reduce_scatter"].Ireduce_scatter(
+                flat.numpy(), out.numpy(), counts, op=self._mpi_op(op)
+            ),
+            lambda: self._narrow(out, dtype, op, self.size).view(mine),
+        )
+
+    def _alltoall(self, chunks: list[torch.Tensor], recv_shapes: list[Shape]) -> Work:
+        dtype = chunks[0].dtype
+        isz = chunks[0].element_size()
+        send = torch.cat([c.reshape(-1).view(torch.uint8) for c in chunks])
+        scounts = [c.numel() * isz for c in chunks]
+        rcounts = [torch.Size(s).numel() * isz for s in recv_shapes]
+        out = torch.empty(sum(rcounts), dtype=torch.uint8)
+        B = self._MPI.BYTE
+
+        def finish() -> list[torch.Tensor]:
+            return [p.view(dtype).view(s) for p, s in zip(out.split(rcounts), recv_shapes)]
+
+        return self._issue(
+            "alltoall",
+            lambda: self._by_op["alltoall"].Ialltoallv(
+                [send.numpy(), scounts, _displs(scounts), B],
+                [out.numpy(), rcounts, _displs(rcounts), B],
+            ),
+            finish,
+        )
+
+    def _broadcast(self, t: torch.Tensor, root: int) -> Work:
+        out = t.clone() if self.rank == root else torch.empty_like(t)
+        return self._issue(
+            "broadcast",
+            lambda: self._by_op["broadcast"].Ibcast([_bytes_np(out), self._MPI.BYTE], root=root),
+            lambda: out,
+        )
+
+    def _barrier(self) -> Work:
+        return self._issue("barrier", lambda: self._by_op["barrier"].Ibarrier(), lambda: None)
+
+    def _send(self, t: torch.Tensor, dst: int, tag: int) -> Work:
+        return self._issue(
+            "send",
+            lambda: self._by_op["p2p"].Isend([_bytes_np(t), self._MPI.BYTE], dest=dst, tag=tag),
+            lambda: None,
+        )
+
+    def _recv(self, shape: Shape, dtype: torch.dtype, src: int, tag: int) -> Work:
+        out = torch.empty(shape, dtype=dtype)
+        return self._issue(
+            "recv",
+            lambda: self._by_op["p2p"].Irecv([_bytes_np(out), self._MPI.BYTE], source=src, tag=tag),
+            lambda: out,
+        )
+
+    def _split(self, groups, index, timeout) -> Communicator:
+        members = groups[index]
+        if len(members) == 1:
+            return SingleCommunicator(timeout=timeout, parent=self)
+        MPI = self._MPI
+        try:
+            group = self._comm.Get_group().Incl(list(members))
+            sub = self._comm.Create_group(group, tag=index)
+            group.Free()
+        except MPI.Exception as exc:
+            raise self._error("split", exc) from exc
+        return MPICommunicator(sub, timeout=timeout, parent=self)
+
+
+def init_mpi(*, timeout: float = 60.0) -> MPICommunicator:
+    """The MPI world (a duplicate of ``COMM_WORLD``, so our traffic never meets the user's)."""
+    MPI = _mpi()
+    return MPICommunicator(MPI.COMM_WORLD.Dup(), timeout=timeout)

@@ -1,0 +1,315 @@
+"""torch.distributed communicator: gloo on CPU tensors, NCCL on CUDA tensors.
+
+Operations call the c10d process-group objects directly, with the communicator's timeout in each
+operation's options, so a collective that cannot complete raises instead of hanging.
+
+What gloo (torch 2.13) lacks, and what is done about it:
+
+- ``allgather`` needs equal sizes on every rank: uneven inputs are padded to the largest and the
+  results are views of the unpadded prefixes (padding is never counted in the stats).
+- ``reduce_scatter`` with uneven chunks and ``alltoall_base`` with split sizes (alltoallv) are
+  native in gloo and used as they are; NCCL reduce-scatter is padded the same way as allgather.
+  A gloo that reports it does not support reduce-scatter (older torch) gets an all-to-all of the
+  chunks and a local reduction in rank order (the same bytes as a ring reduce-scatter).
+- some dtypes cannot be reduced (int16, uint16, ...): they are reduced in a wider integer type
+  and cast back (exact). ``avg`` is a sum divided by the size on every backend.
+- data movement (allgather, alltoall, broadcast, send/recv) is done on uint8 views of the
+  buffers, so every dtype moves, bit for bit.
+
+Sub-communicators are separate process groups built on a prefix of the world's store, named from
+the parent's name and its split count, so only the members of a group take part in creating it
+(no global ``new_group`` call order to keep in step).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import (
+    AllgatherOptions,
+    AllreduceOptions,
+    AllToAllOptions,
+    BarrierOptions,
+    BroadcastOptions,
+    ReduceOp,
+    ReduceScatterOptions,
+)
+
+from distconv.comm.base import Communicator, Shape, Work, reduce_in_order
+from distconv.comm.errors import CommError, CommTimeoutError
+from distconv.comm.single import SingleCommunicator
+
+__all__ = ["TorchCommunicator", "init_torch"]
+
+_OPS = {
+    "sum": ReduceOp.SUM,
+    "avg": ReduceOp.SUM,
+    "prod": ReduceOp.PRODUCT,
+    "max": ReduceOp.MAX,
+    "min": ReduceOp.MIN,
+}
+# dtypes gloo cannot reduce, and the exact wider type they are reduced in
+_GLOO_WIDEN = {torch.int16: torch.int32, torch.uint16: torch.int32, torch.uint32: torch.int64}
+
+
+def _td(seconds: float) -> datetime.timedelta:
+    return datetime.timedelta(seconds=seconds)
+
+
+def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).view(torch.uint8)
+
+
+def _is_timeout(exc: BaseException) -> bool:
+    text = str(exc).lower()
+    return "timed out" in text or "timeout" in text
+
+
+class TorchCommunicator(Communicator):
+    """A torch.distributed process group (``backend`` is ``"torch-gloo"`` or ``"torch-nccl"``)."""
+
+    def __init__(
+        self,
+        pg: Any,
+        *,
+        rank: int,
+        size: int,
+        timeout: float = 60.0,
+        store: Any,
+        kind: str = "gloo",
+        name: str = "distconv",
+        parent: Communicator | None = None,
+    ) -> None:
+        if kind not in ("gloo", "nccl"):
+            raise ValueError(f"kind must be 'gloo' or 'nccl', got {kind!r}")
+        super().__init__(rank=rank, size=size, timeout=timeout, parent=parent)
+        self.backend = f"torch-{kind}"
+        self._pg = pg
+        self._store = store
+        self._kind = kind
+        self._name = name
+        self._nsplits = 0
+        self._native_reduce_scatter = True
+        if kind == "nccl":
+            self._device = torch.device("cuda", torch.cuda.current_device())
+
+    def _check_device(self, t: torch.Tensor, name: str) -> None:
+        want = "cuda" if self._kind == "nccl" else "cpu"
+        if t.device.type != want:
+            raise ValueError(
+                f"{name} is on device {t.device}; backend {self.backend!r} takes {want} tensors"
+            )
+
+    # ---------------------------------------------------------------- error handling
+    def _error(self, opname: str, exc: BaseException) -> CommError:
+        cls = CommTimeoutError if _is_timeout(exc) else CommError
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        return cls(f"rank {self.rank}, backend {self.backend!r}, op {opname!r}: {first}")
+
+    def _issue(self, opname: str, start: Callable[[], Any], finish: Callable[[], Any]) -> Work:
+        """Start a c10d operation; the Work waits (bounded by the timeout) and then finishes."""
+        try:
+            handle = start()
+        except RuntimeError as exc:
+            raise self._error(opname, exc) from exc
+
+        def wait() -> Any:
+            try:
+                handle.wait(_td(self.timeout))
+            except RuntimeError as exc:
+                raise self._error(opname, exc) from exc
+            return finish()
+
+        return Work(wait, test_fn=handle.is_completed)
+
+    # ---------------------------------------------------------------- operations
+    def _allreduce(self, t: torch.Tensor, op: str) -> Work:
+        wide = _GLOO_WIDEN.get(t.dtype) if self._kind == "gloo" else None
+        out = t.to(wide) if wide is not None else t.clone()
+        opts = AllreduceOptions()
+        opts.reduceOp = _OPS[op]
+        opts.timeout = _td(self.timeout)
+
+        def finish() -> torch.Tensor:
+            res = out.to(t.dtype) if wide is not None else out
+            return res.div_(self.size) if op == "avg" else res
+
+        return self._issue("allreduce", lambda: self._pg.allreduce([out], opts), finish)
+
+    def _allgather(self, t: torch.Tensor, shapes: list[Shape], opname: str) -> Work:
+        isz = t.element_size()
+        nbytes = [torch.Size(s).numel() * isz for s in shapes]
+        width = max(nbytes)
+        if width == 0:
+            return Work.completed([torch.empty(s, dtype=t.dtype, device=t.device) for s in shapes])
+        src = _flat_bytes(t)
+        if src.numel() != width:
+            send = torch.zeros(width, dtype=torch.uint8, device=t.device)
+            send[: src.numel()] = src
+        else:
+            send = src
+        out = torch.empty((self.size, width), dtype=torch.uint8, device=t.device)
+        opts = AllgatherOptions()
+        opts.timeout = _td(self.timeout)
+
+        def finish() -> list[torch.Tensor]:
+            return [out[r, : nbytes[r]].view(t.dtype).view(shapes[r]) for r in range(self.size)]
+
+        return self._issue(
+            opname, lambda: self._pg.allgather([list(out.unbind(0))], [send], opts), finish
+        )
+
+    def _reduce_scatter(self, chunks: list[torch.Tensor], op: str) -> Work:
+        if not self._native_reduce_scatter:
+            return self._reduce_scatter_by_alltoall(chunks, op)
+        try:
+            return self._reduce_scatter_native(chunks, op)
+        except CommError as exc:
+            if "support" not in str(exc).lower():
+                raise
+            self._native_reduce_scatter = False  # same torch on every rank: all fall back
+            return self._reduce_scatter_by_alltoall(chunks, op)
+
+    def _reduce_scatter_by_alltoall(self, chunks: list[torch.Tensor], op: str) -> Work:
+        """Each rank receives every rank's chunk for it and reduces them in rank order: the
+        bytes a ring reduce-scatter moves, for a gloo without (uneven) reduce-scatter."""
+        mine = tuple(chunks[self.rank].shape)
+        work = self._alltoall(chunks, [mine] * self.size)
+        return Work(lambda: reduce_in_order(work.wait(), op, self.size), test_fn=work.is_completed)
+
+    def _reduce_scatter_native(self, chunks: list[torch.Tensor], op: str) -> Work:
+        dtype = chunks[0].dtype
+        wide = _GLOO_WIDEN.get(dtype) if self._kind == "gloo" else None
+        mine = chunks[self.rank].shape
+        flats = [c.reshape(-1) if wide is None else c.reshape(-1).to(wide) for c in chunks]
+        counts = [f.numel() for f in flats]
+        if self._kind == "nccl" and len(set(counts)) > 1:
+            width = max(counts)
+            padded = torch.zeros((self.size, width), dtype=flats[0].dtype, device=flats[0].device)
+            for r, f in enumerate(flats):
+                padded[r, : counts[r]] = f
+            flats = list(padded.unbind(0))
+        out = torch.empty(flats[self.rank].numel(), dtype=flats[0].dtype, device=flats[0].device)
+        opts = ReduceScatterOptions()
+        opts.reduceOp = _OPS[op]
+        opts.timeout = _td(self.timeout)
+
+        def finish() -> torch.Tensor:
+            res = out[: counts[self.rank]].to(dtype).view(mine)
+            return res.div_(self.size) if op == "avg" else res
+
+        return self._issue(
+            "reduce_scatter", lambda: self._pg.reduce_scatter([out], [flats], opts), finish
+        )
+
+    def _alltoall(self, chunks: list[torch.Tensor], recv_shapes: list[Shape]) -> Work:
+        dtype = chunks[0].dtype
+        isz = chunks[0].element_size()
+        send = torch.cat([_flat_bytes(c) for c in chunks])
+        in_splits = [c.numel() * isz for c in chunks]
+        out_splits = [torch.Size(s).numel() * isz for s in recv_shapes]
+        out = torch.empty(sum(out_splits), dtype=torch.uint8, device=send.device)
+        opts = AllToAllOptions()
+        opts.timeout = _td(self.timeout)
+
+        def finish() -> list[torch.Tensor]:
+            parts = out.split(out_splits)
+            return [p.view(dtype).view(s) for p, s in zip(parts, recv_shapes)]
+
+        return self._issue(
+            "alltoall",
+            lambda: self._pg.alltoall_base(out, send, out_splits, in_splits, opts),
+            finish,
+        )
+
+    def _broadcast(self, t: torch.Tensor, root: int) -> Work:
+        out = t.clone() if self.rank == root else torch.empty_like(t)
+        if out.numel() == 0:
+            return Work.completed(out)
+        opts = BroadcastOptions()
+        opts.rootRank = root
+        opts.rootTensor = 0
+        opts.timeout = _td(self.timeout)
+        return self._issue(
+            "broadcast", lambda: self._pg.broadcast([_flat_bytes(out)], opts), lambda: out
+        )
+
+    def _barrier(self) -> Work:
+        opts = BarrierOptions()
+        opts.timeout = _td(self.timeout)
+        return self._issue("barrier", lambda: self._pg.barrier(opts), lambda: None)
+
+    def _send(self, t: torch.Tensor, dst: int, tag: int) -> Work:
+        buf = _flat_bytes(t)
+        if buf.numel() == 0:
+            return Work.completed(None)
+        return self._issue("send", lambda: self._pg.send([buf], dst, tag), lambda: None)
+
+    def _recv(self, shape: Shape, dtype: torch.dtype, src: int, tag: int) -> Work:
+        device = "cuda" if self._kind == "nccl" else "cpu"
+        out = torch.empty(shape, dtype=dtype, device=device)
+        if out.numel() == 0:
+            return Work.completed(out)
+        buf = _flat_bytes(out)
+        return self._issue("recv", lambda: self._pg.recv([buf], src, tag), lambda: out)
+
+    # ---------------------------------------------------------------- sub-communicators
+    def _split(self, groups, index, timeout) -> Communicator:
+        self._nsplits += 1
+        members = groups[index]
+        if len(members) == 1:
+            return SingleCommunicator(timeout=timeout, parent=self)
+        name = f"{self._name}/s{self._nsplits}g{index}"
+        sub_rank = members.index(self.rank)
+        store = dist.PrefixStore(name + "/", self._store)
+        try:
+            pg = self._new_group(store, sub_rank, len(members), timeout)
+        except RuntimeError as exc:
+            raise self._error("split", exc) from exc
+        return TorchCommunicator(
+            pg,
+            rank=sub_rank,
+            size=len(members),
+            timeout=timeout,
+            store=self._store,
+            kind=self._kind,
+            name=name,
+            parent=self,
+        )
+
+    def _new_group(self, store: Any, rank: int, size: int, timeout: float) -> Any:
+        if self._kind == "gloo":
+            return dist.ProcessGroupGloo(store, rank, size, _td(timeout))
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = _td(timeout)
+        return dist.ProcessGroupNCCL(store, rank, size, opts)
+
+
+def init_torch(kind: str | None = None, *, timeout: float = 60.0) -> TorchCommunicator:
+    """The world of an initialised (or, from the torchrun variables, a new) default group.
+
+    ``kind`` None: "nccl" when CUDA is available and ``LOCAL_RANK`` is set, else "gloo".
+    """
+    if not dist.is_initialized():
+        if kind is None:
+            kind = "nccl" if torch.cuda.is_available() and "LOCAL_RANK" in os.environ else "gloo"
+        if kind == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend=kind, timeout=_td(timeout))
+    actual = str(dist.get_backend()).lower()
+    if kind is not None and actual != kind:
+        raise ValueError(f"torch.distributed is already initialised with {actual!r}, not {kind!r}")
+    store = dist.distributed_c10d._get_default_store()
+    return TorchCommunicator(
+        dist.group.WORLD,
+        rank=dist.get_rank(),
+        size=dist.get_world_size(),
+        timeout=timeout,
+        store=store,
+        kind=actual,
+    )

@@ -1,0 +1,34 @@
+"""Multi-rank test worlds for distconv and for users' own suites.
+
+- :func:`run_threads` — P thread-ranks in this process (milliseconds per run; property tests).
+- :class:`WorkerPool` — a persistent real world (gloo processes or an ``mpiexec`` job), started
+  once, that runs module-level functions on every rank.
+
+Names are imported on first use (the worker entry module needs none of them).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from distconv.testing._errors import RemoteError, RemoteTraceback
+    from distconv.testing.pool import WorkerPool, find_mpiexec
+    from distconv.testing.threads import run_threads
+
+__all__ = ["RemoteError", "RemoteTraceback", "WorkerPool", "find_mpiexec", "run_threads"]
+
+_WHERE = {
+    "RemoteError": "distconv.testing._errors",
+    "RemoteTraceback": "distconv.testing._errors",
+    "WorkerPool": "distconv.testing.pool",
+    "find_mpiexec": "distconv.testing.pool",
+    "run_threads": "distconv.testing.threads",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _WHERE:
+        return getattr(importlib.import_module(_WHERE[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

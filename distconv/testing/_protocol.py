@@ -1,0 +1,8 @@
+"""Environment variables through which a WorkerPool tells its workers how to join it."""
+
+from __future__ import annotations
+
+ENV_ADDRESS = "DISTCONV_POOL_ADDRESS"
+ENV_AUTHKEY = "DISTCONV_POOL_AUTHKEY"
+ENV_BACKEND = "DISTCONV_POOL_BACKEND"
+ENV_TIMEOUT = "DISTCONV_POOL_TIMEOUT"

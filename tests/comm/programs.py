@@ -1,0 +1,277 @@
+"""Rank programs: module-level functions ``fn(comm, ...)`` run on threads, gloo and MPI worlds.
+
+Every rank builds every rank's inputs from (seed, rank), so each rank checks its own results
+against a local reference. Values are small integers, exact in every dtype used (bf16 included),
+so results are compared exactly whatever order the backend reduces in.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+
+import torch
+
+from distconv.comm import CollectiveMismatchError, CommError, set_debug
+from distconv.comm.base import allreduce_bytes
+
+
+def data(shape, rank: int, salt: int, dtype=torch.float32, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed * 1_000_003 + salt * 1009 + rank)
+    return torch.randint(-3, 4, tuple(shape), generator=g).to(dtype)
+
+
+def _equal(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    assert got.dtype == want.dtype, f"{what}: dtype {got.dtype} != {want.dtype}"
+    assert tuple(got.shape) == tuple(want.shape), f"{what}: shape {got.shape} != {want.shape}"
+    assert torch.equal(got, want), f"{what}: got {got} want {want}"
+
+
+def ag_shape(s: int) -> tuple[int, ...]:
+    return (s % 3, 2)  # uneven; rank 0 empty
+
+
+def rs_shape(d: int) -> tuple[int, ...]:
+    return (d % 2 + 1, 3)
+
+
+def a2a_shape(s: int, d: int) -> tuple[int, ...]:
+    return ((s + d) % 3, d + 1)
+
+
+REDUCE = {
+    "sum": lambda xs: sum(xs[1:], xs[0].clone()),
+    "max": lambda xs: torch.stack(xs).amax(0),
+    "min": lambda xs: torch.stack(xs).amin(0),
+    "prod": lambda xs: torch.stack(xs).prod(0).to(xs[0].dtype),
+}
+
+
+def check_all_ops(comm, dtype_name: str = "float32", seed: int = 0, noncontiguous: bool = False):
+    """Every operation once (sync and async) against the local reference; checks the stats.
+
+    Returns this rank's stats snapshot and backend name.
+    """
+    dtype = getattr(torch, dtype_name)
+    P, r = comm.size, comm.rank
+    isz = torch.empty((), dtype=dtype).element_size()
+    comm.stats.reset()
+
+    def mk(shape, s, salt):
+        if noncontiguous and len(shape) == 2:
+            t = data(shape[::-1], s, salt, dtype, seed).t()
+            return t
+        return data(shape, s, salt, dtype, seed)
+
+    expect_bytes: dict[str, int] = {}
+
+    def add(op, n):
+        expect_bytes[op] = expect_bytes.get(op, 0) + n
+
+    # allreduce: every op, sync and async
+    x = mk((4, 3), r, 1)
+    x0 = x.clone()
+    for op, ref in REDUCE.items():
+        want = ref([mk((4, 3), s, 1) for s in range(P)])
+        _equal(comm.allreduce(x, op=op), want, f"allreduce {op}")
+        add("allreduce", allreduce_bytes(12, r, P, isz))
+    work = comm.allreduce(x, async_op=True)
+    _equal(work.wait(), REDUCE["sum"]([mk((4, 3), s, 1) for s in range(P)]), "allreduce async")
+    assert work.is_completed()
+    add("allreduce", allreduce_bytes(12, r, P, isz))
+    _equal(x, x0, "allreduce input unchanged")
+
+    # allgather, uneven
+    shapes = [ag_shape(s) for s in range(P)]
+    got = comm.allgather(mk(shapes[r], r, 2), shapes=shapes)
+    for s in range(P):
+        _equal(got[s], mk(shapes[s], s, 2), f"allgather[{s}]")
+    got = comm.allgather(mk((2, 2), r, 3), async_op=True).wait()
+    for s in range(P):
+        _equal(got[s], mk((2, 2), s, 3), f"allgather async[{s}]")
+    others = sum(math.prod(shapes[s]) for s in range(P) if s != r)
+    add("allgather", others * isz + (P - 1) * 4 * isz)
+
+    # reduce_scatter, uneven
+    chunks = [mk(rs_shape(d), r, 10 + d) for d in range(P)]
+    want = REDUCE["sum"]([mk(rs_shape(r), s, 10 + r) for s in range(P)])
+    _equal(comm.reduce_scatter(chunks), want, "reduce_scatter")
+    _equal(comm.reduce_scatter(chunks, async_op=True).wait(), want, "reduce_scatter async")
+    want_max = REDUCE["max"]([mk(rs_shape(r), s, 10 + r) for s in range(P)])
+    _equal(comm.reduce_scatter(chunks, op="max"), want_max, "reduce_scatter max")
+    add("reduce_scatter", 3 * (P - 1) * math.prod(rs_shape(r)) * isz)
+
+    # alltoall, uneven
+    chunks = [mk(a2a_shape(r, d), r, 20) for d in range(P)]
+    rshapes = [a2a_shape(s, r) for s in range(P)]
+    got = comm.alltoall(chunks, recv_shapes=rshapes)
+    got_async = comm.alltoall(chunks, recv_shapes=rshapes, async_op=True).wait()
+    for s in range(P):
+        want = mk(a2a_shape(s, r), s, 20)
+        _equal(got[s], want, f"alltoall[{s}]")
+        _equal(got_async[s], want, f"alltoall async[{s}]")
+    add("alltoall", 2 * sum(math.prod(rshapes[s]) for s in range(P) if s != r) * isz)
+
+    # broadcast from the last rank
+    root = P - 1
+    buf = mk((3, 2), r, 30) if r == root else torch.zeros((3, 2), dtype=dtype)
+    _equal(comm.broadcast(buf, root=root), mk((3, 2), root, 30), "broadcast")
+    got = comm.broadcast(buf, root=root, async_op=True).wait()
+    _equal(got, mk((3, 2), root, 30), "broadcast async")
+    add("broadcast", 0 if r == root else 2 * 6 * isz)
+
+    # point to point around a ring (async on both sides, so no ordering deadlock)
+    if P > 1:
+        nxt, prv = (r + 1) % P, (r - 1) % P
+        sw = comm.isend(mk((2, 3), r, 40), dst=nxt, tag=7)
+        rw = comm.irecv((2, 3), dtype, src=prv, tag=7)
+        _equal(rw.wait(), mk((2, 3), prv, 40), "irecv")
+        sw.wait()
+        add("recv", 6 * isz)
+        if r == 0:
+            comm.send(mk((5,), r, 41), dst=1)
+            _equal(comm.recv((5,), dtype, src=1, tag=2), mk((5,), 1, 42), "recv")
+        elif r == 1:
+            _equal(comm.recv((5,), dtype, src=0), mk((5,), 0, 41), "recv")
+            comm.send(mk((5,), r, 42), dst=0, tag=2)
+        if r < 2:
+            add("recv", 5 * isz)
+    comm.barrier()
+
+    snap = comm.stats.snapshot()
+    for op, n in expect_bytes.items():
+        assert snap["bytes"].get(op, 0) == n, f"bytes[{op}] = {snap['bytes'].get(op)} != {n}"
+    return snap, comm.backend
+
+
+def check_split(comm):
+    """Even/odd split, a split of the split, caching, and stats rolling up into the parent."""
+    P, r = comm.size, comm.rank
+    groups = [list(range(0, P, 2)), list(range(1, P, 2))] if P > 1 else [[0]]
+    sub = comm.split(groups)
+    assert comm.split(groups) is sub
+    g = groups[r % 2]
+    assert sub.size == len(g) and sub.rank == g.index(r)
+    before = comm.stats.bytes["allreduce"]
+    got = sub.allreduce(torch.full((3,), float(r)))
+    _equal(got, torch.full((3,), float(sum(g))), "sub allreduce")
+    assert comm.stats.bytes["allreduce"] - before == sub.stats.bytes["allreduce"]
+    got = sub.allgather(torch.tensor([r]))
+    assert [int(t) for t in got] == g
+    halves = sub.split([[i] for i in range(sub.size)])
+    assert halves.size == 1
+    _equal(halves.allreduce(torch.ones(2)), torch.ones(2), "size-1 split")
+    rev = comm.split([list(reversed(range(P)))])
+    assert rev.rank == P - 1 - r
+    got = rev.allgather(torch.tensor([r]))
+    assert [int(t) for t in got] == list(reversed(range(P)))
+    return sub.rank, sub.size
+
+
+def bf16_reduce(comm):
+    """bf16 values whose fp32 sum differs from a bf16 running sum: reduced exactly once."""
+    base = torch.tensor([256.0, 1.0, -3.0], dtype=torch.bfloat16)
+    got = comm.allreduce(base + comm.rank)
+    want = (torch.stack([(base + s).float() for s in range(comm.size)]).sum(0)).bfloat16()
+    return got, want
+
+
+# ---------------------------------------------------------------- failures
+def mismatched_ops(comm, timeout: float):
+    """Rank 0 allreduces while the others allgather."""
+    c = comm.split([list(range(comm.size))], timeout=timeout)
+    if c.rank == 0:
+        return c.allreduce(torch.ones(4))
+    return c.allgather(torch.ones(4))
+
+
+def mismatched_shapes(comm, timeout: float):
+    c = comm.split([list(range(comm.size))], timeout=timeout)
+    return c.allreduce(torch.ones(4 + c.rank))
+
+
+def missing_peer(comm, timeout: float):
+    """The last rank never joins the collective."""
+    c = comm.split([list(range(comm.size))], timeout=timeout)
+    if c.rank == c.size - 1:
+        return None
+    return c.allreduce(torch.ones(4))
+
+
+def debug_mismatch(comm):
+    """In debug mode the mismatch is reported at once, naming what each rank called."""
+    set_debug(True)
+    try:
+        if comm.rank == 0:
+            comm.allreduce(torch.ones(4), meta="layer1.forward")
+        else:
+            comm.allgather(torch.ones(4), meta="layer1.forward")
+    except CollectiveMismatchError as exc:
+        return str(exc)
+    finally:
+        set_debug(False)
+    raise AssertionError("no CollectiveMismatchError")
+
+
+def debug_mismatched_shapes(comm):
+    set_debug(True)
+    try:
+        return comm.allreduce(torch.ones(4 + comm.rank % 2))
+    finally:
+        set_debug(False)
+
+
+def debug_agreement_passes(comm):
+    set_debug(True)
+    try:
+        comm.stats.reset()
+        out = comm.allreduce(torch.ones(3), meta="ok")
+        got = comm.alltoall(
+            [torch.ones(r + 1, comm.rank + 1) for r in range(comm.size)],
+            recv_shapes=[(comm.rank + 1, s + 1) for s in range(comm.size)],
+        )
+        return out.tolist(), [tuple(g.shape) for g in got], comm.stats.snapshot()["calls"]
+    finally:
+        set_debug(False)
+
+
+def dead_peer(comm, timeout: float):
+    """The last rank exits in the middle of the task; the others enter an allreduce."""
+    c = comm.split([list(range(comm.size))], timeout=timeout)
+    c.allreduce(torch.ones(2))
+    if c.rank == c.size - 1:
+        os._exit(3)
+    time.sleep(0.1)
+    t0 = time.monotonic()
+    try:
+        c.allreduce(torch.ones(2))
+    except CommError as exc:
+        raise CommError(f"{exc} (after {time.monotonic() - t0:.1f} s)") from exc
+    raise AssertionError("allreduce with a dead peer returned")
+
+
+def rank_and_size(comm):
+    return comm.rank, comm.size, comm.backend
+
+
+def raise_on_rank(comm, bad: int):
+    if comm.rank == bad:
+        raise ValueError(f"bad value on rank {bad}")
+    return comm.rank
+
+
+def sleep_for(comm, seconds: float):
+    time.sleep(seconds)
+    return comm.rank
+
+
+def reduce_scatter_by_alltoall(comm):
+    """The torch backend's fallback reduce-scatter (all-to-all + local reduction in rank order),
+    used where gloo reports no reduce-scatter support, gives the same results and byte counts."""
+    c = comm.split([list(range(comm.size))])
+    c._native_reduce_scatter = False
+    try:
+        return [check_all_ops(c, dtype, 5)[0] for dtype in ("float32", "bfloat16", "int16")]
+    finally:
+        c._native_reduce_scatter = True

@@ -1,0 +1,46 @@
+"""Session fixtures: real multi-process worlds, each started once per pytest session.
+
+``gloo2`` / ``gloo4``: torch.distributed gloo worlds of 2 / 4 processes on loopback;
+``mpi4``: an ``mpiexec -n 4`` job (skipped when mpi4py or mpiexec is missing).
+Each is a :class:`distconv.testing.WorkerPool`: ``pool.run(fn, *args)`` runs the module-level
+function ``fn(comm, *args)`` on every rank and returns the per-rank results. The workers import
+``tests.*`` modules by name (pytest's ``pythonpath = ["."]``). A task that kills or wedges the
+world makes the pool restart itself before its next task.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+from distconv.testing import WorkerPool, find_mpiexec
+
+POOL_TIMEOUT = 30.0  # communicator timeout in the workers: a hung collective fails in 30 s
+
+
+def _pool(backend: str, size: int):
+    pool = WorkerPool(backend, size, timeout=POOL_TIMEOUT)
+    try:
+        yield pool
+    finally:
+        pool.close()
+
+
+@pytest.fixture(scope="session")
+def gloo2():
+    yield from _pool("gloo", 2)
+
+
+@pytest.fixture(scope="session")
+def gloo4():
+    yield from _pool("gloo", 4)
+
+
+@pytest.fixture(scope="session")
+def mpi4():
+    if importlib.util.find_spec("mpi4py") is None:
+        pytest.skip("mpi4 needs mpi4py (pip install mpi4py mpich)")
+    if find_mpiexec() is None:
+        pytest.skip("mpi4 needs an mpiexec beside python or on PATH (pip install mpich)")
+    yield from _pool("mpi", 4)

@@ -1,0 +1,217 @@
+"""Redistribution executed on in-process ranks: round trips, adjoints, gradients and traffic."""
+from __future__ import annotations
+
+import math
+
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from distconv.distribution import Dist
+from distconv.grid import ProcessorGrid
+from distconv.redistribute import (
+    gather, plan_redistribution, redistribute, repartition, scatter,
+)
+from distconv.testing import run_threads
+from tests.strategies import grid_layouts, redistribution_cases
+
+FP64_TOL = dict(rtol=1e-12, atol=1e-12)
+
+
+def _pending_weight(grid: ProcessorGrid, dist: Dist) -> float:
+    """A share for this rank's partial value; the shares over each pending segment sum to 1."""
+    q, total = 0, 1
+    for name in grid.names:
+        if name in dist.pending:
+            q, total = q * grid.extent(name) + grid.coords[name], total * grid.extent(name)
+    return (q + 1) / (total * (total + 1) / 2)
+
+
+def make_local(x_global: torch.Tensor, grid: ProcessorGrid, dist: Dist) -> torch.Tensor:
+    """This rank's block of ``x_global`` in ``dist``, split into uneven partials over pending dims."""
+    block = x_global[dist.local_slices(x_global.shape, grid)].clone()
+    return block * _pending_weight(grid, dist)
+
+
+def roundtrip(comm, layout, shape, src, dst, seed):
+    grid = ProcessorGrid(dict(layout), comm=comm)
+    x = torch.randn(shape, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
+    local = make_local(x, grid, src)
+    before = grid.bytes_received()
+    moved = redistribute(local, grid, src, dst, shape)
+    traffic = grid.bytes_received() - before
+    predicted = plan_redistribution(grid.layout, src, dst, shape).received_bytes(grid, 8)
+    assert tuple(moved.shape) == dst.local_shape(shape, grid)
+    back = gather(moved, dst, grid, shape)
+    return x, back, traffic, predicted
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(redistribution_cases(), st.integers(0, 2**16))
+def test_redistribute_roundtrip_is_identity(case, seed):
+    layout, shape, src, dst = case
+    size = math.prod(e for _, e in layout)
+    for x, back, traffic, predicted in run_threads(roundtrip, size, layout, shape, src, dst, seed):
+        torch.testing.assert_close(back, x, **FP64_TOL)
+        assert traffic >= predicted  # gather adds its own traffic
+    # the plan's traffic alone, counted by the communicators
+    def only_plan(comm):
+        grid = ProcessorGrid(dict(layout), comm=comm)
+        x = torch.randn(shape, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
+        local = make_local(x, grid, src)
+        before = grid.bytes_received()
+        redistribute(local, grid, src, dst, shape)
+        plan = plan_redistribution(grid.layout, src, dst, shape)
+        return grid.bytes_received() - before, plan.received_bytes(grid, 8)
+
+    for counted, predicted in run_threads(only_plan, size):
+        assert counted == predicted
+
+
+def adjoint_pairing(comm, layout, shape, src, dst, seed):
+    """Local pieces of <F x, y> and <x, F* y> for random local x, y (any values, not consistent)."""
+    grid = ProcessorGrid(dict(layout), comm=comm)
+    g = torch.Generator().manual_seed(seed * 101 + comm.rank)
+    x = torch.randn(src.local_shape(shape, grid), dtype=torch.float64, generator=g)
+    y = torch.randn(dst.local_shape(shape, grid), dtype=torch.float64, generator=g)
+    x.requires_grad_(True)
+    fx = redistribute(x, grid, src, dst, shape)
+    fx.backward(y)
+    return float((fx.detach() * y).sum()), float((x * x.grad).sum().detach())
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(redistribution_cases(), st.integers(0, 2**16))
+def test_every_plan_is_adjoint_to_its_backward(case, seed):
+    layout, shape, src, dst = case
+    size = math.prod(e for _, e in layout)
+    pieces = run_threads(adjoint_pairing, size, layout, shape, src, dst, seed)
+    lhs, rhs = sum(p[0] for p in pieces), sum(p[1] for p in pieces)
+    assert math.isclose(lhs, rhs, rel_tol=1e-12, abs_tol=1e-12)
+
+
+def finite_difference_check(comm, layout, shape, src, dst):
+    """fp64 gradient check over the product space of all ranks' local inputs.
+
+    The scalar is L = sum over ranks of <F(x)_r, v_r>; for every rank r0 and element k, all ranks
+    run F with only x_{r0}[k] perturbed, and the central difference of L must equal the gradient
+    that backward left in x_{r0}.grad[k]."""
+    grid = ProcessorGrid(dict(layout), comm=comm)
+    g = torch.Generator().manual_seed(7 + comm.rank)
+    x = torch.randn(src.local_shape(shape, grid), dtype=torch.float64, generator=g)
+    v = torch.randn(dst.local_shape(shape, grid), dtype=torch.float64, generator=g)
+    xg = x.clone().requires_grad_(True)
+    redistribute(xg, grid, src, dst, shape).backward(v)
+    sizes = comm.allgather(torch.tensor([x.numel()]))
+    worst, eps = 0.0, 1e-6
+    for r0 in range(comm.size):
+        for k in range(int(sizes[r0])):
+            values = []
+            for sign in (1.0, -1.0):
+                xp = x.clone()
+                if comm.rank == r0:
+                    xp.view(-1)[k] += sign * eps
+                local = float((redistribute(xp, grid, src, dst, shape) * v).sum())
+                values.append(float(comm.allreduce(torch.tensor([local], dtype=torch.float64))))
+            numeric = (values[0] - values[1]) / (2 * eps)
+            analytic = float(comm.broadcast(
+                xg.grad.reshape(-1)[k:k + 1].clone() if comm.rank == r0
+                else torch.zeros(1, dtype=torch.float64), root=r0))
+            worst = max(worst, abs(numeric - analytic))
+    return worst
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(redistribution_cases(max_size=4))
+def test_gradients_match_finite_differences_fp64(case):
+    layout, shape, src, dst = case
+    shape = tuple(min(n, 3) for n in shape)
+    size = math.prod(e for _, e in layout)
+    assert max(run_threads(finite_difference_check, size, layout, shape, src, dst)) < 1e-7
+
+
+def scatter_gather(comm, layout, dist, x):
+    grid = ProcessorGrid(dict(layout), comm=comm)
+    return gather(scatter(x, dist, grid), dist, grid, x.shape)
+
+
+@settings(max_examples=30, deadline=None)
+@given(redistribution_cases(), st.integers(0, 100))
+def test_gather_of_scatter_is_identity(case, seed):
+    layout, shape, src, _ = case
+    x = torch.randn(shape, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
+    for out in run_threads(scatter_gather, math.prod(e for _, e in layout), layout, src, x):
+        torch.testing.assert_close(out, x, **FP64_TOL)
+
+
+def between_grids(comm, layout_a, dist_a, layout_b, dist_b, shape, seed):
+    grid_a = ProcessorGrid(dict(layout_a), comm=comm)
+    grid_b = ProcessorGrid(dict(layout_b), comm=comm)
+    x = torch.randn(shape, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
+    local = make_local(x, grid_a, dist_a).requires_grad_(True)
+    moved = repartition(local, grid_a, dist_a, grid_b, dist_b, shape)
+    g = torch.Generator().manual_seed(seed + 1 + comm.rank)
+    y = torch.randn(moved.shape, dtype=torch.float64, generator=g)
+    moved.backward(y)
+    pairing = (float((moved.detach() * y).sum()), float((local.detach() * local.grad).sum()))
+    return x, gather(moved.detach(), dist_b, grid_b, shape), pairing
+
+
+@st.composite
+def two_grid_cases(draw):
+    from tests.strategies import dists_on
+
+    size = draw(st.sampled_from([2, 4, 6, 8]))
+    layouts = []
+    for names in (("P", "Q"), ("S", "T")):
+        a = draw(st.sampled_from([d for d in range(1, size + 1) if size % d == 0]))
+        layouts.append(((names[0], a), (names[1], size // a)))
+    ndim = draw(st.integers(1, 3))
+    shape = tuple(draw(st.integers(0, 6)) for _ in range(ndim))
+    return (layouts[0], draw(dists_on(layouts[0], ndim)), layouts[1],
+            draw(dists_on(layouts[1], ndim)), shape)
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(two_grid_cases(), st.integers(0, 100))
+def test_repartition_between_grids_is_exact_and_adjoint(case, seed):
+    layout_a, dist_a, layout_b, dist_b, shape = case
+    size = math.prod(e for _, e in layout_a)
+    results = run_threads(between_grids, size, layout_a, dist_a, layout_b, dist_b, shape, seed)
+    for x, back, _ in results:
+        torch.testing.assert_close(back, x, **FP64_TOL)
+    lhs = sum(r[2][0] for r in results)
+    rhs = sum(r[2][1] for r in results)
+    assert math.isclose(lhs, rhs, rel_tol=1e-12, abs_tol=1e-12)
+
+
+def test_wrong_local_shape_names_the_rank():
+    def bad(comm):
+        grid = ProcessorGrid({"P": 2}, comm=comm)
+        redistribute(torch.zeros(3), grid, Dist(("P",)), Dist((None,)), (4,))
+
+    import pytest
+
+    with pytest.raises(ValueError, match=r"local block has shape \(3,\).*gives rank"):
+        run_threads(bad, 2)
+
+
+def disagreeing_ranks(comm):
+    grid = ProcessorGrid({"P": 2}, comm=comm)
+    src = Dist(("P", None))
+    dst = Dist((None, None)) if comm.rank == 0 else Dist((None, "P"))  # rank 1 is wrong
+    x = torch.zeros(src.local_shape((4, 4), grid))
+    return redistribute(x, grid, src, dst, (4, 4))
+
+
+def test_debug_mode_names_disagreeing_distributions():
+    import pytest
+
+    from distconv.comm import CollectiveMismatchError, set_debug
+
+    set_debug(True)
+    try:
+        with pytest.raises(CollectiveMismatchError, match=r"(?s)allgather.*\[o_P,\*\] -> \[\*,\*\]"):
+            run_threads(disagreeing_ranks, 2, timeout=10)
+    finally:
+        set_debug(False)
