@@ -1,0 +1,261 @@
+"""Single-process exactness in fp64 against dense references."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import distkfac
+from distkfac.layers import Conv2dAdapter, conv_input_cov
+
+from .reference import dense_precondition, grad_matrix, reference_factors
+
+
+@pytest.fixture(autouse=True)
+def float64_default():
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(old)
+
+
+CONVS = [
+    dict(kernel_size=3, stride=1, padding=1),
+    dict(kernel_size=(4, 2), padding="same", dilation=(1, 2)),
+    dict(kernel_size=2, stride=2, padding="valid", bias=False),
+    dict(kernel_size=3, stride=(2, 1), padding=2, dilation=2),
+    dict(kernel_size=(3, 2), padding=1, groups=2, padding_mode="reflect"),
+    dict(kernel_size=3, padding="same", groups=4),  # depthwise
+    dict(kernel_size=1, stride=2),
+]
+
+
+def tiny_model(conv_kw: dict, seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Conv2d(4, 4, **conv_kw), nn.Tanh(), nn.Flatten(),
+                         nn.LazyLinear(3)).double()
+
+
+def batch(seed: int = 1, n: int = 5, hw: tuple[int, int] = (7, 6)):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 4, *hw, generator=g), torch.randint(0, 3, (n,), generator=g)
+
+
+def run_kfac(model, x, y, **kw):
+    kw.setdefault("factor_dtype", torch.float64)
+    kfac = distkfac.KFAC(model, **kw)
+    model.zero_grad()
+    F.cross_entropy(model(x), y).backward()
+    raw = {m: grad_matrix(m).clone() for m in model.modules()
+           if isinstance(m, (nn.Linear, nn.Conv2d))}
+    kfac.step()
+    return kfac, raw
+
+
+@pytest.mark.parametrize("conv_kw", CONVS)
+def test_conv_input_cov_equals_unfold_gram(conv_kw):
+    conv = nn.Conv2d(4, 6 if conv_kw.get("groups", 1) != 4 else 4, **conv_kw)
+    x = torch.randn(3, 4, 9, 8)
+    xp = Conv2dAdapter(conv, "c").pad(x)
+    got, rows = conv_input_cov(xp, conv.kernel_size, stride=conv.stride,
+                               dilation=conv.dilation, groups=conv.groups,
+                               bias=conv.bias is not None)
+    u = F.unfold(xp, conv.kernel_size, dilation=conv.dilation, stride=conv.stride)
+    u = u.reshape(3, conv.groups, -1, u.shape[-1])
+    if conv.bias is not None:
+        u = torch.cat([u, u.new_ones(3, conv.groups, 1, u.shape[-1])], 2)
+    assert rows == 3 * u.shape[-1]
+    torch.testing.assert_close(got, torch.einsum("ngil,ngjl->gij", u, u), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("conv_kw", CONVS)
+def test_factors_equal_per_sample_sums(conv_kw):
+    model = tiny_model(conv_kw)
+    x, y = batch()
+    model(x)
+    ref = reference_factors(model, x, y, F.cross_entropy)
+    kfac, _ = run_kfac(model, x, y)
+    for layer in kfac.layers:
+        A, G = ref[layer.adapter.module]
+        torch.testing.assert_close(layer.a.value, A, rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(layer.g.value, G, rtol=1e-10, atol=1e-12)
+
+
+def test_linear_factors_with_sequence_dims():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    x, y = torch.randn(4, 5, 3), torch.randint(0, 2, (4, 5))
+    ref = reference_factors(model, x, y, lambda o, t: F.cross_entropy(o.transpose(1, 2), t))
+    kfac = distkfac.KFAC(model, factor_dtype=torch.float64)
+    F.cross_entropy(model(x).transpose(1, 2), y).backward()
+    kfac.step()
+    for layer in kfac.layers:
+        A, G = ref[layer.adapter.module]
+        torch.testing.assert_close(layer.a.value, A)
+        torch.testing.assert_close(layer.g.value, G)
+
+
+@pytest.mark.parametrize("method", ["eigen", "inverse"])
+@pytest.mark.parametrize("conv_kw", CONVS[:1] + CONVS[4:6])
+def test_preconditioned_grad_equals_dense_solve(conv_kw, method):
+    model = tiny_model(conv_kw)
+    x, y = batch()
+    model(x)
+    ref = reference_factors(model, x, y, F.cross_entropy)
+    damping = 3e-2
+    kfac, raw = run_kfac(model, x, y, damping=damping, kl_clip=None, compute_method=method)
+    for layer in kfac.layers:
+        m = layer.adapter.module
+        A, G = ref[m]
+        want = dense_precondition(A, G, raw[m], damping)
+        torch.testing.assert_close(grad_matrix(m), want, rtol=1e-8, atol=1e-10)
+
+
+def test_eigen_equals_inverse_over_steps():
+    grads = []
+    for method in ("eigen", "inverse"):
+        model = tiny_model(CONVS[1])
+        x, y = batch()
+        model(x)
+        kfac = distkfac.KFAC(model, compute_method=method, factor_dtype=torch.float64,
+                             damping=1e-2, inv_update_steps=2, factor_update_steps=1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(4):
+            xb, yb = batch(seed=step)
+            opt.zero_grad()
+            F.cross_entropy(model(xb), yb).backward()
+            kfac.step()
+            opt.step()
+        grads.append([p.grad.clone() for p in model.parameters()])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-12)
+
+
+def test_kl_clip_scales_by_eq18():
+    lr, kappa = 0.5, 1e-4
+    model = tiny_model(CONVS[0])
+    x, y = batch()
+    model(x)
+    kfac, raw = run_kfac(model, x, y, kl_clip=None, lr=lr)
+    unclipped = {layer.adapter.module: grad_matrix(layer.adapter.module).clone()
+                 for layer in kfac.layers}
+    vg = lr * lr * sum(float((unclipped[m] * raw[m]).sum()) for m in raw)
+    nu = min(1.0, math.sqrt(kappa / abs(vg)))
+    assert nu < 1.0
+    model2 = tiny_model(CONVS[0])
+    model2(x)
+    kfac2, _ = run_kfac(model2, x, y, kl_clip=kappa, lr=lr)
+    assert kfac2.last_kl_scale == pytest.approx(nu, rel=1e-12)
+    for layer in kfac2.layers:
+        m1 = next(mm for mm in unclipped if mm.weight.shape == layer.adapter.module.weight.shape)
+        torch.testing.assert_close(grad_matrix(layer.adapter.module), nu * unclipped[m1])
+
+
+def test_factor_ema_and_schedules():
+    model = tiny_model(CONVS[0])
+    x, y = batch()
+    model(x)
+    decay = 0.7
+    kfac = distkfac.KFAC(model, factor_dtype=torch.float64, factor_decay=decay,
+                         factor_update_steps=lambda s: 2, inv_update_steps=4)
+    twin = tiny_model(CONVS[0])
+    twin(x)
+    seen = [reference_factors(twin, *batch(seed=10 + step), F.cross_entropy) for step in (0, 2)]
+    seen = [dict(zip((model[0], model[3]), s.values())) for s in seen]
+    for step in range(4):
+        xb, yb = batch(seed=10 + step)
+        model.zero_grad()
+        F.cross_entropy(model(xb), yb).backward()
+        kfac.step()
+    for layer in kfac.layers:
+        m = layer.adapter.module
+        want = decay * seen[0][m][0] + (1 - decay) * seen[1][m][0]
+        torch.testing.assert_close(layer.a.value, want)
+        assert layer.a.updates == 2
+
+
+def test_factors_are_fp32_for_low_precision_activations():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3)).to(torch.bfloat16)
+    kfac = distkfac.KFAC(model)
+    model(torch.randn(6, 4, dtype=torch.bfloat16)).float().pow(2).mean().backward()
+    kfac.step()
+    assert kfac.layers[0].a.value.dtype == torch.float32
+    assert kfac.layers[0].a_payload.dtype == torch.float32
+    assert model[0].weight.grad.dtype == torch.bfloat16
+
+
+def test_state_dict_roundtrip_continues_identically():
+    def train(kfac, model, steps, start):
+        for step in range(start, start + steps):
+            xb, yb = batch(seed=step)
+            model.zero_grad()
+            F.cross_entropy(model(xb), yb).backward()
+            kfac.step()
+
+    model = tiny_model(CONVS[0])
+    model(batch()[0])
+    kfac = distkfac.KFAC(model, factor_dtype=torch.float64, inv_update_steps=3)
+    train(kfac, model, 2, 0)
+    state = kfac.state_dict()
+    assert state["steps"] == 2 and state["settings"]["inv_update_steps"] == 3
+    model2 = tiny_model(CONVS[0])
+    model2(batch()[0])
+    model2.load_state_dict(model.state_dict())
+    kfac2 = distkfac.KFAC(model2, factor_dtype=torch.float64)
+    kfac2.load_state_dict(state)
+    assert kfac2.inv_update_steps == 3 and kfac2.steps == 2
+    train(kfac, model, 1, 2)
+    train(kfac2, model2, 1, 2)
+    for p, q in zip(model.parameters(), model2.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)
+
+
+def test_repr_shows_every_setting():
+    model = tiny_model(CONVS[0])
+    model(batch()[0])
+    text = repr(distkfac.KFAC(model, damping=0.02))
+    for key in ("factor_update_steps", "inv_update_steps", "damping=0.02", "factor_decay",
+                "kl_clip", "lr", "compute_method", "placement", "symmetric_comm",
+                "bucket_bytes", "factor_dtype", "skip_layers"):
+        assert key in text
+
+
+@pytest.mark.parametrize("kw, exc", [
+    (dict(compute_method="svd"), ValueError), (dict(placement="random"), ValueError),
+    (dict(damping=0.0), ValueError), (dict(factor_decay=1.0), ValueError),
+    (dict(factor_update_steps=0), ValueError), (dict(lr="fast"), TypeError),
+    (dict(factor_dtype=torch.float16), ValueError), (dict(bucket_bytes=-1), ValueError),
+    (dict(grid=object()), TypeError), (dict(comm="world"), TypeError),
+])
+def test_bad_settings_raise(kw, exc):
+    with pytest.raises(exc, match=next(iter(kw))):
+        distkfac.KFAC(nn.Linear(2, 2), **kw)
+
+
+@pytest.mark.parametrize("method", ["eigen", "inverse"])
+def test_stale_decompositions_and_changing_damping(method):
+    """Between inverse updates the step-0 decompositions are used; eigen applies the current
+    damping, inverse the damping it was formed with."""
+    model = tiny_model(CONVS[0])
+    x0, y0 = batch(seed=3)
+    x1, y1 = batch(seed=4)
+    model(x0)
+    twin = tiny_model(CONVS[0])
+    twin(x0)
+    ref = list(reference_factors(twin, x0, y0, F.cross_entropy).values())
+    damping = {0: 1e-2, 1: 5e-2}
+    kfac = distkfac.KFAC(model, compute_method=method, factor_dtype=torch.float64, kl_clip=None,
+                         damping=lambda s: damping[s], inv_update_steps=10)
+    F.cross_entropy(model(x0), y0).backward()
+    kfac.step()
+    model.zero_grad()
+    F.cross_entropy(model(x1), y1).backward()
+    raw = [grad_matrix(m).clone() for m in (model[0], model[3])]
+    kfac.step()
+    lam = damping[1] if method == "eigen" else damping[0]
+    for m, (A, G), v in zip((model[0], model[3]), ref, raw):
+        torch.testing.assert_close(grad_matrix(m), dense_precondition(A, G, v, lam))
