@@ -1,0 +1,198 @@
+"""Halo exchange of a block-distributed spatial dim, and its adjoint (halo accumulate).
+
+A convolution whose spatial dim is blocked over the ranks of a grid dim computes each rank's
+output block from the input rows it reads (:class:`distconv.conv_geometry.HaloPlan`): rows it owns,
+rows owned by other ranks (the *halo*), and rows of global padding (zeros, or for the ``'reflect'``,
+``'replicate'`` and ``'circular'`` modes copies of input rows, which travel like halo rows;
+each row moves once). :func:`halo_exchange`
+builds that local input; its adjoint sends each halo row's gradient back to the row's owner, which
+adds it to the gradient of its own rows (*halo accumulate*). Every rank derives the same plan from
+global sizes, so all ranks take the same collective path; when no rank needs another rank's rows
+(e.g. a 1x1 kernel on aligned blocks) the step is local and sends nothing.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from distconv.conv_geometry import HaloPlan
+
+__all__ = ["HaloExchange", "halo_exchange", "halo_accumulate"]
+
+
+def _with_len(t: torch.Tensor, dim: int, n: int) -> tuple[int, ...]:
+    shape = list(t.shape)
+    shape[dim] = n
+    return tuple(shape)
+
+
+def _exchange_forward(x: torch.Tensor, comm: Any, plan: HaloPlan, dim: int) -> torch.Tensor:
+    """Zero padding: the local input is contiguous rows, so slices and one concatenation do."""
+    r = comm.rank
+    off, cnt = plan.send_rows(r, r)
+    pieces = []
+    if plan.exchanges:
+        chunks, shapes = [], []
+        for q in range(plan.parts):
+            if q == r:
+                chunks.append(x.new_empty(_with_len(x, dim, 0)))
+                shapes.append(_with_len(x, dim, 0))
+                continue
+            s_off, s_cnt = plan.send_rows(r, q)
+            chunks.append(x.narrow(dim, s_off, s_cnt).contiguous())
+            shapes.append(_with_len(x, dim, plan.recv_rows(q, r)[1]))
+        recv = comm.alltoall(chunks, recv_shapes=shapes, meta=f"halo exchange dim {dim}")
+        for q in range(plan.parts):
+            if q == r:
+                if cnt:
+                    pieces.append(x.narrow(dim, off, cnt))
+            elif recv[q].shape[dim]:
+                pieces.append(recv[q])
+    elif cnt:
+        pieces.append(x.narrow(dim, off, cnt))
+    before, after = plan.pad[r]
+    if before:
+        pieces.insert(0, x.new_zeros(_with_len(x, dim, before)))
+    if after:
+        pieces.append(x.new_zeros(_with_len(x, dim, after)))
+    if len(pieces) == 1:
+        return pieces[0].contiguous()
+    return torch.cat(pieces, dim)
+
+
+def halo_accumulate(g: torch.Tensor, comm: Any, plan: HaloPlan, dim: int) -> torch.Tensor:
+    """Adjoint of :func:`halo_exchange` for ``'zeros'`` padding: the gradient of the owned block.
+
+    ``g`` is the gradient of the local (haloed, padded) input. Halo rows go back to their owners,
+    which add them into their own rows; padding rows are dropped.
+    """
+    r = comm.rank
+    owned = plan.owned[r][1] - plan.owned[r][0]
+    out = g.new_zeros(_with_len(g, dim, owned))
+    off, cnt = plan.send_rows(r, r)
+    if cnt:
+        out.narrow(dim, off, cnt).add_(g.narrow(dim, plan.recv_rows(r, r)[0], cnt))
+    if not plan.exchanges:
+        return out
+    chunks, shapes = [], []
+    for q in range(plan.parts):
+        if q == r:
+            chunks.append(g.new_empty(_with_len(g, dim, 0)))
+            shapes.append(_with_len(g, dim, 0))
+            continue
+        r_off, r_cnt = plan.recv_rows(q, r)
+        chunks.append(g.narrow(dim, r_off, r_cnt).contiguous())
+        shapes.append(_with_len(g, dim, plan.send_rows(r, q)[1]))
+    recv = comm.alltoall(chunks, recv_shapes=shapes, meta=f"halo accumulate dim {dim}")
+    for q in range(plan.parts):
+        s_off, s_cnt = plan.send_rows(r, q)
+        if q != r and s_cnt:
+            out.narrow(dim, s_off, s_cnt).add_(recv[q])
+    return out
+
+
+def _index(rows: Sequence[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(rows, dtype=torch.long, device=device)
+
+
+def _gather_forward(
+    x: torch.Tensor, comm: Any, plan: HaloPlan, dim: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """General exchange (padding modes that copy rows): distinct rows travel once, then every
+    local row is picked from [own rows, received rows..., one zero row] by an index."""
+    r, o0, n_own = comm.rank, plan.owned[comm.rank][0], x.shape[dim]
+    pos = {o0 + i: i for i in range(n_own)}
+    pieces = [x]
+    if plan.exchanges:
+        chunks, shapes = [], []
+        for q in range(plan.parts):
+            rows = [] if q == r else [g - o0 for g in plan.rows_from(r, q)]
+            chunks.append(x.index_select(dim, _index(rows, x.device)))
+            shapes.append(_with_len(x, dim, 0 if q == r else len(plan.rows_from(q, r))))
+        recv = comm.alltoall(chunks, recv_shapes=shapes, meta=f"halo exchange dim {dim}")
+        base = n_own
+        for q in range(plan.parts):
+            if q != r:
+                for k, g in enumerate(plan.rows_from(q, r)):
+                    pos[g] = base + k
+                base += recv[q].shape[dim]
+                pieces.append(recv[q])
+    zero = sum(p.shape[dim] for p in pieces)
+    pieces.append(x.new_zeros(_with_len(x, dim, 1)))
+    index = _index([pos[g] if g >= 0 else zero for g in plan.sources[r]], x.device)
+    return torch.cat(pieces, dim).index_select(dim, index), index
+
+
+def _gather_adjoint(
+    g: torch.Tensor, comm: Any, plan: HaloPlan, dim: int, index: torch.Tensor
+) -> torch.Tensor:
+    r, o0 = comm.rank, plan.owned[comm.rank][0]
+    n_own = plan.owned[r][1] - o0
+    received = [0 if q == r else len(plan.rows_from(q, r)) for q in range(plan.parts)]
+    buf = g.new_zeros(_with_len(g, dim, n_own + sum(received) + 1)).index_add_(dim, index, g)
+    out = buf.narrow(dim, 0, n_own).contiguous()
+    if not plan.exchanges:
+        return out
+    chunks, shapes, base = [], [], n_own
+    for q in range(plan.parts):
+        chunks.append(buf.narrow(dim, base, received[q]).contiguous())
+        base += received[q]
+        shapes.append(_with_len(g, dim, 0 if q == r else len(plan.rows_from(r, q))))
+    recv = comm.alltoall(chunks, recv_shapes=shapes, meta=f"halo accumulate dim {dim}")
+    for q in range(plan.parts):
+        if q != r and recv[q].shape[dim]:
+            out.index_add_(dim, _index([g_ - o0 for g_ in plan.rows_from(r, q)], g.device), recv[q])
+    return out
+
+
+class HaloExchange(torch.autograd.Function):
+    """Halo exchange along tensor dim ``dim`` over the ranks of ``comm`` (one grid dim).
+
+    Forward: rank ``r``'s local input is ``pad[r][0]`` padding rows, then the rows ``needed[r]``
+    gathered from their owners (its own rows sliced locally), then ``pad[r][1]`` padding rows.
+    Padding rows are zeros, or (``plan.mode`` ``'reflect'``, ``'replicate'``, ``'circular'``)
+    copies of input rows, which travel like halo rows (each distinct row once).
+    Adjoint: halo accumulate — every rank sends the gradient of the rows it received back to their
+    owner, which adds it into the gradient of its own rows (a row read several times gets the sum);
+    zero-padding gradients are dropped.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, comm: Any, plan: HaloPlan, dim: int) -> torch.Tensor:
+        ctx.comm, ctx.plan, ctx.dim = comm, plan, dim
+        if plan.mode == "zeros":
+            return _exchange_forward(x, comm, plan, dim)
+        out, ctx.index = _gather_forward(x, comm, plan, dim)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None]:
+        if not ctx.needs_input_grad[0]:
+            return None, None, None, None
+        if ctx.plan.mode == "zeros":
+            gx = halo_accumulate(g.contiguous(), ctx.comm, ctx.plan, ctx.dim)
+        else:
+            gx = _gather_adjoint(g.contiguous(), ctx.comm, ctx.plan, ctx.dim, ctx.index)
+        return gx, None, None, None
+
+
+def halo_exchange(x: torch.Tensor, comm: Any, plan: HaloPlan, dim: int) -> torch.Tensor:
+    """Differentiable halo exchange (see :class:`HaloExchange`).
+
+    ``comm`` is the communicator of the grid dim that blocks tensor dim ``dim`` (its rank is the
+    rank's coordinate on that dim) and ``plan.parts == comm.size``. ``x`` is the rank's owned block.
+    """
+    if plan.parts != comm.size:
+        raise ValueError(f"plan has {plan.parts} parts but the communicator has {comm.size} ranks")
+    r = comm.rank
+    want = plan.owned[r][1] - plan.owned[r][0]
+    if x.shape[dim] != want:
+        raise ValueError(
+            f"rank {r} holds {x.shape[dim]} rows on dim {dim}, but its block of the global "
+            f"length {plan.dim.length} over {plan.parts} ranks has {want}"
+        )
+    if plan.is_identity:
+        return x
+    return HaloExchange.apply(x, comm, plan, dim)

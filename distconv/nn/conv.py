@@ -1,0 +1,650 @@
+"""Model-parallel 2-d convolution: channel/filter parallelism with sample/spatial parallelism."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from distconv.conv_geometry import (
+    PADDING_MODES, HaloPlan, check_padding_mode, conv_dims, normalize_padding, pair,
+)
+from distconv.distribution import Dist, Entry
+from distconv.grid import ProcessorGrid
+from distconv.halo import halo_exchange
+from distconv.nn.grad_sync import GradSync
+from distconv.perfmodel import ConvProblem, conv_traffic
+from distconv.redistribute import gather, plan_redistribution, redistribute
+
+__all__ = ["ALGORITHMS", "DistConv2d", "UnsupportedConvError"]
+
+ALGORITHMS = ("stationary-x", "stationary-y", "stationary-w")
+
+# Tensor-dim names used only to print distributions the way the paper does (x[o,o_C,o,o]).
+_ACT_DIMS = ("N", "channels", "H", "W")
+_W_DIMS = ("filters", "channels", "kh", "kw")
+
+
+class UnsupportedConvError(NotImplementedError, ValueError):
+    """A valid ``nn.Conv2d`` configuration that this grid and algorithm do not implement.
+
+    Both a ``NotImplementedError`` (the computation exists, this layer does not provide it on
+    this grid) and a ``ValueError`` (it is refused at construction, like any bad argument).
+    """
+
+
+@dataclass(frozen=True)
+class _Geometry:
+    """Everything a forward pass derives from the global input shape (cached per shape)."""
+
+    x_shape: tuple[int, int, int, int]
+    y_shape: tuple[int, int, int, int]
+    halo: tuple[HaloPlan | None, HaloPlan | None]
+    conv_padding: tuple[int, int]
+    explicit_pad: tuple[int, int, int, int] | None
+
+
+class DistConv2d(nn.Module):
+    r"""A drop-in for ``nn.Conv2d`` partitioned over a processor grid (Dryden et al., SC'19).
+
+    The grid's dims play five roles: samples (``sample_dim``, default ``"N"``), input channels
+    (``channel_dim``, ``"C"``), output filters (``filter_dim``, ``"F"``) and the two spatial dims
+    (``spatial_dims``, ``("H", "W")``); a role the grid leaves out has extent 1. Distributions are
+    written in the paper's notation: ``x[o,o_C,o,o]`` blocks x's channel dim over grid dim C and
+    its sample and spatial dims over N, H and W; ``*`` is replicated; ``Σ_C`` is a pending sum over
+    C. A tuple entry is written **major first**: ``o_{C×F}`` splits the dim into blocks over C and
+    each C block into sub-blocks over F, so dropping the minor dim F is exactly a segmented
+    allgather over F. (The paper lists the minor dim first and writes the same layouts of
+    stationary-w as ``x[o,o_{F×C},o,o]`` and ``y[o,o_{C×F},o,o]``.)
+
+    **Stationary-x** (channel parallelism, ``w[*,o_C]``; needs F = 1)::
+
+        forward    1. Σ_C y[o,*,o,o] = conv(x[o,o_C,o,o], w[*,o_C])       local
+                   2. y[o,o_C,o,o]   <- Σ_C y[o,*,o,o]                    reduce-scatter over C
+        backward   1. dL/dy[o,*,o,o] <- dL/dy[o,o_C,o,o]                  allgather over C
+                   2. dL/dx[o,o_C,o,o] = conv_bwd_data(dL/dy[o,*,o,o], w[*,o_C])
+                   3. dL/dw[*,o_C]   = conv_bwd_filter(x[o,o_C,o,o], dL/dy[o,*,o,o])
+
+    **Stationary-y** (filter parallelism, ``w[o_F,*]``; needs C = 1)::
+
+        forward    1. x[o,*,o,o]     <- x[o,o_F,o,o]                      allgather over F
+                   2. y[o,o_F,o,o]   = conv(x[o,*,o,o], w[o_F,*])         local
+        backward   1. Σ_F dL/dx[o,*,o,o] = conv_bwd_data(dL/dy[o,o_F,o,o], w[o_F,*])
+                   2. dL/dx[o,o_F,o,o] <- Σ_F dL/dx[o,*,o,o]              reduce-scatter over F
+                   3. dL/dw[o_F,*]   = conv_bwd_filter(x[o,*,o,o], dL/dy[o,o_F,o,o])
+
+    **Stationary-w** (channel and filter parallelism, ``w[o_F,o_C]``)::
+
+        forward    1. x[o,o_C,o,o]   <- x[o,o_{C×F},o,o]                  allgather over F
+                   2. Σ_C y[o,o_F,o,o] = conv(x[o,o_C,o,o], w[o_F,o_C])   local
+                   3. y[o,o_{F×C},o,o] <- Σ_C y[o,o_F,o,o]                reduce-scatter over C
+        backward   1. dL/dy[o,o_F,o,o] <- dL/dy[o,o_{F×C},o,o]            allgather over C
+                   2. Σ_F dL/dx[o,o_C,o,o] = conv_bwd_data(dL/dy[o,o_F,o,o], w[o_F,o_C])
+                   3. dL/dx[o,o_{C×F},o,o] <- Σ_F dL/dx[o,o_C,o,o]        reduce-scatter over F
+                   4. dL/dw[o_F,o_C] = conv_bwd_filter(x[o,o_C,o,o], dL/dy[o,o_F,o,o])
+
+    **Grouped convolutions** (``groups > 1``) run under sample and spatial parallelism, and under
+    stationary-x (-y) when ``groups`` is divisible by C (F): each rank's channel block then holds
+    whole groups and its filters form its block of y, so ``x[o,o_C,o,o] -> y[o,o_C,o,o]`` with
+    ``w[o_C,*]`` is a local grouped convolution with no communication (depthwise included).
+
+    Stationary-x and -y are stationary-w with F = 1 and C = 1. Because y's channel dim is blocked
+    ``o_{F×C}``, a following stationary-w layer built with ``channel_dim="F", filter_dim="C"``
+    takes it as its ``x[o,o_{F×C},o,o]`` with no data movement between the layers.
+
+    **Sample and spatial parallelism** combine with all three. Samples are blocked over N. H and W
+    are blocked over the grid dims H and W: each rank owns a balanced block of the *output* rows
+    and of the input rows, and after forward step 1 it gathers the input rows its output block
+    reads from their owners (halo exchange, H then W, so corners travel with the W exchange),
+    adding the global padding itself; the convolution then runs unpadded on those dims. In
+    backward the halo rows' gradients go back to their owners and are added there (halo
+    accumulate), before the reduce-scatter of dL/dx. Any kernel (odd or even), stride, dilation and
+    padding (ints, pairs, ``'same'``, ``'valid'``), every padding mode (the rows that
+    ``'reflect'``, ``'replicate'`` and ``'circular'`` copy travel like halo rows) and uneven blocks
+    on every dim are exact.
+
+    **Bias** is distributed like y's channel dim (``b[o_C]``, ``b[o_F]``, ``b[o_{F×C}]``) and added
+    after the last forward step.
+
+    **Gradient completion** (the last backward step of every algorithm,
+    ``dL/dw <- Σ_{N,H,W} dL/dw``: allreduce over N×H×W). Weight and bias are ordinary
+    ``nn.Parameter`` shards, replicated over the grid dims their distribution does not use (N, H
+    and W). Their local gradients are pending sums over those dims; a segmented allreduce over them is started asynchronously from a hook
+    the moment each gradient is ready and finished by an autograd callback before
+    ``loss.backward()`` returns, so an optimizer reads complete gradients. Gradients accumulate over
+    several backward passes as in PyTorch. After gradients computed any other way (e.g.
+    ``torch.autograd.grad``), call :meth:`finish_grad_sync`.
+
+    **Global shapes.** Collectives are planned from global shapes only. The layer knows C and F
+    from its parameters; the global N, H, W come from, in this order: the ``global_shape``
+    argument of :meth:`forward`, the ``input_shape`` given at construction, or -- when N, H and W
+    are not distributed -- the local input itself. Otherwise the ranks of the N×H×W segment agree
+    on them with one small allgather of their local sizes per forward call (counted by the
+    communicator; pass the shape to avoid it).
+
+    Example::
+
+        grid = ProcessorGrid({"N": 2, "C": 2})                  # 4 ranks
+        conv = DistConv2d(128, 128, 3, padding=1, grid=grid, algorithm="stationary-x")
+        shape = (32, 128, 28, 28)                               # global input
+        x = X[conv.input_dist.local_slices(shape, grid)]        # this rank's x[o,o_C,o,o]
+        y = conv(x, shape)                                      # this rank's y[o,o_C,o,o]
+        y.square().sum().backward()                             # weight/bias grads complete
+        dense = conv.to_conv2d()                                # collective: a plain nn.Conv2d
+
+    Args:
+        in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias,
+            padding_mode, device, dtype: as ``nn.Conv2d`` (global sizes).
+        grid: the :class:`~distconv.grid.ProcessorGrid` over all ranks. Its dims must be among
+            the five role names.
+        algorithm: ``'stationary-x'``, ``'stationary-y'`` or ``'stationary-w'``.
+        channel_dim: grid dim distributing input channels. Default ``"C"``.
+        filter_dim: grid dim distributing output filters. Default ``"F"``.
+        sample_dim: grid dim distributing samples. Default ``"N"``.
+        spatial_dims: grid dims distributing H and W. Default ``("H", "W")``.
+        input_shape: the global input shape ``(N, C, H, W)`` if fixed; validated at construction.
+            Default ``None``.
+        init_seed: seed of the initial global weight and bias (every rank slices the same global
+            tensors; drawn like ``nn.Conv2d.reset_parameters``). Default ``None``: rank 0 draws one
+            from torch's default generator and broadcasts it.
+
+    Raises:
+        ValueError: an unknown algorithm or padding mode, a grid dim without a role, a grid that
+            the algorithm cannot use (e.g. F > 1 with stationary-x), more ranks than channels,
+            filters, samples, input or output rows on some dim, grouped convolution with channel
+            or filter blocks that do not hold whole groups (:class:`UnsupportedConvError`, also a
+            ``NotImplementedError``), or a padding mode that cannot pad the input (reflect:
+            padding < size; circular: padding <= size). Each message says what would work.
+            Checks that need the global input shape run at construction when ``input_shape`` is
+            given, else at the first forward with that shape.
+    """
+
+    def __init__(
+        self,
+        in_channels: int,
+        out_channels: int,
+        kernel_size: int | tuple[int, int],
+        stride: int | tuple[int, int] = 1,
+        padding: str | int | tuple[int, int] = 0,
+        dilation: int | tuple[int, int] = 1,
+        groups: int = 1,
+        bias: bool = True,
+        padding_mode: str = "zeros",
+        device: Any = None,
+        dtype: torch.dtype | None = None,
+        *,
+        grid: ProcessorGrid,
+        algorithm: str,
+        channel_dim: str = "C",
+        filter_dim: str = "F",
+        sample_dim: str = "N",
+        spatial_dims: tuple[str, str] = ("H", "W"),
+        input_shape: Sequence[int] | None = None,
+        init_seed: int | None = None,
+    ) -> None:
+        super().__init__()
+        self.in_channels, self.out_channels = _positive(in_channels, "in_channels"), _positive(
+            out_channels, "out_channels"
+        )
+        self.kernel_size = pair(kernel_size, "kernel_size")
+        self.stride = pair(stride, "stride")
+        self.dilation = pair(dilation, "dilation")
+        for name in ("kernel_size", "stride", "dilation"):
+            if min(getattr(self, name)) < 1:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        self.padding: str | tuple[int, int] = (
+            padding if isinstance(padding, str) else pair(padding, "padding")
+        )
+        self._pads = normalize_padding(padding, self.kernel_size, self.stride, self.dilation)
+        self.groups = _positive(groups, "groups")
+        if in_channels % groups or out_channels % groups:
+            raise ValueError(
+                f"in_channels ({in_channels}) and out_channels ({out_channels}) must be divisible "
+                f"by groups ({groups})"
+            )
+        if padding_mode not in PADDING_MODES:
+            raise ValueError(f"padding_mode must be one of {PADDING_MODES}, got {padding_mode!r}")
+        self.padding_mode = padding_mode
+        self._reversed_padding = tuple(p for pads in reversed(self._pads) for p in pads)
+        if not isinstance(grid, ProcessorGrid):
+            raise TypeError(
+                f"grid must be a distconv.grid.ProcessorGrid, got {type(grid).__name__}"
+            )
+        if (not isinstance(spatial_dims, (tuple, list)) or len(spatial_dims) != 2
+                or not all(isinstance(d, str) for d in spatial_dims)):
+            raise TypeError(f"spatial_dims must be a pair of grid dim names, got {spatial_dims!r}")
+        if algorithm not in ALGORITHMS:
+            raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
+        self.grid, self.algorithm = grid, algorithm
+        self.roles = {
+            "sample_dim": sample_dim, "channel_dim": channel_dim, "filter_dim": filter_dim,
+            "H": spatial_dims[0], "W": spatial_dims[1],
+        }
+        self._check_grid()
+        self._build_dists()
+        self._local = all(
+            self._ext(self.roles[r]) == 1 for r in ("channel_dim", "filter_dim", "H", "W")
+        )
+        grouped = self._group_parts > 1
+        self._gather_x = not grouped and algorithm != "stationary-x" and self._ext(filter_dim) > 1
+        self._reduce_y = not grouped and algorithm != "stationary-y" and self._ext(channel_dim) > 1
+        self._local_groups = self.groups // self._group_parts
+        self.input_shape = None if input_shape is None else self._check_input_shape(input_shape)
+        self._geometries: dict[tuple[int, ...], _Geometry] = {}
+        if self.input_shape is not None:
+            self._geometry(self.input_shape)
+        # Sub-communicators are created collectively, in the same order on every rank.
+        self._shape_comm = self._subcomm(sample_dim, *spatial_dims)
+        self._halo_comms = tuple(self._subcomm(d) for d in spatial_dims)
+        redundant = tuple(d for d in self.weight_dist.redundant(grid) if self._ext(d) > 1)
+        where = f"DistConv2d({in_channels}, {out_channels}, {algorithm}) over {'×'.join(redundant)}"
+        self.grad_sync = GradSync(self._subcomm(*redundant), where=where) if redundant else None
+        self._make_parameters(bias, device, dtype, init_seed)
+
+    # ------------------------------------------------------------------ construction
+    def _ext(self, name: str) -> int:
+        return self.grid.shape.get(name, 1)
+
+    def _subcomm(self, *dims: str) -> Any:
+        """The segment over those of ``dims`` the grid splits (None when it splits none)."""
+        split = [d for d in dims if self._ext(d) > 1]
+        return self.grid.subcomm(split) if split else None
+
+    def _check_grid(self) -> None:
+        roles = self.roles
+        names = list(roles.values())
+        if len(set(names)) != len(names):
+            raise ValueError(f"the grid-dim roles must be distinct, got {roles}")
+        for d in self.grid.names:
+            if d not in names:
+                raise ValueError(
+                    f"grid dim {d!r} of {self.grid!r} has no role in DistConv2d; roles are "
+                    + ", ".join(f"{k}={v!r}" for k, v in roles.items())
+                )
+        c, f = self._ext(roles["channel_dim"]), self._ext(roles["filter_dim"])
+        if self.algorithm == "stationary-x" and f > 1:
+            raise ValueError(
+                f"algorithm='stationary-x' distributes only channels, but the grid has "
+                f"{roles['filter_dim']}={f}; use algorithm='stationary-w' (or stationary-y)"
+            )
+        if self.algorithm == "stationary-y" and c > 1:
+            raise ValueError(
+                f"algorithm='stationary-y' distributes only filters, but the grid has "
+                f"{roles['channel_dim']}={c}; use algorithm='stationary-w' (or stationary-x)"
+            )
+        self._group_parts = 1
+        if self.groups > 1 and (c > 1 or f > 1):
+            p = c * f
+            if self.algorithm == "stationary-w" or self.groups % p:
+                raise UnsupportedConvError(
+                    f"groups={self.groups} with {self.algorithm} on {roles['channel_dim']}={c}, "
+                    f"{roles['filter_dim']}={f} is not implemented; grouped convolutions work "
+                    "under sample and spatial parallelism, and with stationary-x or stationary-y "
+                    "when the channel/filter blocks hold whole groups (groups divisible by "
+                    f"{roles['channel_dim']} or {roles['filter_dim']})"
+                )
+            self._group_parts = p
+        parts = c * f
+        for what, n in (("in_channels", self.in_channels), ("out_channels", self.out_channels)):
+            if n < parts:
+                raise ValueError(
+                    f"{what}={n} is smaller than the {parts} channel/filter blocks of "
+                    f"{self.grid!r} under {self.algorithm}; every rank needs at least one: use "
+                    f"{roles['channel_dim']}×{roles['filter_dim']} <= {n}"
+                )
+
+    def _role(self, role: str) -> str | None:
+        name = self.roles[role]
+        return name if name in self.grid.shape or name in ("N", "C", "F", "H", "W") else None
+
+    def _build_dists(self) -> None:
+        n, c, f = self._role("sample_dim"), self._role("channel_dim"), self._role("filter_dim")
+        h, w = self._role("H"), self._role("W")
+
+        def both(major: str | None, minor: str | None) -> Entry:
+            names = tuple(d for d in (major, minor) if d is not None)
+            return names if len(names) > 1 else (names[0] if names else None)
+
+        alg = self.algorithm
+        x_in = {"stationary-x": c, "stationary-y": f, "stationary-w": both(c, f)}[alg]
+        x_work = {"stationary-x": c, "stationary-y": None, "stationary-w": c}[alg]
+        w_rows = {"stationary-x": None, "stationary-y": f, "stationary-w": f}[alg]
+        w_cols = {"stationary-x": c, "stationary-y": None, "stationary-w": c}[alg]
+        y_part = {"stationary-x": None, "stationary-y": f, "stationary-w": f}[alg]
+        y_out = {"stationary-x": c, "stationary-y": f, "stationary-w": both(f, c)}[alg]
+        pending = frozenset({c}) if c is not None and alg != "stationary-y" else frozenset()
+        if self._group_parts > 1:
+            # Aligned groups: each rank's channel block holds whole groups, whose filters form
+            # its block of y -- a local grouped convolution, no communication.
+            role = c if alg == "stationary-x" else f
+            x_in = x_work = y_part = y_out = role
+            w_rows, w_cols, pending = role, None, frozenset()
+
+        def act(entry: Entry, pend: frozenset[str] = frozenset()) -> Dist:
+            return Dist((n, entry, h, w), pend, _ACT_DIMS)
+
+        self.input_dist = act(x_in)
+        self.work_dist = act(x_work)
+        self.partial_dist = act(y_part, pending)
+        self.output_dist = act(y_out)
+        self.weight_dist = Dist((w_rows, w_cols, None, None), frozenset(), _W_DIMS)
+        self.bias_dist = Dist((y_out,), frozenset(), ("filters",))
+
+    def _check_input_shape(self, shape: Sequence[int]) -> tuple[int, int, int, int]:
+        shape = tuple(int(s) for s in shape)
+        if len(shape) != 4 or shape[1] != self.in_channels:
+            raise ValueError(
+                f"input_shape must be the global (N, C, H, W) with C = in_channels = "
+                f"{self.in_channels}, got {shape}"
+            )
+        n_dim = self.roles["sample_dim"]
+        if shape[0] < self._ext(n_dim):
+            raise ValueError(
+                f"the global batch {shape[0]} is smaller than grid dim {n_dim}={self._ext(n_dim)}; "
+                f"every rank needs at least one sample: use {n_dim} <= {shape[0]}"
+            )
+        return shape  # type: ignore[return-value]
+
+    def _geometry(self, x_shape: tuple[int, ...]) -> _Geometry:
+        geo = self._geometries.get(x_shape)
+        if geo is not None:
+            return geo
+        self._check_input_shape(x_shape)
+        dims = conv_dims(x_shape[2:], self.kernel_size, self.stride, self.dilation, self._pads)
+        halo: list[HaloPlan | None] = []
+        conv_padding, explicit = [0, 0], [0, 0, 0, 0]
+        for i, (d, role) in enumerate(zip(dims, ("H", "W"))):
+            if d.out_length == 0:
+                raise ValueError(
+                    f"the kernel does not fit the input {x_shape} (kernel {self.kernel_size}, "
+                    f"dilation {self.dilation}, padding {self.padding})"
+                )
+            parts = self._ext(self.roles[role])
+            if parts > 1:
+                plan = HaloPlan(d, parts, self.padding_mode)
+                plan.check(self.roles[role])
+                halo.append(plan)
+                continue
+            check_padding_mode(d, self.padding_mode, role)
+            halo.append(None)
+            lo, hi = self._pads[i]
+            if lo == hi:
+                conv_padding[i] = lo
+            explicit[2 - 2 * i], explicit[3 - 2 * i] = lo, hi
+        need_explicit = any(explicit) and (self.padding_mode != "zeros" or any(
+            halo[i] is None and self._pads[i][0] != self._pads[i][1] for i in range(2)
+        ))
+        if need_explicit:
+            conv_padding = [0, 0]
+        y_shape = (x_shape[0], self.out_channels, dims[0].out_length, dims[1].out_length)
+        geo = _Geometry(
+            tuple(x_shape), y_shape, (halo[0], halo[1]), (conv_padding[0], conv_padding[1]),
+            tuple(explicit) if need_explicit else None,  # type: ignore[arg-type]
+        )
+        self._geometries[tuple(x_shape)] = geo
+        return geo
+
+    def _make_parameters(
+        self, bias: bool, device: Any, dtype: torch.dtype | None, seed: int | None
+    ) -> None:
+        kw = {"device": device, "dtype": dtype}
+        w_local = self.weight_dist.local_shape(self.weight_shape, self.grid)
+        self.weight = nn.Parameter(torch.empty(w_local, **kw))
+        if bias:
+            b_local = self.bias_dist.local_shape((self.out_channels,), self.grid)
+            self.bias: nn.Parameter | None = nn.Parameter(torch.empty(b_local, **kw))
+        else:
+            self.register_parameter("bias", None)
+        self.reset_parameters(seed)
+        if self.grad_sync is not None:
+            self.grad_sync.register(self.weight)
+            if self.bias is not None:
+                self.grad_sync.register(self.bias)
+
+    @property
+    def weight_shape(self) -> tuple[int, int, int, int]:
+        """Global weight shape ``(out_channels, in_channels // groups, kh, kw)``."""
+        return (self.out_channels, self.in_channels // self.groups, *self.kernel_size)
+
+    def reset_parameters(self, seed: int | None = None) -> None:
+        """Re-draw weight and bias like ``nn.Conv2d`` from a seed shared by all ranks (collective
+        when ``seed`` is None)."""
+        if seed is None:
+            seed = self._agree_seed()
+        gen = torch.Generator().manual_seed(int(seed))
+        w = torch.empty(self.weight_shape, dtype=self.weight.dtype)
+        nn.init.kaiming_uniform_(w, a=math.sqrt(5), generator=gen)
+        fan_in = self.weight_shape[1] * self.kernel_size[0] * self.kernel_size[1]
+        bound = 1.0 / math.sqrt(fan_in) if fan_in > 0 else 0.0
+        b = torch.empty(self.out_channels, dtype=self.weight.dtype).uniform_(
+            -bound, bound, generator=gen
+        )
+        self.load_global_parameters(w, b if self.bias is not None else None)
+
+    def _agree_seed(self) -> int:
+        seed = torch.randint(0, 2**62, (1,), dtype=torch.int64) if self.grid.rank == 0 else (
+            torch.zeros(1, dtype=torch.int64)
+        )
+        if self.grid.size > 1:
+            seed = self.grid.comm.broadcast(seed, root=0, meta="DistConv2d init seed")
+        return int(seed.item())
+
+    @torch.no_grad()
+    def load_global_parameters(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        """Copy this rank's shards of the global ``weight`` (and ``bias``) into the parameters.
+
+        Every rank passes the same global tensors; no communication.
+        """
+        if tuple(weight.shape) != self.weight_shape:
+            raise ValueError(
+                f"weight must have the global shape {self.weight_shape}, got {tuple(weight.shape)}"
+            )
+        self.weight.copy_(weight[self.weight_dist.local_slices(self.weight_shape, self.grid)])
+        if self.bias is not None:
+            if bias is None or tuple(bias.shape) != (self.out_channels,):
+                raise ValueError(f"bias must have the global shape ({self.out_channels},)")
+            self.bias.copy_(bias[self.bias_dist.local_slices((self.out_channels,), self.grid)])
+
+    @classmethod
+    def from_conv2d(
+        cls, conv: nn.Conv2d, *, grid: ProcessorGrid, algorithm: str, **options: Any
+    ) -> DistConv2d:
+        """Shard an existing ``nn.Conv2d`` (the same on every rank) onto ``grid``.
+
+        ``options`` are the keyword options of the constructor (roles, ``input_shape``).
+        """
+        if not isinstance(conv, nn.Conv2d):
+            raise TypeError(f"conv must be an nn.Conv2d, got {type(conv).__name__}")
+        layer = cls(
+            conv.in_channels, conv.out_channels, conv.kernel_size, conv.stride, conv.padding,
+            conv.dilation, conv.groups, conv.bias is not None, conv.padding_mode,
+            conv.weight.device, conv.weight.dtype, grid=grid, algorithm=algorithm,
+            init_seed=0, **options,
+        )
+        layer.load_global_parameters(
+            conv.weight.detach(), None if conv.bias is None else conv.bias.detach()
+        )
+        return layer
+
+    # ------------------------------------------------------------------ gathering
+    def gather_weight(self) -> torch.Tensor:
+        """The global weight on every rank (collective)."""
+        return gather(self.weight.detach(), self.weight_dist, self.grid, self.weight_shape)
+
+    def gather_bias(self) -> torch.Tensor | None:
+        """The global bias on every rank (collective), or None."""
+        if self.bias is None:
+            return None
+        return gather(self.bias.detach(), self.bias_dist, self.grid, (self.out_channels,))
+
+    def to_conv2d(self) -> nn.Conv2d:
+        """A plain ``nn.Conv2d`` with the gathered global parameters, on every rank (collective)."""
+        w, b = self.gather_weight(), self.gather_bias()
+        conv = nn.Conv2d(
+            self.in_channels, self.out_channels, self.kernel_size, self.stride, self.padding,
+            self.dilation, self.groups, self.bias is not None, self.padding_mode,
+            device=w.device, dtype=w.dtype,
+        )
+        with torch.no_grad():
+            conv.weight.copy_(w)
+            if b is not None:
+                conv.bias.copy_(b)
+        return conv
+
+    def finish_grad_sync(self) -> None:
+        """Finish pending gradient allreduces (``loss.backward()`` does this itself)."""
+        if self.grad_sync is not None:
+            self.grad_sync.finish()
+
+    # ------------------------------------------------------------------ shapes
+    def output_shape(self, input_shape: Sequence[int]) -> tuple[int, int, int, int]:
+        """Global output shape for the global input shape ``(N, C, H, W)``."""
+        return self._geometry(tuple(int(s) for s in input_shape)).y_shape
+
+    def local_input_shape(self, input_shape: Sequence[int]) -> tuple[int, ...]:
+        """This rank's input block for the global input shape."""
+        return self.input_dist.local_shape(tuple(input_shape), self.grid)
+
+    def _global_shape(self, x: torch.Tensor, given: Sequence[int] | None) -> tuple[int, ...]:
+        if given is not None:
+            return tuple(int(s) for s in given)
+        if self.input_shape is not None:
+            return self.input_shape
+        if self._shape_comm is None:
+            return (x.shape[0], self.in_channels, x.shape[2], x.shape[3])
+        return self._agree_shape(x)
+
+    def _agree_shape(self, x: torch.Tensor) -> tuple[int, ...]:
+        """Global (N, C, H, W) from one allgather of the local (N, H, W) over the N×H×W segment:
+        each global size is the sum of the blocks along its own grid dim."""
+        roles = [self.roles[r] for r in ("sample_dim", "H", "W")]
+        split = [d for d in roles if self._ext(d) > 1]
+        segment = next(g for g in self.grid.segments(split) if self.grid.rank in g)
+        local = torch.tensor([x.shape[0], x.shape[2], x.shape[3]], dtype=torch.int64)
+        sizes = self._shape_comm.allgather(local, meta="DistConv2d global shape agreement")
+        total = [0, 0, 0]
+        for rank, s in zip(segment, sizes):
+            coords = self.grid.coords_of(rank)
+            for k, role in enumerate(roles):
+                if all(coords.get(o, 0) == 0 for o in roles if o != role):
+                    total[k] += int(s[k])
+        return (total[0], self.in_channels, total[1], total[2])
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, x: torch.Tensor, global_shape: Sequence[int] | None = None) -> torch.Tensor:
+        """Convolve this rank's block ``x`` (distributed as :attr:`input_dist`).
+
+        Returns this rank's block of y, distributed as :attr:`output_dist`. ``global_shape`` is
+        the global input shape ``(N, C, H, W)`` (see the class docstring).
+        """
+        if self._local:
+            return self._local_conv(x)
+        if x.dim() != 4:
+            raise ValueError(
+                f"DistConv2d on a distributed grid takes a 4-d input, got {tuple(x.shape)}"
+            )
+        shape = self._global_shape(x, global_shape)
+        geo = self._geometry(shape)
+        expected = self.input_dist.local_shape(shape, self.grid)
+        if tuple(x.shape) != expected:
+            raise ValueError(
+                f"rank {self.grid.rank} (coords {self.grid.coords}) got an input block of shape "
+                f"{tuple(x.shape)}, but {self.input_dist.format('x')} of the global shape {shape} "
+                f"gives it {expected}"
+            )
+        if self._gather_x:
+            x = redistribute(x, self.grid, self.input_dist, self.work_dist, shape)
+        for i, plan in enumerate(geo.halo):
+            if plan is not None:
+                x = halo_exchange(x, self._halo_comms[i], plan, 2 + i)
+        if geo.explicit_pad is not None:
+            mode = "constant" if self.padding_mode == "zeros" else self.padding_mode
+            x = F.pad(x, geo.explicit_pad, mode=mode)
+        fused_bias = None if self._reduce_y else self.bias
+        y = F.conv2d(
+            x, self.weight, fused_bias, self.stride, geo.conv_padding, self.dilation,
+            self._local_groups,
+        )
+        if self._reduce_y:
+            y = redistribute(y, self.grid, self.partial_dist, self.output_dist, geo.y_shape)
+            if self.bias is not None:
+                y = y + self.bias.view(1, -1, 1, 1)
+        return y
+
+    def _local_conv(self, x: torch.Tensor) -> torch.Tensor:
+        if self.padding_mode != "zeros":
+            return F.conv2d(
+                F.pad(x, self._reversed_padding, mode=self.padding_mode), self.weight, self.bias,
+                self.stride, 0, self.dilation, self.groups,
+            )
+        return F.conv2d(
+            x, self.weight, self.bias, self.stride, self.padding, self.dilation, self.groups
+        )
+
+    # ------------------------------------------------------------------ description
+    def describe(self, input_shape: Sequence[int]) -> str:
+        """The forward steps with distributions and plans for the global ``input_shape``."""
+        shape = tuple(int(s) for s in input_shape)
+        geo = self._geometry(shape)
+        lines = [f"{self.algorithm} on {dict(self.grid.layout)}"]
+        move = plan_redistribution(self.grid.layout, self.input_dist, self.work_dist, shape)
+        lines.append(f"  {move.describe()}")
+        for i, plan in enumerate(geo.halo):
+            if plan is not None:
+                lines.append(f"  halo exchange on {self.roles['HW'[i]]} ({plan.parts} blocks)")
+        lines.append(
+            f"  conv: {self.work_dist.format('x')} * {self.weight_dist.format('w')} -> "
+            f"{self.partial_dist.format('y')}"
+        )
+        move = plan_redistribution(
+            self.grid.layout, self.partial_dist, self.output_dist, geo.y_shape
+        )
+        lines.append(f"  {move.describe()}")
+        if self.grad_sync is not None:
+            lines.append(f"  backward: gradient allreduce {self.grad_sync.where}")
+        traffic = conv_traffic(
+            self._problem(shape), self.grid.layout, self.algorithm, self.grid.coords,
+            itemsize=self.weight.element_size(), channel_dim=self.roles["channel_dim"],
+            filter_dim=self.roles["filter_dim"], sample_dim=self.roles["sample_dim"],
+            spatial_dims=(self.roles["H"], self.roles["W"]),
+        )
+        lines.append(
+            f"  bytes received by rank {self.grid.rank}: forward {traffic.forward_bytes:,}, "
+            f"backward {traffic.backward_bytes:,} (distconv.perfmodel)"
+        )
+        return "\n".join(lines)
+
+    def _problem(self, input_shape: Sequence[int]) -> ConvProblem:
+        n, c, h, w = input_shape
+        return ConvProblem(
+            n, c, self.out_channels, h, w, self.kernel_size, self.stride, self.padding,
+            self.dilation, self.groups, self.bias is not None, self.padding_mode,
+        )
+
+    def extra_repr(self) -> str:
+        s = (
+            f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, "
+            f"stride={self.stride}, padding={self.padding!r}, dilation={self.dilation}, "
+            f"groups={self.groups}, bias={self.bias is not None}, "
+            f"padding_mode={self.padding_mode!r}, grid={dict(self.grid.layout)}, "
+            f"algorithm={self.algorithm!r}"
+        )
+        defaults = {"sample_dim": "N", "channel_dim": "C", "filter_dim": "F", "H": "H", "W": "W"}
+        changed = {k: v for k, v in self.roles.items() if defaults[k] != v}
+        if changed:
+            s += ", " + ", ".join(f"{k}={v!r}" for k, v in changed.items())
+        if self.input_shape is not None:
+            s += f", input_shape={self.input_shape}"
+        dists = (self.input_dist.format("x"), self.weight_dist.format("w"),
+                 self.output_dist.format("y"))
+        return s + ", x={}, w={}, y={}".format(*dists)
+
+
+def _positive(value: int, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return value
