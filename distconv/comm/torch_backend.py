@@ -7,10 +7,11 @@ What gloo (torch 2.13) lacks, and what is done about it:
 
 - ``allgather`` needs equal sizes on every rank: uneven inputs are padded to the largest and the
   results are views of the unpadded prefixes (padding is never counted in the stats).
-- ``reduce_scatter`` with uneven chunks and ``alltoall_base`` with split sizes (alltoallv) are
-  native in gloo and used as they are; NCCL reduce-scatter is padded the same way as allgather.
-  A gloo that reports it does not support reduce-scatter (older torch) gets an all-to-all of the
-  chunks and a local reduction in rank order (the same bytes as a ring reduce-scatter).
+- ``alltoall_base`` with split sizes (alltoallv) is native in gloo and used as it is. gloo's
+  ``reduce_scatter`` exists but is slow (5-20x an all-to-all of the same bytes on 2-4 ranks), so
+  on gloo a reduce-scatter is an all-to-all of the chunks and a local reduction in rank order (the
+  bytes a ring reduce-scatter moves, and deterministic). NCCL uses its own reduce-scatter, padded
+  like allgather when uneven; a backend that reports no reduce-scatter support falls back too.
 - some dtypes cannot be reduced (int16, uint16, ...): they are reduced in a wider integer type
   and cast back (exact). ``avg`` is a sum divided by the size on every backend.
 - data movement (allgather, alltoall, broadcast, send/recv) is done on uint8 views of the
@@ -94,7 +95,9 @@ class TorchCommunicator(Communicator):
         self._kind = kind
         self._name = name
         self._nsplits = 0
-        self._native_reduce_scatter = True
+        # gloo's own reduce-scatter measured 5-20x slower than an all-to-all plus a local sum of
+        # the same bytes (benchmarks/collectives.py); NCCL's is the fast one.
+        self._native_reduce_scatter = kind == "nccl"
         if kind == "nccl":
             self._device = torch.device("cuda", torch.cuda.current_device())
 

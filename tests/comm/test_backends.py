@@ -67,6 +67,6 @@ def test_mpi_noncontiguous_bf16_buffers(mpi4):
 
 @pytest.mark.gloo
 @pytest.mark.parametrize("name", ["gloo2", "gloo4"])
-def test_gloo_reduce_scatter_fallback_matches(request, name):
-    for snaps in _pool(request, name).run(programs.reduce_scatter_by_alltoall):
+def test_gloo_native_reduce_scatter_matches(request, name):
+    for snaps in _pool(request, name).run(programs.reduce_scatter_native):
         assert all(s["calls"]["reduce_scatter"] == 3 for s in snaps)
