@@ -48,9 +48,6 @@ def test_format_writes_what_parse_reads(spec, dims):
                                           not spec.startswith("[") else "") == spec
 
 
-names = st.sampled_from(["N", "C", "F", "H", "W", "P", "Q"])
-
-
 @st.composite
 def dists(draw):
     ndim = draw(st.integers(1, 4))
@@ -59,9 +56,11 @@ def dists(draw):
     entries = []
     for _ in range(ndim):
         k = draw(st.integers(0, 2))
-        group = tuple(next(it) for _ in range(k))
+        group = tuple(n for n in (next(it, None) for _ in range(k)) if n is not None)
+        k = len(group)
         entries.append(None if not group else group[0] if k == 1 else group)
-    pending = frozenset(next(it) for _ in range(draw(st.integers(0, 2))))
+    pending = frozenset(n for n in (next(it, None) for _ in range(draw(st.integers(0, 2))))
+                        if n is not None)
     tensor_dims = draw(st.one_of(st.none(), st.just(tuple("NCHW"[:ndim]))))
     return Dist(tuple(entries), pending, tensor_dims)
 
