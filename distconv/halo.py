@@ -28,22 +28,34 @@ def _with_len(t: torch.Tensor, dim: int, n: int) -> tuple[int, ...]:
     return tuple(shape)
 
 
+def _swap_rows(
+    t: torch.Tensor, comm: Any, parts: int, dim: int, outgoing: Any, incoming: Any, meta: str
+) -> list[torch.Tensor]:
+    """One all-to-all: rows ``outgoing(q) = (offset, count)`` of ``t`` go to rank ``q``, and
+    ``incoming(q)`` rows arrive from it (nothing to or from this rank itself)."""
+    r = comm.rank
+    chunks, shapes = [], []
+    for q in range(parts):
+        if q == r:
+            chunks.append(t.new_empty(_with_len(t, dim, 0)))
+            shapes.append(_with_len(t, dim, 0))
+            continue
+        off, cnt = outgoing(q)
+        chunks.append(t.narrow(dim, off, cnt).contiguous())
+        shapes.append(_with_len(t, dim, incoming(q)))
+    return comm.alltoall(chunks, recv_shapes=shapes, meta=meta)
+
+
 def _exchange_forward(x: torch.Tensor, comm: Any, plan: HaloPlan, dim: int) -> torch.Tensor:
     """Zero padding: the local input is contiguous rows, so slices and one concatenation do."""
     r = comm.rank
     off, cnt = plan.send_rows(r, r)
     pieces = []
     if plan.exchanges:
-        chunks, shapes = [], []
-        for q in range(plan.parts):
-            if q == r:
-                chunks.append(x.new_empty(_with_len(x, dim, 0)))
-                shapes.append(_with_len(x, dim, 0))
-                continue
-            s_off, s_cnt = plan.send_rows(r, q)
-            chunks.append(x.narrow(dim, s_off, s_cnt).contiguous())
-            shapes.append(_with_len(x, dim, plan.recv_rows(q, r)[1]))
-        recv = comm.alltoall(chunks, recv_shapes=shapes, meta=f"halo exchange dim {dim}")
+        recv = _swap_rows(
+            x, comm, plan.parts, dim, lambda q: plan.send_rows(r, q),
+            lambda q: plan.recv_rows(q, r)[1], f"halo exchange dim {dim}",
+        )
         for q in range(plan.parts):
             if q == r:
                 if cnt:
@@ -76,16 +88,10 @@ def halo_accumulate(g: torch.Tensor, comm: Any, plan: HaloPlan, dim: int) -> tor
         out.narrow(dim, off, cnt).add_(g.narrow(dim, plan.recv_rows(r, r)[0], cnt))
     if not plan.exchanges:
         return out
-    chunks, shapes = [], []
-    for q in range(plan.parts):
-        if q == r:
-            chunks.append(g.new_empty(_with_len(g, dim, 0)))
-            shapes.append(_with_len(g, dim, 0))
-            continue
-        r_off, r_cnt = plan.recv_rows(q, r)
-        chunks.append(g.narrow(dim, r_off, r_cnt).contiguous())
-        shapes.append(_with_len(g, dim, plan.send_rows(r, q)[1]))
-    recv = comm.alltoall(chunks, recv_shapes=shapes, meta=f"halo accumulate dim {dim}")
+    recv = _swap_rows(
+        g, comm, plan.parts, dim, lambda q: plan.recv_rows(q, r),
+        lambda q: plan.send_rows(r, q)[1], f"halo accumulate dim {dim}",
+    )
     for q in range(plan.parts):
         s_off, s_cnt = plan.send_rows(r, q)
         if q != r and s_cnt:

@@ -23,7 +23,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from redistribution_walk import SHAPE as WALK_SHAPE  # noqa: E402
-from redistribution_walk import walk  # noqa: E402
+from redistribution_walk import report, walk  # noqa: E402
 
 from distconv import Dist, ProcessorGrid, gather, redistribute, repartition, scatter  # noqa: E402
 from distconv.launch import launch  # noqa: E402
@@ -126,13 +126,7 @@ def main() -> None:
     args = parser.parse_args()
 
     print(f"== 1. redistributions: grid F=2 × C=2, 4 {args.backend} ranks, x {WALK_SHAPE} fp64\n")
-    results = launch(walk, 4, backend=args.backend)
-    for i, (name, ops, _, _) in enumerate(results[0]):
-        moved = [r[i][2] for r in results]
-        error = max(r[i][3] for r in results)
-        print(f"  {name:32s} {ops:30s} bytes/rank {moved}  max|err| {error:.1e}")
-        if error > 1e-12:
-            raise SystemExit(f"step {name} differs from the single-process tensor")
+    report(launch(walk, 4, backend=args.backend))
 
     print(f"\n== 2. a DistConv2d stack on 4 {args.backend} ranks, input {INPUT} fp32\n")
     results = launch(conv_stack, 4, backend=args.backend)

@@ -57,15 +57,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--backend", default="gloo", choices=["gloo", "mpi", "threads"])
     args = parser.parse_args()
-    results = launch(walk, 4, backend=args.backend)
     print(f"grid F=2 × C=2 on 4 {args.backend} ranks, x of global shape {SHAPE} (fp64)\n")
+    report(launch(walk, 4, backend=args.backend))
+    print("\nevery step equals the single-process result")
+
+
+def report(results: list[list[tuple[str, str, int, float]]]) -> None:
+    """Print each step with every rank's bytes; stop if any rank's result differs."""
     for i, (name, ops, _, _) in enumerate(results[0]):
         moved = [r[i][2] for r in results]
         error = max(r[i][3] for r in results)
-        print(f"{name:34s} {ops:42s} bytes/rank {moved}  max |err| {error:.1e}")
+        print(f"  {name:32s} {ops:30s} bytes/rank {moved}  max|err| {error:.1e}")
         if error > 1e-12:
-            raise SystemExit(f"step {name} does not match the single-process tensor")
-    print("\nevery step equals the single-process result")
+            raise SystemExit(f"step {name} differs from the single-process tensor")
 
 
 if __name__ == "__main__":
