@@ -175,9 +175,13 @@ class Conv2dAdapter(LayerAdapter):
         if x.dim() == 3:
             x = x.unsqueeze(0)
         m = self.module
-        xp = self.pad(x.to(dtype))
-        return conv_input_cov(xp, m.kernel_size, stride=m.stride, dilation=m.dilation,
-                              groups=m.groups, bias=self.has_bias)
+        x = x.to(dtype)
+        if m.padding_mode == "zeros":  # padded on the fly, without a padded copy
+            padding = _conv_padding(m)
+        else:
+            x, padding = self.pad(x), (0, 0, 0, 0)
+        return conv_input_cov(x, m.kernel_size, stride=m.stride, dilation=m.dilation,
+                              groups=m.groups, bias=self.has_bias, padding=padding)
 
     def g_sum(self, gy: Tensor, batch: int, dtype: torch.dtype) -> tuple[Tensor, int]:
         gy = gy.detach()
@@ -191,9 +195,10 @@ class Conv2dAdapter(LayerAdapter):
 
 
 def conv_input_cov(xp: Tensor, kernel_size: tuple[int, int], *, stride: tuple[int, int],
-                   dilation: tuple[int, int], groups: int = 1,
-                   bias: bool = False) -> tuple[Tensor, int]:
-    """Sum over all im2col rows of ``a a^T`` for an already padded input ``xp`` (N, C, Hp, Wp).
+                   dilation: tuple[int, int], groups: int = 1, bias: bool = False,
+                   padding: tuple[int, int, int, int] = (0, 0, 0, 0)) -> tuple[Tensor, int]:
+    """Sum over all im2col rows of ``a a^T`` for the input ``xp`` (N, C, H, W) zero-padded by
+    ``padding`` = (left, right, top, bottom), default none (an already padded input).
 
     Exact, without materialising the unfold (``kh*kw`` copies of the input): the covariance of
     a convolution's patches has lag structure.  Writing ``x_u`` for the channel vector at
@@ -202,12 +207,17 @@ def conv_input_cov(xp: Tensor, kernel_size: tuple[int, int], *, stride: tuple[in
     a shifted window.  :func:`_cov_by_row_lags` uses this along rows: kernel columns are
     unfolded (``kw`` copies), and one batched product per row lag serves all ``kh - D`` pairs of
     kernel rows with that lag -- ``kh (C kw)^2 N Wo Hp`` multiply-adds against
-    ``(C kh kw)^2 N Ho Wo`` for the unfold's Gram matrix, about ``kh`` times fewer.
+    ``(C kh kw)^2 N Ho Wo`` for the unfold's Gram matrix, about ``kh`` times fewer.  With column
+    stride 1, :func:`_cov_by_2d_lags` uses it along columns too: one ``C x C`` product per
+    distinct 2-D lag, about ``kw`` times fewer again, where the images are wide enough for its
+    edge corrections to stay small (see :func:`_prefer_2d_lags`).  Both leave out the rows of
+    zero padding, and are exactly symmetric (lower blocks mirror upper ones).
 
     Returns ``(A_sum of shape (groups, C/groups*kh*kw [+1], same), rows)``, rows ordered like
     ``weight.reshape(F, -1)`` columns: (channel, kernel row, kernel column), then the bias 1.
     """
-    n, c, hp, wp = xp.shape
+    n, c, h, w = xp.shape
+    hp, wp = h + padding[2] + padding[3], w + padding[0] + padding[1]
     kh, kw = kernel_size
     (sh, sw), (dh, dw) = stride, dilation
     ho = (hp - dh * (kh - 1) - 1) // sh + 1
@@ -216,11 +226,16 @@ def conv_input_cov(xp: Tensor, kernel_size: tuple[int, int], *, stride: tuple[in
         raise ValueError(f"input of spatial size {(hp, wp)} is smaller than the kernel extent")
     rows = [slice(dh * p, dh * p + sh * (ho - 1) + 1, sh) for p in range(kh)]
     cols = [slice(dw * q, dw * q + sw * (wo - 1) + 1, sw) for q in range(kw)]
-    a = _cov_by_row_lags(xp, kernel_size, ho, wo, rows, cols, groups)
+    live = _live_rows(rows, hp, padding[2:])
+    if sw == 1 and _prefer_2d_lags(kernel_size, dilation, live, w, wo, padding[0], c // groups):
+        a = _cov_by_2d_lags(xp, padding, kernel_size, wo, rows, dilation, groups)
+    else:
+        padded = F.pad(xp, padding) if any(padding) else xp
+        a = _cov_by_row_lags(padded, kernel_size, ho, wo, rows, cols, groups, padding[2:])
     count = n * ho * wo
     if not bias:
         return a, count
-    xs = xp.sum(0)  # (C, Hp, Wp)
+    xs = F.pad(xp.sum(0), padding)  # (C, Hp, Wp): padding with zeros commutes with the sum
     s = torch.stack([torch.stack([xs[:, r, q].sum((1, 2)) for q in cols], -1) for r in rows], -2)
     s = s.reshape(groups, -1)  # (group, (c, p, q))
     m = s.shape[1]
@@ -232,39 +247,188 @@ def conv_input_cov(xp: Tensor, kernel_size: tuple[int, int], *, stride: tuple[in
     return out, count
 
 
+def _row_spans(kh: int, rows: list[slice]) -> list[int]:
+    """Input rows each kernel-row lag multiplies: up to the last row of the last window."""
+    return [rows[kh - 1 - lag].start + rows[0].stop - rows[0].start for lag in range(kh)]
+
+
+def _live_rows(rows: list[slice], hp: int, zero_rows: tuple[int, int]) -> list[range]:
+    """Per kernel-row lag ``D``, the rows ``h`` whose products with row ``h + dil*D`` some
+    window sums and which can be non-zero: neither row among the ``zero_rows`` = (top, bottom)
+    rows of zero padding."""
+    top, bottom = zero_rows
+    spans = _row_spans(len(rows), rows)
+    return [range(top, max(top, min(span, hp - bottom - rows[lag].start)))
+            for lag, span in enumerate(spans)]
+
+
+def _within(window: slice, live: range, hp: int) -> slice:
+    """The rows of ``window`` among ``live``, indexed from ``live.start``."""
+    kept = [h - live.start for h in range(hp)[window] if h in live]
+    return slice(kept[0], kept[-1] + 1, window.step) if kept else slice(0, 0)
+
+
+def _edge_columns(w: int, wo: int, pad: int, left: int) -> list[tuple[int, int]]:
+    """Input columns ``[lo, hi)`` that some kernel column's window of :func:`_cov_by_2d_lags`
+    leaves out: the ``pad - left`` first and ``pad - right`` last ones."""
+    sides = [(0, max(0, pad - left)), (max(0, wo - left), w)]
+    return [(lo, hi) for lo, hi in sides if hi > lo]
+
+
+def _prefer_2d_lags(kernel_size: tuple[int, int], dilation: tuple[int, int], live: list[range],
+                    w: int, wo: int, left: int, cg: int) -> bool:
+    """Whether :func:`_cov_by_2d_lags` is the faster exact path (column stride 1 only).
+
+    Multiply-adds per sample and channel pair, over the ``live`` rows of each kernel-row lag:
+    ``(2 kw - 1)`` lags (``kw`` at lag 0) of ``W + pad`` columns plus the edge strips' products,
+    against :func:`_cov_by_row_lags`' ``kw^2`` blocks (``kw (kw + 1) / 2`` at lag 0) of ``Wo``
+    columns.  Its ``cg x cg`` products run further below BLAS peak than the other path's
+    ``cg kw x cg kw``, so it must save a quarter, and the channels must fill a vector register.
+    """
+    kh, kw = kernel_size
+    pad = dilation[1] * (kw - 1)
+    if cg < 16 or wo < pad:
+        return False
+    strips = sum((hi - lo) * (hi - lo + 2 * pad) for lo, hi in _edge_columns(w, wo, pad, left))
+    lags = sum(len(hs) * ((kw if lag == 0 else 2 * kw - 1) * (w + pad) + strips)
+               for lag, hs in enumerate(live))
+    blocks = sum(len(hs) * (kw * (kw + 1) // 2 if lag == 0 else kw * kw) * wo
+                 for lag, hs in enumerate(live))
+    return 4 * lags < 3 * blocks
+
+
 def _cov_by_row_lags(xp: Tensor, kernel_size: tuple[int, int], ho: int, wo: int,
-                     rows: list[slice], cols: list[slice], groups: int) -> Tensor:
-    """Any stride.  Kernel columns are unfolded (``kw`` copies of the input, not ``kh*kw``) as
-    ``Z[h]``: input row ``h`` of every (channel, kernel column) over samples and output columns.
-    The block for kernel rows ``(p, p+D)`` sums ``Z[h] Z[h + dil*D]^T`` over the rows of
-    ``p``'s window: one batched product per row lag ``D >= 0``.  When striding makes that no
-    cheaper than the unfold's Gram matrix, that is formed from the same ``Z``."""
+                     rows: list[slice], cols: list[slice], groups: int,
+                     zero_rows: tuple[int, int] = (0, 0)) -> Tensor:
+    """Any stride, padded input.  Kernel columns are unfolded (``kw`` copies of the input, not
+    ``kh*kw``) as ``Z[h]``: input row ``h`` of every (kernel column, channel) over samples and
+    output columns.  The block for kernel rows ``(p, p+D)`` sums ``Z[h] Z[h + dil*D]^T`` over
+    the rows of ``p``'s window: one batched product per row lag ``D >= 0`` over the rows some
+    window holds (or per window, when striding leaves rows no window holds) and that are not
+    ``zero_rows`` of padding, of which lag 0 is symmetric and only its kernel-column pairs
+    ``q <= q'`` are formed.  When striding makes that no cheaper than the unfold's Gram matrix,
+    that is formed from the same ``Z``."""
     n, c, hp, wp = xp.shape
     kh, kw = kernel_size
     g, cg = groups, c // groups
     m = cg * kw
-    z = xp.new_empty(hp, g, cg, kw, n, wo)
+    z = xp.new_empty(hp, g, kw, cg, n, wo)
     for q, cs in enumerate(cols):
-        z[:, :, :, q].copy_(xp[:, :, :, cs].reshape(n, g, cg, hp, wo).permute(3, 1, 2, 0, 4))
-    z = z.reshape(hp, g, m, n * wo)
-    starts = [r.start for r in rows]
-    spans = [starts[kh - 1 - lag] + rows[0].stop - rows[0].start for lag in range(kh)]
-    if sum(spans) <= kh * kh * ho:
-        blocks = xp.new_empty(g, kh, m, kh, m)
-        for lag, span in enumerate(spans):
-            off = starts[lag]
-            prod = z[:span] @ z[off: off + span].transpose(-1, -2)  # (span, g, m, m)
-            for p in range(kh - lag):
-                blk = prod[rows[p]].sum(0)
-                blocks[:, p, :, p + lag, :] = blk
-                if lag:
-                    blocks[:, p + lag, :, p, :] = blk.transpose(-1, -2)
+        z[:, :, q].copy_(xp[:, :, :, cs].reshape(n, g, cg, hp, wo).permute(3, 1, 2, 0, 4))
+    z = z.reshape(hp, g, kw, cg, n * wo)
+    live = _live_rows(rows, hp, zero_rows)
+    if sum(_row_spans(kh, rows)) <= kh * kh * ho:
+        blocks = xp.new_empty(g, kh, kw, cg, kh, kw, cg)
+        # Lag 0, symmetric in round-off too.  Forming only q <= q' pays from 8 channels on;
+        # thinner products run too far below BLAS peak.
+        z0 = z[live[0].start: live[0].stop]
+        for q in range(kw) if cg >= 8 else ():
+            prod = z0[:, :, q] @ z0[:, :, q:].flatten(2, 3).mT
+            for p in range(kh):
+                blk = prod[_within(rows[p], live[0], hp)].sum(0)
+                blk = blk.unflatten(-1, (kw - q, cg))  # (g, cg, kw - q, cg)
+                own = blk[:, :, 0]
+                blk[:, :, 0] = own.triu() + own.triu(1).mT
+                blocks[:, p, q, :, p, q:] = blk
+                blocks[:, p, q + 1:, :, p, q] = blk[:, :, 1:].permute(0, 2, 3, 1)
+        z = z.flatten(2, 3)
+        if cg < 8:
+            prod = z0.flatten(2, 3) @ z0.flatten(2, 3).mT
+            for p in range(kh):
+                blk = prod[_within(rows[p], live[0], hp)].sum(0)
+                blk = blk.triu() + blk.triu(1).mT
+                blocks[:, p, :, :, p] = blk.unflatten(-1, (kw, cg)).unflatten(-3, (kw, cg))
+        for lag, hs in enumerate(live[1:], 1):
+            off = rows[lag].start
+            windows = [_within(rows[p], hs, hp) for p in range(kh - lag)]
+            first, second = z[hs.start: hs.stop], z[hs.start + off: hs.stop + off]
+            if sum(len(range(len(hs))[w]) for w in windows) < len(hs):
+                blks = [(first[w] @ second[w].mT).sum(0) for w in windows]
+            else:
+                prod = first @ second.mT  # (rows, g, m, m)
+                blks = [prod[w].sum(0) for w in windows]
+            for p, blk in enumerate(blks):
+                blk = blk.unflatten(-1, (kw, cg)).unflatten(-3, (kw, cg))
+                blocks[:, p, :, :, p + lag] = blk
+                blocks[:, p + lag, :, :, p] = blk.permute(0, 3, 4, 1, 2)
     else:
+        z = z.flatten(2, 3)
         unfolded = torch.stack([z[r] for r in rows], 0)  # (kh, Ho, g, m, N*Wo)
         unfolded = unfolded.permute(2, 0, 3, 1, 4).reshape(g, kh * m, -1)
-        blocks = (unfolded @ unfolded.transpose(1, 2)).reshape(g, kh, m, kh, m)
-    a = blocks.reshape(g, kh, cg, kw, kh, cg, kw).permute(0, 2, 1, 3, 5, 4, 6)
+        blocks = (unfolded @ unfolded.mT).reshape(g, kh, kw, cg, kh, kw, cg)
+    a = blocks.permute(0, 3, 1, 2, 6, 4, 5)
     return a.reshape(g, m * kh, m * kh)
+
+
+def _cov_by_2d_lags(x: Tensor, padding: tuple[int, int, int, int],
+                    kernel_size: tuple[int, int], wo: int, rows: list[slice],
+                    dilation: tuple[int, int], groups: int) -> Tensor:
+    """Column stride 1, ``Wo >= dw (kw - 1)``; ``x`` is zero-padded by ``padding`` on the way.
+
+    The input is laid out once as ``X[h]``: (padded) input row ``h`` of every channel over
+    (sample, column), each sample's ``W`` columns followed by ``pad = dw (kw - 1)`` zeros, which
+    stand for the padding columns: a partner shifted by at most ``pad`` columns meets zeros, not
+    the next sample.  For kernel-row lag ``D`` and column lag ``e``, ``S[h] = X[h] X[h + dh D]^T``
+    with the partner shifted by ``dw e`` columns sums the products over all columns: one
+    ``C x C`` product per distinct 2-D lag, ``kh (2 kw - 1) - (kw - 1)`` of them, against
+    :func:`_cov_by_row_lags`' ``kh kw^2``.  Kernel column ``q`` only sees input columns
+    ``[dw q - left, dw q - left + Wo)``, so the block for ``(q, q + e)`` is ``S`` minus the
+    products at the other columns: ``pad - left`` first and ``pad - right`` last ones."""
+    n, c, h, w = x.shape
+    left, _, top, bottom = padding
+    hp = h + top + bottom
+    kh, kw = kernel_size
+    dh, dw = dilation
+    g, cg = groups, c // groups
+    pad = dw * (kw - 1)
+    row = w + pad
+    k = n * row
+    flat = x.new_zeros(hp, g, cg, pad + k + pad)
+    flat[top: top + h, ..., pad: pad + k].unflatten(-1, (n, row))[..., :w].copy_(
+        x.reshape(n, g, cg, h, w).permute(3, 1, 2, 0, 4))
+    # Edge columns [lo, hi) on each side, with their partners at any column lag: strips of
+    # columns [lo - pad, hi + pad) of every row, (Hp, g, column, cg, N).
+    sides = _edge_columns(w, wo, pad, left)
+    fs = flat.stride()
+    strips = [flat.as_strided((hp, g, cg, n, hi - lo + 2 * pad), fs[:3] + (row, 1),
+                              flat.storage_offset() + lo).permute(0, 1, 4, 2, 3).contiguous()
+              for lo, hi in sides]
+    edge = [u for lo, hi in sides for u in range(lo, hi)]
+    outside = torch.tensor([[not dw * q - left <= u < dw * q - left + wo for u in edge]
+                            for q in range(kw)], dtype=x.dtype, device=x.device)  # (kw, edge)
+    body = flat[..., pad: pad + k]
+    blocks = x.new_empty(kh, kw, kh, kw, g, cg, cg)
+    for lag, hs in enumerate(_live_rows(rows, hp, (top, bottom))):
+        off = rows[lag].start
+        col_lags = range(0 if lag == 0 else 1 - kw, kw)
+        first, part = body[hs.start: hs.stop], flat[hs.start + off: hs.stop + off]
+        full = torch.stack([first @ part[..., pad + dw * e: pad + dw * e + k].mT
+                            for e in col_lags])  # (lags, rows, g, cg, cg)
+        windows = [_within(rows[p], hs, hp) for p in range(kh - lag)]
+        full = torch.stack([full[:, wd].sum(1) for wd in windows], 1)  # (lags, P, g, cg, cg)
+        at_edge = []
+        for (lo, hi), strip in zip(sides, strips):
+            # Every column pair of the strip: (rows, g, (hi - lo) cg, (hi - lo + 2 pad) cg).
+            pairs = (strip[hs.start: hs.stop, :, pad: pad + hi - lo].flatten(2, 3)
+                     @ strip[hs.start + off: hs.stop + off].flatten(2, 3).mT)
+            pairs = torch.stack([pairs[wd].sum(0) for wd in windows]).unflatten(
+                -1, (hi - lo + 2 * pad, cg)).unflatten(-3, (hi - lo, cg))
+            j = torch.arange(hi - lo, device=x.device)
+            at_edge.append(torch.stack([pairs[:, :, j, :, j + pad + dw * e].movedim(0, 2)
+                                        for e in col_lags]))  # (lags, P, g, hi - lo, cg, cg)
+        corr = (torch.einsum("qu,lpguij->lpqgij", outside, torch.cat(at_edge, 3)) if at_edge
+                else full.new_zeros(len(col_lags), kh - lag, kw, g, cg, cg))
+        p_idx = torch.arange(kh - lag, device=x.device)[:, None]
+        for i, e in enumerate(col_lags):
+            qs = torch.arange(max(0, -e), min(kw, kw - e), device=x.device)
+            val = full[i][:, None] - corr[i][:, qs]  # (P, Q, g, cg, cg)
+            if not (lag or e):  # a diagonal block: symmetric, also in round-off
+                val = val.triu() + val.triu(1).mT
+            blocks[p_idx, qs, p_idx + lag, qs + e] = val
+            if lag or e:
+                blocks[p_idx + lag, qs + e, p_idx, qs] = val.mT
+    a = blocks.permute(4, 5, 0, 1, 6, 2, 3)
+    return a.reshape(g, cg * kh * kw, cg * kh * kw)
 
 
 def adapter_for(module: nn.Module, name: str) -> LayerAdapter | str:

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import distkfac
+from distkfac import layers
 from distkfac.layers import Conv2dAdapter, conv_input_cov
 
 from .reference import dense_precondition, grad_matrix, reference_factors
@@ -69,6 +70,78 @@ def test_conv_input_cov_equals_unfold_gram(conv_kw):
         u = torch.cat([u, u.new_ones(3, conv.groups, 1, u.shape[-1])], 2)
     assert rows == 3 * u.shape[-1]
     torch.testing.assert_close(got, torch.einsum("ngil,ngjl->gij", u, u), rtol=1e-12, atol=1e-12)
+
+
+def unfold_gram(conv: nn.Conv2d, xp: torch.Tensor) -> torch.Tensor:
+    """Gram matrix of the explicit im2col of an already padded input, per group."""
+    u = F.unfold(xp, conv.kernel_size, dilation=conv.dilation, stride=conv.stride)
+    u = u.reshape(xp.shape[0], conv.groups, -1, u.shape[-1])
+    return torch.einsum("ngil,ngjl->gij", u, u)
+
+
+@pytest.mark.parametrize("conv_kw", [kw for kw in CONVS if kw.get("stride", 1) in (1, (2, 1))])
+@pytest.mark.parametrize("hw", [(9, 8), (6, 13)])
+def test_2d_lag_cov_equals_unfold_gram(conv_kw, hw):
+    """The column-stride-1 path on its own, also where it is not the faster one: zero padding
+    applied on the fly, other padding modes beforehand."""
+    conv = nn.Conv2d(4, 4, **conv_kw)
+    x = torch.randn(3, 4, *hw)
+    xp = Conv2dAdapter(conv, "c").pad(x)
+    if conv.padding_mode == "zeros":
+        inp, padding = x, layers._conv_padding(conv)
+    else:
+        inp, padding = xp, (0, 0, 0, 0)
+    (kh, kw), (sh, _), (dh, dw) = conv.kernel_size, conv.stride, conv.dilation
+    ho, wo = (xp.shape[2] - dh * (kh - 1) - 1) // sh + 1, xp.shape[3] - dw * (kw - 1)
+    rows = [slice(dh * p, dh * p + sh * (ho - 1) + 1, sh) for p in range(kh)]
+    got = layers._cov_by_2d_lags(inp, padding, conv.kernel_size, wo, rows, conv.dilation,
+                                 conv.groups)
+    torch.testing.assert_close(got, unfold_gram(conv, xp), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("conv_kw", [dict(kernel_size=3, padding=1),
+                                     dict(kernel_size=3, padding=1, groups=2, bias=False),
+                                     dict(kernel_size=(3, 5), padding=(1, 4), dilation=(1, 2))])
+def test_conv_input_cov_on_wide_inputs_takes_2d_lags(conv_kw):
+    conv = nn.Conv2d(32, 32, **conv_kw)
+    x = torch.randn(2, 32, 12, 40)
+    adapter = Conv2dAdapter(conv, "c")
+    xp = adapter.pad(x)
+    wo = xp.shape[3] - conv.dilation[1] * (conv.kernel_size[1] - 1)
+    rows = [slice(conv.dilation[0] * p, conv.dilation[0] * p + x.shape[2])
+            for p in range(conv.kernel_size[0])]
+    padding = layers._conv_padding(conv)
+    live = layers._live_rows(rows, xp.shape[2], padding[2:])
+    assert layers._prefer_2d_lags(conv.kernel_size, conv.dilation, live, x.shape[3], wo,
+                                  padding[0], 32 // conv.groups)
+    got, _ = adapter.a_sum(x, torch.float64)
+    want = unfold_gram(conv, xp)
+    if conv.bias is not None:
+        got = got[:, :-1, :-1]
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("stride", [1, 2])
+def test_conv_input_cov_is_exactly_symmetric(stride, dtype):
+    """Lower blocks are mirrors of upper ones and diagonal blocks are symmetrised, so eigh and
+    upper-triangle packing see the same matrix."""
+    conv = nn.Conv2d(16, 16, 3, stride=stride, padding=1)
+    x = torch.randn(4, 16, 20, 24, dtype=dtype)
+    got, _ = Conv2dAdapter(conv, "c").a_sum(x, dtype)
+    assert torch.equal(got, got.mT)
+
+
+@pytest.mark.parametrize("conv_kw", [dict(kernel_size=3, padding=1),
+                                     dict(kernel_size=3, stride=2, padding=1),
+                                     dict(kernel_size=3, padding=1, padding_mode="reflect")])
+def test_conv_input_cov_of_channels_last_input(conv_kw):
+    conv = nn.Conv2d(16, 16, **conv_kw)
+    x = torch.randn(3, 16, 20, 24).to(memory_format=torch.channels_last)
+    adapter = Conv2dAdapter(conv, "c")
+    got, _ = adapter.a_sum(x, torch.float64)
+    torch.testing.assert_close(got[:, :-1, :-1], unfold_gram(conv, adapter.pad(x)),
+                               rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("conv_kw", CONVS)
