@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Mapping, Sequence
 
 import torch
 
+from distconv.comm.base import flat_span, packed
 from distconv.distribution import Dist, balanced_block, nested_block
 from distconv.grid import CANONICAL_DIMS
 
@@ -107,6 +108,25 @@ def _with(shape: Sequence[int], dim: int, size: int) -> tuple[int, ...]:
     return tuple(out)
 
 
+def _send_chunks(x: torch.Tensor, sizes: Sequence[int], dim: int) -> list[torch.Tensor]:
+    """``x`` split along ``dim`` into one buffer whose consecutive slices are the chunks (one copy,
+    none when they already are), so the communicator sends them without packing them again."""
+    return packed(torch.split(x, list(sizes), dim=dim))
+
+
+def _concat(parts: Sequence[torch.Tensor], dim: int) -> torch.Tensor:
+    """``torch.cat(parts, dim)``; no copy when the parts lie back to back in one receive buffer
+    and every dim before ``dim`` has size 1 (then the concatenation is that buffer's layout)."""
+    if math.prod(parts[0].shape[:dim]) == 1:
+        span = flat_span(parts)
+        if span is not None:
+            shape = _with(parts[0].shape, dim, sum(p.shape[dim] for p in parts))
+            # detached: autograd forbids in-place updates of a custom Function's output that is
+            # a view, and nothing else holds the receive buffer
+            return span.view(shape).detach()
+    return torch.cat(list(parts), dim=dim)
+
+
 # --------------------------------------------------------------------------- steps
 @dataclass(frozen=True)
 class AllGather:
@@ -120,7 +140,7 @@ class AllGather:
         sizes = ctx.parts(self.dim, self.prefix, self.g)
         shapes = [_with(x.shape, self.dim, s) for s in sizes]
         parts = ctx.comm([self.g]).allgather(x, shapes=shapes, meta=f"{self} in {ctx.where}")
-        return torch.cat(parts, dim=self.dim)
+        return _concat(parts, self.dim)
 
     def adjoint(self) -> ReduceScatter:
         return ReduceScatter(self.dim, self.g, self.prefix)
@@ -145,7 +165,7 @@ class ReduceScatter:
 
     def run(self, x: torch.Tensor, ctx: _Ctx) -> torch.Tensor:
         sizes = ctx.parts(self.dim, self.prefix, self.g)
-        chunks = torch.split(x, sizes, dim=self.dim)
+        chunks = _send_chunks(x, sizes, self.dim)
         return ctx.comm([self.g]).reduce_scatter(chunks, meta=f"{self} in {ctx.where}")
 
     def adjoint(self) -> AllGather:
@@ -244,12 +264,12 @@ class AllToAll:
         send_sizes = ctx.parts(self.dst, self.dst_prefix, self.g)
         recv_sizes = ctx.parts(self.src, self.src_prefix, self.g)
         mine = send_sizes[ctx.coord(self.g)]
-        chunks = torch.split(x, send_sizes, dim=self.dst)
+        chunks = _send_chunks(x, send_sizes, self.dst)
         recv_shapes = [_with(_with(x.shape, self.dst, mine), self.src, s) for s in recv_sizes]
         parts = ctx.comm([self.g]).alltoall(
             chunks, recv_shapes=recv_shapes, meta=f"{self} in {ctx.where}"
         )
-        return torch.cat(parts, dim=self.src)
+        return _concat(parts, self.src)
 
     def adjoint(self) -> AllToAll:
         return AllToAll(self.dst, self.src, self.g, self.dst_prefix, self.src_prefix)
@@ -550,8 +570,8 @@ def _exchange(
     """Send the boxes ``outgoing[t]`` of ``x`` (whose block is ``own``) and place what arrives."""
     ndim = x.dim()
     empty = (0,) * ndim
-    chunks = [x[_relative(b, own)].contiguous() if b is not None else x.new_empty(empty)
-              for b in outgoing]
+    chunks = packed([x[_relative(b, own)] if b is not None else x.new_empty(empty)
+                     for b in outgoing])
     shapes = [tuple(n for _, n in b) if b is not None else empty for b in incoming]
     parts = comm.alltoall(chunks, recv_shapes=shapes, meta=where)
     shape = tuple(n for _, n in result)

@@ -102,3 +102,30 @@ def test_fp32_redistributions_on_mpi4(mpi4):
     results = mpi4.run(run_cases, CASES_4[:5], torch.float32)
     for case in range(5):
         assert max(r[case][0] for r in results) < 1e-5  # fp32: sums of up to 4 partials
+
+
+def update_output_in_place(comm):
+    """Outputs that are the receive buffer itself (dim-0 parts, back to back) can be modified in
+    place like any other, and the gradient flows through the in-place update."""
+    grid = ProcessorGrid({"C": comm.size}, comm=comm)
+    src = Dist.parse("x[o_C,*,o,o]", NCHW)
+    x = torch.randn(SHAPE, dtype=torch.float64, generator=torch.Generator().manual_seed(7))
+    out = []
+    # all-to-all dim 0 -> dim 1; allgather dim 0, whose gradient sums every rank's copy
+    for d, copies in (("x[*,o_C,o,o]", 1), ("x[*,*,o,o]", comm.size)):
+        dst = Dist.parse(d, NCHW)
+        local = x[src.local_slices(SHAPE, grid)].clone().requires_grad_(True)
+        moved = redistribute(local, grid, src, dst, SHAPE)
+        aliased = moved.untyped_storage().data_ptr() == local.untyped_storage().data_ptr()
+        moved.mul_(2.0).sum().backward()
+        error = float((moved.detach() - 2 * x[dst.local_slices(SHAPE, grid)]).abs().max())
+        out.append((aliased, error, bool(torch.equal(local.grad, torch.full_like(local, 2.0 * copies)))))
+    return out
+
+
+def test_outputs_can_be_updated_in_place_on_gloo2(gloo2):
+    assert gloo2.run(update_output_in_place) == [[(False, 0.0, True)] * 2] * 2
+
+
+def test_outputs_can_be_updated_in_place_on_mpi4(mpi4):
+    assert mpi4.run(update_output_in_place) == [[(False, 0.0, True)] * 2] * 4

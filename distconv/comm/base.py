@@ -3,7 +3,8 @@
 Public operations are template methods. Each one
 
 1. validates its arguments (tensor types, one dtype and device, shapes, roots, chunk counts),
-2. makes the buffers contiguous (inputs are never modified; results are new tensors),
+2. makes the buffers contiguous (inputs are never modified; results are new tensors; chunks
+   that already lie back to back in one storage stay there, so a backend sends them in place),
 3. counts the call and the logical bytes this rank receives (see :class:`CommStats`),
 4. in debug mode, checks that every rank of the communicator is entering the same collective,
 5. hands the buffers to the backend's ``_op`` method, which returns a :class:`Work`.
@@ -33,7 +34,10 @@ __all__ = [
     "Communicator",
     "Work",
     "allreduce_bytes",
+    "flat_concat",
+    "flat_span",
     "get_debug",
+    "packed",
     "set_debug",
 ]
 
@@ -92,6 +96,54 @@ def reduce_in_order(parts: Sequence[torch.Tensor], op: str, size: int) -> torch.
     if op == "avg":
         out = out / size
     return out.to(dtype)
+
+
+def flat_span(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """A 1-D view of the storage region holding ``tensors`` back to back, or None.
+
+    Not None when every non-empty tensor is contiguous, they share one storage and dtype, and
+    each starts where the previous one ends: then the region is their concatenation, flattened,
+    with no copy (only empty tensors give an empty one).
+    """
+    full = [t for t in tensors if t.numel() > 0]
+    if not full:
+        return tensors[0].new_empty(0) if tensors else None
+    first = full[0]
+    start = end = first.storage_offset()
+    storage = first.untyped_storage().data_ptr()
+    for t in full:
+        if (
+            t.dtype != first.dtype
+            or not t.is_contiguous()
+            or t.storage_offset() != end
+            or t.untyped_storage().data_ptr() != storage
+        ):
+            return None
+        end += t.numel()
+    return first.as_strided((end - start,), (1,), start)
+
+
+def flat_concat(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The flattened concatenation of ``tensors``: :func:`flat_span` when they lie back to back
+    (no copy), else one new buffer (one copy)."""
+    span = flat_span(tensors)
+    return span if span is not None else torch.cat([t.reshape(-1) for t in tensors])
+
+
+def packed(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """``tensors`` laid out back to back in one storage, so :func:`flat_concat` needs no copy.
+
+    The tensors themselves when they already are (no copy); else views of consecutive slices of
+    one new buffer, each a copy of its tensor (one copy in all).
+    """
+    if flat_span(tensors) is not None:
+        return list(tensors)
+    t0 = tensors[0]
+    buf = torch.empty(sum(t.numel() for t in tensors), dtype=t0.dtype, device=t0.device)
+    out = [b.view(t.shape) for b, t in zip(buf.split([t.numel() for t in tensors]), tensors)]
+    for o, t in zip(out, tensors):
+        o.copy_(t)
+    return out
 
 
 class CommStats:
@@ -272,6 +324,7 @@ class Communicator(abc.ABC):
     Results are new tensors; inputs are never modified. Every collective accepts ``meta: str``,
     a description (op, grid, dists, shapes) used by the debug agreement check and its messages,
     and ``async_op``: when true it returns a :class:`Work` whose ``wait()`` returns the result.
+    Backends may send straight from the inputs, so an input must not be modified before then.
     """
 
     backend: str = "abstract"

@@ -41,7 +41,7 @@ from torch._C._distributed_c10d import (
     ReduceScatterOptions,
 )
 
-from distconv.comm.base import Communicator, Shape, Work, reduce_in_order
+from distconv.comm.base import Communicator, Shape, Work, flat_concat, reduce_in_order
 from distconv.comm.errors import CommError, CommTimeoutError
 from distconv.comm.single import SingleCommunicator
 
@@ -213,7 +213,7 @@ class TorchCommunicator(Communicator):
     def _alltoall(self, chunks: list[torch.Tensor], recv_shapes: list[Shape]) -> Work:
         dtype = chunks[0].dtype
         isz = chunks[0].element_size()
-        send = torch.cat([_flat_bytes(c) for c in chunks])
+        send = flat_concat(chunks).view(torch.uint8)
         in_splits = [c.numel() * isz for c in chunks]
         out_splits = [torch.Size(s).numel() * isz for s in recv_shapes]
         out = torch.empty(sum(out_splits), dtype=torch.uint8, device=send.device)

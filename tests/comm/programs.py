@@ -276,3 +276,27 @@ def reduce_scatter_native(comm):
         return [check_all_ops(c, dtype, 5)[0] for dtype in ("float32", "bfloat16", "int16")]
     finally:
         c._native_reduce_scatter = False
+
+
+
+def chunks_of_one_tensor(comm, dtype_name: str = "float32"):
+    """All-to-all and reduce-scatter of chunks that are views of one tensor: split along dim 0
+    (back to back in its storage, sent in place) and along dim 1 (packed). Results equal those of
+    separate chunks, the input is unchanged and no result shares its storage."""
+    dtype = getattr(torch, dtype_name)
+    P, r = comm.size, comm.rank
+    sizes = [d % 2 + 1 for d in range(P)]
+    for dim, shape in ((0, (sum(sizes), 5)), (1, (3, sum(sizes)))):
+        for_me = [data(shape, s, 50 + dim, dtype).split(sizes, dim)[r] for s in range(P)]
+        x = data(shape, r, 50 + dim, dtype)
+        x0 = x.clone()
+        chunks = list(x.split(sizes, dim))
+        got = comm.alltoall(chunks, recv_shapes=[tuple(chunks[r].shape)] * P)
+        for s in range(P):
+            _equal(got[s], for_me[s], f"alltoall dim {dim} [{s}]")
+        got.append(comm.reduce_scatter(chunks))
+        _equal(got[-1], REDUCE["sum"](for_me), f"reduce_scatter dim {dim}")
+        _equal(x, x0, f"input of dim {dim} unchanged")
+        storage = x.untyped_storage().data_ptr()
+        assert all(g.untyped_storage().data_ptr() != storage for g in got), "result aliases input"
+    return comm.backend

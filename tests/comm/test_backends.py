@@ -70,3 +70,10 @@ def test_mpi_noncontiguous_bf16_buffers(mpi4):
 def test_gloo_native_reduce_scatter_matches(request, name):
     for snaps in _pool(request, name).run(programs.reduce_scatter_native):
         assert all(s["calls"]["reduce_scatter"] == 3 for s in snaps)
+
+
+@pytest.mark.parametrize("name", POOLS)
+def test_chunks_of_one_tensor_are_exchanged_exactly(request, name):
+    pool = _pool(request, name)
+    for dtype in ("float32", "bfloat16", "int16"):
+        assert pool.run(programs.chunks_of_one_tensor, dtype) == [BACKEND[name]] * pool.size
