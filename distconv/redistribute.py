@@ -26,7 +26,9 @@ gradient stays a pending sum until something needs it complete.
 Planning is greedy, shrinking before growing: reduce-scatters, slices, allreduces (one merged
 collective over every pending dim that must be summed), all-to-alls, pads, allgathers (minor dim
 first, so every allgather is a segmented allgather of nested blocks), and finally KeepRoot for
-pending sums the target introduces.
+pending sums the target introduces. Where a pending sum's reduce-scatter must wait for a gather,
+the planner also tries summing it first (an allreduce on the smaller data) and keeps the plan
+that moves fewer bytes in total.
 """
 from __future__ import annotations
 
@@ -350,6 +352,32 @@ def plan_redistribution(
 
 @functools.lru_cache(maxsize=4096)
 def _plan(layout: Layout, src: Dist, dst: Dist, global_shape: tuple[int, ...]) -> Plan:
+    """The cheaper (total bytes over all ranks) of two greedy plans that differ in one choice:
+    a pending sum the target distributes waits for its reduce-scatter, or -- when its tensor dim
+    must first be gathered -- is allreduced at once, while the data is still small."""
+    plans = [_greedy(layout, src, dst, global_shape, eager) for eager in (False, True)]
+    if plans[0].steps == plans[1].steps:
+        return plans[0]
+    cost = [_total_bytes(p) for p in plans]
+    return plans[1] if cost[1] < cost[0] else plans[0]
+
+
+def _total_bytes(plan: Plan) -> int:
+    from types import SimpleNamespace
+
+    from distconv.grid import ProcessorGrid
+
+    size = math.prod(e for _, e in plan.layout)
+    return sum(
+        plan.received_bytes(ProcessorGrid(dict(plan.layout), comm=SimpleNamespace(
+            rank=r, size=size, backend="none")), itemsize=1)
+        for r in range(size)
+    )
+
+
+def _greedy(
+    layout: Layout, src: Dist, dst: Dist, global_shape: tuple[int, ...], eager: bool
+) -> Plan:
     for d in (src, dst):
         if d.ndim != len(global_shape):
             raise ValueError(
@@ -377,11 +405,11 @@ def _plan(layout: Layout, src: Dist, dst: Dist, global_shape: tuple[int, ...]) -
     for _ in range(4 * (len(live) + 1) * (len(cur) + 1)):
         if [tuple(t) for t in cur] == tgt and pending == want_pending:
             return Plan(layout, src, dst, global_shape, tuple(steps))
-        steps.append(_next_step(cur, tgt, pending, want_pending, ready, next_of, used))
+        steps.append(_next_step(cur, tgt, pending, want_pending, ready, next_of, used, eager))
     raise AssertionError(f"redistribution planner did not converge for {src} -> {dst}")
 
 
-def _next_step(cur, tgt, pending, want_pending, ready, next_of, used) -> Step:  # noqa: ANN001
+def _next_step(cur, tgt, pending, want_pending, ready, next_of, used, eager) -> Step:  # noqa: ANN001
     # 1. reduce-scatter a pending sum straight into the target's block
     for i in range(len(cur)):
         g = next_of(i)
@@ -398,7 +426,8 @@ def _next_step(cur, tgt, pending, want_pending, ready, next_of, used) -> Step:  
             cur[i].append(g)
             return step
     # 3. sum every pending dim the target neither keeps pending nor distributes, in one collective
-    target_used = {g for t in tgt for g in t}
+    # (eager: also those the target distributes, whose reduce-scatter is not possible yet)
+    target_used = set() if eager else {g for t in tgt for g in t}
     done = sorted(g for g in pending if g not in want_pending and g not in target_used)
     if done:
         pending.difference_update(done)
