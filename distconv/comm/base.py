@@ -123,6 +123,25 @@ def flat_span(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
     return first.as_strided((end - start,), (1,), start)
 
 
+class AlltoallBuffers:
+    """The byte buffers of an all-to-all(v): the send bytes (packed without a copy where the
+    chunks already lie back to back), per-peer byte counts both ways, and the receive buffer."""
+
+    def __init__(self, chunks: Sequence[torch.Tensor], recv_shapes: Sequence[Shape]) -> None:
+        self.dtype = chunks[0].dtype
+        isz = chunks[0].element_size()
+        self.send = flat_concat(chunks).view(torch.uint8)
+        self.send_counts = [c.numel() * isz for c in chunks]
+        self.recv_counts = [torch.Size(s).numel() * isz for s in recv_shapes]
+        self.recv = torch.empty(sum(self.recv_counts), dtype=torch.uint8, device=self.send.device)
+        self._shapes = list(recv_shapes)
+
+    def received(self) -> list[torch.Tensor]:
+        """The received tensors, views of the receive buffer."""
+        parts = self.recv.split(self.recv_counts)
+        return [p.view(self.dtype).view(s) for p, s in zip(parts, self._shapes)]
+
+
 def flat_concat(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """The flattened concatenation of ``tensors``: :func:`flat_span` when they lie back to back
     (no copy), else one new buffer (one copy)."""

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from distconv.comm.base import Communicator, Shape, Work, flat_concat
+from distconv.comm.base import AlltoallBuffers, Communicator, Shape, Work, flat_concat
 from distconv.comm.errors import CommError, CommTimeoutError
 from distconv.comm.single import SingleCommunicator
 
@@ -181,24 +181,15 @@ class MPICommunicator(Communicator):
         )
 
     def _alltoall(self, chunks: list[torch.Tensor], recv_shapes: list[Shape]) -> Work:
-        dtype = chunks[0].dtype
-        isz = chunks[0].element_size()
-        send = flat_concat(chunks).view(torch.uint8)
-        scounts = [c.numel() * isz for c in chunks]
-        rcounts = [torch.Size(s).numel() * isz for s in recv_shapes]
-        out = torch.empty(sum(rcounts), dtype=torch.uint8)
+        buf = AlltoallBuffers(chunks, recv_shapes)
         B = self._MPI.BYTE
-
-        def finish() -> list[torch.Tensor]:
-            return [p.view(dtype).view(s) for p, s in zip(out.split(rcounts), recv_shapes)]
-
         return self._issue(
             "alltoall",
             lambda: self._by_op["alltoall"].Ialltoallv(
-                [send.numpy(), scounts, _displs(scounts), B],
-                [out.numpy(), rcounts, _displs(rcounts), B],
+                [buf.send.numpy(), buf.send_counts, _displs(buf.send_counts), B],
+                [buf.recv.numpy(), buf.recv_counts, _displs(buf.recv_counts), B],
             ),
-            finish,
+            buf.received,
         )
 
     def _broadcast(self, t: torch.Tensor, root: int) -> Work:

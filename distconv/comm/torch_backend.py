@@ -41,7 +41,9 @@ from torch._C._distributed_c10d import (
     ReduceScatterOptions,
 )
 
-from distconv.comm.base import Communicator, Shape, Work, flat_concat, reduce_in_order
+from distconv.comm.base import (
+    AlltoallBuffers, Communicator, Shape, Work, reduce_in_order,
+)
 from distconv.comm.errors import CommError, CommTimeoutError
 from distconv.comm.single import SingleCommunicator
 
@@ -211,23 +213,15 @@ class TorchCommunicator(Communicator):
         )
 
     def _alltoall(self, chunks: list[torch.Tensor], recv_shapes: list[Shape]) -> Work:
-        dtype = chunks[0].dtype
-        isz = chunks[0].element_size()
-        send = flat_concat(chunks).view(torch.uint8)
-        in_splits = [c.numel() * isz for c in chunks]
-        out_splits = [torch.Size(s).numel() * isz for s in recv_shapes]
-        out = torch.empty(sum(out_splits), dtype=torch.uint8, device=send.device)
+        buf = AlltoallBuffers(chunks, recv_shapes)
         opts = AllToAllOptions()
         opts.timeout = _td(self.timeout)
-
-        def finish() -> list[torch.Tensor]:
-            parts = out.split(out_splits)
-            return [p.view(dtype).view(s) for p, s in zip(parts, recv_shapes)]
-
         return self._issue(
             "alltoall",
-            lambda: self._pg.alltoall_base(out, send, out_splits, in_splits, opts),
-            finish,
+            lambda: self._pg.alltoall_base(
+                buf.recv, buf.send, buf.recv_counts, buf.send_counts, opts
+            ),
+            buf.received,
         )
 
     def _broadcast(self, t: torch.Tensor, root: int) -> Work:
