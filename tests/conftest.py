@@ -13,6 +13,11 @@ from __future__ import annotations
 import importlib.util
 
 import pytest
+from hypothesis import settings
+
+# Timing belongs in benchmarks/: on a shared 2-core machine a per-example deadline only adds flakes.
+settings.register_profile("distconv", deadline=None, print_blob=True)
+settings.load_profile("distconv")
 
 from distconv.testing import WorkerPool, find_mpiexec
 
