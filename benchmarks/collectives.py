@@ -84,14 +84,16 @@ def _timed(comm, fn) -> float:
 
 
 def calibrate(comm, repeats: int) -> tuple[float, float]:
-    """Least-squares alpha (s per message) and beta (s per byte) from the raw ring allgather."""
+    """Alpha (s per message) and beta (s per byte) fitted to the raw ring allgather."""
     rows = []
-    for n in (256, 4096, 65536, 262144, 1048576):
+    for n in (1, 16, 256, 4096, 65536, 262144, 1048576):  # small sizes pin alpha
         x = torch.randn(n)
         step = AllGather(0, "W", ())
         times = [_timed(comm, lambda: _raw(comm, step, x)) for _ in range(repeats)]
         rows.append(((comm.size - 1), (comm.size - 1) * n * 4, statistics.median(times)))
-    # T = m * alpha + b * beta: normal equations for two unknowns
+    # T = m * alpha + b * beta, fitted in relative error (each row divided by its time) so the
+    # microsecond-sized messages pin alpha as firmly as the megabyte ones pin beta
+    rows = [(m / t, b / t, 1.0) for m, b, t in rows]
     smm = sum(m * m for m, _, _ in rows)
     smb = sum(m * b for m, b, _ in rows)
     sbb = sum(b * b for _, b, _ in rows)
