@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Union
 
+from distconv.distribution import balanced_block
+
 PaddingArg = Union[str, int, tuple[int, ...]]
 PADDING_MODES = ("zeros", "reflect", "replicate", "circular")
 
@@ -36,9 +38,8 @@ def block_range(n: int, parts: int, index: int) -> tuple[int, int]:
     Part ``i`` gets ``n // parts + (i < n % parts)`` items starting at
     ``i * (n // parts) + min(i, n % parts)`` (the same blocks as ``distconv.distribution``).
     """
-    q, r = divmod(n, parts)
-    start = index * q + min(index, r)
-    return start, start + q + (1 if index < r else 0)
+    start, size = balanced_block(n, parts, index)
+    return start, start + size
 
 
 def pair(value: int | tuple[int, ...], name: str) -> tuple[int, int]:

@@ -44,7 +44,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from distconv.comm.base import allreduce_bytes
 from distconv.conv_geometry import HaloPlan, conv_dims, normalize_padding, pair
+from distconv.distribution import balanced_block, nested_block
 
 __all__ = [
     "ConvProblem",
@@ -62,13 +64,11 @@ ALGORITHMS = ("stationary-x", "stationary-y", "stationary-w")
 
 
 def _blk(n: int, p: int, i: int) -> int:
-    return n // p + (1 if i < n % p else 0)
+    return balanced_block(n, p, i)[1]
 
 
 def _blk2(n: int, extents: Sequence[int], coords: Sequence[int]) -> int:
-    for p, i in zip(extents, coords):
-        n = _blk(n, p, i)
-    return n
+    return nested_block(n, extents, coords)[1]
 
 
 @dataclass(frozen=True)
@@ -265,8 +265,8 @@ def conv_traffic(
         kh, kw = pair(pb.kernel_size, "kernel_size")
         for what, m in (("dL/dw", fw * cw * kh * kw), ("dL/db", fy if pb.bias else 0)):
             if m:
-                b = _blk(m, q, sub)
-                step(t.backward, f"allreduce {what}", "allreduce", q, ((q - 1) * b + (m - b)) * s)
+                step(t.backward, f"allreduce {what}", "allreduce", q,
+                     allreduce_bytes(m, sub, q, s))
     return t
 
 

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Mapping, Sequence
 
 import torch
 
-from distconv.comm.base import flat_span, packed
+from distconv.comm.base import allreduce_bytes, flat_span, packed
 from distconv.distribution import Dist, balanced_block, nested_block
 from distconv.grid import CANONICAL_DIMS
 
@@ -196,9 +196,7 @@ class AllReduce:
 
     def received(self, shape: Sequence[int], ctx: _Ctx) -> tuple[tuple[int, ...], int]:
         p = math.prod(ctx.extent(g) for g in self.dims)
-        n = math.prod(shape)
-        b = balanced_block(n, p, ctx.subrank(self.dims))[1]
-        return tuple(shape), (p - 1) * b + (n - b)
+        return tuple(shape), allreduce_bytes(math.prod(shape), ctx.subrank(self.dims), p, 1)
 
     def __str__(self) -> str:
         return f"allreduce over {'×'.join(self.dims)}"
@@ -496,9 +494,7 @@ def redistribute(
             is not ``src``'s local block of ``global_shape``.
     """
     global_shape = tuple(int(n) for n in global_shape)
-    src.validate(grid, len(global_shape))
-    dst.validate(grid, len(global_shape))
-    expected = src.local_shape(global_shape, grid)
+    expected = src.local_shape(global_shape, grid)  # also rejects unknown grid dims
     if tuple(x.shape) != expected:
         raise ValueError(
             f"redistribute: local block has shape {tuple(x.shape)} but {src} of global shape "

@@ -191,8 +191,6 @@ def test_wrong_local_shape_names_the_rank():
         grid = ProcessorGrid({"P": 2}, comm=comm)
         redistribute(torch.zeros(3), grid, Dist(("P",)), Dist((None,)), (4,))
 
-    import pytest
-
     with pytest.raises(ValueError, match=r"local block has shape \(3,\).*gives rank"):
         run_threads(bad, 2)
 
@@ -206,8 +204,6 @@ def disagreeing_ranks(comm):
 
 
 def test_debug_mode_names_disagreeing_distributions():
-    import pytest
-
     from distconv.comm import CollectiveMismatchError, set_debug
 
     set_debug(True)
@@ -239,3 +235,19 @@ def test_each_step_is_adjoint_of_its_backward(kind):
         pieces = run_threads(adjoint_pairing, 4, layout, shape, src, dst, seed)
         lhs, rhs = sum(p[0] for p in pieces), sum(p[1] for p in pieces)
         assert math.isclose(lhs, rhs, rel_tol=1e-12, abs_tol=1e-12)
+
+
+def test_unknown_grid_dims_and_wrong_ranks_are_named():
+    def bad_dst(comm):
+        grid = ProcessorGrid({"P": 2}, comm=comm)
+        redistribute(torch.zeros(2, 4), grid, Dist(("P", None)), Dist(("Z", None)), (4, 4))
+
+    with pytest.raises(ValueError, match="grid dim 'Z' is not in the grid"):
+        run_threads(bad_dst, 2)
+
+    def bad_ndim(comm):
+        grid = ProcessorGrid({"P": 2}, comm=comm)
+        redistribute(torch.zeros(2, 4), grid, Dist(("P", None)), Dist((None,)), (4, 4))
+
+    with pytest.raises(ValueError, match=r"has 1 entries but the global shape \(4, 4\) has 2"):
+        run_threads(bad_ndim, 2)
