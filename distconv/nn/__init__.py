@@ -3,6 +3,7 @@
 from distconv.nn.conv import ALGORITHMS, DistConv2d, UnsupportedConvError
 from distconv.nn.grad_sync import GradSync, finish_grad_sync
 from distconv.nn.redistribute import Redistribute
+from distconv.nn.sharding import ShardSpec, shard_specs
 
 __all__ = ["ALGORITHMS", "DistConv2d", "GradSync", "Redistribute", "UnsupportedConvError",
-           "finish_grad_sync"]
+           "ShardSpec", "finish_grad_sync", "shard_specs"]

@@ -17,6 +17,7 @@ from distconv.distribution import Dist, Entry
 from distconv.grid import ProcessorGrid
 from distconv.halo import halo_exchange
 from distconv.nn.grad_sync import GradSync
+from distconv.nn.sharding import ShardSpec
 from distconv.perfmodel import ConvProblem, conv_traffic
 from distconv.redistribute import gather, plan_redistribution, redistribute
 
@@ -469,6 +470,12 @@ class DistConv2d(nn.Module):
             conv.weight.detach(), None if conv.bias is None else conv.bias.detach()
         )
         return layer
+
+    def _shard_specs(self) -> dict[str, ShardSpec]:
+        specs = {"weight": ShardSpec(self.grid, self.weight_dist, self.weight_shape)}
+        if self.bias is not None:
+            specs["bias"] = ShardSpec(self.grid, self.bias_dist, (self.out_channels,))
+        return specs
 
     # ------------------------------------------------------------------ gathering
     def gather_weight(self) -> torch.Tensor:
