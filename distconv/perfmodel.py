@@ -56,6 +56,7 @@ __all__ = [
     "conv_traffic",
     "conv_cost",
     "choose_algorithm",
+    "corner_coords",
     "calibrate",
     "measure_flop_rate",
 ]
@@ -115,6 +116,7 @@ class Traffic:
     backward: dict[str, int] = field(default_factory=dict)
     ops: dict[str, str] = field(default_factory=dict)  # step -> communicator op name
     peers: dict[str, int] = field(default_factory=dict)  # step -> ranks in its collective
+    dims: dict[str, tuple[str, ...]] = field(default_factory=dict)  # step -> grid dims it spans
 
     @property
     def forward_bytes(self) -> int:
@@ -226,6 +228,10 @@ def conv_traffic(
     def step(phase: dict[str, int], name: str, op: str, peers: int, nbytes: int) -> None:
         phase[name] = nbytes
         t.ops[name], t.peers[name] = op, peers
+        t.dims[name] = tuple(d for d, e in layout if e > 1 and d in span[name.split()[-1]])
+
+    span = {ro.filter: (ro.filter,), ro.channel: (ro.channel,), ro.h: (ro.h,), ro.w: (ro.w,),
+            "dL/dw": (ro.sample, ro.h, ro.w), "dL/db": (ro.sample, ro.h, ro.w)}
 
     gathers_x = algorithm != "stationary-x" and pf > 1 and not aligned_groups
     reduces_y = algorithm != "stationary-y" and pc > 1 and not aligned_groups
@@ -293,6 +299,23 @@ class Machine:
             return self.conv_time(problem)
         return problem.flops() / self.flop_rate
 
+    def collective_time(self, op: str, peers: int, nbytes: float, *,
+                        layout: Any = None, dims: Sequence[str] = ()) -> float:
+        """``steps * alpha + nbytes * beta`` (ring steps; one level, so ``layout`` and ``dims``
+        do not matter). :class:`distconv.machines.Machine` prices by the level crossed."""
+        latency = 2 * (peers - 1) if op == "allreduce" else (2 if op == "alltoall" else peers - 1)
+        return latency * self.alpha + nbytes * self.beta
+
+
+def corner_coords(grid: Mapping[str, int] | Sequence[tuple[str, int]]) -> list[dict[str, int]]:
+    """The ranks whose every coordinate is 0 or the last: with balanced blocks they hold every
+    combination of the larger and the smaller block per dim, so the slowest rank is among them."""
+    layout = _layout(grid)
+    out: list[dict[str, int]] = [{}]
+    for name, e in layout:
+        out = [{**c, name: v} for c in out for v in sorted({0, e - 1})]
+    return out
+
 
 @dataclass(frozen=True)
 class Cost:
@@ -340,22 +363,30 @@ def conv_cost(
     filter_dim: str = "F",
     sample_dim: str = "N",
     spatial_dims: tuple[str, str] = ("H", "W"),
+    ranks: str = "all",
 ) -> Cost:
-    """Predicted forward and backward seconds of the layer (§4): local convs plus collectives."""
+    """Predicted forward and backward seconds of the layer (§4): local convs plus collectives.
+
+    ``machine`` is a flat :class:`Machine` or a hierarchical :class:`distconv.machines.Machine`
+    (anything with ``local_conv`` and ``collective_time``). The layer time is its slowest rank's:
+    among ``ranks="all"`` (default) or the grid's ``"corners"`` (:func:`corner_coords`; the same
+    maximum with balanced blocks, and cheap for thousands of ranks).
+    """
+    if ranks not in ("all", "corners"):
+        raise ValueError(f"ranks must be 'all' or 'corners', got {ranks!r}")
     roles = _Roles(sample_dim, channel_dim, filter_dim, *spatial_dims)
     kw = dict(itemsize=itemsize, channel_dim=channel_dim, filter_dim=filter_dim,
               sample_dim=sample_dim, spatial_dims=spatial_dims)
     local = machine.local_conv(_local_problem(problem, dict(grid), algorithm, roles))
     best: Cost | None = None
-    for coords in all_coords(grid):
+    layout = _layout(grid)
+    for coords in (all_coords if ranks == "all" else corner_coords)(grid):
         t = conv_traffic(problem, grid, algorithm, coords, **kw)  # type: ignore[arg-type]
         steps = {"local conv forward": local, "local conv backward (data + filter)": 2 * local}
         for phase in (t.forward, t.backward):
             for name, nbytes in phase.items():
-                p = t.peers[name]
-                latency = 2 * (p - 1) if t.ops[name] == "allreduce" else (
-                    2 if t.ops[name] == "alltoall" else p - 1)
-                steps[name] = latency * machine.alpha + nbytes * machine.beta
+                steps[name] = machine.collective_time(t.ops[name], t.peers[name], nbytes,
+                                                      layout=layout, dims=t.dims[name])
         fwd = local + sum(steps[k] for k in t.forward)
         bwd = 2 * local + sum(steps[k] for k in t.backward)
         cost = Cost(fwd, bwd, steps, t)
