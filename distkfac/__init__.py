@@ -43,3 +43,8 @@ __all__ = [
     "Method", "EigenMethod", "InverseMethod", "CostModel", "FactorTask", "Placement",
     "RoundRobin", "LoadBalanced", "EVERYWHERE",
 ]
+
+# the hybrid-order optimizers (FOSI, DHO2, MR-DHO2): see distkfac.hybrid
+from distkfac.hybrid import DHO2, FOSI, MRDHO2  # noqa: E402
+
+__all__ += ["FOSI", "DHO2", "MRDHO2"]

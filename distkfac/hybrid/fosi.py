@@ -1,0 +1,278 @@
+"""FOSI: a base first-order optimizer on the complement of the Hessian's extreme eigen-subspace,
+a Newton step with momentum on the subspace (Sivan et al., ICLR 2024).
+
+Notation: ``g`` the global-batch mean gradient, flattened; ``E`` the ``q = k + l`` eigenvectors
+(rows, orthonormal) of the ESE, ``lambda`` their eigenvalues (l smallest, then k largest),
+``eta = 1 / |lambda|``.  One step:
+
+1. ``g1 = E^T E g``, ``g2 = g - g1``            (split gradient)
+2. ``v <- phi(g1, v)``                            (momentum of the base optimizer on g1)
+3. ``newton = E^T diag(eta) E v``
+4. ``delta = base(g2)``                           (the base optimizer's step, applied to g2)
+5. ``delta <- delta - E^T E delta``               (kept on the complement)
+6. ``theta <- theta + s delta - alpha newton``,  ``s = clip(eta_l / eta_{q-1}, 1, lr_clip)``
+
+``phi`` follows the base optimizer: SGD ``g + mu v`` (Nesterov ``(1 + mu) g + mu^2 v``, no momentum
+``g``), Adam-like ``(1 - beta1) g + beta1 v``, otherwise ``g``.  ESE runs at step ``warmup`` and
+every ``ese_every`` steps after it (counting steps from 1); before the first ESE, ``E`` is empty
+and FOSI is its base optimizer.
+
+Every long vector is held as balanced blocks of the flattened parameters (:class:`SlicedSpace`):
+with one rank this is FOSI, with P ranks it is DHO2 (:mod:`distkfac.hybrid.dho2`), the same
+arithmetic entry by entry.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+
+import torch
+from torch import Tensor
+
+from distkfac.hybrid.lanczos import ESEResult, ese, make_hvp
+from distkfac.hybrid.space import SlicedSpace, assign, flatten
+
+__all__ = ["FOSI", "BaseFactory", "base_delta", "build_base", "newton_momentum",
+           "newton_rates"]
+
+BaseFactory = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
+ADAM_LIKE = (torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.NAdam,
+             torch.optim.RAdam)
+
+
+def newton_momentum(base: torch.optim.Optimizer) -> Callable[[Tensor, Tensor], Tensor]:
+    """``phi(g1, v)``: the momentum rule of ``base`` applied to the subspace gradient."""
+    group = base.param_groups[0]
+    if isinstance(base, ADAM_LIKE):
+        b1 = float(group["betas"][0])
+        return lambda g, v: (1 - b1) * g + b1 * v
+    if isinstance(base, torch.optim.SGD) and group.get("momentum", 0):
+        mu = float(group["momentum"])
+        if group.get("nesterov", False):
+            return lambda g, v: (1 + mu) * g + mu * mu * v
+        return lambda g, v: g + mu * v
+    return lambda g, v: g
+
+
+def newton_rates(eigenvalues: Tensor, *, l: int, lr_clip: float) -> tuple[Tensor, float]:
+    """``eta = 1/|lambda|`` and the scaling ``s = clip(eta_l / eta_{q-1}, 1, lr_clip)`` (1 when
+    there is no largest pair) for eigenvalues ascending, the first ``l`` the smallest."""
+    mag = eigenvalues.abs()
+    # a zero eigenvalue would give an infinite Newton step: floor it far below the largest
+    mag = mag.clamp_min(float(mag.max()) * 1e-12 if len(mag) else 0.0)
+    eta = 1.0 / mag
+    q = len(eta)
+    scaling = min(max(float(eta[l] / eta[q - 1]), 1.0), lr_clip) if q > l else 1.0
+    return eta, scaling
+
+
+def build_base(base: BaseFactory, flat: torch.nn.Parameter) -> torch.optim.Optimizer:
+    """The base optimizer on the one flat tensor ``flat``, its learning rates checked."""
+    if not callable(base):
+        raise TypeError(f"base must be a callable params -> torch.optim.Optimizer, got {base!r}")
+    opt = base([flat])
+    if not isinstance(opt, torch.optim.Optimizer):
+        raise TypeError(f"base must return a torch.optim.Optimizer, got {opt!r}")
+    for group in opt.param_groups:
+        lr = group.get("lr")
+        lr = float(lr) if isinstance(lr, Tensor) else lr
+        if lr is not None and (not math.isfinite(lr) or lr < 0):
+            raise ValueError(f"base optimizer lr must be finite and >= 0, got {lr!r}")
+    return opt
+
+
+@torch.no_grad()
+def base_delta(opt: torch.optim.Optimizer, flat: torch.nn.Parameter, grad: Tensor) -> Tensor:
+    """The change ``opt`` makes to ``flat`` for the gradient ``grad``; ``flat`` is left as it was
+    (the caller applies the final update), the optimizer's state advances."""
+    before = flat.detach().clone()
+    flat.grad = grad
+    opt.step()
+    delta = flat.detach() - before
+    flat.copy_(before)
+    return delta
+
+
+def _positive_int(value, name: str, *, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+    return value
+
+
+def _finite(value, name: str, *, minimum: float) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or value < minimum:
+        raise ValueError(f"{name} must be a finite number >= {minimum}, got {value!r}")
+    return float(value)
+
+
+class _HybridOrder(torch.optim.Optimizer):
+    """The FOSI step on a :class:`SlicedSpace` (shared by FOSI and DHO2)."""
+
+    def __init__(self, params: Iterable[torch.nn.Parameter], base: BaseFactory, *,
+                 ese_closure: Callable[[], Tensor] | None, k: int, l: int, order: int | None,
+                 ese_every: int, warmup: int | None, alpha: float, lr_clip: float | None,
+                 seed: int, ese_samples: float, comm) -> None:
+        super().__init__(params, {})
+        self.params = [p for g in self.param_groups for p in g["params"]]
+        dtypes = {p.dtype for p in self.params}
+        if len(dtypes) != 1 or not next(iter(dtypes)).is_floating_point:
+            raise TypeError(f"params must share one floating dtype, got {sorted(map(str, dtypes))}")
+        n = sum(p.numel() for p in self.params)
+        self.k = _positive_int(k, "k", minimum=0)
+        self.l = _positive_int(l, "l", minimum=0)
+        if self.k + self.l < 1:
+            raise ValueError(f"k + l must be >= 1 (eigenpairs to estimate), got k={k}, l={l}")
+        self.order = 4 * (self.k + self.l) if order is None else _positive_int(order, "order")
+        if self.order < self.k + self.l:
+            raise ValueError(f"order (Lanczos steps) must be >= k + l = {self.k + self.l}, got "
+                             f"{self.order}")
+        if self.order > n:
+            raise ValueError(f"order (Lanczos steps, default 4(k+l)) must be <= the number of "
+                             f"parameters n={n}, got {self.order}; lower k, l or pass order=")
+        self.ese_every = _positive_int(ese_every, "ese_every")
+        self.warmup = self.ese_every if warmup is None else _positive_int(warmup, "warmup")
+        self.alpha = _finite(alpha, "alpha", minimum=0.0)
+        self.seed = _positive_int(seed, "seed", minimum=0)
+        self.ese_samples = _finite(ese_samples, "ese_samples", minimum=0.0)
+        if ese_closure is not None and not callable(ese_closure):
+            raise TypeError(f"ese_closure must be callable (returning the loss), got {ese_closure!r}")
+        self.ese_closure = ese_closure
+        self.space = SlicedSpace(n, comm)
+        self._init_base(base)
+        default_clip = 1.0 if isinstance(self.base, ADAM_LIKE) else 3.0
+        self.lr_clip = default_clip if lr_clip is None else _finite(lr_clip, "lr_clip", minimum=1.0)
+        self.steps = 0
+        self.velocity = torch.zeros_like(self.flat)
+        self.eigenvalues = torch.zeros(0, dtype=torch.float64)
+        self.eigenvectors = self.flat.new_zeros(0, self.space.local)
+        self.eta = self.flat.new_zeros(0)
+        self.scaling = 1.0
+        self.last_ese: ESEResult | None = None
+
+    def _init_base(self, base: BaseFactory) -> None:
+        self.flat = torch.nn.Parameter(self.space.slice(flatten(self.params)).clone())
+        self.base = build_base(base, self.flat)
+        self.phi = newton_momentum(self.base)
+
+    # ------------------------------------------------------------------ ESE
+    def ese_due(self) -> bool:
+        """Whether the coming step (number ``steps + 1``) starts with an ESE."""
+        t = self.steps + 1
+        return t >= self.warmup and (t - self.warmup) % self.ese_every == 0
+
+    def estimate(self, closure: Callable[[], Tensor] | None = None, *,
+                 num_samples: float | None = None) -> ESEResult:
+        """Run ESE now on ``closure`` (default: ``ese_closure``): the loss on this rank's ESE
+        samples at the current parameters, a mean over ``num_samples`` (default ``ese_samples``)."""
+        closure = self.ese_closure if closure is None else closure
+        if closure is None:
+            raise ValueError("ESE needs a loss closure: pass ese_closure= to the constructor or "
+                             "to step()")
+        weight = self.ese_samples if num_samples is None else num_samples
+        res = ese(make_hvp(self.params, closure), self.space, k=self.k, l=self.l,
+                  order=self.order, seed=self.seed, weight=weight)
+        self.set_eigenpairs(res.eigenvalues, res.eigenvectors, l=res.l)
+        self.last_ese = res
+        return res
+
+    def set_eigenpairs(self, eigenvalues: Tensor, eigenvectors: Tensor, *, l: int) -> None:
+        """Install eigenpairs (ascending; the first ``l`` are the smallest) and this rank's
+        eigenvector slices; sets ``eta = 1/|lambda|`` and the scaling factor ``s``."""
+        self.eigenvalues = eigenvalues
+        self.eigenvectors = eigenvectors.to(self.flat.dtype)
+        eta, self.scaling = newton_rates(eigenvalues, l=l, lr_clip=self.lr_clip)
+        self.eta = eta.to(self.flat.dtype)
+
+    # ------------------------------------------------------------------ step
+    def _gradient(self) -> Tensor:
+        return flatten([p.grad if p.grad is not None else torch.zeros_like(p)
+                        for p in self.params])
+
+    @torch.no_grad()
+    def step(self, closure=None, *, num_samples: float = 1.0,
+             ese_closure: Callable[[], Tensor] | None = None):
+        """One FOSI step from ``p.grad`` (this rank's mean over its ``num_samples`` samples).
+
+        ``closure`` (optional) recomputes the loss and gradients, as in ``torch.optim``;
+        ``ese_closure`` overrides the constructor's for an ESE due at this step."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if self.ese_due():
+            self.estimate(ese_closure)
+        self.flat.copy_(self.space.slice(flatten(self.params)))
+        g = self.space.reduce_mean(self._gradient(), num_samples)
+        self.flat.copy_(self.flat + self.update(g))
+        assign(self.params, self.space.gather(self.flat.detach()))
+        self.steps += 1
+        return loss
+
+    def update(self, g: Tensor) -> Tensor:
+        """Steps 1–6 on this rank's slices; returns this rank's slice of the parameter change."""
+        e = self.eigenvectors
+        q = len(e)
+        g1 = self.space.dots(e, g, "fosi split") @ e if q else torch.zeros_like(g)
+        self.velocity = self.phi(g1, self.velocity)
+        delta = self.base_step(g - g1)
+        if not q:
+            return delta
+        c = self.space.dots(e, torch.stack([self.velocity, delta], 1), "fosi newton and orth")
+        newton = (self.eta * c[:, 0]) @ e
+        delta = delta - c[:, 1] @ e
+        return self.scaling * delta - self.alpha * newton
+
+    def base_step(self, g2: Tensor) -> Tensor:
+        """The base optimizer's change of this rank's slice for the gradient ``g2``."""
+        return base_delta(self.base, self.flat, g2)
+
+    def state_dict(self):
+        raise NotImplementedError(f"{type(self).__name__} does not save its state yet")
+
+    def load_state_dict(self, state_dict) -> None:
+        raise NotImplementedError(f"{type(self).__name__} does not load a state yet")
+
+    def _settings(self) -> str:
+        return (f"k={self.k}, l={self.l}, order={self.order}, ese_every={self.ese_every}, "
+                f"warmup={self.warmup}, alpha={self.alpha}, lr_clip={self.lr_clip}, "
+                f"seed={self.seed}, base={type(self.base).__name__}"
+                f"({self.base.defaults.get('lr')!r})")
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(n={self.space.n}, {self._settings()})"
+
+
+class FOSI(_HybridOrder):
+    """FOSI on one process, as a ``torch.optim`` optimizer wrapping a base optimizer.
+
+    Usage::
+
+        opt = FOSI(model.parameters(), lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9),
+                   ese_closure=lambda: loss_fn(model(x_ese), y_ese), k=5)
+        opt.zero_grad(); loss_fn(model(x), y).backward(); opt.step()
+
+    Args:
+        params: the parameters (one floating dtype); their flattened concatenation is theta.
+        base: ``params -> torch.optim.Optimizer``, the base optimizer, built on one flat tensor
+            (its learning rate is the base learning rate).
+        ese_closure: the loss on the ESE batch at the current parameters (default None: pass one
+            to :meth:`step` or :meth:`estimate`).
+        k: largest eigenpairs (default 5).  l: smallest eigenpairs (default 0).
+        order: Lanczos steps (default ``4 (k + l)``, as the FOSI authors); ``k + l <= order <= n``.
+        ese_every: steps between ESEs, ``T`` (default 100).
+        warmup: the step of the first ESE (default ``ese_every``).
+        alpha: the Newton step's learning rate (default 0.1).
+        lr_clip: the scaling factor's upper clip (default 3.0; 1.0 for Adam-like bases).
+        seed: seed of the Lanczos start vector (default 0).
+        ese_samples: samples behind ``ese_closure``'s mean (default 1; only weights ranks in DHO2).
+    """
+
+    def __init__(self, params: Iterable[torch.nn.Parameter], base: BaseFactory, *,
+                 ese_closure: Callable[[], Tensor] | None = None, k: int = 5, l: int = 0,
+                 order: int | None = None, ese_every: int = 100, warmup: int | None = None,
+                 alpha: float = 0.1, lr_clip: float | None = None, seed: int = 0,
+                 ese_samples: float = 1.0) -> None:
+        super().__init__(params, base, ese_closure=ese_closure, k=k, l=l, order=order,
+                         ese_every=ese_every, warmup=warmup, alpha=alpha, lr_clip=lr_clip,
+                         seed=seed, ese_samples=ese_samples, comm=None)
