@@ -11,9 +11,11 @@ from distconv.grid import ProcessorGrid
 from distconv.redistribute import (
     gather, plan_redistribution, redistribute, repartition, scatter,
 )
+from distconv.checkpoint import consolidate, load, load_global_state_dict, save
 
 __all__ = [
     "Dist", "ProcessorGrid", "balanced_block", "gather", "nested_block", "plan_redistribution",
     "redistribute", "repartition", "scatter",
 ]
+__all__ += ["consolidate", "load", "load_global_state_dict", "save"]
 __version__ = "0.1.0"
