@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["GradSync", "finish_grad_sync"]
+__all__ = ["BucketedGradSync", "GradSync", "finish_grad_sync"]
 
 
 class GradSync:
@@ -72,6 +72,102 @@ class GradSync:
         return f"GradSync(comm size={self.comm.size}, where={self.where!r})"
 
 
+class BucketedGradSync:
+    """Allreduce of many parameters' gradients over one communicator, fused into buckets.
+
+    DDP's idea on a :class:`~distconv.comm.Communicator` (so on gloo and MPI alike): parameters
+    are grouped, in reverse registration order (the order backward produces their gradients),
+    into buckets of about ``bucket_bytes``; a bucket's flat allreduce is started asynchronously
+    from the gradient hook of its last member to become ready, and every bucket is finished by an
+    autograd engine callback before ``loss.backward()`` returns. A parameter a backward pass does
+    not reach contributes zeros (every rank flushes the same buckets, so none waits on a peer).
+    Gradients accumulate over backward passes as in PyTorch (each pass's contribution is reduced
+    once).
+
+    Args:
+        comm: communicator of the ranks that replicate the parameters.
+        params: the parameters (each registered once; shared parameters once).
+        bucket_bytes: target bucket size in bytes. Default 1 MiB.
+        where: description used in collective metadata and errors.
+    """
+
+    def __init__(self, comm: Any, params: list[nn.Parameter], *, bucket_bytes: int = 1 << 20,
+                 where: str = "") -> None:
+        if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1:
+            raise ValueError(f"bucket_bytes must be a positive int, got {bucket_bytes!r}")
+        self.comm, self.where, self.bucket_bytes = comm, where, bucket_bytes
+        unique: list[nn.Parameter] = []
+        for p in params:
+            if p.requires_grad and all(p is not q for q in unique):
+                unique.append(p)
+        self.buckets: list[list[nn.Parameter]] = []
+        size = bucket_bytes
+        for p in reversed(unique):
+            if size + p.numel() * p.element_size() > bucket_bytes and (
+                    not self.buckets or self.buckets[-1]):
+                self.buckets.append([])
+                size = 0
+            self.buckets[-1].append(p)
+            size += p.numel() * p.element_size()
+        self._bucket_of = {id(p): i for i, b in enumerate(self.buckets) for p in b}
+        self._reset()
+        self._handles = [p.register_hook(self._hook(p)) for p in unique]
+
+    def _reset(self) -> None:
+        self._grads: list[dict[int, torch.Tensor]] = [{} for _ in self.buckets]
+        self._first: dict[int, bool] = {}
+        self._works: dict[int, Any] = {}
+        self._queued = False
+
+    def _hook(self, param: nn.Parameter) -> Any:
+        def hook(grad: torch.Tensor) -> torch.Tensor:
+            b = self._bucket_of[id(param)]
+            first = param.grad is None
+            self._first[id(param)] = first
+            self._grads[b][id(param)] = grad
+            if not self._queued:
+                self._queued = True
+                torch.autograd.Variable._execution_engine.queue_callback(self.finish)
+            if len(self._grads[b]) == len(self.buckets[b]):
+                self._launch(b)
+            return grad if first else torch.zeros_like(grad)
+
+        return hook
+
+    def _launch(self, b: int) -> None:
+        grads = self._grads[b]
+        flat = torch.cat([
+            grads[id(p)].reshape(-1) if id(p) in grads else p.new_zeros(p.numel())
+            for p in self.buckets[b]
+        ])
+        self._works[b] = self.comm.allreduce(
+            flat, async_op=True, meta=f"gradient bucket {b} {self.where}")
+
+    def finish(self) -> None:
+        """Start the buckets still waiting (in bucket order), wait for all, write the sums."""
+        if not self._queued:
+            return
+        for b in range(len(self.buckets)):
+            if b not in self._works:
+                self._launch(b)
+        for b, params in enumerate(self.buckets):
+            total = self._works[b].wait()
+            offset = 0
+            for p in params:
+                part = total[offset:offset + p.numel()].view_as(p)
+                offset += p.numel()
+                if self._first.get(id(p), p.grad is None) or p.grad is None:
+                    p.grad = part.clone()
+                else:
+                    p.grad.add_(part)
+        self._reset()
+
+    def __repr__(self) -> str:
+        sizes = [sum(p.numel() for p in b) for b in self.buckets]
+        return (f"BucketedGradSync(comm size={self.comm.size}, buckets={len(sizes)}, "
+                f"elements={sizes}, bucket_bytes={self.bucket_bytes}, where={self.where!r})")
+
+
 def finish_grad_sync(module: nn.Module) -> None:
     """Finish every pending gradient allreduce in ``module`` (idempotent).
 
@@ -80,5 +176,5 @@ def finish_grad_sync(module: nn.Module) -> None:
     """
     for m in module.modules():
         sync = getattr(m, "grad_sync", None)
-        if isinstance(sync, GradSync):
+        if isinstance(sync, (GradSync, BucketedGradSync)):
             sync.finish()

@@ -1,0 +1,48 @@
+"""Whole models, model-parallel from a declarative per-layer config.
+
+* :func:`parallelize` -- trace a model, place every layer on its config's grid and algorithm,
+  and return a :class:`ParallelModel` that a user's ordinary data-parallel loop trains exactly.
+* :func:`explain` -- the same plan on paper, for any world size, with no communication.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from torch import nn
+
+from distconv.parallel.config import ALGORITHMS, ParallelConfig, load_config
+from distconv.parallel.model import LOSS_REDUCTIONS, ParallelModel
+
+__all__ = ["ALGORITHMS", "LOSS_REDUCTIONS", "ParallelConfig", "ParallelModel", "load_config",
+           "parallelize"]
+
+
+def parallelize(model: nn.Module, config: Any, *, comm: Any = None, loss_reduction: str = "mean",
+                input_shape: Sequence[int] | None = None,
+                bucket_bytes: int = 1 << 20) -> ParallelModel:
+    """Convert ``model`` to run model-parallel as ``config`` says (collective).
+
+    Args:
+        model: the single-process model, the same on every rank (same parameters).
+        config: a dict or YAML path (see :mod:`distconv.parallel.config`).
+        comm: the communicator of all ranks. Default: ``distconv.comm.world()``.
+        loss_reduction: how the user's loss reduces over its local samples: ``'mean'``
+            (default; ``F.cross_entropy``'s default) or ``'sum'``. The output's gradient is scaled
+            so that the parameters' gradients are those of the same reduction over the global
+            batch.
+        input_shape: the global input shape, if known; needed only for ``algorithm: auto`` and
+            for models whose first layer does not tell the input's number of dims.
+        bucket_bytes: fusion size of the gradient allreduce of replicated parameters. Default 1 MiB.
+
+    Returns:
+        A :class:`ParallelModel` whose parameters are this rank's shards.
+
+    Raises:
+        ValueError: a config that does not fit the model or the world (naming the entry).
+        NotImplementedError: a layer or construct the library cannot run distributed (naming
+            the node), e.g. dropout on a channel-split value.
+        TypeError: a model ``torch.fx`` cannot trace (naming the construct).
+    """
+    return ParallelModel(model, config, comm=comm, loss_reduction=loss_reduction,
+                         input_shape=input_shape, bucket_bytes=bucket_bytes)

@@ -1,0 +1,197 @@
+"""Declarative per-layer parallelism: the config ``parallelize`` reads, validated up front.
+
+A config is a dict (or a YAML file holding one)::
+
+    default:                      # every Conv2d / Linear no entry matches
+      grid: {N: 4}
+      algorithm: sample
+    data: {N: 4}                  # optional: the grid of the model's input and output samples
+    layers:                       # checked in order; the first entry whose pattern matches wins
+      - match: "layer1.*"         # fnmatch on qualified module names (model.named_modules())
+        grid: {N: 2, H: 2}
+        algorithm: spatial
+      - match: "layer3.*.conv2"
+        grid: {N: 2, C: 2}
+        algorithm: stationary-x
+
+Grids name dims among N (samples), C (channels), F (filters), H and W (rows, columns); their
+extents multiply to the world size. Algorithms: ``sample`` (grid ``{N: P}``), ``spatial`` (dims
+among N, H, W), ``stationary-x`` (C > 1, F = 1), ``stationary-y`` (F > 1, C = 1), ``stationary-w``
+(C and F) and ``auto`` (chosen per layer by the §4 model; needs the input shape). Only ``Conv2d``
+and ``Linear`` modules take entries; batch norm, pooling and pointwise layers follow their input.
+``Linear`` layers run sample-parallel. ``data`` defaults to ``{N: P}``: each rank its own samples.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+import os
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+__all__ = ["ALGORITHMS", "GRID_DIMS", "LayerChoice", "ParallelConfig", "load_config"]
+
+GRID_DIMS = ("N", "C", "F", "H", "W")
+ALGORITHMS = ("sample", "spatial", "stationary-x", "stationary-y", "stationary-w", "auto")
+_KEYS = frozenset({"default", "data", "layers"})
+_ENTRY_KEYS = frozenset({"match", "grid", "algorithm"})
+
+Layout = tuple[tuple[str, int], ...]
+
+
+@dataclass(frozen=True)
+class LayerChoice:
+    """The grid layout and algorithm one module runs with, and the config entry that chose it."""
+
+    layout: Layout
+    algorithm: str
+    source: str
+
+    @property
+    def grid(self) -> dict[str, int]:
+        return dict(self.layout)
+
+
+def load_config(config: Mapping[str, Any] | str | os.PathLike[str]) -> dict[str, Any]:
+    """The config as a dict: a mapping as it is, or a path to a YAML (or JSON) file."""
+    if isinstance(config, Mapping):
+        return dict(config)
+    if isinstance(config, (str, os.PathLike)):
+        path = os.fspath(config)
+        if not os.path.isfile(path):
+            raise ValueError(f"config: {path!r} is neither a dict nor an existing YAML file")
+        try:
+            import yaml
+        except ImportError as exc:  # pragma: no cover - depends on the environment
+            raise ImportError(
+                "reading a YAML config needs pyyaml: pip install 'distconv[yaml]'"
+            ) from exc
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f)
+        if not isinstance(data, Mapping):
+            raise ValueError(f"config file {path!r} must hold a mapping, got {type(data).__name__}")
+        return dict(data)
+    raise TypeError(
+        f"config must be a dict or a path to a YAML file, got {type(config).__name__}"
+    )
+
+
+def _layout(grid: Any, where: str, world_size: int) -> Layout:
+    if not isinstance(grid, Mapping) or not grid:
+        raise ValueError(f"{where}: grid must be a non-empty mapping such as {{N: 2, C: 2}}, "
+                         f"got {grid!r}")
+    pairs = []
+    for name, extent in grid.items():
+        if name not in GRID_DIMS:
+            raise ValueError(f"{where}: grid dim {name!r} is not one of {GRID_DIMS}")
+        if isinstance(extent, bool) or not isinstance(extent, int) or extent < 1:
+            raise ValueError(f"{where}: extent of grid dim {name!r} must be an int >= 1, "
+                             f"got {extent!r}")
+        pairs.append((str(name), int(extent)))
+    size = math.prod(e for _, e in pairs)
+    if size != world_size:
+        raise ValueError(
+            f"{where}: grid {dict(pairs)} has {size} positions but the world has {world_size} "
+            "ranks; the extents must multiply to the world size"
+        )
+    return tuple(pairs)
+
+
+def _check_algorithm(layout: Layout, algorithm: Any, where: str) -> str:
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"{where}: algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
+    ext = {n: e for n, e in layout}
+    live = {n for n, e in layout if e > 1}
+    c, f = ext.get("C", 1), ext.get("F", 1)
+    problem = None
+    if algorithm == "sample" and live - {"N"}:
+        problem = (f"algorithm 'sample' splits only samples, but the grid splits "
+                   f"{sorted(live - {'N'})}; use {{N: {math.prod(ext.values())}}}, or 'spatial' "
+                   "for N, H, W grids, or a stationary-* algorithm for C and F")
+    elif algorithm == "spatial" and live - {"N", "H", "W"}:
+        problem = (f"algorithm 'spatial' splits N, H and W only, but the grid splits "
+                   f"{sorted(live - {'N', 'H', 'W'})}; use stationary-x (C), stationary-y (F) or "
+                   "stationary-w (C and F)")
+    elif algorithm == "stationary-x" and f > 1:
+        problem = "stationary-x splits channels only (F must be 1); use stationary-w for C and F"
+    elif algorithm == "stationary-y" and c > 1:
+        problem = "stationary-y splits filters only (C must be 1); use stationary-w for C and F"
+    if problem:
+        raise ValueError(f"{where}: {problem}")
+    return str(algorithm)
+
+
+class ParallelConfig:
+    """A validated config for a world of ``world_size`` ranks (see the module docstring).
+
+    Args:
+        config: a dict or a path to a YAML file.
+        world_size: number of ranks every grid must cover.
+
+    Raises:
+        ValueError: unknown keys, a grid whose extents do not multiply to ``world_size``, an
+            unknown grid dim or algorithm, an algorithm the grid cannot run; each message names
+            the entry (``default``, ``data`` or ``layers[i]``).
+    """
+
+    def __init__(self, config: Mapping[str, Any] | str | os.PathLike[str], *, world_size: int):
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+            raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
+        raw = load_config(config)
+        unknown = set(raw) - _KEYS
+        if unknown:
+            raise ValueError(f"config: unknown keys {sorted(unknown)}; allowed: {sorted(_KEYS)}")
+        self.world_size = world_size
+        default = raw.get("default", {"grid": {"N": world_size}, "algorithm": "sample"})
+        self.default = self._entry(default, "default", needs_match=False)
+        self.data: Layout = _layout(raw.get("data", {"N": world_size}), "data", world_size)
+        layers = raw.get("layers", [])
+        if not isinstance(layers, Sequence) or isinstance(layers, (str, bytes)):
+            raise ValueError(f"config: layers must be a list of entries, got {layers!r}")
+        self.layers = [self._entry(e, f"layers[{i}]", needs_match=True)
+                       for i, e in enumerate(layers)]
+        self._raw = raw
+
+    def _entry(self, entry: Any, where: str, *, needs_match: bool) -> tuple[str, LayerChoice]:
+        if not isinstance(entry, Mapping):
+            raise ValueError(f"{where}: an entry must be a mapping, got {entry!r}")
+        allowed = _ENTRY_KEYS if needs_match else _ENTRY_KEYS - {"match"}
+        unknown = set(entry) - allowed
+        if unknown:
+            raise ValueError(f"{where}: unknown keys {sorted(unknown)}; allowed: {sorted(allowed)}")
+        pattern = entry.get("match", "*")
+        if needs_match and (not isinstance(pattern, str) or not pattern):
+            raise ValueError(f"{where}: match must be a non-empty fnmatch pattern, got {pattern!r}")
+        if "grid" not in entry:
+            raise ValueError(f"{where}: grid is required (e.g. {{N: 2, C: 2}})")
+        layout = _layout(entry["grid"], where, self.world_size)
+        algorithm = _check_algorithm(layout, entry.get("algorithm", "sample"), where)
+        source = f"{where} ({pattern!r})" if needs_match else where
+        return pattern, LayerChoice(layout, algorithm, source)
+
+    def choice(self, name: str) -> LayerChoice:
+        """The entry for the module named ``name``: the first matching layer entry, else the
+        default."""
+        for pattern, choice in self.layers:
+            if fnmatch.fnmatchcase(name, pattern):
+                return choice
+        return self.default[1]
+
+    def check_matches(self, names: Sequence[str]) -> None:
+        """Raise if a layer entry's pattern matches none of ``names`` (the configurable modules)."""
+        for i, (pattern, choice) in enumerate(self.layers):
+            if not any(fnmatch.fnmatchcase(n, pattern) for n in names):
+                shown = ", ".join(names[:8]) + (", ..." if len(names) > 8 else "")
+                raise ValueError(
+                    f"{choice.source}: the pattern matches no Conv2d or Linear module of the "
+                    f"model; configurable modules are: {shown}"
+                )
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self._raw)
+
+    def __repr__(self) -> str:
+        entries = "; ".join(f"{p!r}: {c.grid} {c.algorithm}" for p, c in self.layers)
+        return (f"ParallelConfig(world_size={self.world_size}, default={self.default[1].grid} "
+                f"{self.default[1].algorithm}, data={dict(self.data)}, layers=[{entries}])")

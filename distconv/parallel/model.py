@@ -1,0 +1,328 @@
+"""``ParallelModel``: a traced model whose layers run on their grids, and the training contract.
+
+The contract (what makes a user's ordinary data-parallel loop exact)::
+
+    pmodel = distconv.parallelize(model, config, comm=comm)
+    opt = torch.optim.SGD(pmodel.parameters(), lr=0.1)
+    for x, y in loader:                           # this rank's block of the global batch
+        loss = F.cross_entropy(pmodel(x), y)      # a mean over its own samples, on every rank
+        loss.backward(); opt.step(); opt.zero_grad()
+
+* ``x`` is this rank's block ``x[o_N,*,...]`` of the global batch on the data grid: ranks with
+  the same N coordinate hold the same samples (balanced blocks: rank block i of N samples over
+  P_N blocks has ``N//P_N + (i < N%P_N)`` of them; :class:`distconv.data.GridSampler` deals them).
+  ``pmodel(x)`` returns the outputs of exactly those samples, in order, complete on every rank.
+* Inside, every adjoint keeps the library's sum convention (a replicated value's gradient is the
+  sum of every rank's contribution). At the exit, the output's cotangent is scaled by
+  ``n_local / N`` (``loss_reduction='mean'``; by 1 for ``'sum'``, a loss summed over the local
+  samples) and kept on one replica of each sample block, so the sum over all ranks is the
+  gradient of the global-batch loss; every parameter's gradient is then completed by a
+  segmented allreduce over the grid dims its distribution leaves unused. When
+  ``loss.backward()`` returns, each shard's ``.grad`` equals the single-process gradient on the
+  global batch -- also for uneven sample blocks.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Sequence
+
+import torch
+import torch.fx as fx
+from torch import nn
+from torch.fx.passes.shape_prop import ShapeProp
+
+from distconv.distribution import balanced_block
+from distconv.grid import ProcessorGrid
+from distconv.nn.conv import DistConv2d
+from distconv.nn.grad_sync import BucketedGradSync
+from distconv.nn.sharding import shard_specs
+from distconv.parallel.config import ParallelConfig
+from distconv.parallel.graph import Analysis, LayerSpec, Step, analyse, trace
+from distconv.parallel.placement import Layout, Placement, convert, layout_str
+from distconv.redistribute import gather
+
+__all__ = ["LOSS_REDUCTIONS", "ParallelModel"]
+
+LOSS_REDUCTIONS = ("mean", "sum")
+_SHAPED_KINDS = frozenset({"conv", "batchnorm", "pool", "adaptive"})
+
+
+class _Exit(torch.autograd.Function):
+    """Forward: the output as it is. Backward: the loss-reduction scale, then the cotangent kept
+    on the root replica of each sample block (its copies on other replicas are not contributions;
+    keep-root turns the complete copies into the pending sum the sum convention expects)."""
+
+    @staticmethod
+    def forward(ctx: Any, y: torch.Tensor, scale: float, root: bool) -> torch.Tensor:
+        ctx.scale, ctx.root = scale, root
+        return y.clone()
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        if not ctx.root:
+            return torch.zeros_like(g), None, None
+        return g * ctx.scale if ctx.scale != 1.0 else g, None, None
+
+
+class ParallelModel(nn.Module):
+    """A model whose Conv2d layers run on the grids and algorithms of a declarative config.
+
+    Made by :func:`distconv.parallelize`; see the module docstring for the training contract.
+    Parameters and buffers are the local shards (``distconv.nn.shard_specs(pmodel)`` says where
+    each lies); the state-dict keys are the original model's.
+
+    Attributes:
+        config: the validated :class:`~distconv.parallel.config.ParallelConfig`.
+        data_grid: the grid of the input and output samples (``x[o_N,*,...]``).
+        global_batch_size: the global batch of the last forward.
+    """
+
+    def __init__(self, model: nn.Module, config: Any, *, comm: Any = None,
+                 loss_reduction: str = "mean", input_shape: Sequence[int] | None = None,
+                 bucket_bytes: int = 1 << 20) -> None:
+        super().__init__()
+        if comm is None:
+            from distconv.comm import world
+
+            comm = world()
+        if loss_reduction not in LOSS_REDUCTIONS:
+            raise ValueError(
+                f"loss_reduction must be one of {LOSS_REDUCTIONS}, got {loss_reduction!r}")
+        cfg = config if isinstance(config, ParallelConfig) else ParallelConfig(
+            config, world_size=comm.size)
+        if cfg.world_size != comm.size:
+            raise ValueError(f"config is for {cfg.world_size} ranks but comm has {comm.size}")
+        # fx patches nn.Module.__call__ process-wide while it traces: no rank of a thread world
+        # may run a module meanwhile, so every rank traces inside the same pair of barriers.
+        comm.barrier(meta="parallelize: before tracing")
+        try:
+            gm = trace(model)
+        finally:
+            comm.barrier(meta="parallelize: after tracing")
+        ndim = None if input_shape is None else len(tuple(input_shape))
+        analysis = analyse(gm, cfg, input_ndim=ndim)
+        object.__setattr__(self, "_meta", copy.deepcopy(gm).to("meta"))
+        object.__setattr__(self, "_template", copy.deepcopy(model).to("meta"))
+        object.__setattr__(self, "_analysis", analysis)
+        self.comm, self.config, self.loss_reduction = comm, cfg, loss_reduction
+        self.global_batch_size: int | None = None
+        self._grids: dict[Layout, ProcessorGrid] = {}
+        self._function_modules: dict[str, nn.Module] = {}
+        self.data_grid = self.grid(cfg.data)
+        for step in analysis.steps:
+            if step.layer is not None:
+                self._build(gm, step)
+        for name, child in gm.named_children():
+            self.add_module(name, child)
+        for name, value in list(gm.named_parameters(recurse=False)):
+            self.register_parameter(name, value)
+        for name, value in list(gm.named_buffers(recurse=False)):
+            self.register_buffer(name, value)
+        object.__setattr__(self, "_gm", gm)
+        self._plans: dict[tuple[int, ...], dict[str, tuple[int, ...]]] = {}
+        replicated = [p for m in self.modules() if not hasattr(m, "_shard_specs")
+                      for p in m.parameters(recurse=False)]
+        self.grad_sync = BucketedGradSync(
+            comm, replicated, bucket_bytes=bucket_bytes,
+            where="replicated parameters over every rank") if replicated and comm.size > 1 \
+            else None
+
+    # ------------------------------------------------------------------ construction
+    def grid(self, layout: Layout) -> ProcessorGrid:
+        """The one grid of ``layout`` (created collectively on first use, shared by layers)."""
+        g = self._grids.get(layout)
+        if g is None:
+            g = self._grids[layout] = ProcessorGrid(dict(layout), comm=self.comm)
+        return g
+
+    def _build(self, gm: fx.GraphModule, step: Step) -> None:
+        spec = step.layer
+        assert spec is not None
+        if spec.kind in ("linear", "local"):
+            return
+        node = step.node
+        if node.op == "call_module":
+            module = gm.get_submodule(str(node.target))
+        else:  # functional adaptive pooling: run as its module
+            module = nn.AdaptiveAvgPool2d(node.args[1] if len(node.args) > 1
+                                          else node.kwargs["output_size"])
+        try:
+            new = self._convert(module, spec)
+        except (ValueError, TypeError, NotImplementedError) as exc:
+            where = f" ({spec.source})" if spec.source else ""
+            raise type(exc)(f"parallelize: layer {spec.name!r}{where}: {exc}") from exc
+        if node.op == "call_module":
+            _set_submodule(gm, str(node.target), new)
+        else:
+            self._function_modules[node.name] = new
+
+    def _convert(self, module: nn.Module, spec: LayerSpec) -> nn.Module:
+        grid = self.grid(spec.layout)
+        if spec.kind == "conv":
+            roles = dict(spec.roles)
+            return DistConv2d.from_conv2d(
+                module, grid=grid, algorithm=spec.algorithm, channel_dim=roles["C"],
+                filter_dim=roles["F"], sample_dim=roles["N"],
+                spatial_dims=(roles["H"], roles["W"]))
+        assert spec.input is not None
+        from distconv.nn import batchnorm, pool
+
+        if spec.kind == "batchnorm":
+            return batchnorm.DistBatchNorm2d.from_batchnorm(
+                module, grid=grid, input_dist=spec.input.dist)
+        cls = {nn.MaxPool2d: "DistMaxPool2d", nn.AvgPool2d: "DistAvgPool2d",
+               nn.AdaptiveAvgPool2d: "DistAdaptiveAvgPool2d"}[type(module)]
+        return getattr(pool, cls).from_module(module, grid=grid, input_dist=spec.input.dist)
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, x: torch.Tensor) -> Any:
+        """``x``: this rank's samples ``x[o_N,*,...]`` on :attr:`data_grid`. Returns their outputs,
+        complete on every rank (``[o_N,*,...]``)."""
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"input must be a torch.Tensor, got {type(x).__name__}")
+        shape = self._agree_batch(x)
+        shapes = self._shapes(shape, x.dtype)
+        env: dict[fx.Node, Any] = {}
+        converted: dict[tuple[fx.Node, Placement], torch.Tensor] = {}
+        analysis: Analysis = self._analysis
+        for step in analysis.steps:
+            node = step.node
+            if step.kind == "input":
+                env[node] = x
+                continue
+
+            def arg(a: fx.Node, step: Step = step) -> Any:
+                need = step.needs.get(a)
+                if need is None:
+                    return env[a]
+                key = (a, need)
+                if key not in converted:
+                    src = analysis.step(a).out
+                    converted[key] = convert(env[a], src, need, shapes[a.name], self._grids)
+                return converted[key]
+
+            args = fx.node.map_arg(node.args, arg)
+            kwargs = fx.node.map_arg(node.kwargs, arg)
+            if step.kind == "output":
+                return fx.node.map_aggregate(args[0], self._exit)
+            env[node] = self._run(step, args, kwargs, shapes)
+        raise AssertionError("the traced graph has no output")
+
+    def _run(self, step: Step, args: Any, kwargs: Any, shapes: dict[str, tuple[int, ...]]) -> Any:
+        node = step.node
+        distributed = step.layer is not None and step.layer.kind in _SHAPED_KINDS
+        if node.op == "call_module":
+            module = self.get_submodule(str(node.target))
+            if distributed:
+                return module(args[0], shapes[node.args[0].name])
+            return module(*args, **kwargs)
+        if node.op == "call_function":
+            if node.name in self._function_modules:
+                return self._function_modules[node.name](args[0], shapes[node.args[0].name])
+            return node.target(*args, **kwargs)
+        if node.op == "call_method":
+            return getattr(args[0], node.target)(*args[1:], **kwargs)
+        if node.op == "get_attr":
+            return _get_attr(self, str(node.target))
+        raise AssertionError(f"unexpected node {node.op}")
+
+    def _exit(self, y: Any) -> Any:
+        if not isinstance(y, torch.Tensor):
+            return y
+        grid = self.data_grid
+        replicas = [d for d, e in grid.layout if d != "N" and e > 1]
+        root = all(grid.coords[d] == 0 for d in replicas)
+        n_local = y.shape[0] if y.dim() else 1
+        scale = 1.0 if self.loss_reduction == "sum" else n_local / self.global_batch_size
+        return _Exit.apply(y, scale, root)
+
+    def _agree_batch(self, x: torch.Tensor) -> tuple[int, ...]:
+        """The global input shape, from one small allgather of every rank's local shape."""
+        if x.dim() == 0:
+            raise ValueError("input must have a sample dim, got a 0-d tensor")
+        local = torch.tensor(list(x.shape), dtype=torch.int64)
+        shapes = ([local] if self.comm.size == 1 else
+                  self.comm.allgather(local, meta="ParallelModel entry: local input shapes"))
+        grid = self.data_grid
+        p_n = grid.extent("N")
+        blocks: dict[int, tuple[int, int]] = {}
+        for r, s in enumerate(shapes):
+            s = tuple(int(v) for v in s)
+            if s[1:] != tuple(x.shape[1:]) or len(s) != x.dim():
+                raise ValueError(
+                    f"ranks disagree on the input's non-sample dims: rank {r} has {s}, rank "
+                    f"{self.comm.rank} has {tuple(x.shape)}")
+            n = grid.coords_of(r).get("N", 0)
+            if n in blocks and blocks[n][1] != s[0]:
+                raise ValueError(
+                    f"ranks {blocks[n][0]} and {r} share sample block N={n} of the data grid "
+                    f"{layout_str(grid.layout)} but hold {blocks[n][1]} and {s[0]} samples; every "
+                    "rank of one N block must see the same samples (distconv.data.GridSampler)")
+            blocks[n] = (r, s[0])
+        total = sum(b[1] for b in blocks.values())
+        for n, (r, got) in sorted(blocks.items()):
+            want = balanced_block(total, p_n, n)[1]
+            if got != want:
+                sizes = [blocks[i][1] for i in range(p_n)]
+                raise ValueError(
+                    f"sample blocks {sizes} of a global batch of {total} are not balanced: block "
+                    f"N={n} must hold {want} (blocks of N//P_N, one more for the first N%P_N); "
+                    "distconv.data.GridSampler deals samples that way")
+        self.global_batch_size = total
+        return (total,) + tuple(x.shape[1:])
+
+    def _shapes(self, shape: tuple[int, ...], dtype: torch.dtype) -> dict[str, tuple[int, ...]]:
+        """Every node's global shape for a global input shape (meta-device trace, cached)."""
+        key = shape + (str(dtype),)
+        cached = self._plans.get(key)
+        if cached is None:
+            meta: fx.GraphModule = self._meta
+            meta.to(dtype)
+            ShapeProp(meta).propagate(torch.empty(shape, dtype=dtype, device="meta"))
+            cached = {n.name: tuple(n.meta["tensor_meta"].shape) for n in meta.graph.nodes
+                      if isinstance(n.meta.get("tensor_meta"), fx.passes.shape_prop.TensorMetadata)}
+            self._plans[key] = cached
+        return cached
+
+    # ------------------------------------------------------------------ gathering
+    def gather_state_dict(self) -> dict[str, torch.Tensor]:
+        """The single-process state dict, on every rank (collective)."""
+        state = self.state_dict()
+        out: dict[str, torch.Tensor] = {}
+        for key, spec in shard_specs(self).items():
+            local = state[key]
+            if spec.grid is None or spec.is_replicated:
+                out[key] = local.detach().clone()
+            else:
+                out[key] = gather(local.detach(), spec.dist, spec.grid, spec.global_shape)
+        return out
+
+    def gather_module(self) -> nn.Module:
+        """The plain single-process model with the global parameters and buffers (collective)."""
+        state = self.gather_state_dict()
+        model = copy.deepcopy(self._template).to_empty(device="cpu")
+        missing = set(model.state_dict()) - set(state)
+        if missing:
+            raise NotImplementedError(
+                f"gather_module: {sorted(missing)} belong to modules the traced forward never "
+                "calls, so the parallel model does not hold them")
+        model.load_state_dict(state)
+        return model
+
+    def extra_repr(self) -> str:
+        return (f"world_size={self.comm.size}, data={layout_str(self.config.data)}, "
+                f"loss_reduction={self.loss_reduction!r}, layers={len(self.config.layers)} "
+                f"config entries")
+
+
+def _set_submodule(root: nn.Module, target: str, module: nn.Module) -> None:
+    parent, _, name = target.rpartition(".")
+    setattr(root.get_submodule(parent) if parent else root, name, module)
+
+
+def _get_attr(root: nn.Module, target: str) -> Any:
+    obj: Any = root
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
