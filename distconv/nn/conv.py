@@ -234,6 +234,13 @@ class DistConv2d(nn.Module):
         self._gather_x = not grouped and algorithm != "stationary-x" and self._ext(filter_dim) > 1
         self._reduce_y = not grouped and algorithm != "stationary-y" and self._ext(channel_dim) > 1
         self._local_groups = self.groups // self._group_parts
+        #: Called after the local convolution as ``work_hook(layer, x, padding, y, y_shape)``:
+        #: ``x`` the input the local convolution read (after the allgather over F and the halo
+        #: exchange), ``padding`` the zero padding (left, right, top, bottom) it still applied,
+        #: ``y`` its output (``partial_dist``; its gradient is dL/dy after the backward
+        #: allgather over C) and ``y_shape`` the global output shape (N is -1 when this rank
+        #: does not know it). distkfac reads its factors here. Default None.
+        self.work_hook: Any = None
         self.input_shape = None if input_shape is None else self._check_input_shape(input_shape)
         self._geometries: dict[tuple[int, ...], _Geometry] = {}
         if self.input_shape is not None:
@@ -576,6 +583,9 @@ class DistConv2d(nn.Module):
             x, self.weight, fused_bias, self.stride, geo.conv_padding, self.dilation,
             self._local_groups,
         )
+        if self.work_hook is not None:
+            (ph, pw) = geo.conv_padding
+            self.work_hook(self, x, (pw, pw, ph, ph), y, geo.y_shape)
         if self._reduce_y:
             y = redistribute(y, self.grid, self.partial_dist, self.output_dist, geo.y_shape)
             if self.bias is not None:
@@ -584,13 +594,16 @@ class DistConv2d(nn.Module):
 
     def _local_conv(self, x: torch.Tensor) -> torch.Tensor:
         if self.padding_mode != "zeros":
-            return F.conv2d(
-                F.pad(x, self._reversed_padding, mode=self.padding_mode), self.weight, self.bias,
-                self.stride, 0, self.dilation, self.groups,
+            x, padding = F.pad(x, self._reversed_padding, mode=self.padding_mode), (0, 0, 0, 0)
+            y = F.conv2d(x, self.weight, self.bias, self.stride, 0, self.dilation, self.groups)
+        else:
+            padding = self._reversed_padding
+            y = F.conv2d(
+                x, self.weight, self.bias, self.stride, self.padding, self.dilation, self.groups
             )
-        return F.conv2d(
-            x, self.weight, self.bias, self.stride, self.padding, self.dilation, self.groups
-        )
+        if self.work_hook is not None:
+            self.work_hook(self, x, padding, y, (-1, *y.shape[1:]))
+        return y
 
     # ------------------------------------------------------------------ description
     def describe(self, input_shape: Sequence[int]) -> str:
