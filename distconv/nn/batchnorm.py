@@ -1,0 +1,356 @@
+"""Batch normalisation of a distributed activation with the statistics of the whole global batch."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+
+from distconv.distribution import Dist
+from distconv.grid import ProcessorGrid
+from distconv.nn._activation import (
+    check_activation_dist, check_grid, resolve_shape, show, split_dims,
+)
+from distconv.nn.grad_sync import GradSync
+from distconv.nn.sharding import ShardSpec
+from distconv.redistribute import gather
+
+__all__ = ["DistBatchNorm2d"]
+
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+class DistBatchNorm2d(nn.Module):
+    r"""``nn.BatchNorm2d`` on a distributed activation, with the semantics of ``nn.SyncBatchNorm``
+    over the whole global batch.
+
+    The input ``x`` and output ``y`` are distributed as ``input_dist`` (e.g. ``x[o,o_C,o,o]``,
+    ``x[o,o_{F×C},o,o]``, ``x[o,*,o,o]``); any grid dims may appear in any entry. The grid dims of
+    the N, H and W entries form the *statistics segment*; the grid dims of the channel entry split
+    the channels, whose blocks are independent; the remaining (redundant) grid dims hold replicas,
+    which are never counted twice. Per channel, on a batch of M = N·H·W values::
+
+        forward    1. n_r, mean_r, M2_r          over the local block                 local
+                   2. {n, mean, M2}_r            <- allgather over the segment
+                   3. mean = Σ n_r mean_r / M,  M2 = Σ M2_r + Σ n_r (mean_r - mean)²    (Chan et al.)
+                   4. y = (x - mean) / sqrt(M2 / M + eps) · w + b                      local
+        backward   1. Σdy, Σdy·x̂                 over the local block                 local
+                   2. Σdy, Σdy·x̂                 <- allreduce over the segment
+                   3. dL/dx = w / sqrt(var + eps) · (dy - Σdy / M - x̂ Σdy·x̂ / M)         local
+                   4. dL/dw = Σdy·x̂, dL/db = Σdy  <- allreduce over the redundant dims of w
+
+    The combination of step 3 is exact and numerically stable (no E[x²] - E[x]²); every rank of
+    a segment combines the same gathered values in the same order, so all ranks holding a channel
+    block get bitwise the same statistics and running statistics. Uneven and empty local blocks
+    take part with their own counts. With the library's sum convention the cotangent of ``y``
+    arrives as a pending sum over the redundant dims; backward step 2 therefore sums over the
+    segment only, and the parameter gradients (``w[o_C]`` is replicated over the segment *and* the
+    redundant dims) are completed by one segmented allreduce over all the grid dims ``w`` leaves
+    unused, started from a gradient hook and finished before ``loss.backward()`` returns.
+
+    ``weight``, ``bias``, ``running_mean`` and ``running_var`` are distributed like the channel
+    entry (``w[o_C]``, ``w[o_{F×C}]``, ``w[*]``); ``num_batches_tracked`` is replicated. Running
+    statistics follow ``nn.BatchNorm2d`` exactly (unbiased variance with the global count,
+    ``momentum=None`` for a cumulative average). In eval mode with running statistics the layer
+    is local (no communication); with ``track_running_stats=False`` it uses batch statistics in
+    both modes.
+
+    Example::
+
+        grid = ProcessorGrid({"N": 2, "C": 2})
+        bn = DistBatchNorm2d(64, grid=grid, input_dist=Dist.parse("x[o,o_C,o,o]", "NCHW"))
+        y = bn(x, (32, 64, 28, 28))          # x, y: this rank's blocks of x[o,o_C,o,o]
+
+    Args:
+        num_features, eps, momentum, affine, track_running_stats, device, dtype: as
+            ``nn.BatchNorm2d`` (``num_features`` is the global channel count).
+        grid: the :class:`~distconv.grid.ProcessorGrid` over all ranks.
+        input_dist: the Dist of the input (4 entries N, C, H, W, no pending dims); the output has
+            the same Dist.
+
+    Raises:
+        TypeError: ``grid`` or ``input_dist`` of the wrong type.
+        ValueError: a bad ``num_features``, ``eps`` or ``momentum``, an ``input_dist`` without 4
+            entries, with pending dims or naming grid dims ``grid`` lacks.
+    """
+
+    def __init__(
+        self,
+        num_features: int,
+        eps: float = 1e-5,
+        momentum: float | None = 0.1,
+        affine: bool = True,
+        track_running_stats: bool = True,
+        device: Any = None,
+        dtype: torch.dtype | None = None,
+        *,
+        grid: ProcessorGrid,
+        input_dist: Dist,
+    ) -> None:
+        super().__init__()
+        if isinstance(num_features, bool) or not isinstance(num_features, int) or num_features < 1:
+            raise ValueError(f"num_features must be a positive int, got {num_features!r}")
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0:
+            raise ValueError(f"eps must be a non-negative number, got {eps!r}")
+        if momentum is not None and (
+            isinstance(momentum, bool) or not isinstance(momentum, (int, float))
+        ):
+            raise ValueError(f"momentum must be a number or None, got {momentum!r}")
+        self.num_features, self.eps, self.momentum = num_features, float(eps), momentum
+        self.affine, self.track_running_stats = bool(affine), bool(track_running_stats)
+        self.grid = check_grid("DistBatchNorm2d", grid)
+        self.input_dist = check_activation_dist("DistBatchNorm2d", grid, input_dist)
+        self.output_dist = self.input_dist
+        self.param_dist = Dist((self.input_dist.entries[1],))
+        # Sub-communicators are created collectively, in the same order on every rank.
+        segment = [g for d in (0, 2, 3) for g in split_dims(grid, self.input_dist, d)]
+        self._stats_comm = grid.subcomm(segment) if segment else None
+        redundant = [d for d in self.param_dist.redundant(grid) if grid.extent(d) > 1]
+        where = f"DistBatchNorm2d({num_features}) over {'×'.join(redundant)}"
+        self.grad_sync = GradSync(grid.subcomm(redundant), where=where) if redundant else None
+        self._make_state(device, dtype)
+
+    # ------------------------------------------------------------------ state
+    def _make_state(self, device: Any, dtype: torch.dtype | None) -> None:
+        kw = {"device": device, "dtype": dtype}
+        local = self.param_dist.local_shape((self.num_features,), self.grid)
+        if self.affine:
+            self.weight: nn.Parameter | None = nn.Parameter(torch.ones(local, **kw))
+            self.bias: nn.Parameter | None = nn.Parameter(torch.zeros(local, **kw))
+            if self.grad_sync is not None:
+                self.grad_sync.register(self.weight)
+                self.grad_sync.register(self.bias)
+        else:
+            self.register_parameter("weight", None)
+            self.register_parameter("bias", None)
+        if self.track_running_stats:
+            self.register_buffer("running_mean", torch.zeros(local, **kw))
+            self.register_buffer("running_var", torch.ones(local, **kw))
+            self.register_buffer(
+                "num_batches_tracked", torch.tensor(0, dtype=torch.long, device=device)
+            )
+        else:
+            self.register_buffer("running_mean", None)
+            self.register_buffer("running_var", None)
+            self.register_buffer("num_batches_tracked", None)
+
+    def reset_running_stats(self) -> None:
+        if self.track_running_stats:
+            self.running_mean.zero_()
+            self.running_var.fill_(1)
+            self.num_batches_tracked.zero_()
+
+    def reset_parameters(self) -> None:
+        """As ``nn.BatchNorm2d``: running statistics reset, weight 1, bias 0 (no communication)."""
+        self.reset_running_stats()
+        if self.affine:
+            nn.init.ones_(self.weight)
+            nn.init.zeros_(self.bias)
+
+    @torch.no_grad()
+    def load_global_state(
+        self,
+        weight: torch.Tensor | None = None,
+        bias: torch.Tensor | None = None,
+        running_mean: torch.Tensor | None = None,
+        running_var: torch.Tensor | None = None,
+        num_batches_tracked: torch.Tensor | int | None = None,
+    ) -> None:
+        """Copy this rank's shards of the given global tensors (the same on every rank) into the
+        layer; ``None`` leaves a tensor as it is. No communication."""
+        slices = self.param_dist.local_slices((self.num_features,), self.grid)
+        for name, value in (("weight", weight), ("bias", bias), ("running_mean", running_mean),
+                            ("running_var", running_var)):
+            if value is None:
+                continue
+            mine = getattr(self, name)
+            if mine is None:
+                raise ValueError(f"DistBatchNorm2d has no {name} (affine={self.affine}, "
+                                 f"track_running_stats={self.track_running_stats})")
+            if tuple(value.shape) != (self.num_features,):
+                raise ValueError(
+                    f"{name} must have the global shape ({self.num_features},), got "
+                    f"{tuple(value.shape)}"
+                )
+            mine.copy_(value[slices])
+        if num_batches_tracked is not None and self.num_batches_tracked is not None:
+            self.num_batches_tracked.fill_(int(num_batches_tracked))
+
+    @classmethod
+    def from_batchnorm2d(
+        cls, layer: nn.BatchNorm2d, *, grid: ProcessorGrid, input_dist: Dist
+    ) -> DistBatchNorm2d:
+        """Shard an ``nn.BatchNorm2d`` (or ``nn.SyncBatchNorm``), the same on every rank: its
+        settings, parameters, running statistics and training mode."""
+        if not isinstance(layer, (nn.BatchNorm2d, nn.SyncBatchNorm)):
+            raise TypeError(
+                f"layer must be an nn.BatchNorm2d or nn.SyncBatchNorm, got {type(layer).__name__}"
+            )
+        ref = layer.weight if layer.weight is not None else layer.running_mean
+        out = cls(
+            layer.num_features, layer.eps, layer.momentum, layer.affine,
+            layer.track_running_stats,
+            None if ref is None else ref.device, None if ref is None else ref.dtype,
+            grid=grid, input_dist=input_dist,
+        )
+        out.load_global_state(
+            None if layer.weight is None else layer.weight.detach(),
+            None if layer.bias is None else layer.bias.detach(),
+            layer.running_mean, layer.running_var, layer.num_batches_tracked,
+        )
+        return out.train(layer.training)
+
+    def _gather(self, t: torch.Tensor | None) -> torch.Tensor | None:
+        if t is None:
+            return None
+        return gather(t.detach(), self.param_dist, self.grid, (self.num_features,))
+
+    def to_batchnorm2d(self) -> nn.BatchNorm2d:
+        """A plain ``nn.BatchNorm2d`` with the gathered global state, on every rank (collective)."""
+        state = [self._gather(t) for t in (self.weight, self.bias, self.running_mean,
+                                           self.running_var)]
+        ref = next((t for t in state if t is not None), None)
+        layer = nn.BatchNorm2d(
+            self.num_features, self.eps, self.momentum, self.affine, self.track_running_stats,
+            device=None if ref is None else ref.device, dtype=None if ref is None else ref.dtype,
+        )
+        with torch.no_grad():
+            for name, value in zip(("weight", "bias", "running_mean", "running_var"), state):
+                if value is not None:
+                    getattr(layer, name).copy_(value)
+            if self.num_batches_tracked is not None:
+                layer.num_batches_tracked.copy_(self.num_batches_tracked)
+        return layer.train(self.training)
+
+    def _shard_specs(self) -> dict[str, ShardSpec]:
+        shape = (self.num_features,)
+        names = [n for n in ("weight", "bias", "running_mean", "running_var")
+                 if getattr(self, n) is not None]
+        specs = {n: ShardSpec(self.grid, self.param_dist, shape) for n in names}
+        if self.num_batches_tracked is not None:
+            specs["num_batches_tracked"] = ShardSpec(self.grid, Dist(()), ())
+        return specs
+
+    def finish_grad_sync(self) -> None:
+        """Finish pending gradient allreduces (``loss.backward()`` does this itself)."""
+        if self.grad_sync is not None:
+            self.grad_sync.finish()
+
+    # ------------------------------------------------------------------ forward
+    def output_shape(self, global_shape: Sequence[int]) -> tuple[int, ...]:
+        """The global output shape: the input's."""
+        return tuple(int(s) for s in global_shape)
+
+    def forward(self, x: torch.Tensor, global_shape: Sequence[int] | None = None) -> torch.Tensor:
+        """Normalise this rank's block ``x`` of the global tensor of shape ``global_shape``
+        (distributed as :attr:`input_dist`); returns this rank's block of the output (same Dist).
+
+        ``global_shape`` may be left out only when ``input_dist`` splits nothing.
+        """
+        shape = resolve_shape("DistBatchNorm2d", self.grid, self.input_dist, x, global_shape)
+        if shape[1] != self.num_features:
+            raise ValueError(
+                f"DistBatchNorm2d: global_shape {shape} has {shape[1]} channels, expected "
+                f"num_features={self.num_features}"
+            )
+        if not self.training and self.track_running_stats:
+            return self._normalize_with_running_stats(x)
+        count = shape[0] * shape[2] * shape[3]
+        if self.training and count <= 1:
+            raise ValueError(
+                f"DistBatchNorm2d: expected more than 1 value per channel when training, got "
+                f"global input shape {shape}"
+            )
+        factor = 0.0
+        if self.training and self.track_running_stats:
+            self.num_batches_tracked.add_(1)
+            factor = (1.0 / float(self.num_batches_tracked) if self.momentum is None
+                      else float(self.momentum))
+        y, mean, var = _BatchNorm.apply(
+            x, self.weight, self.bias, self._stats_comm, self.eps, count,
+        )
+        if self.training and self.track_running_stats:
+            with torch.no_grad():
+                unbiased = var * (count / (count - 1))
+                self.running_mean.copy_(factor * mean + (1 - factor) * self.running_mean)
+                self.running_var.copy_(factor * unbiased + (1 - factor) * self.running_var)
+        return y
+
+    def _normalize_with_running_stats(self, x: torch.Tensor) -> torch.Tensor:
+        scale = (self.running_var + self.eps).rsqrt()
+        y = (x - self.running_mean.view(1, -1, 1, 1)) * scale.view(1, -1, 1, 1)
+        if self.affine:
+            y = y * self.weight.view(1, -1, 1, 1) + self.bias.view(1, -1, 1, 1)
+        return y
+
+    def extra_repr(self) -> str:
+        return (
+            f"{self.num_features}, eps={self.eps}, momentum={self.momentum}, "
+            f"affine={self.affine}, track_running_stats={self.track_running_stats}, "
+            f"grid={dict(self.grid.layout)}, x={show(self.input_dist, 'x')}, "
+            f"y={show(self.output_dist, 'y')}, w={show(self.param_dist, 'w')}"
+        )
+
+
+def _moments(x: torch.Tensor, comm: Any, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-channel mean and biased variance over the N×H×W of the whole segment."""
+    n = x.shape[0] * x.shape[2] * x.shape[3]
+    if n:
+        mean = x.mean((0, 2, 3))
+        m2 = (x - mean.view(1, -1, 1, 1)).square().sum((0, 2, 3))
+    else:
+        mean = x.new_zeros(x.shape[1])
+        m2 = x.new_zeros(x.shape[1])
+    if comm is None:
+        return mean, m2 / count
+    mine = torch.cat([x.new_full((1,), float(n)), mean, m2])
+    parts = torch.stack(comm.allgather(mine, meta="DistBatchNorm2d statistics"))
+    ns, means, m2s = parts[:, :1], parts[:, 1:1 + x.shape[1]], parts[:, 1 + x.shape[1]:]
+    mean = (ns * means).sum(0) / count
+    m2 = m2s.sum(0) + (ns * (means - mean).square()).sum(0)
+    return mean, m2 / count
+
+
+class _BatchNorm(torch.autograd.Function):
+    """Training-mode batch normalisation over the segment of ``comm`` (see DistBatchNorm2d).
+
+    Forward returns ``y`` and, not differentiable, the batch mean and biased variance. Backward is
+    the standard batch-norm backward with its two channel sums reduced over the same segment.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
+                comm: Any, eps: float, count: int) -> tuple[torch.Tensor, ...]:
+        work = x.float() if x.dtype in _LOW_PRECISION else x
+        mean, var = _moments(work, comm, count)
+        invstd = (var + eps).rsqrt()
+        y = (work - mean.view(1, -1, 1, 1)) * invstd.view(1, -1, 1, 1)
+        if weight is not None:
+            y = y * weight.view(1, -1, 1, 1) + bias.view(1, -1, 1, 1)
+        ctx.comm, ctx.count = comm, count
+        ctx.save_for_backward(x, weight, mean, invstd)
+        ctx.mark_non_differentiable(mean, var)
+        return y.to(x.dtype), mean.to(x.dtype), var.to(x.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor, *_: Any) -> tuple[torch.Tensor | None, ...]:
+        x, weight, mean, invstd = ctx.saved_tensors
+        work = x.float() if x.dtype in _LOW_PRECISION else x
+        dy_w = dy.to(work.dtype)
+        xhat = (work - mean.view(1, -1, 1, 1)) * invstd.view(1, -1, 1, 1)
+        sum_dy = dy_w.sum((0, 2, 3))
+        sum_dy_xhat = (dy_w * xhat).sum((0, 2, 3))
+        dx = None
+        if ctx.needs_input_grad[0]:
+            sums = torch.stack([sum_dy, sum_dy_xhat])
+            if ctx.comm is not None:
+                sums = ctx.comm.allreduce(sums, meta="DistBatchNorm2d backward sums")
+            scale = invstd if weight is None else invstd * weight
+            dx = (dy_w - (sums[0] / ctx.count).view(1, -1, 1, 1)
+                  - xhat * (sums[1] / ctx.count).view(1, -1, 1, 1)) * scale.view(1, -1, 1, 1)
+            dx = dx.to(x.dtype)
+        # Local sums: the parameters' gradient sync completes them over the segment and replicas.
+        dw = sum_dy_xhat.to(x.dtype) if ctx.needs_input_grad[1] else None
+        db = sum_dy.to(x.dtype) if ctx.needs_input_grad[2] else None
+        return dx, dw, db, None, None, None
