@@ -1,0 +1,850 @@
+"""A whole-network planner: per convolution, the grid and algorithm that minimise the step time.
+
+The model is traced (:func:`trace_network`) into a chain of **units** -- a single convolution, or
+a residual block (a main branch of convolutions and a skip that is the identity or its own
+convolutions, joined by an add). Every convolution chooses a :class:`Choice` (grid layout and
+algorithm; its x and y distributions follow, as in :class:`~distconv.nn.DistConv2d`):
+
+* ``sample``: grid ``{N: P}``;  ``spatial``: ``{N, H}`` or ``{N, H, W}``;
+* ``stationary-x``: ``{N, C}``;  ``stationary-y``: ``{N, F}``;  ``stationary-w``: ``{N, C, F}``,
+
+with the model-parallel dims **last**, so channel groups sit inside a socket or node. Dynamic
+programming runs over the chain with the distribution of the activation between units as the
+state; inside a block, for every entry state, a chain DP over the main branch and the cheapest
+skip (its redistribution, or its convolutions) give the block's cost to every exit state. At an
+add the skip is redistributed to the main branch's distribution.
+
+Costs (seconds, slowest rank): each layer's :func:`~distconv.perfmodel.conv_cost` on the machine,
+split into forward, backward on the critical path, and the gradient allreduce; the bytes of every
+redistribution between consecutive choices exactly as the executor moves them
+(:func:`transition_bytes`), forward and its adjoint. The DP charges each allreduce a weight
+``lam`` in ``(0, 0.5, 1)``; every resulting plan is then timed on a two-stream timeline in which
+allreduces overlap the rest of backward, and the fastest kept. A per-rank memory limit (parameters,
+gradients, optimizer state, stored activations) is met by a Lagrange multiplier on memory.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import operator
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from distconv.distribution import Dist, balanced_block
+from distconv.machines.base import Machine, group_of
+from distconv.perfmodel import ConvProblem, conv_cost, corner_coords
+from distconv.redistribute import plan_redistribution
+
+__all__ = ["Choice", "ConvNode", "Block", "Network", "Plan", "trace_network", "candidates",
+           "transition_bytes", "transition_time", "plan_network", "explain"]
+
+ACT = ("N", "C", "H", "W")
+ALGORITHMS = ("sample", "spatial", "stationary-x", "stationary-y", "stationary-w")
+
+
+# ============================================================================ the network
+@dataclass(frozen=True)
+class ConvNode:
+    """One Conv2d: its qualified name, global problem and the global shape of its output."""
+
+    name: str
+    problem: ConvProblem
+    out_shape: tuple[int, ...]
+
+    @property
+    def in_shape(self) -> tuple[int, ...]:
+        pb = self.problem
+        return (pb.batch, pb.in_channels, pb.height, pb.width)
+
+
+@dataclass(frozen=True)
+class Block:
+    """A residual block: ``add(main(x), skip(x))``; ``skip`` is empty for the identity."""
+
+    main: tuple[ConvNode, ...]
+    skip: tuple[ConvNode, ...]
+
+    @property
+    def convs(self) -> tuple[ConvNode, ...]:
+        return self.main + self.skip
+
+
+Unit = ConvNode | Block
+
+
+@dataclass(frozen=True)
+class Network:
+    """The planner's view of a model: input shape, chain of units, and the Linear heads."""
+
+    input_shape: tuple[int, ...]
+    units: tuple[Unit, ...]
+    linears: tuple[tuple[str, int], ...]  # (name, parameters)
+    out_shape: tuple[int, ...]
+
+    @property
+    def convs(self) -> list[ConvNode]:
+        return [c for u in self.units for c in (u.convs if isinstance(u, Block) else (u,))]
+
+
+def _problem(conv: torch.nn.Conv2d, shape: Sequence[int]) -> ConvProblem:
+    return ConvProblem(int(shape[0]), conv.in_channels, conv.out_channels, int(shape[2]),
+                       int(shape[3]), tuple(conv.kernel_size), tuple(conv.stride),
+                       conv.padding if isinstance(conv.padding, str) else tuple(conv.padding),
+                       tuple(conv.dilation), conv.groups, conv.bias is not None,
+                       conv.padding_mode)
+
+
+def trace_network(model: torch.nn.Module, input_shape: Sequence[int]) -> Network:
+    """Trace ``model`` with ``torch.fx`` and propagate global shapes on the meta device.
+
+    Raises:
+        NotImplementedError: a graph that is not a chain of convolutions and residual blocks.
+    """
+    from torch.fx import symbolic_trace
+    from torch.fx.passes.shape_prop import ShapeProp
+
+    if any(p.device.type != "meta" for p in model.parameters()):
+        model = copy.deepcopy(model).to("meta")
+    gm = symbolic_trace(model)
+    ShapeProp(gm).propagate(torch.empty(tuple(input_shape), device="meta"))
+    modules = dict(gm.named_modules())
+    producer: dict[Any, Any] = {}  # fx node -> "input" | conv fx node | add fx node
+    convs: dict[Any, ConvNode] = {}
+    source: dict[Any, Any] = {}    # conv fx node -> producer of its input
+    adds: dict[Any, tuple[Any, Any]] = {}
+    linears: list[tuple[str, int]] = []
+    order: list[Any] = []
+    for node in gm.graph.nodes:
+        args = [a for a in node.args if isinstance(a, torch.fx.Node)]
+        mod = modules.get(node.target) if node.op == "call_module" else None
+        if node.op == "placeholder":
+            producer[node] = "input"
+        elif isinstance(mod, torch.nn.Conv2d):
+            shape = args[0].meta["tensor_meta"].shape
+            convs[node] = ConvNode(str(node.target), _problem(mod, shape),
+                                   tuple(node.meta["tensor_meta"].shape))
+            source[node], producer[node] = producer[args[0]], node
+            order.append(node)
+        elif node.target in (operator.add, operator.iadd, torch.add, "add", "add_") and len(args) == 2:
+            adds[node] = (producer[args[0]], producer[args[1]])
+            producer[node] = node
+            order.append(node)
+        elif node.op == "output" or not args:
+            continue
+        else:
+            if isinstance(mod, torch.nn.Linear):
+                linears.append((str(node.target), sum(p.numel() for p in mod.parameters())))
+            elif len({producer[a] for a in args}) > 1:
+                raise NotImplementedError(
+                    f"trace_network: {node.format_node()} joins several values; the planner "
+                    "handles chains of convolutions and residual adds only"
+                )
+            producer[node] = producer[args[0]]
+    # the activation leaving the last unit, which the sample-parallel head reads
+    out_shape = tuple(order[-1].meta["tensor_meta"].shape) if order else tuple(input_shape)
+    return Network(tuple(input_shape), _units(order, convs, source, adds), tuple(linears),
+                   out_shape)
+
+
+def _units(order, convs, source, adds) -> tuple[Unit, ...]:  # noqa: ANN001
+    def chain(p):  # noqa: ANN001, ANN202
+        out = [p]
+        while p in convs:
+            p = source[p]
+            out.append(p)
+        return out
+
+    in_block: dict[Any, Any] = {}
+    blocks: dict[Any, tuple[Any, list, list]] = {}
+    for a, (p1, p2) in adds.items():
+        c1, c2 = chain(p1), chain(p2)
+        entry = next((p for p in c1 if p in c2), None)
+        if entry is None:
+            raise NotImplementedError(f"trace_network: the add {a} has no common entry")
+        b1, b2 = c1[:c1.index(entry)][::-1], c2[:c2.index(entry)][::-1]
+        main, skip = (b1, b2) if len(b1) >= len(b2) else (b2, b1)
+        blocks[a] = (entry, main, skip)
+        for c in main + skip:
+            in_block[c] = a
+    units: list[Unit] = []
+    frontier: Any = "input"
+    for node in order:
+        if node in adds:
+            entry, main, skip = blocks[node]
+            if entry != frontier:
+                raise NotImplementedError(
+                    f"trace_network: residual block ending at {node} starts at {entry}, not at "
+                    f"the previous unit's output {frontier}; nested branches are not supported"
+                )
+            units.append(Block(tuple(convs[c] for c in main), tuple(convs[c] for c in skip)))
+            frontier = node
+        elif node not in in_block:
+            if source[node] != frontier:
+                raise NotImplementedError(
+                    f"trace_network: {convs[node].name} reads {source[node]}, not the previous "
+                    f"unit's output {frontier}; branches other than residual blocks are not "
+                    "supported"
+                )
+            units.append(convs[node])
+            frontier = node
+    return tuple(units)
+
+
+# ============================================================================ choices
+@dataclass(frozen=True)
+class Choice:
+    """A grid layout (row-major, model-parallel dims last) and an algorithm for one layer."""
+
+    grid: tuple[tuple[str, int], ...]
+    algorithm: str
+    groups_aligned: bool = False  # a grouped conv whose channel blocks hold whole groups
+
+    def __post_init__(self) -> None:
+        if self.algorithm not in ALGORITHMS:
+            raise ValueError(f"Choice: algorithm must be one of {ALGORITHMS}, got "
+                             f"{self.algorithm!r}")
+
+    @property
+    def size(self) -> int:
+        return math.prod(e for _, e in self.grid)
+
+    @property
+    def extents(self) -> dict[str, int]:
+        return dict(self.grid)
+
+    @property
+    def conv_algorithm(self) -> str:
+        """The DistConv2d algorithm that runs it (sample and spatial are stationary-x on C=1)."""
+        return "stationary-x" if self.algorithm in ("sample", "spatial") else self.algorithm
+
+    def _act(self, entry: Any) -> Dist:
+        ext = self.extents
+        keep = lambda e: e if isinstance(e, str) and ext.get(e, 1) > 1 else (  # noqa: E731
+            tuple(d for d in e if ext.get(d, 1) > 1) or None if isinstance(e, tuple) else None)
+        entries = [keep(e) for e in ("N", entry, "H", "W")]
+        entries = [e[0] if isinstance(e, tuple) and len(e) == 1 else e for e in entries]
+        return Dist(tuple(entries), frozenset(), ACT)
+
+    @property
+    def input_dist(self) -> Dist:
+        """x's distribution, as :class:`~distconv.nn.DistConv2d` states it (extent-1 dims dropped)."""
+        if self.groups_aligned:
+            return self._act("C" if self.algorithm == "stationary-x" else "F")
+        return self._act({"stationary-y": "F", "stationary-w": ("C", "F")}.get(
+            self.conv_algorithm, "C"))
+
+    @property
+    def output_dist(self) -> Dist:
+        if self.groups_aligned:
+            return self.input_dist
+        return self._act({"stationary-y": "F", "stationary-w": ("F", "C")}.get(
+            self.conv_algorithm, "C"))
+
+    def config(self) -> dict[str, Any]:
+        return {"grid": dict(self.grid), "algorithm": self.algorithm}
+
+    def __str__(self) -> str:
+        grid = "×".join(f"{n}{e}" for n, e in self.grid)
+        return f"{self.algorithm} {grid}"
+
+
+def sample_choice(world_size: int) -> Choice:
+    return Choice((("N", world_size),), "sample")
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidates(problem: ConvProblem, world_size: int, *, max_model: int = 16,
+               algorithms: Sequence[str] = ALGORITHMS) -> list[Choice]:
+    """Every choice for one layer: the model-parallel extents multiply to a divisor ``m`` of the
+    world size with ``m <= max_model``, N takes the rest (at most the batch), and no dim is split
+    into more blocks than it has items."""
+    pb, out = problem, []
+    ho, wo = pb.output_hw
+    for m in _divisors(world_size):
+        n = world_size // m
+        if m > max_model or n > pb.batch:
+            continue
+        N = (("N", n),) if n > 1 or m == 1 else ()
+        if m == 1 and "sample" in algorithms:
+            out.append(Choice((("N", n),), "sample"))
+            continue
+        for a in _divisors(m):
+            b = m // a
+            options = {
+                "spatial": [(("H", m),)] * (a == 1) + [(("H", a), ("W", b))] * (1 < a < m),
+                "stationary-x": [(("C", m),)] * (a == 1),
+                "stationary-y": [(("F", m),)] * (a == 1),
+                "stationary-w": [(("C", a), ("F", b))] * (1 < a < m),
+            }
+            for alg, grids in options.items():
+                if alg not in algorithms:
+                    continue
+                for g in grids:
+                    ch = _valid(pb, Choice(N + g, alg), ho, wo)
+                    if ch is not None:
+                        out.append(ch)
+    return out
+
+
+def _valid(pb: ConvProblem, ch: Choice, ho: int, wo: int) -> Choice | None:
+    e = ch.extents
+    c, f = e.get("C", 1), e.get("F", 1)
+    if e.get("H", 1) > ho or e.get("W", 1) > wo or c * f > min(pb.in_channels, pb.out_channels):
+        return None
+    if pb.groups > 1 and c * f > 1:
+        if ch.algorithm == "stationary-w" or pb.groups % (c * f):
+            return None
+        return Choice(ch.grid, ch.algorithm, groups_aligned=True)
+    return ch
+
+
+# ============================================================================ transitions
+def _fake_grid(layout: tuple[tuple[str, int], ...], rank: int) -> Any:
+    from distconv.grid import ProcessorGrid
+
+    size = math.prod(e for _, e in layout)
+    return ProcessorGrid(dict(layout), comm=SimpleNamespace(rank=rank, size=size, backend="none"))
+
+
+def _ranks(layouts: Sequence[tuple[tuple[str, int], ...]], size: int) -> list[int]:
+    """All ranks for small worlds; else the corner ranks of every layout (slowest among them)."""
+    if size <= 64:
+        return list(range(size))
+    out: set[int] = set()
+    for layout in layouts:
+        g = _fake_grid(layout, 0)
+        out.update(g.rank_of(c) for c in corner_coords(layout))
+    return sorted(out)
+
+
+def _block_index(n: int, p: int, i: int) -> int:
+    """Which of ``p`` balanced blocks of ``n`` items holds item ``i``."""
+    q, r = divmod(n, p)
+    return i // (q + 1) if i < r * (q + 1) else r + (i - r * (q + 1)) // q
+
+
+def _hits(n: int, extents: Sequence[int], lo: int, hi: int) -> list[tuple[tuple[int, ...], int]]:
+    """Nested balanced blocks of ``n`` items over ``extents`` (major first) that overlap
+    ``[lo, hi)``: ``(coords, overlap)`` for each nonempty overlap."""
+    out: list[tuple[tuple[int, ...], int]] = []
+
+    def walk(start: int, size: int, depth: int, coords: tuple[int, ...]) -> None:
+        a, b = max(lo, start), min(hi, start + size)
+        if b <= a:
+            return
+        if depth == len(extents):
+            out.append((coords, b - a))
+            return
+        p = extents[depth]
+        for i in range(_block_index(size, p, a - start), _block_index(size, p, b - 1 - start) + 1):
+            s, k = balanced_block(size, p, i)
+            walk(start + s, k, depth + 1, coords + (i,))
+
+    walk(0, n, 0, ())
+    return out
+
+
+Endpoint = tuple[tuple[tuple[str, int], ...], Dist]  # (grid layout, distribution)
+
+
+def _sources(src: Endpoint, dst: Endpoint, shape: tuple[int, ...], rank: int) -> dict[int, int]:
+    """Elements rank ``rank`` receives from each other rank when ``repartition`` moves a tensor
+    from ``src`` to ``dst`` (different grids) -- ``_repartition_plan`` in closed form: every
+    source block overlapping this rank's target box, read from the replica ``rank % replicas``
+    (replicas ordered row-major over the source's redundant dims)."""
+    (sl, sd), (dl, dd) = src, dst
+    sg, dg = _fake_grid(sl, rank), _fake_grid(dl, rank)
+    box = list(dd.blocks(shape, dg))
+    if any(k == 0 for _, k in box):
+        return {}
+    used = sd.used()
+    redundant = [(n, e) for n, e in sl if n not in used]
+    rep: dict[str, int] = {}
+    j = rank % math.prod(e for _, e in redundant)
+    for n, e in reversed(redundant):
+        j, rep[n] = divmod(j, e)
+    per_dim = []
+    for d, n in enumerate(shape):
+        names = sd.grid_dims_of(d)
+        lo, k = box[d]
+        per_dim.append([(dict(zip(names, c)), ov) for c, ov in
+                        _hits(n, [sg.extent(g) for g in names], lo, lo + k)])
+    out: dict[int, int] = {}
+
+    def combine(d: int, coords: dict[str, int], elems: int) -> None:
+        if d == len(shape):
+            r = sg.rank_of({**coords, **rep})
+            if r != rank:
+                out[r] = out.get(r, 0) + elems
+            return
+        for c, ov in per_dim[d]:
+            combine(d + 1, {**coords, **c}, elems * ov)
+
+    combine(0, {}, 1)
+    return out
+
+
+def _move_bytes(src: Endpoint, dst: Endpoint, shape: tuple[int, ...], rank: int,
+                itemsize: int) -> int:
+    if src[0] == dst[0]:
+        plan = plan_redistribution(src[0], src[1], dst[1], shape)
+        return plan.received_bytes(_fake_grid(src[0], rank), itemsize)
+    return itemsize * sum(_sources(src, dst, shape, rank).values())
+
+
+def _move_time(src: Endpoint, dst: Endpoint, shape: tuple[int, ...], machine: Machine,
+               itemsize: int) -> tuple[float, int]:
+    """``(seconds, bytes)`` on the slowest rank, priced on the level the moving ranks span."""
+    if src == dst:
+        return 0.0, 0
+    size = math.prod(e for _, e in src[0])
+    worst = (0.0, 0)
+    if src[0] == dst[0]:
+        plan = plan_redistribution(src[0], src[1], dst[1], shape)
+        if not plan.steps:
+            return worst
+        ext = dict(src[0])
+        dims = [d for s in plan.steps for d in (getattr(s, "dims", ()) or (s.g,))]
+        group = group_of(src[0], sorted(set(dims)))
+        steps = sum(max(ext.get(d, 1) - 1, 1) for d in dims)
+        for r in _ranks([src[0]], size):
+            b = plan.received_bytes(_fake_grid(src[0], r), itemsize)
+            worst = max(worst, (machine.link_time(group, b, steps) if b else 0.0, b))
+        return worst
+    for r in _ranks([src[0], dst[0]], size):
+        peers = _sources(src, dst, shape, r)
+        if peers:
+            b = itemsize * sum(peers.values())
+            worst = max(worst, (machine.link_time([r, *peers], b, len(peers)), b))
+    return worst
+
+
+def transition_bytes(src: Choice, dst: Choice, shape: Sequence[int], rank: int, *,
+                     itemsize: int = 4) -> int:
+    """Bytes rank ``rank`` receives moving an activation of global ``shape`` from ``src``'s output
+    distribution to ``dst``'s input distribution: ``plan_redistribution(...).received_bytes`` on
+    one grid layout, the cross-grid ``repartition`` plan otherwise (what the executor counts)."""
+    return _move_bytes((src.grid, src.output_dist), (dst.grid, dst.input_dist),
+                       tuple(int(s) for s in shape), rank, itemsize)
+
+
+def transition_time(src: Choice, dst: Choice, shape: Sequence[int], machine: Machine, *,
+                    itemsize: int = 4) -> tuple[float, int]:
+    """``(seconds, bytes)`` of that redistribution on its slowest rank (forward; the adjoint
+    moves the same bytes back)."""
+    return _move_time((src.grid, src.output_dist), (dst.grid, dst.input_dist),
+                      tuple(int(s) for s in shape), machine, itemsize)
+
+
+# ============================================================================ layer costs
+@dataclass(frozen=True)
+class LayerCost:
+    """Seconds of one layer under one choice (slowest rank) and its bytes of memory per rank."""
+
+    forward: float
+    backward: float   # on the critical path: local backward and activation collectives
+    allreduce: float  # gradient allreduce, overlappable with the rest of backward
+    memory: float
+
+    @property
+    def total(self) -> float:
+        return self.forward + self.backward + self.allreduce
+
+
+def layer_cost(conv: ConvNode, choice: Choice, machine: Machine, *, itemsize: int = 4,
+               optimizer_slots: int = 1, activation_factor: int = 3) -> LayerCost:
+    """:func:`~distconv.perfmodel.conv_cost` of the layer, and its memory per rank: weight shard
+    times (parameter + gradient + ``optimizer_slots``), plus the stored local input of the local
+    convolution and ``activation_factor`` copies of the local output (conv, BN, ReLU)."""
+    ranks = "all" if choice.size <= 64 else "corners"
+    cost = conv_cost(conv.problem, choice.extents, choice.conv_algorithm, machine,
+                     itemsize=itemsize, ranks=ranks)
+    ar = sum(v for k, v in cost.steps.items() if k.startswith("allreduce"))
+    return LayerCost(cost.forward, cost.backward - ar, ar,
+                     _memory(conv, choice, itemsize, optimizer_slots, activation_factor))
+
+
+def _memory(conv: ConvNode, ch: Choice, itemsize: int, slots: int, factor: int) -> float:
+    pb, e = conv.problem, ch.extents
+    ceil = lambda n, p: -(-n // p)  # noqa: E731
+    c, f = e.get("C", 1), e.get("F", 1)
+    kh, kw = (pb.kernel_size, pb.kernel_size) if isinstance(pb.kernel_size, int) else pb.kernel_size
+    alg = ch.conv_algorithm
+    w_rows = ceil(pb.out_channels, f) if alg != "stationary-x" else pb.out_channels
+    w_cols = ceil(pb.in_channels // pb.groups, c) if alg != "stationary-y" else (
+        pb.in_channels // pb.groups)
+    if ch.groups_aligned:
+        w_rows, w_cols = ceil(pb.out_channels, c * f), pb.in_channels // pb.groups
+    params = w_rows * w_cols * kh * kw + (ceil(pb.out_channels, c * f) if pb.bias else 0)
+    n, h, w = ceil(pb.batch, e.get("N", 1)), e.get("H", 1), e.get("W", 1)
+    x_work = {"stationary-y": pb.in_channels}.get(alg, ceil(pb.in_channels, c))
+    if ch.groups_aligned:
+        x_work = ceil(pb.in_channels, c * f)
+    acts = n * x_work * ceil(pb.height, h) * ceil(pb.width, w)
+    acts += factor * n * ceil(pb.out_channels, c * f) * ceil(conv.out_shape[2], h) * ceil(
+        conv.out_shape[3], w)
+    return float(itemsize * (params * (2 + slots) + acts))
+
+
+# ============================================================================ the plan
+@dataclass
+class LayerPlan:
+    """One convolution's choice and the costs that made it."""
+
+    conv: ConvNode
+    choice: Choice
+    cost: LayerCost
+    transition: float          # forward seconds of the redistribution into this layer
+    transition_bytes: int
+    runner_up: Choice | None = None
+    runner_up_delta: float = math.inf  # how much slower the step would be with it
+
+
+@dataclass
+class Plan:
+    """A whole-network plan: per layer choices, the predicted step time and memory per rank."""
+
+    world_size: int
+    batch: int
+    machine: Machine
+    layers: list[LayerPlan]
+    extra: float               # skips, entry and exit redistributions, head allreduce (seconds)
+    step_time: float
+    forward_time: float
+    memory: float
+    notes: list[str] = field(default_factory=list)
+
+    def config(self) -> dict[str, Any]:
+        """The plan in the format of ``distconv.parallelize``: sample-parallel default and one
+        entry per convolution that differs from it (exact names, in model order)."""
+        default = sample_choice(self.world_size)
+        return {
+            "default": default.config(),
+            "layers": [{"match": lp.conv.name, **lp.choice.config()} for lp in self.layers
+                       if lp.choice != default],
+        }
+
+    def explain(self) -> str:
+        return explain(self)
+
+    def __repr__(self) -> str:
+        return (f"Plan(world_size={self.world_size}, batch={self.batch}, machine="
+                f"{self.machine.name!r}, step_time={self.step_time:.4g}, memory={self.memory:.3g},"
+                f" layers={len(self.layers)})")
+
+
+def explain(plan: Plan) -> str:
+    """Why: per layer the chosen option, its predicted milliseconds (forward, backward on the
+    critical path, gradient allreduce, redistribution into it), the bytes the slowest rank
+    receives in that redistribution, and the runner-up with how much slower the step would be."""
+    rows = [f"{plan.machine.name}, {plan.world_size} ranks, batch {plan.batch}: predicted step "
+            f"{plan.step_time * 1e3:.2f} ms (forward {plan.forward_time * 1e3:.2f} ms), "
+            f"{plan.memory / 2**30:.2f} GiB per rank",
+            f"{'layer':28s} {'choice':26s} {'fwd':>7s} {'bwd':>7s} {'allred':>7s} "
+            f"{'redist':>7s} {'bytes in':>11s}  runner-up (step +ms)"]
+    for lp in plan.layers:
+        ms = lambda t: f"{t * 1e3:7.3f}"  # noqa: E731
+        ru = f"{lp.runner_up} ({lp.runner_up_delta * 1e3:+.3f})" if lp.runner_up else "-"
+        rows.append(f"{lp.conv.name:28s} {str(lp.choice):26s} {ms(lp.cost.forward)} "
+                    f"{ms(lp.cost.backward)} {ms(lp.cost.allreduce)} {ms(lp.transition)} "
+                    f"{lp.transition_bytes:11,d}  {ru}")
+    rows.append(f"skips, entry/exit redistributions and head allreduce: {plan.extra * 1e3:.3f} ms")
+    rows.extend(plan.notes)
+    return "\n".join(rows)
+
+
+# ============================================================================ dynamic programming
+def _first(item: tuple) -> float:
+    return item[0]
+
+
+class _Model:
+    """Cached costs of one (network, world size, machine): layer costs and transitions."""
+
+    def __init__(self, net: Network, world_size: int, machine: Machine, *, max_model: int,
+                 algorithms: Sequence[str], itemsize: int, optimizer_slots: int,
+                 activation_factor: int) -> None:
+        self.net, self.P, self.machine, self.itemsize = net, world_size, machine, itemsize
+        self.options = {c.name: candidates(c.problem, world_size, max_model=max_model,
+                                           algorithms=algorithms) for c in net.convs}
+        for c in net.convs:
+            if not self.options[c.name]:
+                raise ValueError(
+                    f"plan_network: no candidate for {c.name} ({c.problem}) on world_size="
+                    f"{world_size} with algorithms={tuple(algorithms)}, max_model={max_model}; "
+                    "allow more algorithms or a larger max_model, or a batch >= world_size"
+                )
+        self.costs = {(c.name, ch): layer_cost(c, ch, machine, itemsize=itemsize,
+                                               optimizer_slots=optimizer_slots,
+                                               activation_factor=activation_factor)
+                      for c in net.convs for ch in self.options[c.name]}
+        self.head_params = sum(n for _, n in net.linears)
+        self._moves: dict[tuple, tuple[float, int]] = {}
+        self.entry = sample_choice(world_size)
+
+    def move(self, src: Choice, dst: Choice, shape: tuple[int, ...], *,
+             to_output: bool = False) -> tuple[float, int]:
+        """Forward seconds and bytes of src's output -> dst's input (or output, at an add)."""
+        key = (src, dst, shape, to_output)
+        if key not in self._moves:
+            d = dst.output_dist if to_output else dst.input_dist
+            self._moves[key] = _move_time((src.grid, src.output_dist), (dst.grid, d), shape,
+                                          self.machine, self.itemsize)
+        return self._moves[key]
+
+    def weight(self, c: ConvNode, ch: Choice, lam: float, mu: float) -> float:
+        lc = self.costs[(c.name, ch)]
+        return lc.forward + lc.backward + lam * lc.allreduce + mu * lc.memory
+
+    # ---------------------------------------------------------------- the DP
+    def chain(self, start: dict[Choice, tuple[float, Any]], convs: Sequence[ConvNode],
+              lam: float, mu: float) -> list[dict[Choice, tuple[float, Choice]]]:
+        """Per conv of a chain: best cost to each choice and the predecessor choice."""
+        out, cur = [], {a: v[0] for a, v in start.items()}
+        for c in convs:
+            step = {}
+            for b in self.options[c.name]:
+                w = self.weight(c, b, lam, mu)
+                step[b] = min(((cost + 2 * self.move(a, b, c.in_shape)[0] + w, a)
+                               for a, cost in cur.items()), key=_first)
+            out.append(step)
+            cur = {b: v[0] for b, v in step.items()}
+        return out
+
+    def solve(self, lam: float, mu: float) -> dict[str, Choice]:
+        state: dict[Choice, tuple[float, Any]] = {self.entry: (0.0, None)}
+        trail: list[tuple[Unit, Any]] = []
+        for unit in self.net.units:
+            if isinstance(unit, ConvNode):
+                (step,) = self.chain(state, [unit], lam, mu)
+                trail.append((unit, step))
+                state = {b: (v[0], v[1]) for b, v in step.items()}
+                continue
+            best: dict[Choice, tuple[float, Any]] = {}
+            for a, (base, _) in state.items():
+                main = self.chain({a: (base, None)}, unit.main, lam, mu)
+                skip = self.chain({a: (0.0, None)}, unit.skip, lam, mu) if unit.skip else None
+                shape = unit.main[-1].out_shape
+                for e, (cost, _) in main[-1].items():
+                    ends = skip[-1].items() if skip else [(a, (0.0, None))]
+                    s_cost, s_end = min(((sc + 2 * self.move(s, e, shape, to_output=True)[0], s)
+                                         for s, (sc, _) in ends), key=_first)
+                    total = cost + s_cost
+                    if e not in best or total < best[e][0]:
+                        best[e] = (total, (a, main, skip, s_end))
+            trail.append((unit, best))
+            state = best
+        out_shape = self.net.out_shape
+        end = min(state, key=lambda e: state[e][0] + 2 * self.move(e, self.entry, out_shape)[0])
+        return self._backtrack(trail, end)
+
+    def _backtrack(self, trail: list[tuple[Unit, Any]], end: Choice) -> dict[str, Choice]:
+        pick: dict[str, Choice] = {}
+        cur = end
+        for unit, table in reversed(trail):
+            if isinstance(unit, ConvNode):
+                pick[unit.name] = cur
+                cur = table[cur][1]
+                continue
+            a, main, skip, s_end = table[cur][1]
+            e = cur
+            for c, step in zip(reversed(unit.main), reversed(main)):
+                pick[c.name] = e
+                e = step[e][1]
+            if skip:
+                s = s_end
+                for c, step in zip(reversed(unit.skip), reversed(skip)):
+                    pick[c.name] = s
+                    s = step[s][1]
+            cur = a
+        return pick
+
+    # ---------------------------------------------------------------- evaluation
+    def evaluate(self, pick: Mapping[str, Choice]) -> dict[str, Any]:
+        """Timeline of one step under ``pick``: forward, then backward on a compute stream with
+        gradient allreduces on a communication stream (each starts when its layer's backward is
+        done and the previous allreduce has finished)."""
+        layers: list[tuple[ConvNode, Choice, float, int]] = []  # conv, choice, move in, bytes
+        extra = 0.0
+        cur = self.entry
+        for unit in self.net.units:
+            if isinstance(unit, ConvNode):
+                t, b = self.move(cur, pick[unit.name], unit.in_shape)
+                layers.append((unit, pick[unit.name], t, b))
+                cur = pick[unit.name]
+                continue
+            entry = cur
+            for c in unit.main:
+                t, b = self.move(cur, pick[c.name], c.in_shape)
+                layers.append((c, pick[c.name], t, b))
+                cur = pick[c.name]
+            s = entry
+            for c in unit.skip:
+                t, b = self.move(s, pick[c.name], c.in_shape)
+                layers.append((c, pick[c.name], t, b))
+                s = pick[c.name]
+            extra += self.move(s, cur, unit.main[-1].out_shape, to_output=True)[0]
+        extra += self.move(cur, self.entry, self.net.out_shape)[0]
+        forward = extra + sum(self.costs[(c.name, ch)].forward + t for c, ch, t, _ in layers)
+        head = 0.0
+        if self.head_params:
+            from distconv.comm.base import allreduce_bytes
+
+            nbytes = allreduce_bytes(self.head_params, 0, self.P, self.itemsize)
+            head = self.machine.collective_time("allreduce", self.P, nbytes,
+                                                layout=self.entry.grid, dims=("N",))
+        compute, comm = forward + extra, head  # backward starts after the forward
+        comm += compute
+        for c, ch, t, _ in reversed(layers):
+            lc = self.costs[(c.name, ch)]
+            compute += lc.backward + t
+            comm = max(comm, compute) + lc.allreduce
+        memory = sum(self.costs[(c.name, ch)].memory for c, ch, _, _ in layers)
+        memory += self.head_params * self.itemsize * 3
+        return {"step": max(compute, comm), "forward": forward, "memory": memory,
+                "layers": layers, "extra": 2 * extra + head}
+
+
+def plan_network(
+    model: torch.nn.Module | Network,
+    input_shape: Sequence[int] | None = None,
+    *,
+    world_size: int,
+    machine: Machine,
+    memory_limit: float | None = None,
+    max_model: int = 16,
+    algorithms: Sequence[str] = ALGORITHMS,
+    itemsize: int = 4,
+    optimizer_slots: int = 1,
+    activation_factor: int = 3,
+) -> Plan:
+    """Choose every convolution's grid and algorithm for one training step of ``model``.
+
+    Args:
+        model: a module (traced by :func:`trace_network` on ``input_shape``) or a traced Network.
+        input_shape: the global input ``(batch, channels, height, width)``.
+        world_size: ranks P; every layer's grid has P positions.
+        machine: a :class:`~distconv.machines.Machine` (or a flat ``perfmodel.Machine``).
+        memory_limit: bytes per rank; default ``machine.memory``.
+        max_model: the most ranks a layer's C×F×H×W dims may span. Default 16.
+        algorithms: the choices allowed. Default all of ``sample, spatial, stationary-x/-y/-w``.
+        itemsize: bytes per element (4: fp32). optimizer_slots: optimizer state per parameter
+            (1: SGD with momentum). activation_factor: stored copies of each conv's output
+            (3: conv, BN, ReLU).
+
+    Raises:
+        ValueError: bad arguments, or no plan within ``memory_limit``.
+    """
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"plan_network: world_size must be an int >= 1, got {world_size!r}")
+    bad = [a for a in algorithms if a not in ALGORITHMS]
+    if bad or not algorithms:
+        raise ValueError(f"plan_network: algorithms must be among {ALGORITHMS}, got {algorithms}")
+    if isinstance(model, Network):
+        net = model
+    else:
+        if input_shape is None or len(input_shape) != 4:
+            raise ValueError(f"plan_network: input_shape must be (N, C, H, W), got {input_shape}")
+        net = trace_network(model, input_shape)
+    limit = getattr(machine, "memory", math.inf) if memory_limit is None else memory_limit
+    if not limit > 0:
+        raise ValueError(f"plan_network: memory_limit must be > 0, got {memory_limit}")
+    m = _Model(net, world_size, machine, max_model=max_model, algorithms=algorithms,
+               itemsize=itemsize, optimizer_slots=optimizer_slots,
+               activation_factor=activation_factor)
+    best = _best(m, 0.0)
+    notes = []
+    if best[1]["memory"] > limit:
+        best = _fit_memory(m, limit)
+        notes.append(f"memory limit {limit / 2**30:.2f} GiB per rank is binding")
+    pick, ev, lam = best
+    pick, ev = _refine(m, pick, ev, limit)
+    plan = _make_plan(m, pick, ev, net.input_shape[0], notes)
+    _runner_ups(m, plan, pick, ev["step"], limit)
+    plan.notes.append(f"allreduce weight in the DP: {lam}")
+    return plan
+
+
+def _best(m: _Model, mu: float) -> tuple[dict[str, Choice], dict[str, Any], float]:
+    tried = []
+    for lam in (0.0, 0.5, 1.0):
+        pick = m.solve(lam, mu)
+        ev = m.evaluate(pick)
+        tried.append((ev["step"] + mu * ev["memory"], lam, pick, ev))
+    _, lam, pick, ev = min(tried, key=lambda t: t[0])
+    return pick, ev, lam
+
+
+def _fit_memory(m: _Model, limit: float) -> tuple[dict[str, Choice], dict[str, Any], float]:
+    """Bisect the price of memory (seconds per byte) until the DP's plan fits in ``limit``."""
+    lo, hi = 0.0, 1e-12
+    while True:
+        pick, ev, lam = _best(m, hi)
+        if ev["memory"] <= limit:
+            break
+        if hi > 1e3:
+            raise ValueError(
+                f"plan_network: no plan fits memory_limit={limit:.4g} bytes per rank; the "
+                f"smallest found needs {ev['memory']:.4g} (more ranks, a larger max_model or a "
+                "smaller batch)"
+            )
+        lo, hi = hi, hi * 8
+    fit = (pick, ev, lam)
+    for _ in range(12):
+        mid = math.sqrt(lo * hi) if lo else hi / 8
+        pick, ev, lam = _best(m, mid)
+        if ev["memory"] <= limit:
+            hi, fit = mid, (pick, ev, lam)
+        else:
+            lo = mid
+    return fit
+
+
+def _refine(m: _Model, pick: dict[str, Choice], ev: dict[str, Any], limit: float,
+            rounds: int = 3) -> tuple[dict[str, Choice], dict[str, Any]]:
+    """Coordinate descent on the timeline: the DP's additive costs cannot see how much of an
+    allreduce hides behind backward, so try each layer's other choices with the rest kept."""
+    for _ in range(rounds):
+        improved = False
+        for c in m.net.convs:
+            for ch in m.options[c.name]:
+                if ch == pick[c.name]:
+                    continue
+                trial = {**pick, c.name: ch}
+                t = m.evaluate(trial)
+                if t["memory"] <= limit and t["step"] < ev["step"] * (1 - 1e-9):
+                    pick, ev, improved = trial, t, True
+        if not improved:
+            break
+    return pick, ev
+
+
+def _make_plan(m: _Model, pick: Mapping[str, Choice], ev: dict[str, Any], batch: int,
+               notes: list[str]) -> Plan:
+    order = {c.name: i for i, c in enumerate(m.net.convs)}
+    layers = sorted(ev["layers"], key=lambda t: order[t[0].name])
+    lps = [LayerPlan(c, ch, m.costs[(c.name, ch)], t, b) for c, ch, t, b in layers]
+    return Plan(m.P, batch, m.machine, lps, ev["extra"], ev["step"], ev["forward"],
+                ev["memory"], notes)
+
+
+def _runner_ups(m: _Model, plan: Plan, pick: Mapping[str, Choice], step: float,
+                limit: float) -> None:
+    """Per layer, the best other choice with every other layer kept, and its cost in seconds."""
+    for lp in plan.layers:
+        best: tuple[float, Choice | None] = (math.inf, None)
+        for ch in m.options[lp.conv.name]:
+            if ch == lp.choice:
+                continue
+            ev = m.evaluate({**pick, lp.conv.name: ch})
+            if ev["memory"] <= limit:
+                best = min(best, (ev["step"], ch), key=lambda t: t[0])
+        lp.runner_up, lp.runner_up_delta = best[1], best[0] - step

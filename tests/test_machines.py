@@ -1,0 +1,116 @@
+"""Machines as data: the hierarchy's pricing by hand, the Lassen profile's sources, calibration."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from distconv.machines import LASSEN, LASSEN_SOURCES, ConvTable, Level, Machine, calibrate, group_of
+from distconv.perfmodel import ConvProblem, conv_cost
+from distconv.testing import run_threads
+
+# A toy hierarchy: 2 ranks per socket (dedicated link), 4 per node (shared bus), then a network
+# adapter shared by the node's 4 ranks. Round numbers so every price below is by hand.
+TOY = Machine("toy", (
+    Level("socket", 2, 1e-6, 100.0),
+    Level("node", 4, 2e-6, 50.0, shared=True),
+    Level("network", 0, 10e-6, 10.0, shared=True),
+), flop_rate=1e9, memory=1e9)
+
+
+def test_group_of_follows_row_major_rank_order() -> None:
+    layout = (("N", 4), ("C", 2))  # C varies fastest: rank = 2 n + c
+    assert group_of(layout, ["C"]) == [0, 1]
+    assert group_of(layout, ["N"]) == [0, 2, 4, 6]
+    assert group_of(layout, ["N", "C"]) == list(range(8))
+
+
+@pytest.mark.parametrize("ranks, level, k", [
+    ([0, 1], 0, 1),          # inside a socket
+    ([0, 2], 1, 1),          # two sockets of one node, one member in each
+    ([0, 1, 2, 3], 1, 2),    # a whole node: two members per socket
+    ([0, 4], 2, 1),          # two nodes
+    ([0, 2, 4, 6], 2, 2),    # two nodes, two members per node
+])
+def test_level_of_a_group_is_the_innermost_unit_holding_it(ranks, level, k) -> None:  # noqa: ANN001
+    assert TOY.level_of(ranks) == (level, k)
+
+
+def test_link_time_shares_a_link_among_the_rings_that_cross_it() -> None:
+    # Ring over ranks {0,4,8,12}: one member per node, so the node's 4 ranks run 4 such rings
+    # through one adapter: each gets 10/4 bytes/s. 100 bytes in 3 steps.
+    assert TOY.link_time([0, 4, 8, 12], 100, 3) == pytest.approx(3 * 10e-6 + 100 * 4 / 10.0)
+    # Whole nodes in the ring: one ring leaves each node, the adapter is not shared.
+    assert TOY.link_time(list(range(8)), 100, 7) == pytest.approx(7 * 10e-6 + 100 / 10.0)
+    # Inside a socket: a dedicated link.
+    assert TOY.link_time([0, 1], 100, 1) == pytest.approx(1e-6 + 100 / 100.0)
+    assert TOY.link_time([3], 100, 0) == 0.0
+
+
+def test_segmented_allreduce_inside_a_socket_is_priced_on_the_socket_link() -> None:
+    layout = (("N", 4), ("C", 2))
+    t_c = TOY.collective_time("allreduce", 2, 80, layout=layout, dims=("C",))
+    assert t_c == pytest.approx(2 * 1e-6 + 80 / 100.0)
+    # Over N: ranks {0,2,4,6} span two nodes with two members each: 4 / 2 = 2 rings per adapter.
+    t_n = TOY.collective_time("allreduce", 4, 80, layout=layout, dims=("N",))
+    assert t_n == pytest.approx(6 * 10e-6 + 80 * 2 / 10.0)
+
+
+def test_conv_cost_prices_each_collective_on_the_level_its_segment_crosses() -> None:
+    # stationary-x on N=2 x C=2, 1x1 kernel, no bias: the reduce-scatter / allgather over C stay
+    # in a socket; the weight-gradient allreduce over N crosses sockets inside a node.
+    pb = ConvProblem(2, 4, 4, 2, 2, 1, bias=False)
+    cost = conv_cost(pb, {"N": 2, "C": 2}, "stationary-x", TOY)
+    # per rank: n=1, y block 2 filters of 2x2: reduce-scatter receives 1*2*4*4 = 32 bytes
+    assert cost.steps["reduce-scatter y over C"] == pytest.approx(1e-6 + 32 / 100.0)
+    assert cost.steps["allgather dL/dy over C"] == pytest.approx(1e-6 + 32 / 100.0)
+    # weight shard 4 x 2 = 8 elements over N=2 (ranks {0, 2}: one per socket, two rings per bus)
+    assert cost.steps["allreduce dL/dw"] == pytest.approx(2 * 2e-6 + 8 * 4 * 2 / 50.0)
+
+
+def test_lassen_every_number_has_a_source() -> None:
+    assert [(lv.name, lv.ranks) for lv in LASSEN.levels] == [
+        ("socket", 2), ("node", 4), ("network", 0)]
+    keys = " | ".join(LASSEN_SOURCES)
+    for lv in LASSEN.levels:
+        assert lv.source, lv.name
+        assert f"{lv.name} bandwidth = {lv.bandwidth / 1e9:g} GB/s" in keys
+        assert f"{lv.name} alpha = {lv.alpha * 1e6:g} us" in keys
+        if lv.ranks:
+            assert f"ranks per {lv.name} = {lv.ranks}" in keys
+    assert f"flop_rate = {LASSEN.flop_rate / 1e12:.1f} TFLOP/s" in keys
+    assert f"memory = {LASSEN.memory / 2**30:g} GiB" in keys
+    for key, source in LASSEN_SOURCES.items():
+        assert len(source) > 20 and re.search(r"LLNL|IBM|NVIDIA|Dryden|Mellanox|assum", source), key
+    assert LASSEN.sources is LASSEN_SOURCES
+
+
+def test_machine_rejects_bad_hierarchies() -> None:
+    with pytest.raises(ValueError, match="each dividing the next"):
+        Machine("bad", (Level("a", 3, 1e-6, 1.0), Level("b", 4, 1e-6, 1.0),
+                        Level("c", 0, 1e-6, 1.0)), 1.0)
+    with pytest.raises(ValueError, match="bandwidth"):
+        Level("a", 2, 1e-6, 0.0)
+    with pytest.raises(ValueError, match="levels must not be empty"):
+        Machine("bad", (), 1.0)
+
+
+def test_conv_table_uses_measured_times_and_falls_back_to_the_rate() -> None:
+    pb, other = ConvProblem(2, 4, 4, 8, 8, 3), ConvProblem(1, 4, 4, 8, 8, 3)
+    table = ConvTable({ConvTable.key(pb): 0.5}, flop_rate=1e6)
+    m = Machine("t", (Level("all", 0, 0.0, 1.0),), 1e6, conv_time=table)
+    assert m.local_conv(pb) == 0.5
+    assert m.local_conv(other) == other.flops() / 1e6
+
+
+def _calibrate(comm):  # noqa: ANN001, ANN202
+    return calibrate(comm, problems=[ConvProblem(1, 4, 4, 8, 8, 3, padding=1)],
+                     sizes=(1, 1024), repeats=1)
+
+
+def test_calibration_gives_every_rank_the_same_profile() -> None:
+    a, b = run_threads(_calibrate, 2)
+    assert a.levels == b.levels and a.flop_rate == b.flop_rate
+    assert a.conv_time.times == b.conv_time.times and len(a.conv_time.times) == 1
+    assert a.levels[0].alpha > 0 and a.levels[0].bandwidth > 0
