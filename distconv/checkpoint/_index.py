@@ -144,7 +144,9 @@ def read_index(path: Path) -> dict[str, Any]:
     try:
         index = json.loads(index_path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"checkpoint index {str(index_path)!r} is unreadable: {exc}") from None
+        raise CheckpointError(
+            f"checkpoint index {str(index_path)!r} is unreadable: {exc}"
+        ) from None
     if not isinstance(index, dict) or index.get("format") != FORMAT:
         raise CheckpointError(f"{str(index_path)!r} is not a {FORMAT} index")
     if index.get("version") != VERSION:

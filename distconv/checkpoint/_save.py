@@ -11,7 +11,7 @@ from typing import Any, Mapping
 import torch
 
 from distconv.checkpoint._index import (
-    FORMAT, INDEX_NAME, VERSION, Box, CheckpointError, TensorEntry, Shard, dtype_name,
+    FORMAT, INDEX_NAME, VERSION, Box, CheckpointError, TensorEntry, dtype_name,
     shard_file_name, sync_dir, volume, write_atomic,
 )
 from distconv.checkpoint._sections import Section, sections_for
@@ -21,6 +21,9 @@ from distconv.distribution import Dist
 from distconv.nn.sharding import ShardSpec
 
 __all__ = ["save"]
+
+#: Every tensor to save by full key (``section/flat key``): its local value and its spec.
+Items = dict[str, tuple[torch.Tensor, ShardSpec]]
 
 
 def save(
@@ -114,11 +117,11 @@ def _together(comm: Communicator, what: str, step: Any) -> list[dict[str, Any]]:
     return records
 
 
-def _collect(sections: list[Section]) -> tuple[dict[str, Any], dict[str, tuple[torch.Tensor, ShardSpec]]]:
+def _collect(sections: list[Section]) -> tuple[dict[str, Any], Items]:
     """The state tree of each section, and every tensor to save by full key
     (``section/flat key``) with its spec, checked."""
     trees: dict[str, Any] = {}
-    items: dict[str, tuple[torch.Tensor, ShardSpec]] = {}
+    items: Items = {}
     for section in sections:
         trees[section.name], tensors = flatten(section.state(), where=section.name)
         specs = section.specs()
@@ -139,7 +142,7 @@ def _collect(sections: list[Section]) -> tuple[dict[str, Any], dict[str, tuple[t
     return trees, items
 
 
-def _default_comm(items: dict[str, tuple[torch.Tensor, ShardSpec]]) -> Communicator:
+def _default_comm(items: Items) -> Communicator:
     for _, spec in items.values():
         if spec.grid is not None:
             return spec.grid.comm
@@ -148,7 +151,7 @@ def _default_comm(items: dict[str, tuple[torch.Tensor, ShardSpec]]) -> Communica
     return world()
 
 
-def _check_grids(items: dict[str, tuple[torch.Tensor, ShardSpec]], comm: Communicator) -> None:
+def _check_grids(items: Items, comm: Communicator) -> None:
     for key, (_, spec) in items.items():
         grid = spec.grid
         if grid is not None and (grid.size != comm.size or grid.rank != comm.rank):
@@ -188,7 +191,7 @@ def _writes(spec: ShardSpec, replicated_index: int, comm: Communicator) -> bool:
     return all(coords[d] == 0 for d in spec.dist.redundant(spec.grid))
 
 
-def _write_own(items: dict[str, tuple[torch.Tensor, ShardSpec]], comm: Communicator, file: Path):
+def _write_own(items: Items, comm: Communicator, file: Path):
     from safetensors.torch import save_file
 
     tensors, shards, storages, replicated = {}, {}, set(), 0
@@ -217,7 +220,7 @@ def _write_own(items: dict[str, tuple[torch.Tensor, ShardSpec]], comm: Communica
     return {"file": file.name, "size": file.stat().st_size, "shards": shards, "meta": meta}
 
 
-def _metadata(items: dict[str, tuple[torch.Tensor, ShardSpec]]) -> dict[str, Any]:
+def _metadata(items: Items) -> dict[str, Any]:
     """What every rank must agree on: key, dtype, global shape, Dist and grid of each tensor."""
     return {
         key: {
@@ -241,7 +244,7 @@ def _allgather_json(comm: Communicator, record: dict[str, Any], what: str) -> li
 
 
 def _index(
-    trees: dict[str, Any], items: dict[str, tuple[torch.Tensor, ShardSpec]],
+    trees: dict[str, Any], items: Items,
     records: list[dict[str, Any]], size: int,
 ) -> dict[str, Any]:
     meta = _metadata(items)

@@ -209,7 +209,9 @@ def sections_for(
         sections.append(OptimizerSection(optimizer, model))
     if states is not None:
         if not isinstance(states, Mapping):
-            raise TypeError(f"states must be a mapping of name -> object, got {type(states).__name__}")
+            raise TypeError(
+                f"states must be a mapping of name -> object, got {type(states).__name__}"
+            )
         for name, obj in states.items():
             if not isinstance(name, str) or not name or "/" in name or name in RESERVED:
                 raise ValueError(
