@@ -273,8 +273,9 @@ def candidates(problem: ConvProblem, world_size: int, *, max_model: int = 16,
         if m > max_model or n > pb.batch:
             continue
         N = (("N", n),) if n > 1 or m == 1 else ()
-        if m == 1 and "sample" in algorithms:
-            out.append(Choice((("N", n),), "sample"))
+        if m == 1:
+            if "sample" in algorithms:
+                out.append(Choice((("N", n),), "sample"))
             continue
         for a in _divisors(m):
             b = m // a

@@ -1,0 +1,165 @@
+"""The whole-network planner on synthetic machines whose optimum is known by construction."""
+
+from __future__ import annotations
+
+import fnmatch
+import itertools
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+
+from distconv.machines import Level, Machine
+from distconv.perfmodel import ConvProblem
+from distconv.planner import (
+    Block, Choice, ConvNode, candidates, plan_network, trace_network, transition_bytes,
+)
+from distconv.redistribute import _repartition_plan, plan_redistribution
+
+
+class TinyResNet(nn.Module):
+    """A stem conv, an identity-skip block and a block whose skip is a strided 1x1 conv."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(4, 8, 3, padding=1)
+        self.bn = nn.BatchNorm2d(8)
+        self.b1 = nn.Conv2d(8, 8, 3, padding=1)
+        self.b2 = nn.Conv2d(8, 8, 1)
+        self.d1 = nn.Conv2d(8, 16, 3, stride=2, padding=1)
+        self.d2 = nn.Conv2d(16, 16, 1)
+        self.down = nn.Conv2d(8, 16, 1, stride=2)
+        self.fc = nn.Linear(16, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.relu(self.bn(self.stem(x)))
+        x = x + self.b2(torch.relu(self.b1(x)))
+        x = torch.relu(self.d2(self.d1(x)) + self.down(x))
+        return self.fc(torch.flatten(nn.functional.adaptive_avg_pool2d(x, 1), 1))
+
+
+def _flat(alpha: float, bandwidth: float, rate: float, memory: float = math.inf) -> Machine:
+    return Machine("synthetic", (Level("all", 0, alpha, bandwidth),), rate, memory)
+
+
+@pytest.fixture(scope="module")
+def tiny() -> object:
+    return trace_network(TinyResNet(), (8, 4, 8, 8))
+
+
+def test_trace_finds_the_chain_and_its_residual_blocks(tiny) -> None:  # noqa: ANN001
+    names = [[c.name for c in u.main] + ["|"] + [c.name for c in u.skip]
+             if isinstance(u, Block) else u.name for u in tiny.units]
+    assert names == ["stem", ["b1", "b2", "|"], ["d1", "d2", "|", "down"]]
+    stem = tiny.units[0]
+    assert isinstance(stem, ConvNode)
+    assert stem.problem == ConvProblem(8, 4, 8, 8, 8, (3, 3), (1, 1), (1, 1), (1, 1), 1, True)
+    assert stem.out_shape == (8, 8, 8, 8) and tiny.out_shape == (8, 16, 4, 4)
+    assert tiny.linears == (("fc", 16 * 10 + 10),)
+
+
+def test_free_communication_gives_pure_sample_parallelism(tiny) -> None:  # noqa: ANN001
+    # Bandwidth without limit: sample parallelism moves nothing but weight gradients, which hide
+    # behind backward; every other layout adds collectives on the critical path.
+    plan = plan_network(tiny, world_size=4, machine=_flat(1e-6, 1e30, 1e9))
+    assert {str(lp.choice) for lp in plan.layers} == {"sample N4"}
+    assert plan.config() == {"default": {"grid": {"N": 4}, "algorithm": "sample"}, "layers": []}
+
+
+def _one_layer(cin: int, cout: int, hw: int = 8) -> nn.Module:
+    return nn.Sequential(nn.Conv2d(cin, cout, 1, bias=False))
+
+
+@pytest.mark.parametrize("cin, cout, expected", [(4, 64, "stationary-y"), (64, 4, "stationary-x")])
+def test_the_larger_of_x_and_y_stays_put(cin: int, cout: int, expected: str) -> None:
+    # stationary-x moves y (reduce-scatter, backward allgather); stationary-y moves x. With a
+    # slow network the algorithm that keeps the larger tensor stationary wins.
+    plan = plan_network(_one_layer(cin, cout), (2, cin, 8, 8), world_size=2,
+                        machine=_flat(1e-6, 1e6, 1e12),
+                        algorithms=("stationary-x", "stationary-y"))
+    (lp,) = plan.layers
+    assert lp.choice.algorithm == expected and lp.choice.extents.get("N", 1) == 1
+    assert lp.runner_up is not None and lp.runner_up_delta > 0
+
+
+def test_tiny_memory_forces_the_most_sharded_layout() -> None:
+    # One 64->64 3x3 conv with a tiny activation: weight bytes dominate. Per rank, fp32, SGD with
+    # momentum (3 copies): sample keeps all 36864 weights: 442368 bytes; a layout over
+    # C x F = 2 keeps 221184; over C x F = 4, 9216 weights: 110592 bytes. Activations (x work
+    # block + 3 y blocks) stay below 8192 bytes per rank in every layout.
+    model = nn.Sequential(nn.Conv2d(64, 64, 3, padding=1, bias=False))
+    shape = (4, 64, 2, 2)
+    limit = 110_592 + 8192
+    free = plan_network(model, shape, world_size=4, machine=_flat(1e-6, 1e12, 1e12))
+    assert free.memory > limit  # unconstrained, the fastest layout needs more
+    m = _flat(1e-6, 1e12, 1e12, memory=limit)
+    plan = plan_network(model, shape, world_size=4, machine=m)
+    (lp,) = plan.layers
+    e = lp.choice.extents
+    assert e.get("C", 1) * e.get("F", 1) == 4 and plan.memory <= limit
+    assert "memory limit" in plan.explain()
+    with pytest.raises(ValueError, match="no plan fits memory_limit"):
+        plan_network(model, shape, world_size=4, machine=m, memory_limit=100_000)
+
+
+def test_config_names_modules_and_grids_of_the_world_size(tiny) -> None:  # noqa: ANN001
+    plan = plan_network(tiny, world_size=4, machine=_flat(1e-5, 1e7, 1e12))
+    cfg = plan.config()
+    names = {n for n, _ in TinyResNet().named_modules()}
+    assert math.prod(cfg["default"]["grid"].values()) == 4
+    for entry in cfg["layers"]:
+        assert fnmatch.filter(names, entry["match"]) and math.prod(entry["grid"].values()) == 4
+        assert entry["algorithm"] in ("sample", "spatial", "stationary-x", "stationary-y",
+                                      "stationary-w")
+    text = plan.explain()
+    assert all(lp.conv.name in text for lp in plan.layers) and "runner-up" in text
+
+
+def _expected_bytes(src: Choice, dst: Choice, shape: tuple[int, ...], rank: int) -> int:
+    """Straight from the executor's plans: one-grid redistribution or cross-grid repartition."""
+    from types import SimpleNamespace
+
+    from distconv.grid import ProcessorGrid
+
+    if src.grid == dst.grid:
+        grid = ProcessorGrid(dict(src.grid), comm=SimpleNamespace(rank=rank, size=src.size,
+                                                                  backend="none"))
+        return plan_redistribution(src.grid, src.output_dist, dst.input_dist,
+                                   shape).received_bytes(grid, 4)
+    plan = _repartition_plan(src.grid, src.output_dist, dst.grid, dst.input_dist, shape)
+    return plan.received_bytes(rank, 4)
+
+
+@pytest.mark.parametrize("world", [4, 6])
+def test_transition_bytes_equal_the_redistribution_plans(world: int) -> None:
+    pb = ConvProblem(5, 6, 7, 5, 6, 3, padding=1)  # uneven blocks everywhere
+    options = candidates(pb, world, max_model=world)
+    shape = (5, 7, 5, 6)
+    for a, b in itertools.product(options, options):
+        for r in range(world):
+            assert transition_bytes(a, b, shape, r) == _expected_bytes(a, b, shape, r), (a, b, r)
+
+
+def test_explain_counts_the_redistribution_into_each_layer_exactly(tiny) -> None:  # noqa: ANN001
+    plan = plan_network(tiny, world_size=4, machine=_flat(1e-5, 1e7, 1e12))
+    sources = {"stem": None, "b1": "stem", "b2": "b1", "d1": "b2", "d2": "d1", "down": "b2"}
+    chosen = {lp.conv.name: lp.choice for lp in plan.layers}
+    entry = Choice((("N", 4),), "sample")
+    for lp in plan.layers:
+        src = chosen[sources[lp.conv.name]] if sources[lp.conv.name] else entry
+        worst = max(_expected_bytes(src, lp.choice, lp.conv.in_shape, r) for r in range(4))
+        assert lp.transition_bytes == worst, lp.conv.name
+
+
+def test_bad_arguments_raise() -> None:
+    model = _one_layer(4, 4)
+    m = _flat(1e-6, 1e9, 1e9)
+    with pytest.raises(ValueError, match="world_size must be an int"):
+        plan_network(model, (2, 4, 8, 8), world_size=0, machine=m)
+    with pytest.raises(ValueError, match="algorithms must be among"):
+        plan_network(model, (2, 4, 8, 8), world_size=2, machine=m, algorithms=("im2col",))
+    with pytest.raises(ValueError, match="input_shape must be"):
+        plan_network(model, (2, 4), world_size=2, machine=m)
+    with pytest.raises(ValueError, match="algorithm must be one of"):
+        Choice((("N", 2),), "data")
