@@ -81,6 +81,7 @@ def test_lassen_every_number_has_a_source() -> None:
             assert f"ranks per {lv.name} = {lv.ranks}" in keys
     assert f"flop_rate = {LASSEN.flop_rate / 1e12:.1f} TFLOP/s" in keys
     assert f"memory = {LASSEN.memory / 2**30:g} GiB" in keys
+    assert f"schedule = {LASSEN.schedule}" in keys
     for key, source in LASSEN_SOURCES.items():
         assert len(source) > 20 and re.search(r"LLNL|IBM|NVIDIA|Dryden|Mellanox|assum", source), key
     assert LASSEN.sources is LASSEN_SOURCES
@@ -114,3 +115,14 @@ def test_calibration_gives_every_rank_the_same_profile() -> None:
     assert a.levels == b.levels and a.flop_rate == b.flop_rate
     assert a.conv_time.times == b.conv_time.times and len(a.conv_time.times) == 1
     assert a.levels[0].alpha > 0 and a.levels[0].bandwidth > 0
+
+
+def test_tree_schedule_shortens_only_the_latency_term() -> None:
+    ring = Machine("r", (Level("all", 0, 1e-6, 100.0),), 1.0)
+    tree = Machine("t", (Level("all", 0, 1e-6, 100.0),), 1.0, schedule="tree")
+    # 16 ranks: ring allreduce 30 steps, tree 2 * log2(16) = 8; the same 100 bytes either way.
+    assert ring.collective_time("allreduce", 16, 100) == pytest.approx(30e-6 + 1.0)
+    assert tree.collective_time("allreduce", 16, 100) == pytest.approx(8e-6 + 1.0)
+    assert tree.collective_time("allgather", 5, 100) == pytest.approx(3e-6 + 1.0)
+    with pytest.raises(ValueError, match="schedule must be"):
+        Machine("x", (Level("all", 0, 1e-6, 1.0),), 1.0, schedule="butterfly")

@@ -11,6 +11,9 @@ crosses it at the same time (all segments run at once)::
 
     time = steps(op, p) * alpha[L] + bytes * flows / bandwidth[L]
 
+The bytes are the ring's (what the communicators count); ``schedule="tree"`` only shortens the
+latency term to the depth of a tree, as NCCL's double binary trees do at scale.
+
 ``L`` is the smallest level whose unit holds the whole group; ``flows`` the number of concurrent
 rings leaving one unit of the level below through a shared link (``ranks below / members of the
 group inside it``; 1 for a dedicated link). Steps: ring allgather / reduce-scatter ``p - 1``,
@@ -31,15 +34,17 @@ __all__ = ["Level", "Machine", "ConvTable", "group_of", "latency_steps"]
 Layout = Sequence[tuple[str, int]]
 
 
-def latency_steps(op: str, peers: int) -> int:
-    """Message steps of one collective among ``peers`` ranks (ring algorithms)."""
+def latency_steps(op: str, peers: int, schedule: str = "ring") -> int:
+    """Message steps of one collective among ``peers`` ranks: ring algorithms (``p - 1`` per
+    allgather / reduce-scatter, twice that per allreduce) or, with ``schedule="tree"``, the
+    logarithmic depth of tree / recursive-doubling schedules (``ceil(log2 p)``, twice per
+    allreduce). A halo exchange (``alltoall`` between neighbours) is 2 steps either way."""
     if peers <= 1:
         return 0
-    if op == "allreduce":
-        return 2 * (peers - 1)
     if op == "alltoall":
         return 2
-    return peers - 1
+    depth = peers - 1 if schedule == "ring" else math.ceil(math.log2(peers))
+    return 2 * depth if op == "allreduce" else depth
 
 
 def group_of(layout: Layout, dims: Sequence[str]) -> list[int]:
@@ -122,6 +127,8 @@ class Machine:
         conv_time: optional measured ``(local ConvProblem) -> seconds`` (e.g. a :class:`ConvTable`)
             replacing ``flop_rate``.
         sources: where each number comes from (``field -> citation``).
+        schedule: ``"ring"`` (default) or ``"tree"``: the latency term of collectives
+            (:func:`latency_steps`).
     """
 
     name: str
@@ -130,8 +137,11 @@ class Machine:
     memory: float = math.inf
     conv_time: Callable[[ConvProblem], float] | None = None
     sources: Mapping[str, str] = field(default_factory=dict)
+    schedule: str = "ring"
 
     def __post_init__(self) -> None:
+        if self.schedule not in ("ring", "tree"):
+            raise ValueError(f"Machine: schedule must be 'ring' or 'tree', got {self.schedule!r}")
         if not self.levels:
             raise ValueError("Machine: levels must not be empty")
         sizes = [lv.ranks for lv in self.levels[:-1]]
@@ -178,7 +188,7 @@ class Machine:
         """Seconds of one collective ``op`` over the grid ``dims`` of ``layout`` in which a rank
         receives ``nbytes``. Without a layout the group is taken as ``peers`` consecutive ranks."""
         ranks = group_of(layout, dims) if layout is not None else list(range(peers))
-        return self.link_time(ranks, nbytes, latency_steps(op, peers))
+        return self.link_time(ranks, nbytes, latency_steps(op, peers, self.schedule))
 
     def describe(self) -> str:
         """One line per level: ranks per unit, alpha, bandwidth, source."""
@@ -196,7 +206,8 @@ class Machine:
                            f"bandwidth={lv.bandwidth:.3g}, shared={lv.shared})"
                            for lv in self.levels)
         return (f"Machine(name={self.name!r}, levels=[{levels}], flop_rate={self.flop_rate:.3g}, "
-                f"memory={self.memory:.3g}, conv_time={self.conv_time!r})")
+                f"memory={self.memory:.3g}, conv_time={self.conv_time!r}, "
+                f"schedule={self.schedule!r})")
 
     @classmethod
     def flat(cls, alpha: float, beta: float, flop_rate: float, *, memory: float = math.inf,

@@ -47,12 +47,19 @@ LASSEN_SOURCES: dict[str, str] = {
         f"{_V100}, times an assumed 60% sustained cuDNN efficiency on ResNet convolutions"
     ),
     "memory = 16 GiB": f"{_V100}; {_LLNL}",
+    "schedule = tree": (
+        "NVIDIA developer blog, 'Massively Scale Your Deep Learning Training with NCCL 2.4' "
+        "(2019): double binary trees give logarithmic allreduce latency at scale; the paper's "
+        "Aluminum library runs on NCCL"
+    ),
 }
 
 
 def lassen(*, socket_alpha: float = 5e-6, node_alpha: float = 7e-6,
-           network_alpha: float = 10e-6, efficiency: float = 0.6) -> Machine:
-    """The Lassen profile; the latency assumptions and compute efficiency can be varied."""
+           network_alpha: float = 10e-6, efficiency: float = 0.6,
+           schedule: str = "tree") -> Machine:
+    """The Lassen profile; the latency assumptions, compute efficiency and collective schedule
+    (``"tree"``: NCCL's logarithmic latency; ``"ring"``) can be varied."""
     if not 0 < efficiency <= 1:
         raise ValueError(f"lassen: efficiency must be in (0, 1], got {efficiency}")
     levels = (
@@ -64,7 +71,7 @@ def lassen(*, socket_alpha: float = 5e-6, node_alpha: float = 7e-6,
               source=LASSEN_SOURCES["network bandwidth = 25 GB/s per node"]),
     )
     return Machine("Lassen", levels, flop_rate=15.7e12 * efficiency, memory=16 * 2**30,
-                   sources=LASSEN_SOURCES)
+                   sources=LASSEN_SOURCES, schedule=schedule)
 
 
 LASSEN = lassen()
