@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -207,6 +208,61 @@ def test_index_records_each_block_once_in_the_paper_notation(tmp_path: Path) -> 
     assert len(writers) == 4
 
 
+class CountingOpen:
+    """Wraps ``safetensors.safe_open``: counts the elements each thread-rank reads."""
+
+    def __init__(self, real: Any) -> None:
+        self.real, self.read = real, {}
+
+    def __call__(self, *args: Any, **kw: Any) -> Any:
+        counter = self
+
+        class Handle:
+            def __init__(self, handle: Any) -> None:
+                self.handle = handle
+
+            def __enter__(self) -> Handle:
+                self.handle.__enter__()
+                return self
+
+            def __exit__(self, *exc: Any) -> Any:
+                return self.handle.__exit__(*exc)
+
+            def get_slice(self, key: str) -> Any:
+                sl = self.handle.get_slice(key)
+
+                class Slice:
+                    def get_shape(self) -> Any:
+                        return sl.get_shape()
+
+                    def __getitem__(self, index: Any) -> torch.Tensor:
+                        return counter.count(sl[index])
+                return Slice()
+
+            def get_tensor(self, key: str) -> torch.Tensor:
+                return counter.count(self.handle.get_tensor(key))
+
+        return Handle(self.real(*args, **kw))
+
+    def count(self, t: torch.Tensor) -> torch.Tensor:
+        name = threading.current_thread().name
+        self.read[name] = self.read.get(name, 0) + t.numel()
+        return t
+
+
+def test_each_rank_reads_only_its_blocks(tmp_path: Path, monkeypatch: Any) -> None:
+    import safetensors
+
+    path = str(tmp_path / "ckpt")
+    run("NC-x", save_on, path, "adam")
+    counting = CountingOpen(safetensors.safe_open)
+    monkeypatch.setattr(safetensors, "safe_open", counting)
+    loaded = run("CF-w", load_on, path, "adam")
+    for r, state in enumerate(loaded):
+        held = sum(t.numel() for k, v in state.items() if k != "lr" for t in [v[2]])
+        assert counting.read[f"distconv-rank{r}"] == held, f"rank {r}"
+
+
 def plain_to(comm: Any, layout: str, state: dict[str, torch.Tensor]) -> dict[str, Any]:
     model = build(comm, layout, seed=1)
     distconv.load_global_state_dict(model, state)
@@ -249,26 +305,31 @@ class FactorStats:
         self.steps = state["steps"]
 
 
-def stats_round_trip(comm: Any, dims: dict[str, int] | None, path: str, save: bool) -> Any:
+def stats_round_trip(
+    comm: Any, dims: dict[str, int] | None, path: str, save: bool, rows: int
+) -> Any:
     grid = None if dims is None else ProcessorGrid(dims, comm=comm)
-    factor = torch.arange(35, dtype=torch.float32).reshape(7, 5)
+    factor = torch.arange(rows * 5, dtype=torch.float32).reshape(rows, 5)
     model = nn.Linear(2, 2)
     if save:
         distconv.save(model, path, states={"kfac": FactorStats(grid, factor)}, comm=comm)
         return None
-    stats = FactorStats(grid, torch.zeros(7, 5))
+    stats = FactorStats(grid, torch.zeros(rows, 5))
     stats.steps = 0
     distconv.load(model, path, states={"kfac": stats})
     return stats.factor, factor[stats.box()], stats.inverse, stats.steps
 
 
-def test_shardable_state_reshards_like_parameters(tmp_path: Path) -> None:
+@pytest.mark.parametrize("rows", [7, 2])  # 2 rows over 3 ranks: one block is empty
+def test_shardable_state_reshards_like_parameters(tmp_path: Path, rows: int) -> None:
     path = str(tmp_path / "ckpt")
-    run_threads(stats_round_trip, 2, {"C": 2}, path, True)
-    for dims, size in (({"C": 3}, 3), (None, 1)):
-        for got, want, inverse, steps in run_threads(stats_round_trip, size, dims, path, False):
+    run_threads(stats_round_trip, 3, {"C": 3}, path, True, rows)
+    for dims, size in (({"C": 2}, 2), ({"C": 4}, 4), (None, 1)):
+        for got, want, inverse, steps in run_threads(
+            stats_round_trip, size, dims, path, False, rows
+        ):
             assert torch.equal(got, want) and steps == 7
-            assert torch.equal(inverse, torch.arange(35.0).reshape(7, 5).T)
+            assert torch.equal(inverse, torch.arange(rows * 5.0).reshape(rows, 5).T)
     index = json.loads((tmp_path / "ckpt" / INDEX_NAME).read_text())
     assert index["tensors"]["kfac/layers/conv1/A"]["dist"] == "[o_C,*]"
 
@@ -386,10 +447,19 @@ def test_plain_state_dict_of_another_shape_is_named() -> None:
         distconv.load_global_state_dict(reference_model(), state)
 
 
-def failing_save(comm: Any, path: str) -> None:
+def failing_save(comm: Any, path: str) -> str:
+    """Save on NC-x where rank 2's file cannot be written; return the error this rank raised."""
+    model = build(comm, "NC-x")
+    try:
+        distconv.save(model, path, comm=comm)
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+def test_failed_save_leaves_no_checkpoint(broken: Path, monkeypatch: Any) -> None:
     import safetensors.torch as st
 
-    model = build(comm, "NC-x")
     real = st.save_file
 
     def save_file(tensors: Any, filename: str, metadata: Any = None) -> None:
@@ -397,17 +467,13 @@ def failing_save(comm: Any, path: str) -> None:
             raise OSError("disk full")
         real(tensors, filename, metadata=metadata)
 
-    st.save_file = save_file  # every thread-rank shares the module: rank 2's write fails
-    try:
-        distconv.save(model, path, comm=comm)
-    finally:
-        st.save_file = real
-
-
-def test_failed_save_leaves_no_checkpoint(broken: Path) -> None:
-    # rank 2 raises its OSError; the others (rank 0 is reported first) raise naming it
-    with pytest.raises(CheckpointError, match="could not write the shards: rank 2: OSError: disk"):
-        run_threads(failing_save, 4, str(broken), timeout=20.0)
+    monkeypatch.setattr(st, "save_file", save_file)  # the thread-ranks share the module
+    errors = run_threads(failing_save, 4, str(broken), timeout=20.0)
+    assert errors[2] == "OSError: disk full"
+    for r in (0, 1, 3):  # the others raise naming it, instead of waiting for rank 2
+        assert errors[r] == (
+            "CheckpointError: checkpoint.save could not write the shards: rank 2: OSError: disk full"
+        )
     with pytest.raises(CheckpointError, match="no complete checkpoint"):
         load_single(broken)
 
@@ -419,6 +485,22 @@ def test_ranks_that_disagree_refuse_to_save(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match="disagree"):
         run_threads(save, 2, timeout=20.0)
     assert not (tmp_path / "ckpt" / INDEX_NAME).exists()
+
+
+def test_bad_arguments_are_refused(saved: Path) -> None:
+    model = reference_model()
+    with pytest.raises(TypeError, match="path must be a str or os.PathLike directory, got 3"):
+        distconv.load(model, 3)
+    with pytest.raises(TypeError, match="strict must be True or False, got 'yes'"):
+        distconv.load(model, saved, strict="yes")
+    with pytest.raises(TypeError, match="model must be an nn.Module or an object with"):
+        distconv.load([1], saved)
+    with pytest.raises(ValueError, match="states: name 'model' must be"):
+        distconv.load(model, saved, states={"model": model})
+    with pytest.raises(TypeError, match="optimizer must be a torch.optim.Optimizer, got dict"):
+        distconv.load(model, saved, optimizer={})
+    with pytest.raises(CheckpointError, match="has no 'kfac' section"):
+        distconv.consolidate(saved, section="kfac")
 
 
 def test_state_that_is_not_tensors_or_values_is_refused(tmp_path: Path) -> None:

@@ -30,7 +30,7 @@ import torch
 
 __all__ = [
     "FORMAT", "INDEX_NAME", "VERSION", "Box", "CheckpointError", "Shard", "TensorEntry",
-    "dtype_name", "intersect", "read_index", "shard_file_name", "volume", "write_atomic",
+    "as_path", "check_flag", "dtype_name", "intersect", "read_index", "shard_file_name", "volume", "write_atomic",
 ]
 
 FORMAT = "distconv.checkpoint"
@@ -158,6 +158,19 @@ def read_index(path: Path) -> dict[str, Any]:
         if not isinstance(index.get(field), dict):
             raise CheckpointError(f"{str(index_path)!r}: field {field!r} is missing or malformed")
     return index
+
+
+def as_path(path: Any) -> Path:
+    """``path`` as a ``Path``, or a TypeError naming what was given."""
+    if isinstance(path, bytes) or not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"path must be a str or os.PathLike directory, got {path!r}")
+    return Path(os.fspath(path))
+
+
+def check_flag(value: Any, name: str) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {value!r}")
+    return value
 
 
 def write_atomic(path: Path, data: bytes) -> None:

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from distconv.checkpoint._index import (
-    Box, CheckpointError, TensorEntry, intersect, read_index, volume,
+    Box, CheckpointError, TensorEntry, as_path, check_flag, intersect, read_index, volume,
 )
 from distconv.checkpoint._sections import ModuleSection, Section, sections_for
 from distconv.checkpoint._tree import flatten, tensor_keys, unflatten
@@ -60,8 +60,9 @@ def load(
             the checkpoint or unknown to the model; a different global shape or dtype; a missing,
             truncated or corrupt shard file. The message names the tensor.
     """
+    check_flag(strict, "strict")
     sections = sections_for(model, optimizer, states)
-    with _Files(Path(os.fspath(path)), verify=verify) as files:
+    with _Files(as_path(path), verify=check_flag(verify, "verify")) as files:
         for section in sections:
             _load_section(section, files, strict)
     return sections[-1].loaded  # type: ignore[attr-defined]
@@ -82,6 +83,7 @@ def load_global_state_dict(
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     if not isinstance(state_dict, Mapping):
         raise TypeError(f"state_dict must be a mapping, got {type(state_dict).__name__}")
+    check_flag(strict, "strict")
     _load_section(ModuleSection("model", model), _Memory(state_dict), strict)
 
 
@@ -93,7 +95,9 @@ def consolidate(path: str | os.PathLike[str], *, section: str = "model", verify:
     ``section`` (``"optimizer"``, ``"extra"`` or a name given to ``states=``) returns that state,
     tensors global. ``verify`` as in :func:`load` (default ``False``).
     """
-    with _Files(Path(os.fspath(path)), verify=verify) as files:
+    if not isinstance(section, str):
+        raise TypeError(f"section must be a str, got {section!r}")
+    with _Files(as_path(path), verify=check_flag(verify, "verify")) as files:
         tree = files.tree(section)
         return unflatten(tree, lambda key: files.read(f"{section}/{key}", None))
 

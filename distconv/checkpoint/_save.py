@@ -12,7 +12,7 @@ import torch
 
 from distconv.checkpoint._index import (
     FORMAT, INDEX_NAME, VERSION, Box, CheckpointError, TensorEntry, dtype_name,
-    shard_file_name, sync_dir, volume, write_atomic,
+    as_path, shard_file_name, sync_dir, volume, write_atomic,
 )
 from distconv.checkpoint._sections import Section, sections_for
 from distconv.checkpoint._tree import flatten
@@ -70,7 +70,7 @@ def save(
             that disagree on the structure of the state (raised on every rank).
         TypeError: state that is not tensors and plain values.
     """
-    path = Path(os.fspath(path))
+    path = as_path(path)
     if comm is not None and not isinstance(comm, Communicator):
         raise TypeError(f"comm must be a distconv Communicator, got {type(comm).__name__}")
     got: dict[str, Any] = {}
