@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["BucketedGradSync", "GradSync", "finish_grad_sync"]
+__all__ = ["BucketedGradSync", "GradSync", "finish_grad_sync", "plan_buckets"]
 
 
 class GradSync:
@@ -72,6 +72,20 @@ class GradSync:
         return f"GradSync(comm size={self.comm.size}, where={self.where!r})"
 
 
+def plan_buckets(sizes: list[int], bucket_bytes: int) -> list[list[int]]:
+    """Indices of the tensors of ``sizes`` (bytes, in registration order) per bucket: filled in
+    reverse order, a new bucket whenever the next tensor would take one past ``bucket_bytes``."""
+    buckets: list[list[int]] = []
+    size = bucket_bytes
+    for i in reversed(range(len(sizes))):
+        if size + sizes[i] > bucket_bytes and (not buckets or buckets[-1]):
+            buckets.append([])
+            size = 0
+        buckets[-1].append(i)
+        size += sizes[i]
+    return buckets
+
+
 class BucketedGradSync:
     """Allreduce of many parameters' gradients over one communicator, fused into buckets.
 
@@ -100,15 +114,8 @@ class BucketedGradSync:
         for p in params:
             if p.requires_grad and all(p is not q for q in unique):
                 unique.append(p)
-        self.buckets: list[list[nn.Parameter]] = []
-        size = bucket_bytes
-        for p in reversed(unique):
-            if size + p.numel() * p.element_size() > bucket_bytes and (
-                    not self.buckets or self.buckets[-1]):
-                self.buckets.append([])
-                size = 0
-            self.buckets[-1].append(p)
-            size += p.numel() * p.element_size()
+        layout = plan_buckets([p.numel() * p.element_size() for p in unique], bucket_bytes)
+        self.buckets: list[list[nn.Parameter]] = [[unique[i] for i in b] for b in layout]
         self._bucket_of = {id(p): i for i, b in enumerate(self.buckets) for p in b}
         self._reset()
         self._handles = [p.register_hook(self._hook(p)) for p in unique]

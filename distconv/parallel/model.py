@@ -169,11 +169,9 @@ class ParallelModel(nn.Module):
         from distconv.nn import batchnorm, pool
 
         if spec.kind == "batchnorm":
-            return batchnorm.DistBatchNorm2d.from_batchnorm(
+            return batchnorm.DistBatchNorm2d.from_batchnorm2d(
                 module, grid=grid, input_dist=spec.input.dist)
-        cls = {nn.MaxPool2d: "DistMaxPool2d", nn.AvgPool2d: "DistAvgPool2d",
-               nn.AdaptiveAvgPool2d: "DistAdaptiveAvgPool2d"}[type(module)]
-        return getattr(pool, cls).from_module(module, grid=grid, input_dist=spec.input.dist)
+        return pool.from_module(module, grid=grid, input_dist=spec.input.dist)
 
     # ------------------------------------------------------------------ forward
     def forward(self, x: torch.Tensor) -> Any:

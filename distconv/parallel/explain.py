@@ -1,0 +1,448 @@
+"""``explain``: a parallelized model's plan on paper -- for any world size, with no communication.
+
+Per layer: the grid and algorithm, its distributions in the paper's notation, every forward and
+backward communication step with the bytes each rank receives (the communicators count the
+same bytes), parameter, gradient and optimizer-state memory and activation memory per rank, and
+with a ``machine`` the §4 predicted time. Totals per step are set against pure sample
+parallelism on the same world.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+import torch.fx as fx
+from torch import nn
+from torch.fx.passes.shape_prop import ShapeProp, TensorMetadata
+
+from distconv.comm.base import allreduce_bytes
+from distconv.nn.grad_sync import plan_buckets
+from distconv.parallel.config import ParallelConfig
+from distconv.parallel.graph import Step, analyse, conv_dists, trace
+from distconv.parallel.placement import Layout, Placement, conversion_bytes, layout_str, paper_grid
+from distconv.perfmodel import ConvProblem, Machine, conv_cost, conv_traffic
+
+__all__ = ["CommStep", "Explanation", "LayerReport", "explain"]
+
+
+@dataclass
+class CommStep:
+    """One collective of a layer: phase, description, op and the bytes each rank receives."""
+
+    phase: str
+    what: str
+    op: str
+    bytes: list[int]
+    peers: int = 1
+
+    def seconds(self, machine: Machine) -> float:
+        steps = 2 * (self.peers - 1) if self.op == "allreduce" else max(self.peers - 1, 1)
+        return steps * machine.alpha + max(self.bytes) * machine.beta
+
+
+@dataclass
+class LayerReport:
+    name: str
+    kind: str
+    grid: str
+    algorithm: str
+    dists: dict[str, str]
+    steps: list[CommStep] = field(default_factory=list)
+    param_elements: int = 0
+    activation_elements: int = 0
+    compute_seconds: float = 0.0
+
+    def bytes(self, phase: str, rank: int) -> int:
+        return sum(s.bytes[rank] for s in self.steps if s.phase == phase)
+
+
+@dataclass
+class Explanation:
+    """The result of :func:`explain`: ``print`` it, or ``to_dict()`` / ``to_json()``."""
+
+    world_size: int
+    input_shape: tuple[int, ...]
+    itemsize: int
+    optimizer_states: int
+    layers: list[LayerReport]
+    machine: Machine | None
+    baseline: Explanation | None = None
+
+    def rank_bytes(self, rank: int) -> dict[str, int]:
+        """Bytes ``rank`` receives per step: forward and backward (the communicators' count)."""
+        return {ph: sum(layer.bytes(ph, rank) for layer in self.layers)
+                for ph in ("forward", "backward")}
+
+    def memory(self) -> dict[str, int]:
+        """Bytes per rank (the largest rank): parameters, gradients, optimizer state, activations."""
+        params = sum(layer.param_elements for layer in self.layers) * self.itemsize
+        return {"parameters": params, "gradients": params,
+                "optimizer_state": params * self.optimizer_states,
+                "activations": sum(lay.activation_elements for lay in self.layers) * self.itemsize}
+
+    def seconds(self) -> float | None:
+        if self.machine is None:
+            return None
+        return sum(lay.compute_seconds + sum(s.seconds(self.machine) for s in lay.steps)
+                   for lay in self.layers)
+
+    def totals(self) -> dict[str, Any]:
+        per_rank = [self.rank_bytes(r) for r in range(self.world_size)]
+        out: dict[str, Any] = {
+            "max_bytes_forward": max(b["forward"] for b in per_rank),
+            "max_bytes_backward": max(b["backward"] for b in per_rank),
+            "memory_per_rank": self.memory(),
+        }
+        if self.machine is not None:
+            out["predicted_seconds"] = self.seconds()
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {
+            "world_size": self.world_size, "input_shape": list(self.input_shape),
+            "itemsize": self.itemsize, "totals": self.totals(),
+            "layers": [{
+                "name": lay.name, "kind": lay.kind, "grid": lay.grid,
+                "algorithm": lay.algorithm, "dists": lay.dists,
+                "param_elements_per_rank": lay.param_elements,
+                "activation_elements_per_rank": lay.activation_elements,
+                "steps": [{"phase": s.phase, "what": s.what, "op": s.op,
+                           "bytes_per_rank": s.bytes} for s in lay.steps],
+            } for lay in self.layers],
+        }
+        if self.baseline is not None:
+            d["sample_parallel_totals"] = self.baseline.totals()
+        return d
+
+    def to_json(self, **kw: Any) -> str:
+        return json.dumps(self.to_dict(), **kw)
+
+    def __str__(self) -> str:
+        rows = [f"explain: {self.world_size} ranks, global input {self.input_shape}, "
+                f"{self.itemsize}-byte elements (bytes: the most any rank receives)"]
+        head = f"{'layer':<22} {'grid':<18} {'algorithm':<13} {'distributions':<58} {'fwd B':>10} " \
+               f"{'bwd B':>10} {'params':>9}"
+        rows += [head, "-" * len(head)]
+        for lay in self.layers:
+            fwd = max(lay.bytes("forward", r) for r in range(self.world_size))
+            bwd = max(lay.bytes("backward", r) for r in range(self.world_size))
+            dists = "  ".join(f"{v}" for v in lay.dists.values())
+            rows.append(f"{lay.name[:22]:<22} {lay.grid[:18]:<18} {lay.algorithm[:13]:<13} "
+                        f"{dists[:58]:<58} {fwd:>10,} {bwd:>10,} {lay.param_elements:>9,}")
+            for s in lay.steps:
+                rows.append(f"{'':<24}{s.phase:<9} {s.what[:70]:<70} {max(s.bytes):>12,}")
+        rows.append(_summary("this config", self))
+        if self.baseline is not None:
+            rows.append(_summary("sample parallel", self.baseline))
+        return "\n".join(rows)
+
+
+def _summary(label: str, e: Explanation) -> str:
+    t, m = e.totals(), e.memory()
+    s = (f"{label}: per step forward {t['max_bytes_forward']:,} B, backward "
+         f"{t['max_bytes_backward']:,} B; per rank parameters {m['parameters']:,} B, gradients "
+         f"{m['gradients']:,} B, optimizer state {m['optimizer_state']:,} B, activations "
+         f"{m['activations']:,} B")
+    if e.machine is not None:
+        s += f"; predicted {e.seconds() * 1e3:.3f} ms"
+    return s
+
+
+def explain(model: nn.Module, config: Any, input_shape: Sequence[int], *,
+            world_size: int | None = None, machine: Machine | None = None,
+            optimizer_states: int = 1, itemsize: int | None = None,
+            bucket_bytes: int = 1 << 20) -> Explanation:
+    """The plan :func:`distconv.parallelize` makes for ``model`` under ``config``, on paper.
+
+    Pure: traces the model and propagates ``input_shape`` (the global input) on the meta device;
+    no communicator is used, so any ``world_size`` (default: the config's default grid size)
+    works on one process.
+
+    Args:
+        model, config: as for :func:`distconv.parallelize`.
+        input_shape: the global input shape.
+        world_size: ranks to plan for. Default: the product of the config's default grid.
+        machine: a :class:`~distconv.perfmodel.Machine` (e.g. from ``calibrate``) for predicted
+            times. Default None (bytes and memory only).
+        optimizer_states: optimizer state tensors per parameter (SGD momentum 1, Adam 2).
+            Default 1.
+        itemsize: bytes per element. Default: the model's parameter dtype.
+    """
+    input_shape = tuple(int(s) for s in input_shape)
+    if world_size is None:
+        default = dict(config).get("default", {}) if isinstance(config, dict) else {}
+        world_size = math.prod(dict(default.get("grid", {"N": 1})).values())
+    cfg = ParallelConfig(config, world_size=world_size)
+    if itemsize is None:
+        p = next(model.parameters(), None)
+        itemsize = p.element_size() if p is not None else 4
+    return _explain(model, cfg, input_shape, machine, optimizer_states, itemsize, bucket_bytes,
+                    baseline=True)
+
+
+def _explain(model: nn.Module, cfg: ParallelConfig, shape: tuple[int, ...],
+             machine: Machine | None, optimizer_states: int, itemsize: int,
+             bucket_bytes: int, baseline: bool) -> Explanation:
+    gm = trace(model)
+    analysis = analyse(gm, cfg, input_ndim=len(shape))
+    meta = copy.deepcopy(gm).to("meta")
+    ShapeProp(meta).propagate(torch.empty(shape, device="meta"))
+    shapes = {n.name: tuple(n.meta["tensor_meta"].shape) for n in meta.graph.nodes
+              if isinstance(n.meta.get("tensor_meta"), TensorMetadata)}
+    modules = dict(gm.named_modules())
+    P = cfg.world_size
+    needs_grad: dict[str, bool] = {}
+    layers: list[LayerReport] = []
+    entry = LayerReport("(input)", "input", layout_str(cfg.data), "-",
+                        {"x": analysis.steps[0].out.format("x")})
+    if P > 1:
+        entry.steps.append(CommStep("forward", "agree on the global batch: allgather of local "
+                                    "shapes", "allgather", [(P - 1) * len(shape) * 8] * P, P))
+    layers.append(entry)
+    done: set[tuple[str, Placement]] = set()  # the runtime converts a value once per placement
+    for step in analysis.steps[1:]:
+        node = step.node
+        args = [a for a in step.needs]
+        grad_in = any(needs_grad.get(a.name, False) for a in args)
+        owns = node.op == "call_module" and any(True for _ in modules[node.target].parameters())
+        needs_grad[node.name] = grad_in or owns
+        report = _layer(step, modules, shapes, itemsize, P, grad_in, machine)
+        for a, need in step.needs.items():
+            src = analysis.step(a).out
+            if src != need and (a.name, need) not in done:
+                done.add((a.name, need))
+                _conversion(report, a.name, src, need, shapes[a.name], itemsize, P,
+                            needs_grad.get(a.name, False))
+        if report.steps or report.kind not in ("meta", "constant", "pointwise", "reshape"):
+            layers.append(report)
+    sync = _replicated(gm, analysis, P, itemsize, bucket_bytes)
+    if sync is not None:
+        layers.append(sync)
+    result = Explanation(P, shape, itemsize, optimizer_states, layers, machine)
+    if baseline and P > 1:
+        sample = ParallelConfig({"default": {"grid": {"N": P}, "algorithm": "sample"}},
+                                world_size=P)
+        result.baseline = _explain(model, sample, shape, machine, optimizer_states, itemsize,
+                                   bucket_bytes, baseline=False)
+    return result
+
+
+def _conversion(report: LayerReport, name: str, src: Placement, dst: Placement,
+                shape: tuple[int, ...], isz: int, P: int, backward: bool) -> None:
+    fwd = [conversion_bytes(src, dst, shape, isz, r) for r in range(P)]
+    what = f"redistribute {name}: {src.format()} -> {dst.format()}"
+    report.steps.insert(0, CommStep("forward", what, "redistribute", fwd, P))
+    if backward:
+        bwd = [_backward_bytes(src, dst, shape, isz, r) for r in range(P)]
+        report.steps.append(CommStep("backward", "adjoint of " + what, "redistribute", bwd, P))
+
+
+def _backward_bytes(src: Placement, dst: Placement, shape: tuple[int, ...], isz: int,
+                    rank: int) -> int:
+    """The adjoint's bytes: ``dst.dual -> src.dual`` on one grid; on two grids each rank receives
+    back what it sent (the reverse exchange), plus the duals of the pending steps."""
+    if src.layout == dst.layout:
+        g = paper_grid(src.layout, rank)
+        return conversion_bytes(Placement(dst.layout, dst.dist.dual(g)),
+                                Placement(src.layout, src.dist.dual(g)), shape, isz, rank)
+    from distconv.redistribute import _repartition_plan, plan_redistribution
+
+    total = 0
+    s_dist, d_dist = src.dist, dst.dist
+    plain_src, plain_dst = s_dist.with_pending(()), d_dist.with_pending(())
+    if d_dist.pending:
+        g = paper_grid(dst.layout, rank)
+        total += plan_redistribution(dst.layout, d_dist.dual(g), plain_dst.dual(g),
+                                     shape).received_bytes(g, isz)
+    plan = _repartition_plan(src.layout, plain_src, dst.layout, plain_dst, shape)
+    total += isz * sum(math.prod(n for _, n in box) for t, box in enumerate(plan.sends[rank])
+                       if t != rank and box is not None)
+    if s_dist.pending:
+        g = paper_grid(src.layout, rank)
+        total += plan_redistribution(src.layout, plain_src.dual(g), s_dist.dual(g),
+                                     shape).received_bytes(g, isz)
+    return total
+
+
+def _layer(step: Step, modules: dict[str, nn.Module], shapes: dict[str, tuple[int, ...]],
+           isz: int, P: int, grad_in: bool, machine: Machine | None) -> LayerReport:
+    node, spec = step.node, step.layer
+    out = step.out
+    name = str(node.target) if node.op == "call_module" else node.name
+    grid = layout_str(spec.layout) if spec is not None else (
+        layout_str(out.layout) if out is not None else "-")
+    dists = {"y": out.format("y")} if out is not None else {}
+    report = LayerReport(name, step.kind, grid, spec.algorithm if spec else "-", dists)
+    if out is not None and node.name in shapes:
+        report.activation_elements = max(
+            math.prod(out.dist.local_shape(shapes[node.name], paper_grid(out.layout, r)))
+            for r in range(P))
+    if step.kind == "conv":
+        _conv(report, step, modules[node.target], shapes[node.args[0].name], isz, P, grad_in,
+              machine)
+    elif step.kind == "batchnorm":
+        _batchnorm(report, step, modules[node.target], shapes[node.args[0].name], isz, P)
+    elif step.kind == "pool" and spec is not None and spec.kind == "pool":
+        _pool(report, step, modules.get(str(node.target)), shapes[node.args[0].name], isz, P,
+              grad_in)
+    elif step.kind == "linear":
+        report.param_elements = sum(p.numel() for p in modules[node.target].parameters())
+        report.dists["w"] = "w[*,*]"
+    return report
+
+
+def _replicated(gm: fx.GraphModule, analysis: Any, P: int, isz: int,
+                bucket_bytes: int) -> LayerReport | None:
+    """The bucketed allreduce of the parameters no layer distributes (as ParallelModel runs it)."""
+    converted = {str(s.node.target) for s in analysis.steps
+                 if s.layer is not None and s.layer.kind in ("conv", "batchnorm", "pool")}
+    params = [p for name, m in gm.named_modules() if name not in converted
+              for p in m.parameters(recurse=False) if p.requires_grad]
+    unique: list[Any] = []
+    for p in params:
+        if all(p is not q for q in unique):
+            unique.append(p)
+    if not unique or P == 1:
+        return None
+    report = LayerReport("(replicated params)", "grad-sync", "world", "-", {})
+    for i, bucket in enumerate(plan_buckets([p.numel() * isz for p in unique], bucket_bytes)):
+        n = sum(unique[j].numel() for j in bucket)
+        report.steps.append(CommStep("backward", f"gradient bucket {i}: allreduce of {n:,} "
+                                     "elements over every rank", "allreduce",
+                                     [allreduce_bytes(n, r, P, isz) for r in range(P)], P))
+    return report
+
+
+def _conv(report: LayerReport, step: Step, conv: nn.Conv2d, x_shape: tuple[int, ...],
+          isz: int, P: int, grad_in: bool, machine: Machine | None) -> None:
+    spec = step.layer
+    assert spec is not None
+    roles = dict(spec.roles)
+    problem = ConvProblem(x_shape[0], conv.in_channels, conv.out_channels, x_shape[2], x_shape[3],
+                          conv.kernel_size, conv.stride, conv.padding, conv.dilation, conv.groups,
+                          conv.bias is not None, conv.padding_mode)
+    kw = dict(itemsize=isz, input_grad=grad_in, channel_dim=roles["C"], filter_dim=roles["F"],
+              sample_dim=roles["N"], spatial_dims=(roles["H"], roles["W"]))
+    ext = dict(spec.layout)
+    grouped = conv.groups > 1 and ext.get("C", 1) * ext.get("F", 1) > 1
+    d = conv_dists(spec.algorithm, roles, grouped)
+    report.dists = {"x": Placement(spec.layout, d["input"]).dist.format("x"),
+                    "w": Placement(spec.layout, d["weight"]).dist.format("w"),
+                    "y": Placement(spec.layout, d["output"]).dist.format("y")}
+    w_shape = (conv.out_channels, conv.in_channels // conv.groups, *conv.kernel_size)
+    traffic = []
+    for r in range(P):
+        g = paper_grid(spec.layout, r)
+        traffic.append(conv_traffic(problem, spec.layout, spec.algorithm, g.coords, **kw))
+        w = math.prod(Placement(spec.layout, d["weight"]).dist.local_shape(w_shape, g))
+        b = conv.out_channels and (math.prod(
+            Placement(spec.layout, d["bias"]).dist.local_shape((conv.out_channels,), g))
+            if conv.bias is not None else 0)
+        report.param_elements = max(report.param_elements, w + b)
+    for phase in ("forward", "backward"):
+        names = list(getattr(traffic[0], phase))
+        for key in names:
+            report.steps.append(CommStep(phase, key, traffic[0].ops[key],
+                                         [getattr(t, phase).get(key, 0) for t in traffic],
+                                         traffic[0].peers[key]))
+    if machine is not None:
+        cost = conv_cost(problem, spec.layout, spec.algorithm, machine, **{
+            k: v for k, v in kw.items() if k != "input_grad"})
+        report.compute_seconds = sum(v for k, v in cost.steps.items() if k.startswith("local"))
+
+
+def _segment_rank(layout: Layout, dims: Sequence[str], coords: dict[str, int]) -> int:
+    r = 0
+    for name, e in layout:
+        if name in dims:
+            r = r * e + coords.get(name, 0)
+    return r
+
+
+def _batchnorm(report: LayerReport, step: Step, bn: nn.BatchNorm2d, x_shape: tuple[int, ...],
+               isz: int, P: int) -> None:
+    p = step.out
+    ext = dict(p.layout)
+    seg = [g for i in (0, 2, 3) for g in p.dist.grid_dims_of(i)]
+    chan = list(p.dist.grid_dims_of(1))
+    red = [g for g, e in p.layout if e > 1 and g not in chan]
+    s, q = math.prod(ext[g] for g in seg), math.prod(ext[g] for g in red)
+    fwd, bwd, grads, params = [], [], [], 0
+    for r in range(P):
+        g = paper_grid(p.layout, r)
+        c = p.dist.local_shape(x_shape, g)[1]
+        params = max(params, 2 * c if bn.affine else 0)
+        fwd.append((s - 1) * (1 + 2 * c) * isz)
+        bwd.append(allreduce_bytes(2 * c, _segment_rank(p.layout, seg, g.coords), s, isz))
+        grads.append(2 * allreduce_bytes(c, _segment_rank(p.layout, red, g.coords), q, isz)
+                     if bn.affine else 0)
+    report.param_elements = params
+    report.dists["w"] = Placement(p.layout, _param_dist(p)).dist.format("w")
+    if s > 1:
+        report.steps.append(CommStep("forward", f"statistics allgather over {'×'.join(seg)}",
+                                     "allgather", fwd, s))
+        report.steps.append(CommStep("backward", f"Σdy, Σdy·x̂ allreduce over {'×'.join(seg)}",
+                                     "allreduce", bwd, s))
+    if q > 1 and bn.affine:
+        report.steps.append(CommStep("backward", f"dL/dw, dL/db allreduce over {'×'.join(red)}",
+                                     "allreduce", grads, q))
+
+
+def _param_dist(p: Placement) -> Any:
+    from distconv.distribution import Dist
+
+    return Dist((p.dist.entries[1],))
+
+
+def _pool(report: LayerReport, step: Step, module: nn.Module | None, x_shape: tuple[int, ...],
+          isz: int, P: int, grad_in: bool) -> None:
+    from distconv.nn.pool import _NestedHaloPlan, pool_dim
+
+    p = step.out
+    if module is None or not isinstance(module, (nn.MaxPool2d, nn.AvgPool2d)):
+        return
+    k = _pair(module.kernel_size)
+    st = _pair(module.stride if module.stride else module.kernel_size)
+    pad = _pair(module.padding)
+    dil = _pair(getattr(module, "dilation", 1))
+    ext = dict(p.layout)
+    splits = [tuple(g for g in p.dist.grid_dims_of(i) if ext.get(g, 1) > 1) for i in (2, 3)]
+    plans = [_NestedHaloPlan(pool_dim(x_shape[2 + i], k[i], st[i], pad[i], dil[i],
+                                      module.ceil_mode), max(1, math.prod(ext[g] for g in s)),
+                             extents=tuple(ext[g] for g in s)) for i, s in enumerate(splits)]
+    rows = {ph: [[0] * P, [0] * P] for ph in ("forward", "backward")}
+    for r in range(P):
+        g = paper_grid(p.layout, r)
+        n, c, h, w = p.dist.local_shape(x_shape, g)
+        idx = [_block_index(s, ext, g.coords) for s in splits]
+        lo, hi = plans[0].needed[idx[0]]
+        widths = (w, hi - lo)
+        for i in range(2):
+            if splits[i]:
+                rows["forward"][i][r] = plans[i].halo_rows_received(idx[i]) * n * c * widths[i] * isz
+                rows["backward"][i][r] = plans[i].halo_rows_sent(idx[i]) * n * c * widths[i] * isz
+    for i, dim in enumerate("HW"):
+        if splits[i]:
+            peers = plans[i].parts
+            report.steps.append(CommStep("forward", f"halo exchange {dim}", "alltoall",
+                                         rows["forward"][i], peers))
+            if grad_in:
+                report.steps.append(CommStep("backward", f"halo accumulate {dim}", "alltoall",
+                                             rows["backward"][i], peers))
+
+
+def _block_index(dims: Sequence[str], ext: dict[str, int], coords: dict[str, int]) -> int:
+    """Linear index of the nested block over ``dims`` (major first)."""
+    i = 0
+    for d in dims:
+        i = i * ext[d] + coords.get(d, 0)
+    return i
+
+
+def _pair(v: Any) -> tuple[int, int]:
+    return (v, v) if isinstance(v, int) else (int(v[0]), int(v[1]))
