@@ -189,6 +189,7 @@ def test_index_records_each_block_once_in_the_paper_notation(tmp_path: Path) -> 
     w = index["tensors"]["model/0.weight"]
     assert (w["dtype"], w["shape"], w["dist"]) == ("float64", [7, 5, 3, 3], "[*,o_C,*,*]")
     assert w["grid"] == [["N", 2], ["C", 2]]
+    assert Dist.parse(w["dist"]) == Dist((None, "C", None, None))
     # w[*,o_C] is replicated over N: only the ranks at N = 0 (ranks 0 and 1) write it
     assert [(s["file"], s["box"]) for s in w["shards"]] == [
         ("shard-00000-of-00004.safetensors", [[0, 7], [0, 3], [0, 3], [0, 3]]),
@@ -485,6 +486,11 @@ def test_ranks_that_disagree_refuse_to_save(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match="disagree"):
         run_threads(save, 2, timeout=20.0)
     assert not (tmp_path / "ckpt" / INDEX_NAME).exists()
+
+    def save_rank(comm: Any) -> None:  # a plain value that differs per rank would be lost
+        distconv.save(reference_model(), tmp_path / "ckpt", extra={"rank": comm.rank}, comm=comm)
+    with pytest.raises(CheckpointError, match="disagree"):
+        run_threads(save_rank, 2, timeout=20.0)
 
 
 def test_bad_arguments_are_refused(saved: Path) -> None:

@@ -61,14 +61,17 @@ def save(
         states: more named :class:`~distconv.checkpoint.Shardable` objects (e.g. a K-FAC
             preconditioner: ``{"kfac": kfac}``). Default ``None``.
         extra: plain values (nested dicts / lists of numbers and strings, or tensors, replicated)
-            returned by :func:`load`, e.g. ``{"epoch": 3}``. Default ``None``.
+            returned by :func:`load`, e.g. ``{"epoch": 3}``; the same on every rank.
+            Default ``None``.
         comm: the communicator of all ranks. Default: the communicator of the first grid among
             the tensors' specs, else ``distconv.comm.world()``.
 
     Raises:
-        ValueError: a local tensor that does not match its spec, a pending sum (``Σ``), or ranks
-            that disagree on the structure of the state (raised on every rank).
+        ValueError: a local tensor that does not match its spec, or a pending sum (``Σ``).
         TypeError: state that is not tensors and plain values.
+        CheckpointError (a ``ValueError``): on every other rank when one rank fails (naming it
+            and its error), or when the ranks disagree on the state (its structure, plain values,
+            dtypes, global shapes or distributions).
     """
     path = as_path(path)
     if comm is not None and not isinstance(comm, Communicator):
@@ -89,7 +92,12 @@ def save(
     _together(comm, "collect the state", collect)
     trees, items = got["trees"], got["items"]
     name = shard_file_name(comm.rank, comm.size)
-    records = _together(comm, "write the shards", lambda: _write_own(items, comm, path / name))
+    # what every rank must agree on: the structure, plain values and tensor layouts of the state
+    agreed = json.dumps([trees, _metadata(items)], sort_keys=True).encode()
+    digest = hashlib.sha256(agreed).hexdigest()
+    records = _together(
+        comm, "write the shards", lambda: {**_write_own(items, comm, path / name), "meta": digest}
+    )
     index = _index(trees, items, records, comm.size)
 
     def write_index() -> None:
@@ -209,19 +217,18 @@ def _write_own(items: Items, comm: Communicator, file: Path):
         tensors[key] = t
         digest = hashlib.sha256(t.reshape(-1).view(torch.uint8).numpy()).hexdigest()
         shards[key] = {"key": key, "box": [list(b) for b in box], "sha256": digest}
-    meta = hashlib.sha256(json.dumps(_metadata(items)).encode()).hexdigest()
     if not tensors:
-        return {"file": None, "shards": {}, "meta": meta}
+        return {"file": None, "shards": {}}
     tmp = file.with_name(f".{file.name}.tmp")
     save_file(tensors, str(tmp), metadata={"format": "pt", FORMAT: str(VERSION)})
     with open(tmp, "rb+") as f:
         os.fsync(f.fileno())
     os.replace(tmp, file)
-    return {"file": file.name, "size": file.stat().st_size, "shards": shards, "meta": meta}
+    return {"file": file.name, "size": file.stat().st_size, "shards": shards}
 
 
 def _metadata(items: Items) -> dict[str, Any]:
-    """What every rank must agree on: key, dtype, global shape, Dist and grid of each tensor."""
+    """Key, dtype, global shape, Dist and grid of each tensor."""
     return {
         key: {
             "dtype": dtype_name(t.dtype),
@@ -251,8 +258,9 @@ def _index(
     digests = {r["meta"] for r in records}
     if len(digests) > 1:
         raise CheckpointError(
-            "checkpoint.save: the ranks disagree on the tensors to save (keys, dtypes, global "
-            "shapes or distributions differ); every rank must save the same structure"
+            "checkpoint.save: the ranks disagree on the state to save (keys, plain values, "
+            "dtypes, global shapes or distributions differ); every rank must save the same "
+            "structure, and the same plain values (rank-specific values are not kept)"
         )
     files = {r["file"]: {"size": r["size"]} for r in records if r["file"] is not None}
     tensors = {key: {**m, "shards": []} for key, m in meta.items()}
