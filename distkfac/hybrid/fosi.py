@@ -33,7 +33,7 @@ from distkfac.hybrid.lanczos import ESEResult, ese, make_hvp
 from distkfac.hybrid.space import SlicedSpace, assign, flatten
 
 __all__ = ["FOSI", "BaseFactory", "base_delta", "build_base", "newton_momentum",
-           "newton_rates"]
+           "newton_rates", "check_spectrum"]
 
 BaseFactory = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
 ADAM_LIKE = (torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.NAdam,
@@ -106,6 +106,23 @@ def _finite(value, name: str, *, minimum: float) -> float:
     return float(value)
 
 
+def check_spectrum(k, l, order, n: int) -> tuple[int, int, int]:
+    """Validated ``(k, l, order)``: ``k, l >= 0``, ``k + l >= 1``, ``k + l <= order <= n``
+    (``order`` None: ``4 (k + l)``, the FOSI authors' Lanczos order)."""
+    k = _positive_int(k, "k", minimum=0)
+    l = _positive_int(l, "l", minimum=0)
+    if k + l < 1:
+        raise ValueError(f"k + l must be >= 1 (eigenpairs to estimate), got k={k}, l={l}")
+    order = 4 * (k + l) if order is None else _positive_int(order, "order")
+    if order < k + l:
+        raise ValueError(f"order (Lanczos steps) must be >= k + l = {k + l}: Lanczos of order "
+                         f"{order} gives at most {order} eigenpairs, got order={order}")
+    if order > n:
+        raise ValueError(f"order (Lanczos steps, default 4(k+l)) must be <= the number of "
+                         f"parameters n={n}, got {order}; lower k, l or pass order=")
+    return k, l, order
+
+
 class _HybridOrder(torch.optim.Optimizer):
     """The FOSI step on a :class:`SlicedSpace` (shared by FOSI and DHO2)."""
 
@@ -119,24 +136,15 @@ class _HybridOrder(torch.optim.Optimizer):
         if len(dtypes) != 1 or not next(iter(dtypes)).is_floating_point:
             raise TypeError(f"params must share one floating dtype, got {sorted(map(str, dtypes))}")
         n = sum(p.numel() for p in self.params)
-        self.k = _positive_int(k, "k", minimum=0)
-        self.l = _positive_int(l, "l", minimum=0)
-        if self.k + self.l < 1:
-            raise ValueError(f"k + l must be >= 1 (eigenpairs to estimate), got k={k}, l={l}")
-        self.order = 4 * (self.k + self.l) if order is None else _positive_int(order, "order")
-        if self.order < self.k + self.l:
-            raise ValueError(f"order (Lanczos steps) must be >= k + l = {self.k + self.l}, got "
-                             f"{self.order}")
-        if self.order > n:
-            raise ValueError(f"order (Lanczos steps, default 4(k+l)) must be <= the number of "
-                             f"parameters n={n}, got {self.order}; lower k, l or pass order=")
+        self.k, self.l, self.order = check_spectrum(k, l, order, n)
         self.ese_every = _positive_int(ese_every, "ese_every")
         self.warmup = self.ese_every if warmup is None else _positive_int(warmup, "warmup")
         self.alpha = _finite(alpha, "alpha", minimum=0.0)
         self.seed = _positive_int(seed, "seed", minimum=0)
         self.ese_samples = _finite(ese_samples, "ese_samples", minimum=0.0)
         if ese_closure is not None and not callable(ese_closure):
-            raise TypeError(f"ese_closure must be callable (returning the loss), got {ese_closure!r}")
+            raise TypeError(f"ese_closure must be callable (returning the loss), got "
+                            f"{ese_closure!r}")
         self.ese_closure = ese_closure
         self.space = SlicedSpace(n, comm)
         self._init_base(base)
@@ -226,6 +234,12 @@ class _HybridOrder(torch.optim.Optimizer):
     def base_step(self, g2: Tensor) -> Tensor:
         """The base optimizer's change of this rank's slice for the gradient ``g2``."""
         return base_delta(self.base, self.flat, g2)
+
+    def add_param_group(self, param_group) -> None:
+        if hasattr(self, "space"):  # torch.optim's own __init__ adds the first group
+            raise NotImplementedError(f"{type(self).__name__} flattens its parameters once: "
+                                      "pass every parameter to the constructor")
+        super().add_param_group(param_group)
 
     def state_dict(self):
         raise NotImplementedError(f"{type(self).__name__} does not save its state yet")

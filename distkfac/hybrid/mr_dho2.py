@@ -44,6 +44,7 @@ from distkfac.hybrid.fosi import (
     _positive_int,
     base_delta,
     build_base,
+    check_spectrum,
     newton_rates,
 )
 from distkfac.hybrid.lanczos import ESEResult, ese, make_hvp
@@ -90,14 +91,7 @@ class MRDHO2:
         self.n = sum(p.numel() for p in self.params)
         self.accelerators, self.workers = split_roles(comm.size, accelerator_fraction)
         self.accelerator_fraction = accelerator_fraction
-        self.k = _positive_int(k, "k", minimum=0)
-        self.l = _positive_int(l, "l", minimum=0)
-        if self.k + self.l < 1:
-            raise ValueError(f"k + l must be >= 1 (eigenpairs to estimate), got k={k}, l={l}")
-        self.order = 4 * (self.k + self.l) if order is None else _positive_int(order, "order")
-        if not self.k + self.l <= self.order <= self.n:
-            raise ValueError(f"order (Lanczos steps, default 4(k+l)) must be in "
-                             f"[k + l, n] = [{self.k + self.l}, {self.n}], got {self.order}")
+        self.k, self.l, self.order = check_spectrum(k, l, order, self.n)
         self.period = _positive_int(period, "period")
         self.alpha = _finite(alpha, "alpha", minimum=0.0)
         self.seed = _positive_int(seed, "seed", minimum=0)

@@ -38,6 +38,8 @@ def dense_hessian(model: nn.Module, x, y) -> torch.Tensor:
     return torch.func.hessian(loss)(flatten(list(model.parameters())))
 
 
+# torch.func.hessian's internals still call torch.jit.script
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
 @pytest.mark.parametrize("k,l", [(3, 0), (2, 2)])
 def test_ese_eigenpairs_equal_eigh_of_the_explicit_hessian(k, l):
     model, (x, y) = tiny_model(), tiny_data()
@@ -168,6 +170,12 @@ def test_bad_types_are_refused():
         DHO2(tiny_model().parameters(), _sgd, comm=None)
     with pytest.raises(TypeError, match="comm"):
         MRDHO2(tiny_model().parameters(), _sgd, comm=None)
+
+
+def test_parameters_cannot_be_added_after_flattening():
+    opt = FOSI(tiny_model().parameters(), _sgd, k=1)
+    with pytest.raises(NotImplementedError, match="constructor"):
+        opt.add_param_group({"params": [nn.Parameter(torch.zeros(2, dtype=torch.float64))]})
 
 
 def test_estimate_without_a_closure_says_what_to_pass():
