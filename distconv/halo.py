@@ -69,6 +69,8 @@ def _exchange_forward(x: torch.Tensor, comm: Any, plan: HaloPlan, dim: int) -> t
         pieces.insert(0, x.new_zeros(_with_len(x, dim, before)))
     if after:
         pieces.append(x.new_zeros(_with_len(x, dim, after)))
+    if not pieces:  # a rank whose output block is empty reads no rows
+        return x.new_zeros(_with_len(x, dim, 0))
     if len(pieces) == 1:
         return pieces[0].contiguous()
     return torch.cat(pieces, dim)

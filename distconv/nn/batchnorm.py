@@ -31,14 +31,16 @@ class DistBatchNorm2d(nn.Module):
     the channels, whose blocks are independent; the remaining (redundant) grid dims hold replicas,
     which are never counted twice. Per channel, on a batch of M = N·H·W values::
 
-        forward    1. n_r, mean_r, M2_r          over the local block                 local
-                   2. {n, mean, M2}_r            <- allgather over the segment
-                   3. mean = Σ n_r mean_r / M,  M2 = Σ M2_r + Σ n_r (mean_r - mean)²    (Chan et al.)
-                   4. y = (x - mean) / sqrt(M2 / M + eps) · w + b                      local
-        backward   1. Σdy, Σdy·x̂                 over the local block                 local
-                   2. Σdy, Σdy·x̂                 <- allreduce over the segment
-                   3. dL/dx = w / sqrt(var + eps) · (dy - Σdy / M - x̂ Σdy·x̂ / M)         local
-                   4. dL/dw = Σdy·x̂, dL/db = Σdy  <- allreduce over the redundant dims of w
+        forward   1. n_r, mean_r, M2_r of the local block                        local
+                  2. {n, mean, M2}_r <- every rank of the segment               allgather
+                  3. mean = Σ n_r mean_r / M                                    local
+                     M2 = Σ M2_r + Σ n_r (mean_r - mean)²  (Chan et al.)
+                  4. y = (x - mean) / sqrt(M2 / M + eps) · w + b                local
+        backward  1. Σdy, Σdy·x̂ of the local block                             local
+                  2. Σdy, Σdy·x̂ <- Σ over the segment                         allreduce
+                  3. dL/dx = w / sqrt(var + eps) · (dy - Σdy/M - x̂ Σdy·x̂/M)   local
+                  4. dL/dw = Σdy·x̂, dL/db = Σdy, completed over the grid dims
+                     w[o_C] leaves unused                                       allreduce
 
     The combination of step 3 is exact and numerically stable (no E[x²] - E[x]²); every rank of
     a segment combines the same gathered values in the same order, so all ranks holding a channel

@@ -216,7 +216,9 @@ class DistMaxPool2d(_DistPool2d):
     Spatial dims blocked over grid dims gather the input rows their output block reads by halo
     exchange and pad with -inf, so every window sees exactly the values it sees on one process
     (ties resolve as PyTorch resolves them); backward sends the halo rows' gradients back to their
-    owners (halo accumulate). Channel and sample distributions move no data.
+    owners (halo accumulate). Channel and sample distributions move no data. (One corner differs:
+    a dilated window that holds only padding gives -inf, as in PyTorch, but its gradient is
+    dropped, where PyTorch sends it to an element outside the window.)
 
     Args:
         kernel_size, stride, padding, dilation, return_indices, ceil_mode: as ``nn.MaxPool2d``.

@@ -42,13 +42,13 @@ def _run(case: LayerCase) -> None:
     check_results(case, run_threads(run_case, case.size, case, reference(case)))
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=RELAXED)
+@settings(max_examples=50, deadline=None, suppress_health_check=RELAXED)
 @given(bn_cases())
 def test_dist_batchnorm_equals_batchnorm_fp64(case: LayerCase) -> None:
     _run(case)
 
 
-@settings(max_examples=10, deadline=None, suppress_health_check=RELAXED)
+@settings(max_examples=8, deadline=None, suppress_health_check=RELAXED)
 @given(bn_cases(torch.float32))
 def test_dist_batchnorm_equals_batchnorm_fp32(case: LayerCase) -> None:
     _run(case)
@@ -164,7 +164,9 @@ def _grid(dims: dict[str, int] | None = None) -> ProcessorGrid:
     (Dist.parse("x[o,o_Q,o,o]", "NCHW"), ValueError, "'Q' is not in"),
     ("x[o,o_C,o,o]", TypeError, "input_dist must be a distconv.Dist"),
 ])
-def test_bad_input_dist_is_refused_at_construction(input_dist, error, message) -> None:  # noqa: ANN001
+def test_bad_input_dist_is_refused_at_construction(
+    input_dist, error, message,  # noqa: ANN001
+) -> None:
     with pytest.raises(error, match=message):
         DistBatchNorm2d(4, grid=_grid(), input_dist=input_dist)
 
