@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import Tensor
 
-from distkfac.hybrid.fosi import BaseFactory, _HybridOrder
+from distkfac.hybrid.fosi import BaseFactory, _HybridOrder, world_of
 
 __all__ = ["DHO2", "ELEMENTWISE"]
 
@@ -38,18 +38,18 @@ class DHO2(_HybridOrder):
     its loss a mean over its ``b_r`` samples (no gradient allreduce before: the step reduces).
     ``ese_closure`` is this rank's loss on its ESE samples, ``ese_samples`` their number.
     Arguments as :class:`~distkfac.hybrid.fosi.FOSI`, plus ``comm`` (a ``distconv.comm``
-    Communicator, required).  The base optimizer must be elementwise (one of ``ELEMENTWISE``).
+    Communicator) or ``grid`` (a ``ProcessorGrid``: all its ranks), exactly one.  The base optimizer must be elementwise (one of ``ELEMENTWISE``).
 
     Memory: ``last_ese.basis_bytes`` is this rank's slice of D, ``8 * steps * b_r`` bytes.
     """
 
-    def __init__(self, params: Iterable[torch.nn.Parameter], base: BaseFactory, *, comm,
+    def __init__(self, params: Iterable[torch.nn.Parameter], base: BaseFactory, *,
+                 comm=None, grid=None,
                  ese_closure: Callable[[], Tensor] | None = None, k: int = 5, l: int = 0,
                  order: int | None = None, ese_every: int = 100, warmup: int | None = None,
                  alpha: float = 0.1, lr_clip: float | None = None, seed: int = 0,
                  ese_samples: float = 1.0) -> None:
-        if comm is None or not hasattr(comm, "allgather"):
-            raise TypeError(f"comm must be a distconv.comm Communicator, got {comm!r}")
+        comm = world_of(comm, grid)
         super().__init__(params, base, ese_closure=ese_closure, k=k, l=l, order=order,
                          ese_every=ese_every, warmup=warmup, alpha=alpha, lr_clip=lr_clip,
                          seed=seed, ese_samples=ese_samples, comm=comm)

@@ -33,7 +33,8 @@ from distkfac.hybrid.lanczos import ESEResult, ese, make_hvp
 from distkfac.hybrid.space import SlicedSpace, assign, flatten
 
 __all__ = ["FOSI", "BaseFactory", "base_delta", "build_base", "newton_momentum",
-           "newton_rates", "check_spectrum"]
+           "newton_rates", "check_spectrum",
+           "world_of"]
 
 BaseFactory = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
 ADAM_LIKE = (torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.NAdam,
@@ -104,6 +105,21 @@ def _finite(value, name: str, *, minimum: float) -> float:
             or value < minimum:
         raise ValueError(f"{name} must be a finite number >= {minimum}, got {value!r}")
     return float(value)
+
+
+def world_of(comm, grid):
+    """The communicator of ``comm=`` or ``grid=`` (a ``ProcessorGrid``: all its ranks); exactly
+    one must be given."""
+    if (comm is None) == (grid is None):
+        raise TypeError(f"pass exactly one of comm= (a distconv.comm Communicator) or grid= "
+                        f"(a ProcessorGrid), got comm={comm!r}, grid={grid!r}")
+    if grid is not None:
+        if not hasattr(grid, "comm"):
+            raise TypeError(f"grid must be a distconv ProcessorGrid, got {grid!r}")
+        comm = grid.comm
+    if not hasattr(comm, "allgather"):
+        raise TypeError(f"comm must be a distconv.comm Communicator, got {comm!r}")
+    return comm
 
 
 def check_spectrum(k, l, order, n: int) -> tuple[int, int, int]:

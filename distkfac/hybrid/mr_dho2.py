@@ -46,6 +46,7 @@ from distkfac.hybrid.fosi import (
     build_base,
     check_spectrum,
     newton_rates,
+    world_of,
 )
 from distkfac.hybrid.lanczos import ESEResult, ese, make_hvp
 from distkfac.hybrid.space import SlicedSpace, assign, flatten
@@ -71,7 +72,8 @@ class MRDHO2:
     Args:
         params: the model's parameters (the same model on every rank).
         base: ``params -> torch.optim.Optimizer``, elementwise (see ``dho2.ELEMENTWISE``).
-        comm: the world of both roles (a ``distconv.comm`` Communicator, size >= 2).
+        comm: the world of both roles (a ``distconv.comm`` Communicator, size >= 2), or
+        grid: a ``ProcessorGrid`` over that world (exactly one of the two).
         accelerator_fraction: share of ranks that run ESE (default 0.5), rounded.
         period: steps per period ``T`` (default 10).
         ese_closure: this accelerator's loss on its ESE samples (required on accelerators).
@@ -80,13 +82,13 @@ class MRDHO2:
             (defaults 5, 0, ``4 (k + l)``, 0.1, 3.0 or 1.0 for Adam-like bases, 0).
     """
 
-    def __init__(self, params: Iterable[torch.nn.Parameter], base: BaseFactory, *, comm,
+    def __init__(self, params: Iterable[torch.nn.Parameter], base: BaseFactory, *,
+                 comm=None, grid=None,
                  accelerator_fraction: float = 0.5, period: int = 10,
                  ese_closure: Callable[[], Tensor] | None = None, ese_samples: float = 1.0,
                  k: int = 5, l: int = 0, order: int | None = None, alpha: float = 0.1,
                  lr_clip: float | None = None, seed: int = 0) -> None:
-        if comm is None or not hasattr(comm, "allgather"):
-            raise TypeError(f"comm must be a distconv.comm Communicator, got {comm!r}")
+        comm = world_of(comm, grid)
         self.params = list(params)
         self.n = sum(p.numel() for p in self.params)
         self.accelerators, self.workers = split_roles(comm.size, accelerator_fraction)

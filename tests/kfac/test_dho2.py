@@ -13,6 +13,7 @@ from torch import nn
 
 from distconv.comm import SingleCommunicator
 from distconv.distribution import balanced_block
+from distconv.grid import ProcessorGrid
 from distconv.testing.threads import run_threads
 from distkfac.hybrid import DHO2, FOSI, MRDHO2, split_roles
 from distkfac.hybrid.space import flatten
@@ -41,7 +42,7 @@ def dataset():
     return xs, ys, x_ese, y_ese
 
 
-def train(comm, model: nn.Module, base: str, sizes=None) -> dict:
+def train(comm, model: nn.Module, base: str, sizes=None, grid=None) -> dict:
     """DHO2 (``comm``) or FOSI (None) for STEPS steps on this rank's rows of every batch."""
     rank, size = (0, 1) if comm is None else (comm.rank, comm.size)
     sizes = SPLITS[size] if sizes is None else sizes
@@ -51,7 +52,8 @@ def train(comm, model: nn.Module, base: str, sizes=None) -> dict:
     kw = dict(ese_closure=lambda: F.cross_entropy(model(x_ese[rows]), y_ese[rows]),
               ese_samples=sizes[rank], k=2, l=1, ese_every=3, warmup=2, seed=4)
     opt = (FOSI(model.parameters(), BASES[base], **kw) if comm is None else
-           DHO2(model.parameters(), BASES[base], comm=comm, **kw))
+           DHO2(model.parameters(), BASES[base], **kw,
+                **({"grid": grid} if grid is not None else {"comm": comm})))
     trajectory = []
     for t in range(STEPS):
         opt.zero_grad()
@@ -83,6 +85,17 @@ def test_dho2_on_threads_equals_fosi_on_the_concatenated_batch(size, base):
     model = build()  # built here: thread-ranks must not race on the global RNG
     results = run_threads(lambda comm: train(comm, copy.deepcopy(model), base), size)
     assert_equal_to_fosi(results, base)
+
+
+def test_dho2_takes_a_grid_and_equals_fosi():
+    model = build()
+
+    def on_grid(comm):
+        opt_model = copy.deepcopy(model)
+        grid = ProcessorGrid({"N": 2, "C": 1}, comm=comm)
+        return train(comm, opt_model, "adam", grid=grid)
+
+    assert_equal_to_fosi(run_threads(on_grid, 2), "adam")
 
 
 def world_case(comm) -> dict:

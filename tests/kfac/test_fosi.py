@@ -10,6 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from distconv.comm import SingleCommunicator
+from distconv.grid import ProcessorGrid
 from distkfac.hybrid import DHO2, FOSI, MRDHO2
 from distkfac.hybrid.space import flatten
 
@@ -170,6 +172,9 @@ def test_bad_types_are_refused():
         DHO2(tiny_model().parameters(), _sgd, comm=None)
     with pytest.raises(TypeError, match="comm"):
         MRDHO2(tiny_model().parameters(), _sgd, comm=None)
+    with pytest.raises(TypeError, match="exactly one"):
+        DHO2(tiny_model().parameters(), _sgd, comm=SingleCommunicator(),
+             grid=ProcessorGrid({"N": 1}, comm=SingleCommunicator()))
 
 
 def test_parameters_cannot_be_added_after_flattening():
