@@ -21,16 +21,17 @@ A Dist is a frozen value: hashable, cheap to compare, with no communication insi
 """
 from __future__ import annotations
 
+import operator
 import re
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterable, Iterator, Mapping, Sequence, Union
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Mapping, Sequence, Union
 
 if TYPE_CHECKING:
     from distconv.grid import ProcessorGrid
 
 Entry = Union[None, str, tuple[str, ...]]
 
-__all__ = ["Dist", "Entry", "balanced_block", "nested_block"]
+__all__ = ["Dist", "Entry", "as_shape", "as_size", "balanced_block", "nested_block"]
 
 #: Tensor dims whose own-named grid dim prints as plain ``o`` (sample and spatial dims); the paper
 #: writes channel and filter subscripts explicitly (``y[o,o_C,o,o]``, ``w[o_F,*]``).
@@ -40,8 +41,51 @@ _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 _SEPARATORS = re.compile(r"\s*(?:×|,|\*|\bx\b)\s*")
 
 
+def as_size(value: Any, name: str) -> int:
+    """``value`` as a non-negative int (a Python or numpy/torch integer; never a bool or float).
+
+    Raises ``TypeError`` for a non-integer and ``ValueError`` for a negative value, naming
+    ``name`` and the value received.
+    """
+    if isinstance(value, bool) or isinstance(value, float):
+        raise TypeError(f"{name} must be a non-negative int, got {value!r}")
+    try:
+        n = operator.index(value)
+    except TypeError:
+        raise TypeError(
+            f"{name} must be a non-negative int, got {value!r} ({type(value).__name__})"
+        ) from None
+    if n < 0:
+        raise ValueError(f"{name} must be a non-negative int, got {n}")
+    return n
+
+
+def as_shape(shape: Any, name: str) -> tuple[int, ...]:
+    """``shape`` as a tuple of non-negative ints (a sequence of them or a ``torch.Size``).
+
+    Raises ``TypeError`` for something that is not a sequence of integers and ``ValueError`` for
+    a negative size, naming ``name`` and the shape received.
+    """
+    if isinstance(shape, (str, bytes)) or not isinstance(shape, Sequence):
+        raise TypeError(
+            f"{name} must be a shape (a sequence of non-negative ints), got {shape!r}"
+        )
+    out = []
+    for i, n in enumerate(shape):
+        if isinstance(n, bool) or isinstance(n, float) or not hasattr(n, "__index__"):
+            raise TypeError(f"{name} must contain ints, got {tuple(shape)!r} (entry {i} is {n!r})")
+        if operator.index(n) < 0:
+            raise ValueError(
+                f"{name} must contain non-negative sizes, got {tuple(shape)!r} (entry {i} is {n})"
+            )
+        out.append(operator.index(n))
+    return tuple(out)
+
+
 def balanced_block(n: int, parts: int, index: int) -> tuple[int, int]:
     """``(start, size)`` of block ``index`` when ``n`` items are split into ``parts`` balanced blocks."""
+    n = as_size(n, "balanced_block: n")
+    parts, index = as_size(parts, "balanced_block: parts"), as_size(index, "balanced_block: index")
     if parts < 1 or not 0 <= index < parts:
         raise ValueError(f"balanced_block: need 0 <= index < parts, got index={index}, parts={parts}")
     q, r = divmod(n, parts)
@@ -49,8 +93,18 @@ def balanced_block(n: int, parts: int, index: int) -> tuple[int, int]:
 
 
 def nested_block(n: int, extents: Sequence[int], coords: Sequence[int]) -> tuple[int, int]:
-    """``(start, size)`` of the block-of-block at ``coords`` (major first) of ``n`` items."""
-    start, size = 0, n
+    """``(start, size)`` of the block-of-block at ``coords`` (major first) of ``n`` items.
+
+    ``extents`` and ``coords`` have one entry per nesting level (equal lengths).
+    """
+    extents = as_shape(extents, "nested_block: extents")
+    coords = as_shape(coords, "nested_block: coords")
+    if len(extents) != len(coords):
+        raise ValueError(
+            f"nested_block: extents {extents} and coords {coords} must have equal lengths "
+            "(one coordinate per nesting level)"
+        )
+    start, size = 0, as_size(n, "nested_block: n")
     for parts, index in zip(extents, coords):
         offset, size = balanced_block(size, parts, index)
         start += offset
@@ -104,12 +158,24 @@ class Dist:
     tensor_dims: tuple[str, ...] | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.entries, (tuple, list)):
+            raise TypeError(
+                f"Dist: entries must be a tuple with one entry per tensor dim (None, a grid dim "
+                f"name or a tuple of names), got {self.entries!r}; to read the paper's notation "
+                "use Dist.parse"
+            )
         entries = tuple(_as_entry(e, i) for i, e in enumerate(self.entries))
         object.__setattr__(self, "entries", entries)
+        if isinstance(self.pending, str) or not isinstance(self.pending, Iterable):
+            raise TypeError(
+                f"Dist: pending must be a set of grid dim names, got {self.pending!r}"
+            )
         pending = frozenset(_as_entry(p, -1) for p in self.pending)  # type: ignore[misc]
+        if None in pending or any(not isinstance(p, str) for p in pending):
+            raise ValueError(f"Dist: pending must hold single grid dim names, got {self.pending!r}")
         object.__setattr__(self, "pending", pending)
         if self.tensor_dims is not None:
-            dims = tuple(self.tensor_dims)
+            dims = _tensor_dims(self.tensor_dims, "Dist: tensor_dims")
             if len(dims) != len(entries):
                 raise ValueError(
                     f"Dist entries {entries!r}: tensor_dims {dims!r} has {len(dims)} names for "
@@ -139,7 +205,12 @@ class Dist:
         tensor name, then ``[...]`` with one entry per tensor dim: ``*``, ``o`` (the grid dim named
         like the tensor dim; needs ``tensor_dims``), ``o_C``, ``o_{F×C}``, ``o_{F,C}``, ``o_(F,C)``.
         """
-        dims = tuple(tensor_dims) if tensor_dims is not None else None
+        if not isinstance(spec, str):
+            raise TypeError(
+                f"Dist.parse: spec must be a str in the paper's notation (e.g. 'x[o,o_C,o,o]'), "
+                f"got {spec!r} ({type(spec).__name__})"
+            )
+        dims = None if tensor_dims is None else _tensor_dims(tensor_dims, "Dist.parse: tensor_dims")
         m = re.fullmatch(
             r"\s*(?:(?:Σ|sum)_(\{[^}]*\}|\([^)]*\)|\w)\s*)?([A-Za-z_]\w*)?\s*\[(.*)\]\s*", spec
         )
@@ -232,6 +303,7 @@ class Dist:
     ) -> tuple[int, int]:
         """``(start, size)`` of this rank's block of tensor dim ``dim`` of global size ``n``."""
         coords = grid.coords if coords is None else coords
+        n = as_size(n, f"global size of tensor dim {dim}")
         names = self.grid_dims_of(dim)
         return nested_block(n, [grid.extent(g) for g in names], [coords.get(g, 0) for g in names])
 
@@ -239,6 +311,11 @@ class Dist:
         self, global_shape: Sequence[int], grid: ProcessorGrid,
         coords: Mapping[str, int] | None = None,
     ) -> Iterator[tuple[int, int]]:
+        global_shape = as_shape(global_shape, "global_shape")
+        if not hasattr(grid, "extent"):
+            raise TypeError(
+                f"grid must be a distconv.ProcessorGrid, got {grid!r} ({type(grid).__name__})"
+            )
         if len(global_shape) != self.ndim:
             raise ValueError(
                 f"Dist {self} has {self.ndim} entries for global shape {tuple(global_shape)}"
@@ -259,6 +336,17 @@ class Dist:
     ) -> tuple[slice, ...]:
         """Index of the local block in the global tensor."""
         return tuple(slice(s, s + n) for s, n in self.blocks(global_shape, grid, coords))
+
+
+def _tensor_dims(dims: object, name: str) -> tuple[str, ...]:
+    if isinstance(dims, str):
+        return tuple(dims)
+    if not isinstance(dims, Sequence) or not all(isinstance(d, str) and d for d in dims):
+        raise TypeError(
+            f"{name} must be a str (one letter per dim, e.g. 'NCHW') or a sequence of dim names, "
+            f"got {dims!r}"
+        )
+    return tuple(dims)
 
 
 def _sub(name: str) -> str:

@@ -40,7 +40,7 @@ class ProcessorGrid:
     def __init__(
         self, dims: Mapping[str, int] | Sequence[tuple[str, int]], comm: Communicator | None = None
     ) -> None:
-        pairs = list(dims.items()) if isinstance(dims, Mapping) else [tuple(p) for p in dims]
+        pairs = _pairs(dims)
         names = [p[0] for p in pairs]
         for name, extent in pairs:
             if not isinstance(name, str) or not _NAME.match(name):
@@ -55,6 +55,11 @@ class ProcessorGrid:
             from distconv.comm import world
 
             comm = world()
+        elif not hasattr(comm, "size") or not hasattr(comm, "rank"):
+            raise TypeError(
+                f"ProcessorGrid: comm must be a distconv.comm.Communicator (or None for the "
+                f"world), got {comm!r} ({type(comm).__name__})"
+            )
         self._layout: tuple[tuple[str, int], ...] = tuple((n, int(e)) for n, e in pairs)
         size = math.prod(e for _, e in self._layout)
         if size != comm.size:
@@ -106,6 +111,8 @@ class ProcessorGrid:
         )
 
     def coords_of(self, rank: int) -> dict[str, int]:
+        if isinstance(rank, bool) or not isinstance(rank, int):
+            raise TypeError(f"rank must be an int, got {rank!r}")
         if not 0 <= rank < math.prod(e for _, e in self._layout):
             raise ValueError(f"rank {rank} is outside {self._describe()}")
         coords: dict[str, int] = {}
@@ -152,8 +159,12 @@ class ProcessorGrid:
         return self.comm.stats.total_bytes()
 
     def _order(self, dims: Iterable[str]) -> tuple[str, ...]:
+        if not isinstance(dims, (str, Iterable)):
+            raise TypeError(f"dims must be a grid dim name or an iterable of names, got {dims!r}")
         dims = tuple(dims) if not isinstance(dims, str) else (dims,)
         for d in dims:
+            if not isinstance(d, str):
+                raise TypeError(f"dims must hold grid dim names (str), got {dims!r}")
             self.extent(d)
         if len(set(dims)) != len(dims):
             raise ValueError(f"repeated grid dims in {dims}")
@@ -176,6 +187,22 @@ class ProcessorGrid:
 
     def __hash__(self) -> int:
         return hash((self._layout, id(self.comm)))
+
+
+def _pairs(dims: object) -> list[tuple[str, int]]:
+    """The (name, extent) pairs of a mapping or a sequence of pairs, or a TypeError that says
+    what a grid spec looks like."""
+    hint = "a mapping such as {'N': 2, 'C': 2} or a sequence of (name, extent) pairs"
+    if isinstance(dims, Mapping):
+        return list(dims.items())
+    if isinstance(dims, (str, bytes)) or not isinstance(dims, Sequence):
+        raise TypeError(f"ProcessorGrid: dims must be {hint}, got {dims!r}")
+    pairs = []
+    for p in dims:
+        if isinstance(p, (str, bytes)) or not isinstance(p, Sequence) or len(p) != 2:
+            raise TypeError(f"ProcessorGrid: dims must be {hint}; the entry {p!r} is not a pair")
+        pairs.append((p[0], p[1]))
+    return pairs
 
 
 def _unravel(index: int, dims: Sequence[tuple[str, int]]) -> dict[str, int]:

@@ -28,10 +28,15 @@ def launch(
             (``mpiexec``), ``"threads"`` (in this process) or ``"single"`` (``nprocs`` must be 1).
         timeout: communicator timeout in seconds (default 60.0).
     """
+    if not callable(fn):
+        raise TypeError(f"launch: fn must be a module-level function fn(comm, ...), got {fn!r}")
     if backend not in LAUNCH_BACKENDS:
         raise ValueError(f"backend must be one of {LAUNCH_BACKENDS}, got {backend!r}")
     if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
         raise ValueError(f"nprocs must be a positive int, got {nprocs!r}")
+    from distconv.comm.base import check_timeout
+
+    check_timeout(timeout)
     if backend == "single":
         if nprocs != 1:
             raise ValueError(f"backend='single' runs one rank; got nprocs={nprocs}")

@@ -39,13 +39,12 @@ from typing import TYPE_CHECKING, Mapping, Sequence
 
 import torch
 
-from distconv.comm.base import allreduce_bytes, flat_span, packed
-from distconv.distribution import Dist, balanced_block, nested_block
-from distconv.grid import CANONICAL_DIMS
+from distconv.comm.base import agree_on_value, allreduce_bytes, flat_span, get_debug, packed
+from distconv.distribution import Dist, as_shape, balanced_block, nested_block
+from distconv.grid import CANONICAL_DIMS, ProcessorGrid
 
 if TYPE_CHECKING:
     from distconv.comm import Communicator
-    from distconv.grid import ProcessorGrid
 
 __all__ = [
     "AllGather", "AllReduce", "AllToAll", "KeepRoot", "Pad", "Plan", "ReduceScatter", "Slice",
@@ -345,7 +344,16 @@ def plan_redistribution(
 
     Pure and cached: every rank computes the same plan from shared information only.
     """
-    return _plan(tuple(layout), src, dst, tuple(int(n) for n in global_shape))
+    if isinstance(layout, ProcessorGrid) or not isinstance(layout, (tuple, list)):
+        raise TypeError(
+            f"plan_redistribution: layout must be a grid layout ((name, extent), ...) such as "
+            f"grid.layout, got {layout!r}"
+        )
+    for name, d in (("src", src), ("dst", dst)):
+        if not isinstance(d, Dist):
+            raise TypeError(f"plan_redistribution: {name} must be a distconv.Dist, got {d!r}")
+    shape = as_shape(global_shape, "plan_redistribution: global_shape")
+    return _plan(tuple(tuple(p) for p in layout), src, dst, shape)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -493,7 +501,7 @@ def redistribute(
         ValueError: a distribution that does not fit the grid or the shape, or an ``x`` whose shape
             is not ``src``'s local block of ``global_shape``.
     """
-    global_shape = tuple(int(n) for n in global_shape)
+    global_shape = _check_args("redistribute", x, grid, global_shape, src=src, dst=dst)
     expected = src.local_shape(global_shape, grid)  # also rejects unknown grid dims
     if tuple(x.shape) != expected:
         raise ValueError(
@@ -510,8 +518,13 @@ def redistribute(
 def scatter(x: torch.Tensor, dist: Dist, grid: ProcessorGrid) -> torch.Tensor:
     """This rank's block of the global tensor ``x`` (the same on every rank) in ``dist``.
 
-    A pending sum keeps the whole value on coordinate 0 and zeros elsewhere.
+    A pending sum keeps the whole value on coordinate 0 and zeros elsewhere. In debug mode
+    (:func:`distconv.comm.set_debug`) the ranks first compare a digest of ``x`` and raise
+    :class:`~distconv.comm.CollectiveMismatchError` when it differs (a silent mix otherwise).
     """
+    _check_args("scatter", x, grid, (), dist=dist)
+    if get_debug():
+        agree_on_value(grid.comm, x, "scatter: the global tensor x")
     return redistribute(x, grid, Dist.replicated(x.dim()), dist, x.shape)
 
 
@@ -519,7 +532,29 @@ def gather(
     x: torch.Tensor, dist: Dist, grid: ProcessorGrid, global_shape: Sequence[int]
 ) -> torch.Tensor:
     """The global tensor, on every rank, from the local blocks ``x`` in ``dist`` (pending sums summed)."""
-    return redistribute(x, grid, dist, Dist.replicated(len(global_shape)), global_shape)
+    shape = _check_args("gather", x, grid, global_shape, dist=dist)
+    return redistribute(x, grid, dist, Dist.replicated(len(shape)), shape)
+
+
+def _check_args(
+    where: str, x: object, grid: object, global_shape: object, **dists: object
+) -> tuple[int, ...]:
+    """TypeErrors for arguments of the wrong kind, naming them; the global shape as ints."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(
+            f"{where}: x must be a torch.Tensor, got {type(x).__name__}"
+        )
+    if not isinstance(grid, ProcessorGrid):
+        raise TypeError(
+            f"{where}: grid must be a distconv.ProcessorGrid, got {grid!r} ({type(grid).__name__})"
+        )
+    for name, d in dists.items():
+        if not isinstance(d, Dist):
+            hint = " (use Dist.parse for the paper's notation)" if isinstance(d, str) else ""
+            raise TypeError(
+                f"{where}: {name} must be a distconv.Dist, got {d!r} ({type(d).__name__}){hint}"
+            )
+    return as_shape(global_shape, f"{where}: global_shape")
 
 
 
@@ -646,11 +681,14 @@ def repartition(
     Raises:
         ValueError: grids over different communicators, or a block that does not match ``src``.
     """
+    for name, g in (("src_grid", src_grid), ("dst_grid", dst_grid)):
+        if not isinstance(g, ProcessorGrid):
+            raise TypeError(f"repartition: {name} must be a distconv.ProcessorGrid, got {g!r}")
+    shape = _check_args("repartition", x, src_grid, global_shape, src=src, dst=dst)
     if src_grid.comm is not dst_grid.comm:
         raise ValueError(
             "repartition: src_grid and dst_grid must be over the same communicator (the same ranks)"
         )
-    shape = tuple(int(n) for n in global_shape)
     if src.pending:
         plain = src.with_pending(())
         x = redistribute(x, src_grid, src, plain, shape)

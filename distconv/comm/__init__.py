@@ -6,10 +6,13 @@ See :class:`~distconv.comm.base.Communicator` for the operations and the byte-co
 
 from __future__ import annotations
 
+import atexit
 import os
 import threading
 
-from distconv.comm.base import CommStats, Communicator, Work, get_debug, set_debug
+from distconv.comm.base import (
+    CommStats, Communicator, Work, check_timeout, get_debug, set_debug,
+)
 from distconv.comm.errors import CollectiveMismatchError, CommError, CommTimeoutError
 from distconv.comm.single import SingleCommunicator
 from distconv.comm.threads import ThreadCommunicator
@@ -27,6 +30,7 @@ __all__ = [
     "get_debug",
     "init",
     "set_debug",
+    "shutdown",
     "world",
 ]
 
@@ -63,8 +67,7 @@ def init(backend: str | None = None, *, timeout: float = 60.0) -> Communicator:
     global _world
     if backend is not None and backend not in BACKENDS:
         raise ValueError(f"backend must be None or one of {BACKENDS}, got {backend!r}")
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
-        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    check_timeout(timeout)
     with _lock:
         if _world is not None:
             if backend is None or _matches(_world, backend):
@@ -84,7 +87,39 @@ def init(backend: str | None = None, *, timeout: float = 60.0) -> Communicator:
             _world = init_mpi(timeout=timeout)
         else:
             _world = SingleCommunicator(timeout=timeout)
+        _register_shutdown()
         return _world
+
+
+_registered = False
+
+
+def _register_shutdown() -> None:
+    # atexit handlers run before interpreter finalization, while background threads of the
+    # communication libraries can still take the GIL (see TorchCommunicator._release)
+    global _registered
+    if not _registered:
+        atexit.register(shutdown)
+        _registered = True
+
+
+def shutdown() -> None:
+    """Release the world communicator, every sub-communicator split from it (newest first) and,
+    when ``init()`` created it, torch's default process group. Idempotent and not collective.
+
+    Runs by itself at interpreter exit, so a script that simply ends exits cleanly; call it
+    earlier to free the resources sooner. A later ``init()`` creates a new world.
+    """
+    global _world
+    with _lock:
+        comm, _world = _world, None
+        if comm is None:
+            return
+        comm.close()
+        if comm.backend.startswith("torch-"):
+            from distconv.comm.torch_backend import destroy_default_group
+
+            destroy_default_group()
 
 
 def _matches(comm: Communicator, backend: str) -> bool:

@@ -33,7 +33,9 @@ __all__ = [
     "CommStats",
     "Communicator",
     "Work",
+    "agree_on_value",
     "allreduce_bytes",
+    "check_timeout",
     "flat_concat",
     "flat_span",
     "get_debug",
@@ -64,6 +66,21 @@ def set_debug(flag: bool) -> None:
 def get_debug() -> bool:
     """Whether debug mode (the collective agreement check) is on."""
     return _debug
+
+
+def check_timeout(value: Any, name: str = "timeout", *, allow_none: bool = False) -> float | None:
+    """``value`` as a positive, finite number of seconds, else TypeError/ValueError naming it."""
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        allowed = "None or " if allow_none else ""
+        raise TypeError(
+            f"{name} must be {allowed}a positive number of seconds, got {value!r} "
+            f"({type(value).__name__})"
+        )
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} must be a positive, finite number of seconds, got {value!r}")
+    return float(value)
 
 
 def allreduce_bytes(n: int, rank: int, size: int, itemsize: int) -> int:
@@ -289,6 +306,27 @@ _DIGEST = 8
 _DESC_BYTES = 480
 
 
+def agree_on_value(comm: Communicator, t: torch.Tensor, what: str) -> None:
+    """Raise :class:`CollectiveMismatchError` on every rank of ``comm`` unless all ranks pass
+    bitwise equal tensors ``t`` (dtype, shape and bytes; one small allgather of digests).
+
+    For arguments the API requires to be the same on every rank; called in debug mode.
+    """
+    if comm.size == 1:
+        return
+    t = t.detach()
+    data = t.contiguous().reshape(-1).view(torch.uint8).cpu().numpy().tobytes()
+    digest = hashlib.sha1(data, usedforsecurity=False).hexdigest()[:16]
+    desc = f"dtype={t.dtype}, shape={tuple(t.shape)}, sha1 {digest}"
+    sigs = comm._exchange_signatures(CallSignature(desc, desc), "value-check")
+    if any(s.common != sigs[0].common for s in sigs):
+        lines = "\n".join(f"  rank {i}: {s.desc}" for i, s in enumerate(sigs))
+        raise CollectiveMismatchError(
+            f"rank {comm.rank}, backend {comm.backend!r}: {what} must be the same on every rank, "
+            f"but it differs:\n{lines}"
+        )
+
+
 def _digest(text: str) -> bytes:
     return hashlib.sha1(text.encode(), usedforsecurity=False).digest()[:_DIGEST]
 
@@ -350,8 +388,7 @@ class Communicator(abc.ABC):
     _device = torch.device("cpu")  # where the backend's internal buffers live
 
     def __init__(self, *, rank: int, size: int, timeout: float, parent: Communicator | None = None):
-        if timeout <= 0:
-            raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
+        timeout = check_timeout(timeout)
         self._rank = int(rank)
         self._size = int(size)
         self.timeout = float(timeout)
@@ -604,9 +641,7 @@ class Communicator(abc.ABC):
         is the sub-communicator's timeout.
         """
         key_groups = self._check_groups(groups)
-        timeout_ = self.timeout if timeout is None else float(timeout)
-        if timeout_ <= 0:
-            raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
+        timeout_ = self.timeout if timeout is None else check_timeout(timeout)
         key = (key_groups, timeout_)
         cached = self._splits.get(key)
         if cached is not None:
@@ -638,6 +673,22 @@ class Communicator(abc.ABC):
                 f"groups must partition range({self.size}) (each rank exactly once), got {groups!r}"
             )
         return tuple(out)
+
+    # ---------------------------------------------------------------- teardown
+    def close(self) -> None:
+        """Release this communicator and its sub-communicators (newest first); idempotent.
+
+        Not collective. Afterwards no operation may be called on them. Called for the world by
+        :func:`distconv.comm.shutdown`, which runs by itself at interpreter exit.
+        """
+        subs = list(self._splits.values())
+        self._splits.clear()
+        for sub in reversed(subs):
+            sub.close()
+        self._release()
+
+    def _release(self) -> None:
+        """Free the backend's own resources (process groups, duplicated MPI communicators)."""
 
     # ---------------------------------------------------------------- backend interface
     @abc.abstractmethod

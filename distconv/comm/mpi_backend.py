@@ -218,6 +218,15 @@ class MPICommunicator(Communicator):
             lambda: out,
         )
 
+    def _release(self) -> None:
+        """Free the duplicated communicators (before mpi4py finalizes MPI at exit)."""
+        comms = list(self._by_op.values()) + [self._comm]
+        self._by_op = {}
+        MPI = self._MPI
+        for c in comms:
+            if c != MPI.COMM_NULL and c != MPI.COMM_WORLD and not MPI.Is_finalized():
+                c.Free()
+
     def _split(self, groups, index, timeout) -> Communicator:
         members = groups[index]
         if len(members) == 1:

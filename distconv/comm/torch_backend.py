@@ -47,7 +47,7 @@ from distconv.comm.base import (
 from distconv.comm.errors import CommError, CommTimeoutError
 from distconv.comm.single import SingleCommunicator
 
-__all__ = ["TorchCommunicator", "init_torch"]
+__all__ = ["TorchCommunicator", "destroy_default_group", "init_torch"]
 
 _OPS = {
     "sum": ReduceOp.SUM,
@@ -279,6 +279,24 @@ class TorchCommunicator(Communicator):
             parent=self,
         )
 
+    def _release(self) -> None:
+        """Stop this group's worker threads now, while the interpreter is alive.
+
+        A gloo worker thread that drops the last reference to a finished operation's tensors
+        needs the GIL; if that happens during interpreter finalization, Python ends the thread
+        with ``pthread_exit``, whose unwinding through C++ code calls ``std::terminate`` (the
+        abort at exit of a script that simply ends). Shutting the groups down here, before
+        finalization, joins those threads. The default group is destroyed by
+        :func:`distconv.comm.shutdown` when distconv created it.
+        """
+        pg, self._pg = self._pg, None
+        if pg is None or pg is dist.group.WORLD:
+            return
+        try:
+            pg.shutdown()
+        except (RuntimeError, AttributeError):
+            pass  # already shut down, or a torch without ProcessGroup.shutdown
+
     def _new_group(self, store: Any, rank: int, size: int, timeout: float) -> Any:
         if self._kind == "gloo":
             return dist.ProcessGroupGloo(store, rank, size, _td(timeout))
@@ -287,12 +305,25 @@ class TorchCommunicator(Communicator):
         return dist.ProcessGroupNCCL(store, rank, size, opts)
 
 
+_owns_default_group = False
+
+
+def destroy_default_group() -> None:
+    """Destroy torch's default process group if :func:`init_torch` created it."""
+    global _owns_default_group
+    if _owns_default_group and dist.is_initialized():
+        dist.destroy_process_group()
+    _owns_default_group = False
+
+
 def init_torch(kind: str | None = None, *, timeout: float = 60.0) -> TorchCommunicator:
     """The world of an initialised (or, from the torchrun variables, a new) default group.
 
     ``kind`` None: "nccl" when CUDA is available and ``LOCAL_RANK`` is set, else "gloo".
     """
+    global _owns_default_group
     if not dist.is_initialized():
+        _owns_default_group = True
         if kind is None:
             kind = "nccl" if torch.cuda.is_available() and "LOCAL_RANK" in os.environ else "gloo"
         if kind == "nccl":

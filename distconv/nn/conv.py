@@ -13,7 +13,7 @@ from torch import nn
 from distconv.conv_geometry import (
     PADDING_MODES, HaloPlan, check_padding_mode, conv_dims, normalize_padding, pair,
 )
-from distconv.distribution import Dist, Entry
+from distconv.distribution import Dist, Entry, as_shape
 from distconv.grid import ProcessorGrid
 from distconv.halo import halo_exchange
 from distconv.nn.grad_sync import GradSync
@@ -207,6 +207,14 @@ class DistConv2d(nn.Module):
                 f"in_channels ({in_channels}) and out_channels ({out_channels}) must be divisible "
                 f"by groups ({groups})"
             )
+        if not isinstance(bias, bool):
+            raise TypeError(f"bias must be a bool, got {bias!r}")
+        if init_seed is not None and (isinstance(init_seed, bool) or not isinstance(init_seed, int)):
+            raise TypeError(f"init_seed must be None or an int, got {init_seed!r}")
+        for role, dim in (("channel_dim", channel_dim), ("filter_dim", filter_dim),
+                          ("sample_dim", sample_dim)):
+            if not isinstance(dim, str):
+                raise TypeError(f"{role} must be a grid dim name (str), got {dim!r}")
         if padding_mode not in PADDING_MODES:
             raise ValueError(f"padding_mode must be one of {PADDING_MODES}, got {padding_mode!r}")
         self.padding_mode = padding_mode
@@ -343,7 +351,7 @@ class DistConv2d(nn.Module):
         self.bias_dist = Dist((y_out,), frozenset(), ("filters",))
 
     def _check_input_shape(self, shape: Sequence[int]) -> tuple[int, int, int, int]:
-        shape = tuple(int(s) for s in shape)
+        shape = as_shape(shape, "input_shape")
         if len(shape) != 4 or shape[1] != self.in_channels:
             raise ValueError(
                 f"input_shape must be the global (N, C, H, W) with C = in_channels = "
@@ -525,7 +533,7 @@ class DistConv2d(nn.Module):
 
     def _global_shape(self, x: torch.Tensor, given: Sequence[int] | None) -> tuple[int, ...]:
         if given is not None:
-            return tuple(int(s) for s in given)
+            return as_shape(given, "DistConv2d.forward: global_shape")
         if self.input_shape is not None:
             return self.input_shape
         if self._shape_comm is None:
@@ -555,11 +563,13 @@ class DistConv2d(nn.Module):
         Returns this rank's block of y, distributed as :attr:`output_dist`. ``global_shape`` is
         the global input shape ``(N, C, H, W)`` (see the class docstring).
         """
-        if self._local:
+        self._check_input(x)
+        if self._local and global_shape is None and self.input_shape is None:
             return self._local_conv(x)
         if x.dim() != 4:
             raise ValueError(
-                f"DistConv2d on a distributed grid takes a 4-d input, got {tuple(x.shape)}"
+                f"DistConv2d on a distributed grid (or given a global shape) takes a 4-d input, "
+                f"got {tuple(x.shape)}"
             )
         shape = self._global_shape(x, global_shape)
         geo = self._geometry(shape)
@@ -570,6 +580,8 @@ class DistConv2d(nn.Module):
                 f"{tuple(x.shape)}, but {self.input_dist.format('x')} of the global shape {shape} "
                 f"gives it {expected}"
             )
+        if self._local:
+            return self._local_conv(x)
         if self._gather_x:
             x = redistribute(x, self.grid, self.input_dist, self.work_dist, shape)
         for i, plan in enumerate(geo.halo):
@@ -591,6 +603,23 @@ class DistConv2d(nn.Module):
             if self.bias is not None:
                 y = y + self.bias.view(1, -1, 1, 1)
         return y
+
+    def _check_input(self, x: object) -> None:
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(
+                f"DistConv2d.forward: x must be a torch.Tensor (this rank's block of the input), "
+                f"got {type(x).__name__}"
+            )
+        if x.dtype != self.weight.dtype:
+            raise TypeError(
+                f"DistConv2d.forward: x has dtype {x.dtype} but the layer's weight is "
+                f"{self.weight.dtype}; convert one of them (e.g. x.to({self.weight.dtype}))"
+            )
+        if x.device != self.weight.device:
+            raise ValueError(
+                f"DistConv2d.forward: x is on {x.device} but the layer's weight is on "
+                f"{self.weight.device}"
+            )
 
     def _local_conv(self, x: torch.Tensor) -> torch.Tensor:
         if self.padding_mode != "zeros":

@@ -27,6 +27,7 @@ from multiprocessing.connection import Connection, Listener, wait
 from pathlib import Path
 from typing import Any
 
+from distconv.comm.base import check_timeout
 from distconv.comm.errors import CollectiveMismatchError, CommError, CommTimeoutError
 from distconv.testing import _protocol as _worker
 from distconv.testing._errors import RemoteError, RemoteTraceback, pick_error, with_rank
@@ -104,10 +105,9 @@ class WorkerPool:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
             raise ValueError(f"size must be a positive int, got {size!r}")
-        if timeout <= 0:
-            raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
-        if task_timeout is not None and task_timeout <= 0:
-            raise ValueError(f"task_timeout must be None or > 0 seconds, got {task_timeout!r}")
+        check_timeout(timeout)
+        check_timeout(task_timeout, "task_timeout", allow_none=True)
+        check_timeout(start_timeout, "start_timeout")
         self.backend = backend
         self.size = size
         self.timeout = float(timeout)
@@ -343,6 +343,9 @@ class WorkerPool:
         """
         if self._closed:
             raise RuntimeError(f"{self!r} is closed")
+        if not callable(fn):
+            raise TypeError(f"fn must be a module-level function, got {fn!r}")
+        check_timeout(timeout, allow_none=True)
         ref = _fn_ref(fn)
         payload = pickle.dumps((args, kw))
         if not self._running:

@@ -6,6 +6,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from distconv.comm.base import check_timeout
 from distconv.comm.errors import CommTimeoutError
 from distconv.comm.threads import ThreadCommunicator, ThreadGroup
 from distconv.testing._errors import pick_error, with_rank
@@ -22,8 +23,11 @@ def run_threads(fn: Callable[..., Any], size: int, *args: Any, timeout: float = 
     communication errors it caused; lowest rank first) is raised, its message prefixed with
     its rank, chained to the original with its traceback.
     """
+    if not callable(fn):
+        raise TypeError(f"run_threads: fn must be callable as fn(comm, ...), got {fn!r}")
     if isinstance(size, bool) or not isinstance(size, int) or size < 1:
         raise ValueError(f"size must be a positive int, got {size!r}")
+    check_timeout(timeout)
     group = ThreadGroup(size)
     comms = [ThreadCommunicator(group, r, timeout=timeout) for r in range(size)]
     results: list[Any] = [None] * size

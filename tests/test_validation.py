@@ -1,0 +1,211 @@
+"""Bad inputs to the public API are refused with TypeError/ValueError naming the argument and the
+value received; inputs that must agree across ranks are checked in debug mode."""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from torch import nn
+
+from distconv import (
+    Dist, ProcessorGrid, balanced_block, gather, nested_block, plan_redistribution, redistribute,
+    repartition, scatter,
+)
+from distconv.comm import CollectiveMismatchError, SingleCommunicator, init, set_debug
+from distconv.launch import launch
+from distconv.nn import DistConv2d
+from distconv.testing import WorkerPool, run_threads
+
+ONE = SingleCommunicator()
+GRID = ProcessorGrid({"N": 1}, comm=ONE)
+D2 = Dist.parse("x[o,*]", "NC")
+X = torch.zeros(1, 1)
+
+
+def _conv(**kw):
+    return DistConv2d(2, 2, 3, grid=GRID, algorithm="stationary-x", **kw)
+
+
+def _rank_fn(comm):
+    return comm.rank
+
+
+# (id, call, exception type, substrings the message must contain: the argument and the value)
+CATALOG = [
+    # wrong types
+    ("parse-none", lambda: Dist.parse(None), TypeError, ["spec", "None"]),
+    ("parse-dims-int", lambda: Dist.parse("x[o]", 5), TypeError, ["tensor_dims", "5"]),
+    ("dist-entries-str", lambda: Dist("NC"), TypeError, ["entries", "'NC'", "Dist.parse"]),
+    ("dist-pending-str", lambda: Dist((None,), "C"), TypeError, ["pending", "'C'"]),
+    ("grid-none", lambda: ProcessorGrid(None, comm=ONE), TypeError, ["dims", "None"]),
+    ("grid-triple", lambda: ProcessorGrid([("N", 1, 3)], comm=ONE), TypeError,
+     ["('N', 1, 3)", "pair"]),
+    ("grid-comm-str", lambda: ProcessorGrid({"N": 1}, comm="world"), TypeError,
+     ["comm", "'world'"]),
+    ("grid-subcomm-int", lambda: GRID.subcomm(3), TypeError, ["dims", "3"]),
+    ("redistribute-list", lambda: redistribute([[0.0]], GRID, D2, D2, (1, 1)), TypeError,
+     ["x", "list"]),
+    ("redistribute-dist-str", lambda: redistribute(X, GRID, "x[o,*]", D2, (1, 1)), TypeError,
+     ["src", "'x[o,*]'", "Dist.parse"]),
+    ("redistribute-grid-str", lambda: redistribute(X, "grid", D2, D2, (1, 1)), TypeError,
+     ["grid", "'grid'"]),
+    ("redistribute-shape-none", lambda: redistribute(X, GRID, D2, D2, None), TypeError,
+     ["global_shape", "None"]),
+    ("scatter-list", lambda: scatter([0.0], D2, GRID), TypeError, ["x", "list"]),
+    ("scatter-dist-str", lambda: scatter(X, "x[o,*]", GRID), TypeError, ["dist", "'x[o,*]'"]),
+    ("gather-list", lambda: gather([0.0], D2, GRID, (1, 1)), TypeError, ["x", "list"]),
+    ("repartition-grid-str", lambda: repartition(X, GRID, D2, "g", D2, (1, 1)), TypeError,
+     ["dst_grid", "'g'"]),
+    ("plan-grid-not-layout", lambda: plan_redistribution(GRID, D2, D2, (1, 1)), TypeError,
+     ["layout"]),
+    ("conv-forward-list", lambda: _conv()([0.0]), TypeError, ["x", "list"]),
+    ("conv-dtype", lambda: _conv()(torch.zeros(1, 2, 4, 4, dtype=torch.float64)), TypeError,
+     ["torch.float64", "torch.float32"]),
+    ("conv-bias-str", lambda: _conv(bias="yes"), TypeError, ["bias", "'yes'"]),
+    ("conv-seed-float", lambda: _conv(init_seed=1.5), TypeError, ["init_seed", "1.5"]),
+    ("conv-role-int", lambda: _conv(channel_dim=3), TypeError, ["channel_dim", "3"]),
+    ("comm-allreduce-list", lambda: ONE.allreduce([1.0]), TypeError, ["t", "list"]),
+    ("run-threads-fn", lambda: run_threads(None, 2), TypeError, ["fn", "None"]),
+    ("launch-fn", lambda: launch("f", 1, backend="single"), TypeError, ["fn", "'f'"]),
+    ("pool-timeout-str", lambda: WorkerPool("gloo", 2, timeout="5"), TypeError,
+     ["timeout", "'5'"]),
+    # numbers that are not sizes
+    ("balanced-negative", lambda: balanced_block(-5, 2, 0), ValueError, ["n", "-5"]),
+    ("balanced-float", lambda: balanced_block(5.5, 2, 0), TypeError, ["n", "5.5"]),
+    ("nested-short-coords", lambda: nested_block(10, [2, 2], [1]), ValueError,
+     ["extents (2, 2)", "coords (1,)"]),
+    ("local-shape-negative", lambda: D2.local_shape((-4, 2), GRID), ValueError,
+     ["global_shape", "-4"]),
+    ("local-shape-float", lambda: D2.local_shape((4.7, 2), GRID), TypeError,
+     ["global_shape", "4.7"]),
+    ("redistribute-float-shape", lambda: redistribute(X, GRID, D2, D2, (1.5, 1)), TypeError,
+     ["global_shape", "1.5"]),
+    ("gather-negative-shape", lambda: gather(X, D2, GRID, (-1, 1)), ValueError,
+     ["global_shape", "-1"]),
+    ("conv-input-shape-negative", lambda: _conv(input_shape=(-1, 2, 4, 4)), ValueError,
+     ["input_shape", "-1"]),
+    ("conv-global-shape-float",
+     lambda: _conv()(torch.zeros(1, 2, 4, 4), global_shape=(1.0, 2, 4, 4)), TypeError,
+     ["global_shape", "1.0"]),
+    ("conv-global-shape-contradicts",
+     lambda: _conv()(torch.zeros(1, 2, 4, 4), global_shape=(3, 2, 4, 4)), ValueError,
+     ["(1, 2, 4, 4)", "(3, 2, 4, 4)"]),
+    # non-finite or non-positive timeouts
+    ("comm-timeout-nan", lambda: SingleCommunicator(timeout=math.nan), ValueError,
+     ["timeout", "nan"]),
+    ("comm-timeout-inf", lambda: SingleCommunicator(timeout=math.inf), ValueError,
+     ["timeout", "inf"]),
+    ("init-timeout-nan", lambda: init("single", timeout=math.nan), ValueError,
+     ["timeout", "nan"]),
+    ("split-timeout-nan", lambda: ONE.split([[0]], timeout=math.nan), ValueError,
+     ["timeout", "nan"]),
+    ("run-threads-timeout-nan", lambda: run_threads(_rank_fn, 2, timeout=math.nan), ValueError,
+     ["timeout", "nan"]),
+    ("launch-timeout-nan", lambda: launch(_rank_fn, 1, backend="single", timeout=math.nan),
+     ValueError, ["timeout", "nan"]),
+]
+
+
+@pytest.mark.parametrize("call, exc, words", [c[1:] for c in CATALOG],
+                         ids=[c[0] for c in CATALOG])
+def test_bad_input_is_refused_naming_argument_and_value(call, exc, words):
+    with pytest.raises(exc) as info:
+        call()
+    message = str(info.value)
+    for word in words:
+        assert word in message, (word, message)
+
+
+def test_good_inputs_still_pass():
+    """The checks accept every form the API documents (numpy/torch ints, torch.Size, pairs)."""
+    np = pytest.importorskip("numpy")
+    assert balanced_block(np.int64(5), 2, torch.tensor(1).item()) == (3, 2)
+    assert nested_block(10, (2, 2), (1, 0)) == (5, 3)
+    assert D2.local_shape(torch.Size([4, 2]), GRID) == (4, 2)
+    assert ProcessorGrid([("N", 1)], comm=ONE).shape == {"N": 1}
+    assert torch.equal(gather(X, D2, GRID, torch.Size([1, 1])), X)
+
+
+def _sample_only_conv(comm, given):
+    grid = ProcessorGrid({"N": 2}, comm=comm)
+    conv = DistConv2d(2, 2, 3, grid=grid, algorithm="stationary-x", init_seed=0)
+    x = torch.zeros(2, 2, 5, 5)  # each rank holds 2 samples: the global batch is 4
+    return tuple(conv(x, global_shape=given).shape)
+
+
+def test_sample_parallel_conv_checks_given_global_shape():
+    """The fast path of a grid that splits only samples used to ignore ``global_shape``."""
+    assert run_threads(_sample_only_conv, 2, (4, 2, 5, 5)) == [(2, 2, 3, 3)] * 2
+    with pytest.raises(ValueError, match=r"\(2, 2, 5, 5\).*\(6, 2, 5, 5\)"):
+        run_threads(_sample_only_conv, 2, (6, 2, 5, 5))
+
+
+def _scatter_rank_data(comm, same):
+    grid = ProcessorGrid({"C": comm.size}, comm=comm)
+    x = torch.arange(6.0).reshape(2, 3) + (0 if same else comm.rank)
+    return scatter(x, Dist.parse("x[*,o_C]"), grid)
+
+
+@pytest.fixture
+def debug_mode():
+    set_debug(True)
+    try:
+        yield
+    finally:
+        set_debug(os.environ.get("DISTCONV_DEBUG", "") not in ("", "0", "false", "no", "off"))
+
+
+def test_scatter_of_different_data_is_caught_in_debug_mode(debug_mode):
+    got = run_threads(_scatter_rank_data, 3, True)
+    want = torch.arange(6.0).reshape(2, 3)
+    assert all(torch.equal(g, want[:, r : r + 1]) for r, g in enumerate(got))
+    with pytest.raises(CollectiveMismatchError, match="must be the same on every rank"):
+        run_threads(_scatter_rank_data, 3, False)
+
+
+_SCRIPT = textwrap.dedent("""
+    import os, sys
+    os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1])
+    import torch
+    from distconv.comm import init
+    comm = init()
+    sub = comm.split([[0]])
+    print(float(comm.allreduce(torch.ones(3)).sum()))
+    assert sub.size == 1
+""")
+
+
+def test_script_that_simply_ends_exits_cleanly(tmp_path):
+    """One gloo rank, a sub-communicator, a collective, and the end of the script, with no
+    shutdown call (benchmarks/soak.py repeats 4-process versions, with and without
+    ``distconv.comm.shutdown()``, hundreds of times)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    script = tmp_path / "ends.py"
+    script.write_text(_SCRIPT)
+    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    proc = subprocess.run([sys.executable, str(script), str(port)], capture_output=True,
+                          text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "3.0"
+
+
+def _close_world(comm):
+    sub = comm.split([[0, 1], [2, 3]])
+    total = float(sub.allreduce(torch.ones(2)).sum())
+    comm.close()
+    comm.close()  # idempotent
+    return total, len(comm._splits)
+
+
+def test_close_releases_sub_communicators():
+    assert run_threads(_close_world, 4) == [(4.0, 0)] * 4
