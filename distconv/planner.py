@@ -41,9 +41,10 @@ from distconv.perfmodel import ConvProblem, conv_cost, corner_coords
 from distconv.redistribute import plan_redistribution
 
 __all__ = ["Choice", "ConvNode", "Block", "Network", "Plan", "trace_network", "candidates",
-           "transition_bytes", "transition_time", "plan_network", "explain"]
+           "transition_bytes", "transition_time", "plan_network", "predict", "explain"]
 
 ACT = ("N", "C", "H", "W")
+_ALL_RANKS = 8  # worlds up to this size price every rank; larger ones their corner ranks
 ALGORITHMS = ("sample", "spatial", "stationary-x", "stationary-y", "stationary-w")
 
 
@@ -316,8 +317,9 @@ def _fake_grid(layout: tuple[tuple[str, int], ...], rank: int) -> Any:
 
 
 def _ranks(layouts: Sequence[tuple[tuple[str, int], ...]], size: int) -> list[int]:
-    """All ranks for small worlds; else the corner ranks of every layout (slowest among them)."""
-    if size <= 64:
+    """All ranks for small worlds; else the corner ranks of every layout (with balanced blocks
+    they hold every combination of block sizes, so the slowest rank is among them)."""
+    if size <= _ALL_RANKS:
         return list(range(size))
     out: set[int] = set()
     for layout in layouts:
@@ -465,7 +467,7 @@ def layer_cost(conv: ConvNode, choice: Choice, machine: Machine, *, itemsize: in
     """:func:`~distconv.perfmodel.conv_cost` of the layer, and its memory per rank: weight shard
     times (parameter + gradient + ``optimizer_slots``), plus the stored local input of the local
     convolution and ``activation_factor`` copies of the local output (conv, BN, ReLU)."""
-    ranks = "all" if choice.size <= 64 else "corners"
+    ranks = "all" if choice.size <= _ALL_RANKS else "corners"
     cost = conv_cost(conv.problem, choice.extents, choice.conv_algorithm, machine,
                      itemsize=itemsize, ranks=ranks)
     ar = sum(v for k, v in cost.steps.items() if k.startswith("allreduce"))
@@ -572,10 +574,10 @@ class _Model:
 
     def __init__(self, net: Network, world_size: int, machine: Machine, *, max_model: int,
                  algorithms: Sequence[str], itemsize: int, optimizer_slots: int,
-                 activation_factor: int) -> None:
+                 activation_factor: int, fixed: Mapping[str, Choice] | None = None) -> None:
         self.net, self.P, self.machine, self.itemsize = net, world_size, machine, itemsize
-        self.options = {c.name: candidates(c.problem, world_size, max_model=max_model,
-                                           algorithms=algorithms) for c in net.convs}
+        self.options = {c.name: [fixed[c.name]] if fixed else candidates(
+            c.problem, world_size, max_model=max_model, algorithms=algorithms) for c in net.convs}
         for c in net.convs:
             if not self.options[c.name]:
                 raise ValueError(
@@ -849,3 +851,37 @@ def _runner_ups(m: _Model, plan: Plan, pick: Mapping[str, Choice], step: float,
             if ev["memory"] <= limit:
                 best = min(best, (ev["step"], ch), key=lambda t: t[0])
         lp.runner_up, lp.runner_up_delta = best[1], best[0] - step
+
+
+def _config_choices(net: Network, config: Mapping[str, Any], world_size: int) -> dict[str, Choice]:
+    """Each convolution's choice under a ``parallelize`` config (first matching entry wins)."""
+    import fnmatch
+
+    entries = list(config.get("layers", ())) + [{"match": "*", **config["default"]}]
+    out = {}
+    for c in net.convs:
+        e = next(e for e in entries if fnmatch.fnmatchcase(c.name, e["match"]))
+        grid = tuple((str(k), int(v)) for k, v in e["grid"].items())
+        ch = Choice(grid, e["algorithm"])
+        if ch.size != world_size:
+            raise ValueError(f"predict: the grid {e['grid']} for {c.name} has {ch.size} "
+                             f"positions, world_size is {world_size}")
+        e_ = ch.extents
+        if c.problem.groups > 1 and e_.get("C", 1) * e_.get("F", 1) > 1:
+            ch = Choice(grid, e["algorithm"], groups_aligned=True)
+        out[c.name] = ch
+    return out
+
+
+def predict(model: torch.nn.Module | Network, config: Mapping[str, Any],
+            input_shape: Sequence[int] | None = None, *, world_size: int, machine: Machine,
+            itemsize: int = 4, optimizer_slots: int = 1, activation_factor: int = 3) -> Plan:
+    """The planner's cost model applied to a given ``parallelize`` config (``auto`` is not
+    resolved here): the same timeline, redistributions and memory as :func:`plan_network`."""
+    net = model if isinstance(model, Network) else trace_network(model, input_shape or ())
+    fixed = _config_choices(net, config, world_size)
+    m = _Model(net, world_size, machine, max_model=world_size, algorithms=ALGORITHMS,
+               itemsize=itemsize, optimizer_slots=optimizer_slots,
+               activation_factor=activation_factor, fixed=fixed)
+    ev = m.evaluate(fixed)
+    return _make_plan(m, fixed, ev, net.input_shape[0], ["prediction of a given config"])

@@ -82,6 +82,10 @@ def test_lassen_every_number_has_a_source() -> None:
     assert f"flop_rate = {LASSEN.flop_rate / 1e12:.1f} TFLOP/s" in keys
     assert f"memory = {LASSEN.memory / 2**30:g} GiB" in keys
     assert f"schedule = {LASSEN.schedule}" in keys
+    roof = LASSEN.conv_time
+    assert f"memory_bandwidth = {roof.memory_bandwidth / 1e9:g} GB/s" in keys
+    assert f"parallelism = {roof.parallelism}" in keys
+    assert f"overhead = {roof.overhead * 1e6:g} us" in keys
     for key, source in LASSEN_SOURCES.items():
         assert len(source) > 20 and re.search(r"LLNL|IBM|NVIDIA|Dryden|Mellanox|assum", source), key
     assert LASSEN.sources is LASSEN_SOURCES
@@ -126,3 +130,18 @@ def test_tree_schedule_shortens_only_the_latency_term() -> None:
     assert tree.collective_time("allgather", 5, 100) == pytest.approx(3e-6 + 1.0)
     with pytest.raises(ValueError, match="schedule must be"):
         Machine("x", (Level("all", 0, 1e-6, 1.0),), 1.0, schedule="butterfly")
+
+
+def test_roofline_by_hand() -> None:
+    from distconv.machines import Roofline
+
+    roof = Roofline(flop_rate=1e9, memory_bandwidth=1e9, parallelism=64, overhead=1e-3)
+    # 1x1 conv, batch 1, 4 -> 4 channels, 4x4: 64 outputs (full occupancy), 512 FLOPs,
+    # (64 + 64 + 16) * 4 bytes = 576 bytes: memory-bound.
+    pb = ConvProblem(1, 4, 4, 4, 4, 1, bias=False)
+    assert roof(pb) == pytest.approx(576 / 1e9 + 1e-3)
+    # 2x2 image: 16 outputs of 64 -> a quarter of the device busy.
+    small = ConvProblem(1, 4, 4, 2, 2, 1, bias=False)
+    assert roof(small) == pytest.approx((16 + 16 + 16) * 4 / 1e9 * 4 + 1e-3)
+    assert LASSEN.local_conv(pb) == pytest.approx(
+        max(pb.flops() / LASSEN.flop_rate, 576 / 900e9) / (64 / 163840) + 10e-6)

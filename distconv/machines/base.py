@@ -29,7 +29,7 @@ from typing import Any
 
 from distconv.perfmodel import ConvProblem
 
-__all__ = ["Level", "Machine", "ConvTable", "group_of", "latency_steps"]
+__all__ = ["Level", "Machine", "ConvTable", "Roofline", "group_of", "latency_steps"]
 
 Layout = Sequence[tuple[str, int]]
 
@@ -112,6 +112,36 @@ class ConvTable:
     def __call__(self, pb: ConvProblem) -> float:
         t = self.times.get(self.key(pb))
         return t if t is not None else pb.flops() / self.flop_rate
+
+
+@dataclass(frozen=True)
+class Roofline:
+    """Local convolution time on an accelerator from its published figures::
+
+        time = max(flops / flop_rate, bytes / memory_bandwidth) / occupancy + overhead
+        occupancy = min(1, output elements / parallelism)
+
+    ``bytes`` are x, w and y once each (``itemsize`` bytes per element); ``parallelism`` is how
+    many outputs the device computes at once (resident threads), so a convolution with few
+    outputs -- few samples of a small late layer -- leaves the device partly idle; ``overhead``
+    is the launch cost of one kernel.
+    """
+
+    flop_rate: float
+    memory_bandwidth: float
+    parallelism: int
+    overhead: float = 0.0
+    itemsize: int = 4
+
+    def __call__(self, pb: ConvProblem) -> float:
+        ho, wo = pb.output_hw
+        kh, kw = (pb.kernel_size, pb.kernel_size) if isinstance(pb.kernel_size, int) else (
+            pb.kernel_size)
+        outputs = pb.batch * pb.out_channels * ho * wo
+        elems = (pb.batch * pb.in_channels * pb.height * pb.width + outputs
+                 + pb.out_channels * pb.in_channels // pb.groups * kh * kw)
+        busy = max(pb.flops() / self.flop_rate, elems * self.itemsize / self.memory_bandwidth)
+        return busy / min(1.0, outputs / self.parallelism) + self.overhead
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ reports how its conclusions move when they change.
 
 from __future__ import annotations
 
-from distconv.machines.base import Level, Machine
+from distconv.machines.base import Level, Machine, Roofline
 
 __all__ = ["LASSEN", "LASSEN_SOURCES", "lassen"]
 
@@ -47,6 +47,11 @@ LASSEN_SOURCES: dict[str, str] = {
         f"{_V100}, times an assumed 60% sustained cuDNN efficiency on ResNet convolutions"
     ),
     "memory = 16 GiB": f"{_V100}; {_LLNL}",
+    "memory_bandwidth = 900 GB/s": f"{_V100} (HBM2, 900 GB/s)",
+    "parallelism = 163840": (
+        "NVIDIA Tesla V100 GPU architecture whitepaper (2017): 80 SMs x 2048 resident threads"
+    ),
+    "overhead = 10 us": "assumption: one cuDNN kernel launch and its synchronisation",
     "schedule = tree": (
         "NVIDIA developer blog, 'Massively Scale Your Deep Learning Training with NCCL 2.4' "
         "(2019): double binary trees give logarithmic allreduce latency at scale; the paper's "
@@ -57,9 +62,11 @@ LASSEN_SOURCES: dict[str, str] = {
 
 def lassen(*, socket_alpha: float = 5e-6, node_alpha: float = 7e-6,
            network_alpha: float = 10e-6, efficiency: float = 0.6,
-           schedule: str = "tree") -> Machine:
+           schedule: str = "tree", occupancy: bool = True) -> Machine:
     """The Lassen profile; the latency assumptions, compute efficiency and collective schedule
-    (``"tree"``: NCCL's logarithmic latency; ``"ring"``) can be varied."""
+    (``"tree"``: NCCL's logarithmic latency; ``"ring"``) can be varied. ``occupancy`` prices
+    local convolutions with the V100 :class:`Roofline` (few outputs leave the GPU partly idle);
+    ``False`` uses the plain FLOP rate."""
     if not 0 < efficiency <= 1:
         raise ValueError(f"lassen: efficiency must be in (0, 1], got {efficiency}")
     levels = (
@@ -70,7 +77,9 @@ def lassen(*, socket_alpha: float = 5e-6, node_alpha: float = 7e-6,
         Level("network", 0, network_alpha, 25e9, shared=True,
               source=LASSEN_SOURCES["network bandwidth = 25 GB/s per node"]),
     )
-    return Machine("Lassen", levels, flop_rate=15.7e12 * efficiency, memory=16 * 2**30,
+    rate = 15.7e12 * efficiency
+    roof = Roofline(rate, 900e9, 80 * 2048, 10e-6) if occupancy else None
+    return Machine("Lassen", levels, flop_rate=rate, memory=16 * 2**30, conv_time=roof,
                    sources=LASSEN_SOURCES, schedule=schedule)
 
 
