@@ -27,6 +27,11 @@ def launch(
         backend: ``"gloo"`` (default: ``nprocs`` processes over loopback), ``"mpi"``
             (``mpiexec``), ``"threads"`` (in this process) or ``"single"`` (``nprocs`` must be 1).
         timeout: communicator timeout in seconds (default 60.0).
+
+    With ``backend="threads"`` the ranks share torch's global random generator (one process):
+    seed-then-draw on each rank gives the ranks different numbers. Use
+    :func:`distconv.testing.rank_generator` for per-rank generators that behave the same on
+    every backend.
     """
     if not callable(fn):
         raise TypeError(f"launch: fn must be a module-level function fn(comm, ...), got {fn!r}")

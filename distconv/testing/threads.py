@@ -22,6 +22,12 @@ def run_threads(fn: Callable[..., Any], size: int, *args: Any, timeout: float = 
     collectives at once, and the most telling exception (an error in ``fn`` before the
     communication errors it caused; lowest rank first) is raised, its message prefixed with
     its rank, chained to the original with its traceback.
+
+    The ranks are threads of one process and share torch's global random generator: after
+    ``torch.manual_seed(0)`` on every rank, ``torch.randn`` draws interleaved numbers from one
+    stream and the ranks get different "same-seed" data. Give each rank its own generator with
+    :func:`distconv.testing.rank_generator` (``torch.randn(..., generator=g)``), or draw the
+    data before ``run_threads`` and pass it in.
     """
     if not callable(fn):
         raise TypeError(f"run_threads: fn must be callable as fn(comm, ...), got {fn!r}")
