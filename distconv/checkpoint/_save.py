@@ -79,7 +79,8 @@ def save(
     got: dict[str, Any] = {}
 
     def collect() -> None:
-        got["trees"], got["items"] = _collect(sections_for(model, optimizer, states, extra))
+        if not got:
+            got["trees"], got["items"] = _collect(sections_for(model, optimizer, states, extra))
         _check_grids(got["items"], comm)
         if comm.rank == 0:
             _clear(path)
