@@ -256,6 +256,7 @@ class DistBatchNorm2d(nn.Module):
                 f"DistBatchNorm2d: global_shape {shape} has {shape[1]} channels, expected "
                 f"num_features={self.num_features}"
             )
+        self._check_dtype(x)
         if not self.training and self.track_running_stats:
             return self._normalize_with_running_stats(x)
         count = shape[0] * shape[2] * shape[3]
@@ -278,6 +279,18 @@ class DistBatchNorm2d(nn.Module):
                 self.running_mean.copy_(factor * mean + (1 - factor) * self.running_mean)
                 self.running_var.copy_(factor * unbiased + (1 - factor) * self.running_var)
         return y
+
+    def _check_dtype(self, x: torch.Tensor) -> None:
+        state = self.weight if self.weight is not None else self.running_mean
+        if state is None or x.dtype == state.dtype or (
+            x.dtype in _LOW_PRECISION and state.dtype == torch.float32
+        ):
+            return
+        raise TypeError(
+            f"DistBatchNorm2d: the input is {x.dtype} but the layer's parameters and running "
+            f"statistics are {state.dtype}; convert one of them (nn.BatchNorm2d refuses mixed "
+            "dtypes too, except a float16/bfloat16 input with float32 state)"
+        )
 
     def _normalize_with_running_stats(self, x: torch.Tensor) -> torch.Tensor:
         scale = (self.running_var + self.eps).rsqrt()
@@ -353,6 +366,6 @@ class _BatchNorm(torch.autograd.Function):
                   - xhat * (sums[1] / ctx.count).view(1, -1, 1, 1)) * scale.view(1, -1, 1, 1)
             dx = dx.to(x.dtype)
         # Local sums: the parameters' gradient sync completes them over the segment and replicas.
-        dw = sum_dy_xhat.to(x.dtype) if ctx.needs_input_grad[1] else None
-        db = sum_dy.to(x.dtype) if ctx.needs_input_grad[2] else None
+        dw = sum_dy_xhat.to(weight.dtype) if ctx.needs_input_grad[1] else None
+        db = sum_dy.to(weight.dtype) if ctx.needs_input_grad[2] else None
         return dx, dw, db, None, None, None
