@@ -26,7 +26,7 @@ from distconv.checkpoint import INDEX_NAME, CheckpointError
 from distconv.comm import SingleCommunicator
 from distconv.distribution import Dist
 from distconv.grid import ProcessorGrid
-from distconv.nn import DistConv2d, ShardSpec, shard_specs
+from distconv.nn import DistBatchNorm2d, DistConv2d, ShardSpec, shard_specs
 from distconv.testing import run_threads
 
 #: name -> (grid, algorithm, DistConv2d options); "single" is the plain model on one process.
@@ -46,8 +46,8 @@ def world_size(layout: str) -> int:
 
 
 def reference_model(seed: int = 0, dtype: torch.dtype = torch.float64) -> nn.Sequential:
-    """Two convolutions (channel counts uneven over 2, 3 and 4 ranks), a BatchNorm and a Linear
-    (replicated parameters and buffers, an int64 buffer)."""
+    """Two convolutions (channel counts uneven over 2, 3 and 4 ranks), a BatchNorm (distributed
+    like the second convolution's output on a grid; an int64 buffer) and a Linear (replicated)."""
     gen = torch.Generator().manual_seed(seed)
     model = nn.Sequential(
         nn.Conv2d(5, 7, 3, padding=1), nn.Conv2d(7, 6, 1), nn.BatchNorm2d(6), nn.Linear(3, 4)
@@ -67,7 +67,8 @@ def build(comm: Any, layout: str, seed: int = 0, dtype: torch.dtype = torch.floa
     dims, algorithm, options = LAYOUTS[layout]
     grid = ProcessorGrid(dims, comm=comm)
     convs = [DistConv2d.from_conv2d(c, grid=grid, algorithm=algorithm, **options) for c in ref[:2]]
-    return nn.Sequential(*convs, ref[2], ref[3])
+    bn = DistBatchNorm2d.from_batchnorm2d(ref[2], grid=grid, input_dist=convs[1].output_dist)
+    return nn.Sequential(*convs, bn, ref[3])
 
 
 def make_optimizer(model: nn.Module, kind: str, lr: float = 0.1) -> torch.optim.Optimizer:
