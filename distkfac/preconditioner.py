@@ -5,35 +5,47 @@ Per step (Pauloski et al. SC'20, Listing 1: ``loss.backward(); kfac.step(); opti
 1. Hooks (on factor-update steps): the forward hook forms ``sum a a^T`` from the layer input, the
    output-gradient hook ``sum d d^T``; each is packed (upper triangle) into the open bucket of
    its group's :class:`~distkfac.comm.FactorReducer`, launched asynchronously when full, so
-   factor communication overlaps the rest of forward and backward.
+   factor communication overlaps the rest of forward and backward.  A module called several
+   times per step (weight sharing) or over several backward passes (``accumulation_steps``)
+   adds its contributions and rows.
 2. ``step()`` waits for the buckets; factors become ``sum / rows`` of the concatenated batch and
    enter the running averages (fp32 by default, whatever the activation dtype).
 3. On inverse-update steps the factors are decomposed where the placement policy says
-   (``'lbp'`` or ``'round-robin'``) and the payloads broadcast, packed per owning rank.
+   (``'lbp'`` or ``'round-robin'``) and the payloads broadcast, packed per owning rank; with
+   ``stale_threshold`` a factor that moved less than that since its last decomposition keeps
+   it, and is looked at again after twice as many scheduled updates (Osawa et al.'s stale
+   statistics), back to every update once it moves.
 4. Every step, each layer's gradient ``V`` becomes ``(G + sqrt(lam) I)^-1 V (A + sqrt(lam) I)^-1``
    (see :mod:`distkfac.methods`), scaled by the KL-clip factor
    ``nu = min(1, sqrt(kl_clip / |lr^2 sum_l <V~_l, V_l>|))`` (Pauloski et al. eq. 18).
 
-Data parallelism: each rank's loss is a mean over its local batch and the gradients are averaged
-over ranks before ``step()`` (e.g. :func:`distkfac.allreduce_gradients`).  Factors are reduced as
-sums of per-row outer products with their row counts, so P ranks with local batches b equal one
-process with the concatenated batch (also for unequal b); ``d = b dL/dy`` is each sample's own
-loss gradient.
+Data parallelism (plain ``nn.Linear`` / ``nn.Conv2d`` layers): each rank's loss is a mean over its
+local batch and the gradients are averaged over ranks before ``step()`` (e.g.
+:func:`distkfac.allreduce_gradients`).  Factors are reduced as sums of per-row outer products with
+their row counts, so P ranks with local batches b equal one process with the concatenated batch
+(also for unequal b); ``d = b dL/dy`` is each sample's own loss gradient.
+
+``DistConv2d`` layers: the factors follow the weight's distribution (:mod:`distkfac.sharded`,
+layouts ``'exact'`` and ``'block'``); their gradients are complete after ``backward`` and the
+cotangent at their output is ``dl_i / N`` (global-mean units).
 """
 from __future__ import annotations
 
 import math
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+import distconv.comm
+from distconv.nn.conv import DistConv2d
 from distkfac.comm import FactorReducer, PayloadBroadcaster
 from distkfac.factors import RunningFactor
 from distkfac.layers import LayerAdapter, adapter_for
+from distkfac.lowprec import check_comm_dtype
 from distkfac.methods import Method, method_for
 from distkfac.placement import (
     EVERYWHERE,
@@ -43,6 +55,15 @@ from distkfac.placement import (
     Placement,
     placement_for,
 )
+from distkfac.sharded import (
+    LAYOUTS,
+    BiasShardAdapter,
+    ExactLayer,
+    ShardAdapter,
+    ShardGeometry,
+    attach,
+    exchange_exact,
+)
 
 __all__ = ["KFAC"]
 
@@ -50,8 +71,20 @@ Schedule = float | int | Callable[[int], float]
 PHASES = ("factor_compute", "factor_comm", "inversion", "broadcast", "precondition")
 
 
+class _Stale:
+    """Stale-statistics state of one factor: its value at the last decomposition, the current
+    interval (in scheduled decompositions) and how many are left before the next look."""
+
+    __slots__ = ("ref", "interval", "wait")
+
+    def __init__(self) -> None:
+        self.ref: Tensor | None = None
+        self.interval = 1
+        self.wait = 1
+
+
 class _Layer:
-    """Runtime state of one preconditioned module."""
+    """Runtime state of one preconditioned module (or DistConv2d shard block)."""
 
     def __init__(self, adapter: LayerAdapter, comm, dtype: torch.dtype) -> None:
         self.adapter = adapter
@@ -63,48 +96,95 @@ class _Layer:
         self.g_payload: Tensor | None = None
         self.inverses: tuple[float, Tensor, Tensor] | None = None  # (damping, A^-1, G^-1)
         self.uses = 0  # steps preconditioned with the current payloads
-        self.batch = 1
+        self.stale = (_Stale(), _Stale())
         self.handles: list = []
 
     @property
     def name(self) -> str:
         return self.adapter.name
 
+    @property
+    def replication(self) -> int:
+        """Ranks holding the same gradient (each counts it once in the KL clip's sum)."""
+        return 1 if self.comm is None else self.comm.size
 
-def _check_schedule(name: str, value: Schedule, *, positive_int: bool = False,
-                    unit: bool = False, allow_none: bool = False) -> None:
-    if callable(value) or (allow_none and value is None):
-        return
+
+_RULES = {
+    "factor_update_steps": "an int >= 1", "inv_update_steps": "an int >= 1",
+    "damping": "a finite number > 0", "factor_decay": "a number in [0, 1)",
+    "kl_clip": "a finite number > 0 (or None to disable clipping)", "lr": "a finite number > 0",
+}
+
+
+def _valid(name: str, value: Any) -> bool:
+    if name == "kl_clip" and value is None:
+        return True
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a number or a callable of the step, got {value!r}")
-    if positive_int and (not isinstance(value, int) or value < 1):
-        raise ValueError(f"{name} must be an int >= 1 or a callable of the step, got {value!r}")
-    if unit and not 0.0 <= value < 1.0:
-        raise ValueError(f"{name} must be in [0, 1), got {value!r}")
-    if not unit and value <= 0:
-        raise ValueError(f"{name} must be > 0, got {value!r}")
+        return False
+    if name.endswith("_steps"):
+        return isinstance(value, int) and value >= 1
+    if not math.isfinite(value):
+        return False
+    return 0.0 <= value < 1.0 if name == "factor_decay" else value > 0
+
+
+def _check_schedule(name: str, value: Schedule | None) -> None:
+    if callable(value):
+        return
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+        raise TypeError(f"{name} must be {_RULES[name]} or a callable of the step, got {value!r}")
+    if not _valid(name, value):
+        raise ValueError(f"{name} must be {_RULES[name]} or a callable of the step, "
+                         f"got {value!r}")
+
+
+def _check_int(name: str, value: Any, low: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+    return value
 
 
 class KFAC:
-    """Distributed K-FAC preconditioner for the ``nn.Linear`` and ``nn.Conv2d`` layers of a model.
+    """Distributed K-FAC preconditioner for the ``nn.Linear``, ``nn.Conv2d`` and ``DistConv2d``
+    layers of a model.
 
-    Args (keyword-only; numbers may also be callables ``f(step) -> value``):
-        grid: a ``distconv.grid.ProcessorGrid``; factors are reduced and decompositions
-            shared over all its ranks (data parallelism).  Default None: ``comm`` or one process.
-        comm: a ``distconv.comm`` Communicator to use instead of ``grid``.  Default None.
-        factor_update_steps: update factors every this many steps. Default 1.
-        inv_update_steps: recompute decompositions every this many steps. Default 1.
-        damping: Tikhonov damping lam (factored form, see :mod:`distkfac.methods`). Default 1e-3.
-        factor_decay: running-average decay of the factors, in [0, 1). Default 0.95.
-        kl_clip: KL-clip bound kappa; None disables clipping. Default 1e-3.
-        lr: the optimizer's learning rate, used by the KL clip. Default 0.1.
+    Args (keyword-only; the numbers marked (s) may also be callables ``f(step) -> value``,
+    checked when evaluated):
+        grid: a ``distconv.grid.ProcessorGrid``: factors of plain layers are reduced and their
+            decompositions shared over all its ranks (data parallelism).  Default None.
+        comm: a ``distconv.comm`` Communicator to use instead of ``grid``.  Default None: the
+            grid of the model's ``DistConv2d`` layers if it has any, else the job's world
+            (``distconv.comm.world()``: the launcher's ranks, as DDP uses the default group;
+            one process without a launcher).  Every DistConv2d's grid must be over this comm.
+        factor_update_steps (s): update factors every this many steps. Default 1.
+        inv_update_steps (s): recompute decompositions every this many steps. Default 1.
+        damping (s): Tikhonov damping lam (factored form, see :mod:`distkfac.methods`).
+            Default 1e-3.
+        factor_decay (s): running-average decay of the factors, in [0, 1). Default 0.95.
+        kl_clip (s): KL-clip bound kappa; None disables clipping. Default 1e-3.
+        lr (s): the optimizer's learning rate, used by the KL clip. Default 0.1.
         compute_method: ``'eigen'`` or ``'inverse'`` (Cholesky). Default ``'eigen'``.
         placement: ``'lbp'``, ``'round-robin'`` or a :class:`~distkfac.placement.Placement`.
             Default ``'lbp'``.
         symmetric_comm: send only upper triangles of symmetric matrices. Default True.
         bucket_bytes: fuse factors into allreduce buckets of at least this size. Default 1 MiB.
         factor_dtype: dtype of factors and decompositions. Default ``torch.float32``.
-        skip_layers: module names or class names left unpreconditioned. Default ().
+        factor_comm_dtype: wire format of factor reductions: None (``factor_dtype``),
+            ``torch.float32``, ``torch.bfloat16``, ``torch.float16`` or ``'float21'`` (see
+            :mod:`distkfac.lowprec`). Default None.
+        factor_sharding: layout of DistConv2d factors, ``'exact'`` or ``'block'`` (see
+            :mod:`distkfac.sharded`), or a mapping from module name to layout (others
+            ``'exact'``). Default ``'exact'``.
+        accumulation_steps: backward passes per ``step()`` (gradient accumulation, each
+            micro-batch's loss divided by it): their factor contributions add up.  A further
+            forward pass before ``step()`` starts the collection anew (a step that was
+            skipped). Default 1.
+        stale_threshold: skip a factor's decomposition when it moved less than this (relative
+            Frobenius norm) since its last one, and look again after twice as many scheduled
+            decompositions (up to ``stale_max_interval``). Default None (off).
+        stale_max_interval: the longest stretch, in scheduled decompositions. Default 8.
+        skip_layers: module names or class names left unpreconditioned; each must name some
+            module of the model. Default ().
         cost_model: a :class:`~distkfac.placement.CostModel` for ``'lbp'``; default None fits
             one on this machine at the first decomposition (collectively).
     """
@@ -115,7 +195,11 @@ class KFAC:
                  kl_clip: Schedule | None = 1e-3, lr: Schedule = 0.1,
                  compute_method: str = "eigen", placement: str | Placement = "lbp",
                  symmetric_comm: bool = True, bucket_bytes: int = 1 << 20,
-                 factor_dtype: torch.dtype = torch.float32, skip_layers: Sequence[str] = (),
+                 factor_dtype: torch.dtype = torch.float32,
+                 factor_comm_dtype: torch.dtype | str | None = None,
+                 factor_sharding: str | Mapping[str, str] = "exact",
+                 accumulation_steps: int = 1, stale_threshold: float | None = None,
+                 stale_max_interval: int = 8, skip_layers: Sequence[str] = (),
                  cost_model: CostModel | None = None) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
@@ -123,25 +207,29 @@ class KFAC:
             raise ValueError("pass grid or comm, not both")
         if grid is not None and not hasattr(grid, "comm"):
             raise TypeError(f"grid must be a distconv ProcessorGrid, got {type(grid).__name__}")
-        if comm is not None and not all(hasattr(comm, a) for a in ("allreduce", "broadcast",
-                                                                   "rank", "size")):
+        if comm is not None and not isinstance(comm, distconv.comm.Communicator):
             raise TypeError(f"comm must be a distconv Communicator, got {type(comm).__name__}")
-        _check_schedule("factor_update_steps", factor_update_steps, positive_int=True)
-        _check_schedule("inv_update_steps", inv_update_steps, positive_int=True)
-        _check_schedule("damping", damping)
-        _check_schedule("factor_decay", factor_decay, unit=True)
-        _check_schedule("kl_clip", kl_clip, allow_none=True)
-        _check_schedule("lr", lr)
+        for name, value in (("factor_update_steps", factor_update_steps),
+                            ("inv_update_steps", inv_update_steps), ("damping", damping),
+                            ("factor_decay", factor_decay), ("kl_clip", kl_clip), ("lr", lr)):
+            _check_schedule(name, value)
         if factor_dtype not in (torch.float32, torch.float64):
             raise ValueError(f"factor_dtype must be torch.float32 or torch.float64, "
                              f"got {factor_dtype}")
         if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 0:
             raise ValueError(f"bucket_bytes must be an int >= 0, got {bucket_bytes!r}")
-        if isinstance(skip_layers, str):
-            raise TypeError("skip_layers must be a sequence of names, not a string")
+        if isinstance(skip_layers, str) or not isinstance(skip_layers, Sequence):
+            raise TypeError(f"skip_layers must be a sequence of names, got {skip_layers!r}")
+        if not all(isinstance(n, str) for n in skip_layers):
+            raise TypeError(f"skip_layers must hold str names, got {skip_layers!r}")
+        if stale_threshold is not None and (
+                isinstance(stale_threshold, bool) or not isinstance(stale_threshold, (int, float))
+                or not math.isfinite(stale_threshold) or stale_threshold <= 0):
+            raise ValueError(f"stale_threshold must be None or a finite number > 0, "
+                             f"got {stale_threshold!r}")
         self.model = model
         self.grid = grid
-        self.comm = grid.comm if grid is not None else comm
+        self.comm = self._resolve_comm(grid.comm if grid is not None else comm)
         self.factor_update_steps = factor_update_steps
         self.inv_update_steps = inv_update_steps
         self.damping = damping
@@ -158,15 +246,29 @@ class KFAC:
                 self.placement.cost_model = cost_model
         self.bucket_bytes = bucket_bytes
         self.factor_dtype = factor_dtype
+        self.factor_comm_dtype = check_comm_dtype(factor_comm_dtype)
+        self.factor_sharding = self._check_sharding(factor_sharding)
+        self.accumulation_steps = _check_int("accumulation_steps", accumulation_steps, 1)
+        self.stale_threshold = None if stale_threshold is None else float(stale_threshold)
+        self.stale_max_interval = _check_int("stale_max_interval", stale_max_interval, 1)
         self.skip_layers = tuple(skip_layers)
         self.steps = 0
         self.timings = dict.fromkeys(PHASES, 0.0)
+        self.stale_counts = {"scheduled": 0, "looked": 0, "skipped": 0}
         self.skipped: dict[str, str] = {}
         self.layers: list[_Layer] = []
+        self.exact_layers: list[ExactLayer] = []
         self._reducers: dict[int, FactorReducer] = {}
         self._broadcasters: dict[int, PayloadBroadcaster] = {}
         self._warned: set[str] = set()
+        self._micro = 0
         self._register()
+        if self.stale_threshold is not None and self.exact_layers:
+            raise NotImplementedError(
+                "stale_threshold with factor_sharding='exact' on channel/filter-parallel "
+                f"DistConv2d layers ({[ly.name for ly in self.exact_layers]}) is not "
+                "implemented; use factor_sharding='block' for them")
+        self._root_hook = model.register_forward_pre_hook(self._count_micro_batch)
         self._begin_step()
 
     @property
@@ -174,20 +276,53 @@ class KFAC:
         """Pack symmetric payloads only when they travel (packing costs a gather each way)."""
         return self.symmetric_comm and self.comm is not None and self.comm.size > 1
 
+    @staticmethod
+    def _check_sharding(value: str | Mapping[str, str]) -> str | dict[str, str]:
+        if isinstance(value, str):
+            if value not in LAYOUTS:
+                raise ValueError(f"factor_sharding must be one of {LAYOUTS} or a mapping of "
+                                 f"module names to them, got {value!r}")
+            return value
+        if not isinstance(value, Mapping):
+            raise TypeError(f"factor_sharding must be one of {LAYOUTS} or a mapping of module "
+                            f"names to them, got {value!r}")
+        bad = {k: v for k, v in value.items() if not isinstance(k, str) or v not in LAYOUTS}
+        if bad:
+            raise ValueError(f"factor_sharding maps module names to one of {LAYOUTS}; "
+                             f"got {bad!r}")
+        return dict(value)
+
+    def _resolve_comm(self, comm):
+        dist = [(n, m) for n, m in self.model.named_modules() if isinstance(m, DistConv2d)]
+        if comm is None:
+            comm = dist[0][1].grid.comm if dist else distconv.comm.world()
+        for name, m in dist:
+            if m.grid.comm is not comm:
+                raise ValueError(
+                    f"DistConv2d {name!r} lives on a grid over {m.grid.comm!r}, but K-FAC was "
+                    f"given {comm!r}: pass the grid's communicator (or its grid), or neither")
+        return comm
+
     # ------------------------------------------------------------------ registration
     def _group_comm(self, adapter: LayerAdapter):
-        """The ranks a layer's factors are reduced over: today every rank (data parallelism)."""
+        """The ranks a plain layer's factors are reduced over: every rank (data parallelism)."""
         return self.comm
 
+    def _layout(self, name: str) -> str:
+        if isinstance(self.factor_sharding, str):
+            return self.factor_sharding
+        return self.factor_sharding.get(name, "exact")
+
     def _register(self) -> None:
+        matched: set[str] = set()
         for name, module in self.model.named_modules():
-            if name in self.skip_layers or type(module).__name__ in self.skip_layers:
+            hit = {name, type(module).__name__} & set(self.skip_layers)
+            if hit:
+                matched |= hit
                 continue
-            if type(module).__name__ == "DistConv2d":
-                raise NotImplementedError(
-                    f"module {name!r} is a DistConv2d: K-FAC factors sharded over the grid "
-                    "are not implemented yet; pass skip_layers=['DistConv2d'] to precondition "
-                    "the other layers")
+            if isinstance(module, DistConv2d):
+                self._register_dist(name, module)
+                continue
             if not isinstance(module, (nn.Linear, nn.Conv2d)):
                 continue
             adapter = adapter_for(module, name)
@@ -195,17 +330,57 @@ class KFAC:
                 self.skipped[name] = adapter
                 warnings.warn(f"distkfac: skipping module {name!r}: {adapter}", stacklevel=3)
                 continue
-            comm = self._group_comm(adapter)
-            layer = _Layer(adapter, comm, self.factor_dtype)
+            layer = self._add_layer(adapter, self._group_comm(adapter))
             layer.handles.append(module.register_forward_hook(self._forward_hook(layer)))
-            self.layers.append(layer)
-            key = id(comm)
-            if key not in self._reducers:
-                self._reducers[key] = FactorReducer(comm, bucket_bytes=self.bucket_bytes,
-                                                    symmetric=self.symmetric_comm)
-                self._broadcasters[key] = PayloadBroadcaster(comm)
-        if not self.layers:
+        unknown = [n for n in self.skip_layers if n not in matched]
+        if unknown:
+            names = [n for n, _ in self.model.named_modules() if n][:8]
+            raise ValueError(f"skip_layers names {unknown}, which match no module name or class "
+                             f"name of the model (module names: {names}...)")
+        if not self.layers and not self.exact_layers:
             warnings.warn("distkfac: no layer of the model can be preconditioned", stacklevel=3)
+
+    def _add_layer(self, adapter: LayerAdapter, comm) -> _Layer:
+        layer = _Layer(adapter, comm, self.factor_dtype)
+        self.layers.append(layer)
+        self._reducer(comm)
+        return layer
+
+    def _reducer(self, comm) -> FactorReducer:
+        key = id(comm)
+        if key not in self._reducers:
+            self._reducers[key] = FactorReducer(comm, bucket_bytes=self.bucket_bytes,
+                                                symmetric=self.symmetric_comm,
+                                                comm_dtype=self.factor_comm_dtype)
+            self._broadcasters[key] = PayloadBroadcaster(comm)
+        return self._reducers[key]
+
+    def _register_dist(self, name: str, module: DistConv2d) -> None:
+        if not (module.weight.requires_grad and
+                (module.bias is None or module.bias.requires_grad)):
+            self.skipped[name] = "its parameters are frozen"
+            warnings.warn(f"distkfac: skipping module {name!r}: frozen", stacklevel=4)
+            return
+        geo = ShardGeometry(module)
+        sync = module.grad_sync
+        comm = None if sync is None else sync.comm
+        if geo.C * geo.F > 1 and module.groups > 1:
+            raise NotImplementedError(
+                f"K-FAC of the grouped DistConv2d {name!r} (groups={module.groups}) with channel "
+                "or filter blocks is not implemented; skip it with skip_layers")
+        targets: list[Any]
+        if geo.C * geo.F == 1 or self._layout(name) == "block":
+            targets = [self._add_layer(ShardAdapter(module, name, geo), comm)]
+            if geo.bias and geo.C > 1:
+                targets.append(self._add_layer(BiasShardAdapter(module, name + ".bias", geo),
+                                               comm))
+            keys = [(t.adapter, t.name) for t in targets]
+        else:
+            exact = ExactLayer(module, name, self.factor_dtype)
+            self.exact_layers.append(exact)
+            self._reducer(comm)
+            keys = [(exact, name)]
+        attach(module, self._work_hook(keys, self._reducers[id(comm)]))
 
     def remove_hooks(self) -> None:
         """Detach from the model (the preconditioner stops collecting factors)."""
@@ -213,6 +388,19 @@ class KFAC:
             for h in layer.handles:
                 h.remove()
             layer.handles = []
+        for m in self.model.modules():
+            if isinstance(m, DistConv2d):
+                m.work_hook = None
+        self._root_hook.remove()
+
+    def _count_micro_batch(self, module: nn.Module, args: Any) -> None:
+        if not (self._collecting and module.training and torch.is_grad_enabled()):
+            return
+        self._micro += 1
+        if self._micro > self.accumulation_steps:  # the last step's step() never came
+            for reducer in self._reducers.values():
+                reducer.discard()
+            self._micro = 1
 
     def _forward_hook(self, layer: _Layer):
         def hook(module: nn.Module, inputs: tuple, output: Any) -> None:
@@ -224,7 +412,7 @@ class KFAC:
                 return
             t0 = time.perf_counter()
             x = inputs[0]
-            batch = layer.adapter.batch_size(x)
+            batch = layer.adapter.batch_size(x) * self.accumulation_steps
             a, rows = layer.adapter.a_sum(x, self.factor_dtype)
             reducer = self._reducers[id(layer.comm)]
             reducer.add(layer.name + "/A", a, rows)
@@ -239,23 +427,55 @@ class KFAC:
             output.register_hook(grad_hook)
         return hook
 
-    # ------------------------------------------------------------------ schedule
-    def _value(self, setting: Schedule | None, step: int | None = None) -> Any:
-        s = self.steps if step is None else step
-        return setting(s) if callable(setting) else setting
+    def _work_hook(self, targets: list, reducer: FactorReducer):
+        """DistConv2d work hook: A from the local convolution's input, G from its output's
+        gradient, for each block (or the exact layer) of the module."""
+        def hook(module: nn.Module, x: Tensor, padding: tuple, y: Tensor, y_shape) -> None:
+            if not (self._collecting and module.training and torch.is_grad_enabled()
+                    and y.requires_grad):
+                return
+            t0 = time.perf_counter()
+            for target, name in targets:
+                target.positions = y_shape[2] * y_shape[3]
+                a, rows = target.work_a(x, padding, y, self.factor_dtype)
+                reducer.add(name + "/A", a, rows, symmetric=not isinstance(target, ExactLayer))
+            self.timings["factor_compute"] += time.perf_counter() - t0
 
-    def _every(self, setting: Schedule, step: int) -> bool:
-        n = int(self._value(setting, step))
-        if n < 1:
-            raise ValueError(f"update frequency must be >= 1, got {n} at step {step}")
-        return step % n == 0
+            def grad_hook(gy: Tensor) -> None:
+                t1 = time.perf_counter()
+                for target, name in targets:
+                    g, rows = target.work_g(gy, self.factor_dtype)
+                    reducer.add(name + "/G", g, rows,
+                                symmetric=not isinstance(target, ExactLayer))
+                self.timings["factor_compute"] += time.perf_counter() - t1
+
+            y.register_hook(grad_hook)
+        return hook
+
+    # ------------------------------------------------------------------ schedule
+    def _value(self, name: str, step: int | None = None) -> Any:
+        """A setting's value at ``step`` (default: now), a schedule's checked as it is read."""
+        setting = getattr(self, name)
+        s = self.steps if step is None else step
+        if not callable(setting):
+            return setting
+        value = setting(s)
+        if not _valid(name, value):
+            raise ValueError(f"{name} schedule returned {value!r} at step {s}; it must return "
+                             f"{_RULES[name]}")
+        return value
+
+    def _every(self, name: str, step: int) -> bool:
+        return step % int(self._value(name, step)) == 0
 
     def _begin_step(self) -> None:
-        self._collecting = self._every(self.factor_update_steps, self.steps)
+        self._micro = 0
+        self._collecting = self._every("factor_update_steps", self.steps)
         if self._collecting:
             for key, reducer in self._reducers.items():
-                reducer.expect(f"{ly.name}/{f}" for ly in self.layers if id(ly.comm) == key
-                               for f in "AG")
+                names = [ly.name for ly in self.layers if id(ly.comm) == key]
+                names += [ly.name for ly in self.exact_layers if id(ly.comm) == key]
+                reducer.expect(f"{n}/{f}" for n in names for f in "AG")
 
     # ------------------------------------------------------------------ step
     @torch.no_grad()
@@ -263,8 +483,10 @@ class KFAC:
         """Precondition the gradients of the registered layers in place."""
         if self._collecting:
             self._update_factors()
-        stale = any(ly.a_payload is None and ly.a.value is not None for ly in self.layers)
-        if self._every(self.inv_update_steps, self.steps) or stale:
+        missing = any(ly.a_payload is None and ly.a.value is not None for ly in self.layers)
+        missing = missing or any(ly.inverse_rows["A"] is None and ly.factors["A"] is not None
+                             for ly in self.exact_layers)
+        if self._every("inv_update_steps", self.steps) or missing:
             self._update_decompositions()
         self._precondition()
         self.steps += 1
@@ -282,26 +504,71 @@ class KFAC:
             results.update(reducer.finish())
         self.timings["factor_comm"] += time.perf_counter() - t0
         t0 = time.perf_counter()
-        decay = float(self._value(self.factor_decay))
+        decay = float(self._value("factor_decay"))
         for layer in self.layers:
             a, g = results.get(layer.name + "/A"), results.get(layer.name + "/G")
             if a is None or g is None:
-                self._warn_once(layer.name, f"distkfac: layer {layer.name!r} produced no "
-                                "factors on a factor-update step (not called, or no gradient "
-                                "reached it); its factors were not updated")
+                self._no_factors(layer.name)
                 continue
             layer.a.update(a[0] / a[1], decay)
-            layer.g.update(g[0] / g[1], decay)
+            scale = layer.adapter.g_scale(g[1]) if hasattr(layer.adapter, "g_scale") else 1.0
+            layer.g.update(g[0] / g[1] * scale, decay)
+        for exact in self.exact_layers:
+            if not exact.update(results, decay):
+                self._no_factors(exact.name)
         self.timings["factor_compute"] += time.perf_counter() - t0
+
+    def _no_factors(self, name: str) -> None:
+        self._warn_once(name, f"distkfac: layer {name!r} produced no factors on a factor-update "
+                        "step (not called, or no gradient reached it); its factors were not "
+                        "updated")
 
     def _ensure_cost_model(self, comm) -> None:
         if isinstance(self.placement, LoadBalanced) and self.placement.cost_model is None:
-            damping = float(self._value(self.damping))
+            damping = float(self._value("damping"))
             self.placement.cost_model = CostModel.fit(
                 comm, lambda m: self.method.decompose(m, damping), dtype=self.factor_dtype)
 
+    def _due(self, layers: list[_Layer], comm) -> list[bool]:
+        """Which of the layers' factors (A, G of each) to decompose at this scheduled update;
+        with ``stale_threshold``, the stale-statistics rule (rank 0 of ``comm`` decides the
+        looks, one broadcast, so every rank of the group skips the same)."""
+        pairs = [(f, st, ly) for ly in layers for f, st in zip((ly.a, ly.g), ly.stale)]
+        if self.stale_threshold is None:
+            return [True] * len(pairs)
+        due, looks = [], []
+        for f, st, ly in pairs:
+            self.stale_counts["scheduled"] += 1
+            if st.ref is None or ly.a_payload is None:
+                due.append(True)
+            elif st.wait > 1:
+                st.wait -= 1
+                due.append(False)
+            else:
+                due.append(None)
+                looks.append(float(torch.linalg.norm(f.value - st.ref)
+                                   / torch.linalg.norm(st.ref).clamp_min(1e-300)))
+        moved = torch.tensor([r >= self.stale_threshold for r in looks], dtype=torch.float64)
+        if looks and comm is not None and comm.size > 1:
+            moved = comm.broadcast(moved, root=0, meta="kfac stale statistics")
+        it = iter(moved.tolist())
+        self.stale_counts["looked"] += len(looks)
+        for i, (f, st, _) in enumerate(pairs):
+            if due[i] is None:
+                if next(it):
+                    due[i], st.interval = True, 1
+                else:
+                    due[i] = False
+                    st.interval = min(2 * st.interval, self.stale_max_interval)
+                    st.wait = st.interval
+            if due[i]:
+                st.ref, st.wait = f.value.clone(), st.interval
+            else:
+                self.stale_counts["skipped"] += 1
+        return due
+
     def _update_decompositions(self) -> None:
-        damping = float(self._value(self.damping))
+        damping = float(self._value("damping"))
         for key, broadcaster in self._broadcasters.items():
             layers = [ly for ly in self.layers if id(ly.comm) == key and ly.a.value is not None]
             if not layers:
@@ -311,30 +578,59 @@ class KFAC:
             rank = 0 if comm is None else comm.rank
             if size > 1:
                 self._ensure_cost_model(comm)
+            due = self._due(layers, comm)
             factors = [f for ly in layers for f in (ly.a, ly.g)]
-            numels = [self.method.payload_numel(f.groups, f.d) for f in factors]
-            tasks = [FactorTask(f"{ly.name}/{n}", f.groups, f.d, numels[2 * i + j])
-                     for i, ly in enumerate(layers) for j, (n, f) in enumerate(
-                         (("A", ly.a), ("G", ly.g)))]
+            index = [i for i in range(len(factors)) if due[i]]
+            if not index:
+                continue
+            names = [f"{ly.name}/{n}" for ly in layers for n in "AG"]
+            numels = [self.method.payload_numel(factors[i].groups, factors[i].d) for i in index]
+            tasks = [FactorTask(names[i], factors[i].groups, factors[i].d, n)
+                     for i, n in zip(index, numels)]
             owners = self.placement.assign(tasks, size) if size > 1 else [EVERYWHERE] * len(tasks)
             t0 = time.perf_counter()
-            mine = {i: self.method.decompose(f.value, damping) for i, f in enumerate(factors)
-                    if owners[i] in (EVERYWHERE, rank)}
+            mine = {j: self.method.decompose(factors[i].value, damping)
+                    for j, i in enumerate(index) if owners[j] in (EVERYWHERE, rank)}
             t1 = time.perf_counter()
             payloads = broadcaster.exchange(owners, mine, numels, self.factor_dtype,
                                             factors[0].value.device)
             t2 = time.perf_counter()
             self.timings["inversion"] += t1 - t0
             self.timings["broadcast"] += t2 - t1
-            for i, layer in enumerate(layers):
-                layer.a_payload, layer.g_payload = payloads[2 * i], payloads[2 * i + 1]
+            for j, i in enumerate(index):
+                layer = layers[i // 2]
+                if i % 2 == 0:
+                    layer.a_payload = payloads[j]
+                else:
+                    layer.g_payload = payloads[j]
                 layer.inverses, layer.uses = None, 0
             self.last_assignment = dict(zip((t.key for t in tasks), owners))
+        if self.exact_layers:
+            self._update_exact(damping)
+
+    def _update_exact(self, damping: float) -> None:
+        layers = [ly for ly in self.exact_layers if ly.factors["A"] is not None]
+        if not layers:
+            return
+        size = self.comm.size
+        tasks = [FactorTask(f"{ly.name}/{k}", 1, ly.side[k], ly.side[k] * ly.side[k])
+                 for ly in layers for k in "AG"]
+        owners = [o if o != EVERYWHERE else i % size
+                  for i, o in enumerate(self.placement.assign(tasks, size))]
+        t0 = time.perf_counter()
+
+        def decompose(full: Tensor) -> Tensor:
+            payload = self.method.decompose(full[None], damping)
+            return self.method.damped_inverse(payload, 1, full.shape[0], damping)[0]
+
+        exchange_exact(layers, owners, self.comm, decompose, self.factor_dtype)
+        self.timings["inversion"] += time.perf_counter() - t0
+        self.last_exact_assignment = dict(zip((t.key for t in tasks), owners))
 
     def _precondition(self) -> None:
         t0 = time.perf_counter()
-        damping = float(self._value(self.damping))
-        done: list[tuple[_Layer, Tensor, Tensor]] = []
+        damping = float(self._value("damping"))
+        done: list[tuple[int, Tensor, Tensor, Callable[[Tensor], None]]] = []
         for layer in self.layers:
             if layer.a_payload is None:
                 continue
@@ -357,18 +653,34 @@ class KFAC:
                         self.method.damped_inverse(layer.g_payload, ad.groups, ad.g_dim, damping))
                 _, a_inv, g_inv = layer.inverses
                 v = g_inv @ grad @ a_inv
-            done.append((layer, grad, v))
+            done.append((layer.replication, grad, v, ad.set_grad))
+        for exact in self.exact_layers:
+            out = exact.precondition()
+            if out is not None:
+                done.append((exact.replication, *out))
         scale = 1.0
-        kl_clip = self._value(self.kl_clip)
+        kl_clip = self._value("kl_clip")
         if kl_clip is not None and done:
-            lr = float(self._value(self.lr))
-            vg = sum(float((v * g).sum()) for _, g, v in done) * lr * lr
+            lr = float(self._value("lr"))
+            vg = self._vg(done) * lr * lr
             if vg != 0.0:
                 scale = min(1.0, math.sqrt(float(kl_clip) / abs(vg)))
-        for layer, _, v in done:
-            layer.adapter.set_grad(v * scale)
+        for _, _, v, write in done:
+            write(v * scale)
         self.last_kl_scale = scale
         self.timings["precondition"] += time.perf_counter() - t0
+
+    def _vg(self, done: list) -> float:
+        """``sum_l <V~_l, V_l>`` over the global model: local sums, and when some layers are
+        sharded one float64 allreduce over the grid with each gradient counted once."""
+        sharded = self.exact_layers or any(ly.comm is not self.comm for ly in self.layers)
+        if not sharded or self.comm is None or self.comm.size == 1:
+            return sum(float((v * g).sum()) for _, g, v, _ in done)
+        weights = [(self.comm.size if rep == 0 else rep) for rep, _, _, _ in done]
+        local = sum(float((v * g).sum()) / w for w, (_, g, v, _) in zip(weights, done))
+        total = self.comm.allreduce(torch.tensor([local], dtype=torch.float64),
+                                    meta="kfac KL clip")
+        return float(total[0])
 
     # ------------------------------------------------------------------ state
     def reset_timings(self) -> None:
@@ -387,6 +699,11 @@ class KFAC:
             "symmetric_comm": self.symmetric_comm,
             "bucket_bytes": self.bucket_bytes,
             "factor_dtype": self.factor_dtype,
+            "factor_comm_dtype": self.factor_comm_dtype,
+            "factor_sharding": self.factor_sharding,
+            "accumulation_steps": self.accumulation_steps,
+            "stale_threshold": self.stale_threshold,
+            "stale_max_interval": self.stale_max_interval,
             "skip_layers": self.skip_layers,
         }
 
@@ -401,6 +718,9 @@ class KFAC:
                         for ly in self.layers},
             "decompositions": {ly.name: {"A": ly.a_payload, "G": ly.g_payload}
                                for ly in self.layers},
+            "exact": {ly.name: {"factors": dict(ly.factors), "updates": ly.updates,
+                                "inverse_rows": dict(ly.inverse_rows)}
+                      for ly in self.exact_layers},
             "payload_format": (self.method.name, self.method.symmetric),
         }
 
@@ -430,6 +750,14 @@ class KFAC:
             layer.inverses, layer.uses = None, 0
             if layer.a_payload is None or layer.g_payload is None:
                 layer.a_payload = layer.g_payload = None
+        exact = state.get("exact", {})
+        for layer in self.exact_layers:
+            if layer.name not in exact:
+                raise ValueError(f"state holds no factors of the DistConv2d {layer.name!r}")
+            saved = exact[layer.name]
+            layer.factors = dict(saved["factors"])
+            layer.updates = int(saved["updates"])
+            layer.inverse_rows = dict(saved["inverse_rows"])
         self.steps = int(state["steps"])
         self._begin_step()
 
@@ -437,7 +765,7 @@ class KFAC:
         s = self.settings()
         s["placement"] = self.placement
         s["comm"] = None if self.comm is None else f"{self.comm.backend}:{self.comm.size}"
-        s["layers"] = len(self.layers)
+        s["layers"] = len(self.layers) + len(self.exact_layers)
         s["skipped"] = sorted(self.skipped)
         body = ",\n".join(f"  {k}={v!r}" for k, v in s.items())
         return f"KFAC(\n{body},\n)"

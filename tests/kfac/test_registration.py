@@ -29,14 +29,6 @@ def test_unused_layer_warns_in_step_and_does_not_crash():
     assert model["b"].weight.grad is None
 
 
-def test_module_called_twice_per_step_raises_not_implemented():
-    layer = nn.Linear(2, 2)
-    distkfac.KFAC(layer)
-    layer(torch.randn(3, 2))
-    with pytest.raises(NotImplementedError, match="more than once"):
-        layer(torch.randn(3, 2))
-
-
 def test_extra_forward_without_grad_is_ignored():
     layer = nn.Linear(2, 2)
     kfac = distkfac.KFAC(layer)
@@ -47,11 +39,9 @@ def test_extra_forward_without_grad_is_ignored():
     assert kfac.layers[0].a.updates == 1
 
 
-def test_sharded_distconv_layers_raise_not_implemented():
-    class DistConv2d(nn.Module):
-        pass
-
-    model = nn.Sequential(DistConv2d(), nn.Linear(2, 2))
-    with pytest.raises(NotImplementedError, match="skip_layers"):
-        distkfac.KFAC(model)
-    assert len(distkfac.KFAC(model, skip_layers=["DistConv2d"]).layers) == 1
+def test_skip_layers_by_class_name_and_unknown_names_raise():
+    model = nn.Sequential(nn.Linear(2, 2), nn.Tanh(), nn.Linear(2, 2))
+    assert len(distkfac.KFAC(model, skip_layers=["Linear"]).layers) == 0
+    assert len(distkfac.KFAC(model, skip_layers=["0"]).layers) == 1
+    with pytest.raises(ValueError, match=r"skip_layers names \['lienar'\]"):
+        distkfac.KFAC(model, skip_layers=["lienar"])

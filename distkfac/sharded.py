@@ -1,0 +1,447 @@
+"""K-FAC factors of a ``DistConv2d`` that follow its weight's distribution (Dryden et al.'s grid).
+
+Notation as in :class:`distconv.nn.DistConv2d`: the weight is ``w[o_F, o_C]`` (stationary-w;
+``w[*, o_C]`` for stationary-x, ``w[o_F, *]`` for stationary-y), replicated over the grid dims N,
+H, W (its *redundant* dims).  The gradient matrix is ``V = [W_flat | b]`` (``F_o x K``,
+``K = C_i kh kw + 1`` with a bias); rank ``(f, c)`` holds the shard ``V[f, c]``.  The global
+layer's K-FAC is ``V~ = (G + r I)^-1 V (A + r I)^-1`` with ``r = sqrt(damping)``.
+
+Statistics come from :attr:`DistConv2d.work_hook`: the input ``x[o,o_C,o,o]`` the local
+convolution read (halo rows included) gives this rank's im2col rows, and the gradient of its
+output, ``dL/dy[o,o_F,o,o]`` after the backward allgather over C, gives its filter rows.  Every
+contribution is a sum over this rank's samples and positions, reduced over the redundant dims
+(the ranks that hold the same shard) by the usual fused, asynchronous
+:class:`~distkfac.comm.FactorReducer`.  Loss convention: the cotangent reaching ``y`` is
+``dl_i / N`` per sample (each rank's loss is the sum of its samples' losses over the global
+batch N, the contract of ``distconv.parallelize``; weight gradients are summed over N by the
+layer), so ``G = N^2 / R * sum g g^T`` over the R = N Ho Wo global rows.
+
+Two layouts (``factor_sharding``):
+
+``'block'`` -- per-shard diagonal blocks (as Shampoo does on FSDP shards):
+``V~[f, c] = (G_ff + r I)^-1 V[f, c] (A_cc + r I)^-1``.  The bias joins its weight block as
+A's trailing row when C = 1 (``b[o_F]`` is aligned with the rows, as in single-process
+K-FAC); with C > 1 its shard ``b[s]`` (filters ``s`` inside block f) is its own block
+``(G_ss + r I)^-1 b[s] / (1 + r)`` (A of a bias is the mean of 1 * 1).  Factor memory
+``(C_i kh kw / C)^2 + (F_o / F)^2`` per rank: 1/p^2.  Bytes per factor step (rank r of the
+redundant segment, size P_R): ``allreduce_bytes(n + k, r, P_R, i)`` per bucket, n the packed
+upper triangles of its blocks and k their count (see :class:`~distkfac.comm.FactorReducer`);
+decompositions are placed within that segment and broadcast there as for data parallelism.
+Nothing else moves.  With C = F = 1 (sample and spatial parallelism only) this is exactly the
+global layer's K-FAC, so ``'exact'`` uses it too.
+
+``'exact'`` -- the global layer's K-FAC.  A is kept as row blocks over C (the channel rows of
+block c, the bias row with the last block), G as row blocks over F; the damped inverses too.
+
+* Factor steps: ``x`` is allgathered over C (channels of the other blocks at this rank's
+  positions: ``sum_{c' != c} n C_{c'} H_x W_x`` numbers received), this rank's rows
+  ``A[c, :] = sum u_c u^T`` (``K_c x K``) are formed from the im2col rows; likewise ``dL/dy``
+  over F for ``G[f, :]`` (``F_f x F_o``).  Both are reduced over the redundant dims
+  (``allreduce_bytes(K_c K + F_f F_o + 2, r, P_R, i)`` for one bucket; row blocks travel whole).
+* Inverse steps: each factor has one owner among all ranks (the placement policy); one
+  all-to-all brings it the other row blocks (``sum_{c' != c_o} K_{c'} K`` numbers to the
+  owner of A), it decomposes the full factor and forms the damped inverse, and one all-to-all
+  hands every rank its row block of that inverse (``K_c K`` numbers to each rank but the
+  owner).  Only the owner holds a whole factor, and only while it decomposes.
+* Every step: ``b[o_F]`` by an allgather over C of the bias shards (``F_f - b_s`` numbers);
+  ``P = V[f, c] (A + rI)^-1[c, :]`` (+ ``b (A + rI)^-1[bias, :]`` on the last block) is a
+  pending sum over C, reduce-scattered over C in column blocks, each with the bias column
+  (``(C - 1) F_f (K_c + 1)`` numbers received, ``K_c`` the channel columns); then
+  ``(G + rI)^-1[f, :]^T U`` is a pending sum over F, reduce-scattered over F in row blocks
+  (``(F - 1) F_f (K_c + 1)`` numbers).  With KL clipping one float64 allreduce of
+  ``<V~, V>`` over the grid.
+
+A damping that changes between decompositions takes effect at the next decomposition (the row
+blocks are of the damped inverse).  Grouped DistConv2d layers with channel or filter blocks are
+not implemented.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from distconv.distribution import balanced_block
+from distkfac.layers import LayerAdapter, conv_input_cov
+
+__all__ = ["LAYOUTS", "ShardAdapter", "BiasShardAdapter", "ExactLayer", "shard_geometry"]
+
+LAYOUTS = ("exact", "block")
+
+
+class ShardGeometry:
+    """Where a DistConv2d's weight shard lies: extents, coordinates and blocks over C and F."""
+
+    def __init__(self, m: nn.Module) -> None:
+        grid = m.grid
+        w_rows, w_cols = m.weight_dist.entries[0], m.weight_dist.entries[1]
+        self.cdim = w_cols if isinstance(w_cols, str) else None
+        self.fdim = w_rows if isinstance(w_rows, str) else None
+        self.C = grid.extent(self.cdim) if self.cdim else 1
+        self.F = grid.extent(self.fdim) if self.fdim else 1
+        self.c = grid.coords.get(self.cdim, 0) if self.cdim else 0
+        self.f = grid.coords.get(self.fdim, 0) if self.fdim else 0
+        self.k2 = m.kernel_size[0] * m.kernel_size[1]
+        self.ci, self.fo = m.in_channels, m.out_channels
+        self.bias = m.bias is not None
+        self.c_blocks = [balanced_block(self.ci, self.C, i) for i in range(self.C)]
+        self.f_blocks = [balanced_block(self.fo, self.F, j) for j in range(self.F)]
+        self.K = self.ci * self.k2 + int(self.bias)
+
+    def a_rows(self, i: int) -> Tensor:
+        """Rows of A in block i: its channels' im2col rows, and the bias row with the last."""
+        lo, n = self.c_blocks[i]
+        rows = list(range(lo * self.k2, (lo + n) * self.k2))
+        if self.bias and i == self.C - 1:
+            rows.append(self.K - 1)
+        return torch.tensor(rows, dtype=torch.int64)
+
+    def g_rows(self, j: int) -> Tensor:
+        lo, n = self.f_blocks[j]
+        return torch.arange(lo, lo + n)
+
+    def bias_subblocks(self) -> list[tuple[int, int]]:
+        """The bias shards of block f's filters over C (b[o_{F x C}]), offsets inside it."""
+        return [balanced_block(self.f_blocks[self.f][1], self.C, i) for i in range(self.C)]
+
+
+def shard_geometry(m: nn.Module) -> ShardGeometry:
+    return ShardGeometry(m)
+
+
+def _g_cov(gy: Tensor, groups: int, dtype: torch.dtype) -> tuple[Tensor, int]:
+    n, f, ho, wo = gy.shape
+    rows = gy.detach().to(dtype).reshape(n, groups, f // groups, ho * wo)
+    return (rows @ rows.transpose(-1, -2)).sum(0), n * ho * wo
+
+
+class ShardAdapter(LayerAdapter):
+    """The weight shard ``V[f, c]`` of a DistConv2d as one K-FAC block (``'block'`` layout,
+    and the exact layer when C = F = 1).  Statistics arrive through :meth:`work_a` and
+    :meth:`work_g`; ``G`` is scaled by ``N^2`` from the reduced row count."""
+
+    def __init__(self, module: nn.Module, name: str, geo: ShardGeometry) -> None:
+        super().__init__(module, name)
+        self.geo = geo
+        self._bias = geo.bias and geo.C == 1
+        self._groups = module.groups if geo.C * geo.F == 1 else 1
+        self.positions = 1
+
+    @property
+    def has_bias(self) -> bool:
+        return self._bias
+
+    @property
+    def groups(self) -> int:
+        return self._groups
+
+    @property
+    def a_dim(self) -> int:
+        return self.module.weight.shape[1] * self.geo.k2 + int(self._bias)
+
+    @property
+    def g_dim(self) -> int:
+        return self.module.weight.shape[0] // self._groups
+
+    @staticmethod
+    def batch_size(x: Tensor) -> int:
+        return x.shape[0]
+
+    def a_sum(self, x: Tensor, dtype: torch.dtype) -> tuple[Tensor, int]:
+        raise TypeError("a DistConv2d shard's factors come from its work hook")
+
+    g_sum = a_sum
+
+    def work_a(self, x: Tensor, padding: tuple[int, ...], y: Tensor,
+               dtype: torch.dtype) -> tuple[Tensor, int]:
+        m = self.module
+        return conv_input_cov(x.detach().to(dtype), m.kernel_size, stride=m.stride,
+                              dilation=m.dilation, groups=self._groups, bias=self._bias,
+                              padding=padding)
+
+    def work_g(self, gy: Tensor, dtype: torch.dtype) -> tuple[Tensor, int]:
+        return _g_cov(gy, self._groups, dtype)
+
+    def g_scale(self, rows: float) -> float:
+        """``G = sum / rows * N^2`` with ``N = rows / (global output positions per sample)``."""
+        return (rows / self.positions) ** 2
+
+
+class BiasShardAdapter(LayerAdapter):
+    """A bias shard ``b[s]`` as its own block (``'block'`` layout with C > 1): ``A = [1]``,
+    ``G = G_ss`` from the gradient rows of its filters."""
+
+    def __init__(self, module: nn.Module, name: str, geo: ShardGeometry) -> None:
+        super().__init__(module, name)
+        self.geo = geo
+        lo, _ = geo.bias_subblocks()[geo.c]
+        self.offset = lo
+        self.positions = 1
+
+    @property
+    def has_bias(self) -> bool:
+        return False
+
+    @property
+    def groups(self) -> int:
+        return 1
+
+    @property
+    def a_dim(self) -> int:
+        return 1
+
+    @property
+    def g_dim(self) -> int:
+        return self.module.bias.shape[0]
+
+    @staticmethod
+    def batch_size(x: Tensor) -> int:
+        return x.shape[0]
+
+    def a_sum(self, x: Tensor, dtype: torch.dtype) -> tuple[Tensor, int]:
+        raise TypeError("a DistConv2d shard's factors come from its work hook")
+
+    g_sum = a_sum
+
+    def work_a(self, x: Tensor, padding: tuple[int, ...], y: Tensor,
+               dtype: torch.dtype) -> tuple[Tensor, int]:
+        rows = y.shape[0] * y.shape[2] * y.shape[3]
+        return torch.full((1, 1, 1), float(rows), dtype=dtype, device=y.device), rows
+
+    def work_g(self, gy: Tensor, dtype: torch.dtype) -> tuple[Tensor, int]:
+        return _g_cov(gy[:, self.offset: self.offset + self.g_dim], 1, dtype)
+
+    g_scale = ShardAdapter.g_scale
+
+    def grad_matrix(self, dtype: torch.dtype) -> Tensor | None:
+        b = self.module.bias
+        return None if b.grad is None else b.grad.detach().to(dtype).reshape(1, -1, 1)
+
+    def set_grad(self, mat: Tensor) -> None:
+        b = self.module.bias
+        b.grad.copy_(mat.reshape(b.shape).to(b.grad.dtype))
+
+
+class ExactLayer:
+    """Runtime of one DistConv2d under ``'exact'``: row-block factors, their owners, and the
+    two reduce-scatters that apply the damped inverses (see the module docstring)."""
+
+    def __init__(self, module: nn.Module, name: str, dtype: torch.dtype) -> None:
+        geo = ShardGeometry(module)
+        if module.groups > 1:
+            raise NotImplementedError(
+                f"K-FAC of the grouped DistConv2d {name!r} (groups={module.groups}) with channel "
+                "or filter blocks is not implemented; skip it with skip_layers or use "
+                "sample/spatial parallelism for it")
+        self.module, self.name, self.geo, self.dtype = module, name, geo, dtype
+        grid = module.grid
+        self.grid = grid
+        self.c_comm = grid.subcomm([geo.cdim]) if geo.C > 1 else None
+        self.f_comm = grid.subcomm([geo.fdim]) if geo.F > 1 else None
+        sync = module.grad_sync
+        self.comm = None if sync is None else sync.comm  # the redundant dims N x H x W
+        self.rows = {"A": geo.a_rows(geo.c), "G": geo.g_rows(geo.f)}
+        self.side = {"A": geo.K, "G": geo.fo}
+        self.factors: dict[str, Tensor | None] = {"A": None, "G": None}
+        self.updates = 0
+        self.inverse_rows: dict[str, Tensor | None] = {"A": None, "G": None}
+        self.positions = 1
+
+    @property
+    def replication(self) -> int:
+        return 1 if self.comm is None else self.comm.size
+
+    # ------------------------------------------------------------------ statistics
+    def work_a(self, x: Tensor, padding: tuple[int, ...], y: Tensor,
+               dtype: torch.dtype) -> tuple[Tensor, int]:
+        """``A[c, :]``'s contribution of this rank's positions (allgather over C)."""
+        m, geo = self.module, self.geo
+        x = x.detach()
+        if self.c_comm is not None:
+            shapes = [(x.shape[0], n, x.shape[2], x.shape[3]) for _, n in geo.c_blocks]
+            x = torch.cat(self.c_comm.allgather(x.contiguous(), shapes=shapes,
+                                                meta=f"kfac x of {self.name}"), 1)
+        u = F.unfold(F.pad(x.to(dtype), padding), m.kernel_size, dilation=m.dilation,
+                     stride=m.stride)  # (n, C_i kh kw, L)
+        if geo.bias:
+            u = torch.cat([u, u.new_ones(u.shape[0], 1, u.shape[2])], 1)
+        mine = u.index_select(1, self.rows["A"].to(u.device))
+        return (mine @ u.transpose(1, 2)).sum(0).unsqueeze(0), u.shape[0] * u.shape[2]
+
+    def work_g(self, gy: Tensor, dtype: torch.dtype) -> tuple[Tensor, int]:
+        """``G[f, :]``'s contribution (sum of g g^T, unscaled; allgather over F)."""
+        g = gy.detach().to(dtype)
+        full = g
+        if self.f_comm is not None:
+            shapes = [(g.shape[0], n, g.shape[2], g.shape[3]) for _, n in self.geo.f_blocks]
+            full = torch.cat(self.f_comm.allgather(g.contiguous(), shapes=shapes,
+                                                   meta=f"kfac dL/dy of {self.name}"), 1)
+        mine = g.flatten(2)
+        return ((mine @ full.flatten(2).transpose(1, 2)).sum(0).unsqueeze(0),
+                g.shape[0] * g.shape[2] * g.shape[3])
+
+    def update(self, results: dict[str, tuple[Tensor, float]], decay: float) -> bool:
+        a, g = results.get(self.name + "/A"), results.get(self.name + "/G")
+        if a is None or g is None:
+            return False
+        new = {"A": a[0][0] / a[1], "G": g[0][0] / g[1] * (g[1] / self.positions) ** 2}
+        for key, value in new.items():
+            value = value.to(self.dtype)
+            old = self.factors[key]
+            self.factors[key] = value.clone() if old is None else old.mul_(decay).add_(
+                value, alpha=1.0 - decay)
+        self.updates += 1
+        return True
+
+    # ------------------------------------------------------------------ preconditioning
+    def precondition(self) -> tuple[Tensor, Tensor, Callable[[Tensor], None]] | None:
+        """``(V shard, V~ shard, write)`` with V and V~ flattened to match; None without grads
+        or inverses."""
+        m, geo = self.module, self.geo
+        if m.weight.grad is None or self.inverse_rows["A"] is None:
+            return None
+        dt = self.dtype
+        fn = m.weight.shape[0]
+        vw = m.weight.grad.detach().reshape(fn, -1).to(dt)
+        ck = vw.shape[1]
+        a_inv, g_inv = self.inverse_rows["A"], self.inverse_rows["G"]
+        p = vw @ a_inv[:ck]
+        b_f = vb = None
+        if geo.bias:
+            vb = (m.bias.grad.detach().to(dt) if m.bias.grad is not None
+                  else torch.zeros(m.bias.shape, dtype=dt, device=vw.device))
+            b_f = vb
+            if self.c_comm is not None:
+                shapes = [(n,) for _, n in geo.bias_subblocks()]
+                b_f = torch.cat(self.c_comm.allgather(vb.contiguous(), shapes=shapes,
+                                                      meta=f"kfac bias of {self.name}"))
+            if geo.c == geo.C - 1:
+                p = p + b_f[:, None] * a_inv[ck][None, :]
+        if self.c_comm is not None:
+            chunks = []
+            for i, (lo, n) in enumerate(geo.c_blocks):
+                part = p[:, lo * geo.k2: (lo + n) * geo.k2]
+                if geo.bias:
+                    part = torch.cat([part, p[:, -1:]], 1)
+                chunks.append(part.contiguous())
+            u = self.c_comm.reduce_scatter(chunks, meta=f"kfac A^-1 of {self.name}")
+        else:
+            u = p
+        if self.f_comm is not None:
+            q = g_inv.T @ u
+            chunks = [q[lo: lo + n].contiguous() for lo, n in geo.f_blocks]
+            v = self.f_comm.reduce_scatter(chunks, meta=f"kfac G^-1 of {self.name}")
+        else:
+            v = g_inv @ u
+        got = [vw.reshape(-1)]
+        out = [v[:, :ck].reshape(-1)]
+        if geo.bias:
+            lo, n = geo.bias_subblocks()[geo.c] if self.c_comm is not None else (0, fn)
+            got.append(vb.reshape(-1))
+            out.append(v[lo: lo + n, -1])
+
+        def write(scaled: Tensor) -> None:
+            m.weight.grad.copy_(scaled[: fn * ck].reshape(m.weight.shape))
+            if geo.bias and m.bias.grad is not None:
+                m.bias.grad.copy_(scaled[fn * ck:].reshape(m.bias.shape))
+
+        return torch.cat(got), torch.cat(out), write
+
+    def __repr__(self) -> str:
+        return (f"ExactLayer({self.name!r}, A rows {len(self.rows['A'])}/{self.side['A']}, "
+                f"G rows {len(self.rows['G'])}/{self.side['G']})")
+
+
+def exchange_exact(layers: list[ExactLayer], owners: list[int], comm,
+                   decompose: Callable[[Tensor], Tensor], dtype: torch.dtype) -> None:
+    """Assemble each exact factor on its owner, decompose it there and hand every rank its
+    row block of the damped inverse: two all-to-alls over ``comm`` (all ranks of the grid).
+
+    ``owners[2 i + j]`` owns factor j (A, G) of ``layers[i]``; ``decompose(full)`` returns the
+    damped inverse of a full ``(d, d)`` factor."""
+    size, me = comm.size, comm.rank
+    grid = layers[0].grid if layers else None
+    tasks = [(ly, key, owners[2 * i + j]) for i, ly in enumerate(layers)
+             for j, key in enumerate(("A", "G"))]
+
+    def row_dim(ly: ExactLayer, key: str) -> str | None:
+        return ly.geo.cdim if key == "A" else ly.geo.fdim
+
+    def block_of(ly: ExactLayer, key: str, rank: int) -> int:
+        d = row_dim(ly, key)
+        return ly.grid.coords_of(rank).get(d, 0) if d else 0
+
+    def rows_of(ly: ExactLayer, key: str, block: int) -> Tensor:
+        return ly.geo.a_rows(block) if key == "A" else ly.geo.g_rows(block)
+
+    def sources(ly: ExactLayer, key: str, owner: int) -> dict[int, int]:
+        """{block: rank that sends it} for the owner: the ranks that share all its coordinates
+        but the row dim's."""
+        d = row_dim(ly, key)
+        if d is None:
+            return {0: owner}
+        coords = ly.grid.coords_of(owner)
+        return {b: ly.grid.rank_of({**coords, d: b}) for b in range(ly.grid.extent(d))}
+
+    # 1. row blocks to owners
+    send: list[list[Tensor]] = [[] for _ in range(size)]
+    recv_numel = [0] * size
+    for ly, key, owner in tasks:
+        for block, src in sources(ly, key, owner).items():
+            n = len(rows_of(ly, key, block)) * ly.side[key]
+            if src == me and owner != me:
+                send[owner].append(ly.factors[key].reshape(-1))
+            if owner == me and src != me:
+                recv_numel[src] += n
+    empty = torch.empty(0, dtype=dtype)
+    got = comm.alltoall([torch.cat(s) if s else empty for s in send],
+                        recv_shapes=[(n,) for n in recv_numel], meta="kfac exact factors")
+    offsets = [0] * size
+    mine: dict[tuple[int, str], Tensor] = {}
+    for ly, key, owner in tasks:
+        if owner != me:
+            continue
+        full = torch.empty(ly.side[key], ly.side[key], dtype=dtype)
+        for block, src in sources(ly, key, owner).items():
+            rows = rows_of(ly, key, block)
+            n = len(rows) * ly.side[key]
+            part = (ly.factors[key] if src == me
+                    else got[src][offsets[src]: offsets[src] + n].reshape(len(rows), -1))
+            if src != me:
+                offsets[src] += n
+            full[rows] = part
+        mine[(id(ly), key)] = decompose((full + full.T) / 2)
+    # 2. row blocks of the damped inverses from owners
+    send = [[] for _ in range(size)]
+    recv_numel = [0] * size
+    for ly, key, owner in tasks:
+        for r in range(size):
+            if r == owner:
+                continue
+            if owner == me:
+                send[r].append(mine[(id(ly), key)][rows_of(ly, key, block_of(ly, key, r))]
+                               .reshape(-1))
+            if r == me:
+                recv_numel[owner] += len(ly.rows[key]) * ly.side[key]
+    got = comm.alltoall([torch.cat(s) if s else empty for s in send],
+                        recv_shapes=[(n,) for n in recv_numel], meta="kfac exact inverses")
+    offsets = [0] * size
+    for ly, key, owner in tasks:
+        if owner == me:
+            ly.inverse_rows[key] = mine[(id(ly), key)][ly.rows[key]].clone()
+        else:
+            n = len(ly.rows[key]) * ly.side[key]
+            ly.inverse_rows[key] = got[owner][offsets[owner]: offsets[owner] + n].reshape(
+                len(ly.rows[key]), -1)
+            offsets[owner] += n
+    del grid
+
+
+def attach(module: nn.Module, fn: Any) -> None:
+    """Install ``fn`` as the DistConv2d's work hook (one K-FAC per layer)."""
+    if getattr(module, "work_hook", None) is not None:
+        raise ValueError(f"{type(module).__name__} already has a work hook: one K-FAC per model")
+    module.work_hook = fn
