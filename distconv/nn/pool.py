@@ -514,9 +514,10 @@ def from_function(
     input), e.g. from a ``torch.fx`` ``call_function`` node."""
     entry = _FUNCTIONS.get(fn)
     if entry is None:
-        names = ", ".join(sorted({f"{getattr(f, '__module__', '')}.{f.__name__}"
-                                  for f in _FUNCTIONS}))
-        raise TypeError(f"from_function takes one of {names}; got {fn!r}")
+        raise TypeError(
+            "from_function takes F.max_pool2d, torch.max_pool2d, F.avg_pool2d or "
+            f"F.adaptive_avg_pool2d; got {getattr(fn, '__name__', fn)!r}"
+        )
     cls, bind = entry
     try:
         options = bind(*args, **(kwargs or {}))
