@@ -137,7 +137,7 @@ def mr_run(comm, fraction: float, counts: list[int]):
 
     opt = MRDHO2([theta], lambda ps: torch.optim.SGD(ps, lr=LR), comm=comm,
                  accelerator_fraction=fraction, period=T, ese_closure=f, k=2, l=1, alpha=ALPHA,
-                 seed=SEED)
+                 lr_clip=3.0, seed=SEED)
     for _ in range(T * PERIODS):
         if opt.needs_gradient:
             opt.zero_grad()
