@@ -263,15 +263,16 @@ def _divisors(n: int) -> list[int]:
 
 
 def candidates(problem: ConvProblem, world_size: int, *, max_model: int = 16,
+               max_sample: int | None = None,
                algorithms: Sequence[str] = ALGORITHMS) -> list[Choice]:
     """Every choice for one layer: the model-parallel extents multiply to a divisor ``m`` of the
-    world size with ``m <= max_model``, N takes the rest (at most the batch), and no dim is split
-    into more blocks than it has items."""
+    world size with ``m <= max_model``, N takes the rest (at most the batch and ``max_sample``),
+    and no dim is split into more blocks than it has items."""
     pb, out = problem, []
     ho, wo = pb.output_hw
     for m in _divisors(world_size):
         n = world_size // m
-        if m > max_model or n > pb.batch:
+        if m > max_model or n > min(pb.batch, max_sample or pb.batch):
             continue
         N = (("N", n),) if n > 1 or m == 1 else ()
         if m == 1:
@@ -574,10 +575,12 @@ class _Model:
 
     def __init__(self, net: Network, world_size: int, machine: Machine, *, max_model: int,
                  algorithms: Sequence[str], itemsize: int, optimizer_slots: int,
-                 activation_factor: int, fixed: Mapping[str, Choice] | None = None) -> None:
+                 activation_factor: int, fixed: Mapping[str, Choice] | None = None,
+                 max_sample: int | None = None) -> None:
         self.net, self.P, self.machine, self.itemsize = net, world_size, machine, itemsize
         self.options = {c.name: [fixed[c.name]] if fixed else candidates(
-            c.problem, world_size, max_model=max_model, algorithms=algorithms) for c in net.convs}
+            c.problem, world_size, max_model=max_model, max_sample=max_sample,
+            algorithms=algorithms) for c in net.convs}
         for c in net.convs:
             if not self.options[c.name]:
                 raise ValueError(
@@ -724,6 +727,7 @@ def plan_network(
     machine: Machine,
     memory_limit: float | None = None,
     max_model: int = 16,
+    max_sample: int | None = None,
     algorithms: Sequence[str] = ALGORITHMS,
     itemsize: int = 4,
     optimizer_slots: int = 1,
@@ -738,6 +742,7 @@ def plan_network(
         machine: a :class:`~distconv.machines.Machine` (or a flat ``perfmodel.Machine``).
         memory_limit: bytes per rank; default ``machine.memory``.
         max_model: the most ranks a layer's C×F×H×W dims may span. Default 16.
+        max_sample: the largest N extent (the paper's number of N rows); default the batch.
         algorithms: the choices allowed. Default all of ``sample, spatial, stationary-x/-y/-w``.
         itemsize: bytes per element (4: fp32). optimizer_slots: optimizer state per parameter
             (1: SGD with momentum). activation_factor: stored copies of each conv's output
@@ -762,7 +767,7 @@ def plan_network(
         raise ValueError(f"plan_network: memory_limit must be > 0, got {memory_limit}")
     m = _Model(net, world_size, machine, max_model=max_model, algorithms=algorithms,
                itemsize=itemsize, optimizer_slots=optimizer_slots,
-               activation_factor=activation_factor)
+               activation_factor=activation_factor, max_sample=max_sample)
     best = _best(m, 0.0)
     notes = []
     if best[1]["memory"] > limit:

@@ -1,0 +1,372 @@
+"""The paper's results at Lassen scale, on paper: the calibrated §4 model and the planner.
+
+With the Lassen profile (:mod:`distconv.machines.lassen`: 4 V100 per node, NVLink2 in a socket,
+X-bus between sockets, dual-rail EDR between nodes) and ResNet-50, WRN-50-2 and WRN-50-4:
+
+* **Fig. 4** -- gradient allreduce of conv_3 (ResNet-50's stage-3 3x3 conv, 128 channels at
+  28x28): the global allreduce of sample parallelism against the segmented allreduces of 2-, 4-
+  and 8-way channel parallelism (stationary-x; channel groups inside a socket / node).
+* **Fig. 6** -- conv_5 (stage-5 3x3 conv, 512 channels at 7x7) weak scaling at 32 samples per N
+  row: forward + backward + allreduce of sample, stationary-x/-y/-w.
+* **Figs. 7-8** -- end to end, ResNet-50 at 32, WRN-50-2 at 16 and WRN-50-4 at 8 samples per N
+  row: R rows (global batch s·R) on P = k·R GPUs, k = 1 (sample parallelism), 2, 4, 8; hand
+  configs (stationary-x everywhere; stationary-y where y > x; spatial early blocks) and the
+  planner's; which wins, the speedup over sample parallelism at the same batch, and the
+  planner's choices against the paper's.
+
+Writes ``benchmarks/results/scale_model.{json,md}`` and ``scale_model_fig{4,6,7}.png``.
+
+    .venv/bin/python benchmarks/scale_model.py            # full (~10 min on 2 cores)
+    .venv/bin/python benchmarks/scale_model.py --quick    # fewer scales (~2 min)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from distconv.comm.base import allreduce_bytes  # noqa: E402
+from distconv.machines import lassen  # noqa: E402
+from distconv.models import ResNet  # noqa: E402
+from distconv.perfmodel import ConvProblem, conv_cost  # noqa: E402
+from distconv.planner import plan_network, predict, trace_network  # noqa: E402
+
+OUT = ROOT / "benchmarks" / "results"
+CONV_3 = ConvProblem(32, 128, 128, 28, 28, 3, padding=1, bias=False)
+CONV_5 = ConvProblem(32, 512, 512, 7, 7, 3, padding=1, bias=False)
+
+
+def wrn50(k: int) -> ResNet:
+    """ResNet-50 (k=1) or WRN-50-k: bottleneck widths times k, outer channels unchanged
+    (torchvision's definition). The stem is distconv.models' 3x3 conv, not a 7x7 one."""
+    with torch.device("meta"):
+        return ResNet([3, 4, 6, 3], [64 * k, 128 * k, 256 * k, 512 * k], expansion=4 // k,
+                      stem=64, num_classes=1000)
+
+
+# --------------------------------------------------------------------------- Fig. 4
+def fig4(machine: Any, worlds: list[int]) -> list[dict[str, Any]]:
+    m = CONV_3.in_channels * CONV_3.out_channels * 9
+    rows = []
+    for P in worlds:
+        row: dict[str, Any] = {"P": P}
+        for k in (1, 2, 4, 8):
+            if P % k or P // k < 2:
+                continue
+            layout = (("N", P // k), ("C", k)) if k > 1 else (("N", P),)
+            shard = m // k
+            nbytes = allreduce_bytes(shard, 0, P // k, 4)
+            row[f"seg{k}"] = machine.collective_time("allreduce", P // k, nbytes, layout=layout,
+                                                     dims=("N",))
+        rows.append(row)
+    return rows
+
+
+# --------------------------------------------------------------------------- Fig. 6
+FIG6 = [("sample", 1, "stationary-x", {}), ("x 2", 2, "stationary-x", {"C": 2}),
+        ("x 4", 4, "stationary-x", {"C": 4}), ("x 8", 8, "stationary-x", {"C": 8}),
+        ("y 4", 4, "stationary-y", {"F": 4}), ("w 2x2", 4, "stationary-w", {"C": 2, "F": 2}),
+        ("w 4x2", 8, "stationary-w", {"C": 4, "F": 2})]
+
+
+def fig6(machine: Any, worlds: list[int], per_row: int = 32) -> list[dict[str, Any]]:
+    rows = []
+    for P in worlds:
+        row: dict[str, Any] = {"P": P}
+        for label, k, alg, model_dims in FIG6:
+            if P % k or P < k:
+                continue
+            pb = ConvProblem(per_row * P // k, 512, 512, 7, 7, 3, padding=1, bias=False)
+            grid = {"N": P // k, **model_dims}
+            c = conv_cost(pb, grid, alg, machine, ranks="corners")
+            row[label] = c.total
+        rows.append(row)
+    return rows
+
+
+# --------------------------------------------------------------------------- Figs. 7-8
+def _stage(name: str) -> str:
+    return name.split(".")[0] if name.startswith("layer") else "stem"
+
+
+def hand_configs(net: Any, R: int, k: int) -> dict[str, dict[str, Any]]:
+    P = R * k
+    sample = {"grid": {"N": P}, "algorithm": "sample"}
+    if k == 1:
+        return {"sample": {"default": sample, "layers": []}}
+    x = {"grid": {"N": R, "C": k}, "algorithm": "stationary-x"}
+    y = {"grid": {"N": R, "F": k}, "algorithm": "stationary-y"}
+    sp = {"grid": {"N": R, "H": k}, "algorithm": "spatial"}
+    bigger_y = [c.name for c in net.convs if _elems(c.out_shape) > _elems(c.in_shape)]
+    layers_x = [{"match": "layer*", **x}]
+    return {
+        f"x {k}": {"default": sample, "layers": layers_x},
+        f"x/y {k}": {"default": sample, "layers": [{"match": n, **y} for n in bigger_y
+                                                   if n != "conv1"] + layers_x},
+        f"+spatial {k}": {"default": sample, "layers": [{"match": "conv1", **sp},
+                                                       {"match": "layer1.*", **sp}] + layers_x},
+    }
+
+
+def _elems(shape: tuple[int, ...]) -> int:
+    return shape[1] * shape[2] * shape[3]
+
+
+def fig78(machine: Any, rows_list: list[int], nets: list[tuple[str, int, int]]
+          ) -> list[dict[str, Any]]:
+    out = []
+    for name, widen, per_row in nets:
+        model = wrn50(widen)
+        for R in rows_list:
+            B = per_row * R
+            net = trace_network(model, (B, 3, 224, 224))
+            for k in (1, 2, 4, 8):
+                P = R * k
+                for label, cfg in hand_configs(net, R, k).items():
+                    p = predict(net, cfg, world_size=P, machine=machine)
+                    out.append({"net": name, "R": R, "k": k, "P": P, "B": B, "config": label,
+                                "step": p.step_time, "memory": p.memory})
+                t0 = time.perf_counter()
+                try:
+                    plan = plan_network(net, world_size=P, machine=machine, max_model=8,
+                                        max_sample=R)
+                except ValueError as exc:  # nothing fits in the GPU's memory
+                    print(f"{name} R={R} k={k}: {exc}", flush=True)
+                    continue
+                choices = Counter((_stage(lp.conv.name), lp.choice.algorithm)
+                                  for lp in plan.layers)
+                grids = Counter(str(lp.choice) for lp in plan.layers)
+                out.append({"net": name, "R": R, "k": k, "P": P, "B": B, "config": "planner",
+                            "step": plan.step_time, "memory": plan.memory,
+                            "plan_seconds": time.perf_counter() - t0,
+                            "choices": {f"{s} {a}": n for (s, a), n in sorted(choices.items())},
+                            "grids": dict(grids.most_common(4)),
+                            "y_layers": [lp.conv.name for lp in plan.layers
+                                         if lp.choice.algorithm == "stationary-y"]})
+                print(f"{name} R={R} k={k} P={P}: planner {plan.step_time * 1e3:.1f} ms "
+                      f"({time.perf_counter() - t0:.0f} s)", flush=True)
+    return out
+
+
+def y_share(widen: int) -> tuple[int, int]:
+    net = trace_network(wrn50(widen), (32, 3, 224, 224))
+    convs = net.convs
+    return sum(_elems(c.out_shape) > _elems(c.in_shape) for c in convs), len(convs)
+
+
+# --------------------------------------------------------------------------- output
+def plots(res: dict[str, Any], prefix: Path) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    files = []
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for key, label in (("seg1", "global (sample)"), ("seg2", "segmented, 2-way"),
+                       ("seg4", "segmented, 4-way"), ("seg8", "segmented, 8-way")):
+        pts = [(r["P"], r[key] * 1e3) for r in res["fig4"] if key in r]
+        ax.plot(*zip(*pts), marker="o", label=label)
+    ax.set(xscale="log", yscale="log", xlabel="GPUs", ylabel="allreduce time (ms)",
+           title="Fig. 4 on paper: conv_3 gradient allreduce, Lassen model")
+    ax.legend()
+    files.append(_save(fig, prefix, "fig4"))
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for label, *_ in FIG6:
+        pts = [(r["P"], r[label] * 1e3) for r in res["fig6"] if label in r]
+        ax.plot(*zip(*pts), marker="o", label=label)
+    ax.set(xscale="log", xlabel="GPUs", ylabel="fwd + bwd + allreduce (ms)",
+           title="Fig. 6 on paper: conv_5 weak scaling, 32 samples per N row")
+    ax.legend(ncol=2)
+    files.append(_save(fig, prefix, "fig6"))
+    nets = sorted({r["net"] for r in res["fig78"]}, key=lambda n: n[-1])
+    fig, axes = plt.subplots(1, len(nets), figsize=(5 * len(nets), 4), squeeze=False)
+    for ax, net in zip(axes[0], nets):
+        rows = [r for r in res["fig78"] if r["net"] == net]
+        for k in (1, 2, 4, 8):
+            for cfg in ("sample", "planner", f"x {k}"):
+                pts = sorted((r["B"], r["step"] * 1e3) for r in rows
+                             if r["k"] == k and r["config"] == cfg)
+                if pts and not (cfg == "planner" and k == 1):
+                    ax.plot(*zip(*pts), marker="o", linestyle="-" if cfg == "planner" else ":",
+                            label=f"{cfg} (k={k})" if cfg != f"x {k}" else f"x, k={k}")
+        ax.set(xscale="log", yscale="log", xlabel="global batch (N rows x samples per row)",
+               ylabel="step time (ms)", title=f"{net}: P = k x rows")
+        ax.legend(fontsize=7)
+    fig.suptitle("Figs. 7-8 on paper: end to end, Lassen model")
+    files.append(_save(fig, prefix, "fig7"))
+    return files
+
+
+def _save(fig: Any, prefix: Path, name: str) -> str:
+    fig.tight_layout()
+    path = f"{prefix}_{name}.png"
+    fig.savefig(path, dpi=110)
+    return path
+
+
+def _table(head: list[str], rows: list[list[Any]]) -> list[str]:
+    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    out += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+    return out + [""]
+
+
+def _ms(t: float | None) -> str:
+    return "-" if t is None else f"{t * 1e3:.3f}"
+
+
+def report(res: dict[str, Any]) -> str:
+    """Markdown: the tables behind every figure and the point-by-point comparison."""
+    md = ["# The paper at Lassen scale, on paper (distconv.perfmodel + distconv.planner)", "",
+          "Machine: `distconv.machines.lassen()`; every number's source is listed at the end.",
+          ""]
+    f4, f4r = res["fig4"], {r["P"]: r for r in res["fig4_ring"]}
+    md += ["## Fig. 4: conv_3 gradient allreduce, global vs segmented (ms)", ""]
+    md += _table(["GPUs", "global", "2-way", "4-way", "8-way", "8-way reduction (tree)",
+                  "8-way reduction (ring)"],
+                 [[r["P"], _ms(r.get("seg1")), _ms(r.get("seg2")), _ms(r.get("seg4")),
+                   _ms(r.get("seg8")),
+                   f"{r['seg1'] / r['seg8']:.2f}x" if "seg8" in r else "-",
+                   f"{f4r[r['P']]['seg1'] / f4r[r['P']]['seg8']:.2f}x" if "seg8" in r else "-"]
+                  for r in f4])
+    md += ["## Fig. 6: conv_5 weak scaling at 32 samples per N row (fwd + bwd + allreduce, ms)",
+           ""]
+    labels = [f[0] for f in FIG6]
+    md += _table(["GPUs"] + labels, [[r["P"]] + [_ms(r.get(k)) for k in labels]
+                                     for r in res["fig6"]])
+    md += ["## Figs. 7-8: end to end (step time, ms; P = k x rows; same global batch per row "
+           "block)", ""]
+    rows = res["fig78"]
+    keyed: dict[tuple, dict[str, Any]] = {}
+    for r in rows:
+        keyed.setdefault((r["net"], r["R"], r["k"]), {})[r["config"]] = r
+    table = []
+    for (net, R, k), cfgs in sorted(keyed.items(), key=lambda t: (t[0][0][-1], t[0][1:])):
+        base = keyed[(net, R, 1)]["sample"]["step"]
+        hand = {c: r for c, r in cfgs.items() if c != "planner"}
+        best = min(hand, key=lambda c: hand[c]["step"])
+        pl = cfgs.get("planner", {"step": math.inf, "memory": math.inf, "grids": {}})
+        table.append([net, R, cfgs[best]["B"], k, cfgs[best]["P"], best,
+                      _ms(hand[best]["step"]), f"{hand[best]['memory'] / 2**30:.1f}",
+                      _ms(pl["step"]), f"{base / pl['step']:.2f}x", f"{pl['memory'] / 2**30:.1f}",
+                      ", ".join(f"{g} ({n})" for g, n in pl["grids"].items()) or
+                      "no plan fits 16 GiB"])
+    md += _table(["net", "rows", "batch", "k", "GPUs", "best hand config", "its step",
+                  "its GiB/rank", "planner step", "planner speedup vs sample on `rows` GPUs",
+                  "planner GiB/rank", "planner's most used layouts (layers)"], table)
+    md += comparison(res) + ["## Sources of the machine's numbers", ""]
+    md += [f"- {k}: {v}" for k, v in res["sources"].items()] + [""]
+    md += [f"Plots: {', '.join(Path(p).name for p in res['plots'])}", ""]
+    return "\n".join(md)
+
+
+def comparison(res: dict[str, Any]) -> list[str]:
+    """Point by point: what the paper reports, what the model predicts, agree or not."""
+    f4 = [r for r in res["fig4"] if "seg8" in r]
+    red = [r["seg1"] / r["seg8"] for r in f4]
+    red_ring = [r["seg1"] / r["seg8"] for r in res["fig4_ring"] if "seg8" in r]
+    f6 = res["fig6"]
+    grow = {k: f6[-1][k] / f6[0][k] for k in ("sample", "x 8") if k in f6[0] and k in f6[-1]}
+    y_big, n_convs = res["y_share"]["ResNet-50"]
+    plans = [r for r in res["fig78"] if r["config"] == "planner"]
+    speedups = {}
+    for r in plans:
+        base = next(b for b in res["fig78"] if b["net"] == r["net"] and b["R"] == r["R"]
+                    and b["k"] == 1 and b["config"] == "sample")
+        speedups[(r["net"], r["R"], r["k"])] = base["step"] / r["step"]
+    best = max(speedups.items(), key=lambda t: t[1])
+    algos = Counter()
+    early_spatial = 0
+    y_where_bigger = 0
+    for r in plans:
+        for key, n in r["choices"].items():
+            stage, alg = key.split(" ", 1)
+            algos[alg] += n
+            if alg == "spatial" and stage in ("stem", "layer1"):
+                early_spatial += n
+    total = sum(algos.values())
+    md = ["## Where the model agrees with the paper, and where not", ""]
+    md.append(
+        f"1. **Segmented allreduce (Fig. 4).** The paper measures about 4x less allreduce time "
+        f"at 8-way segmentation ('only 4x', not 8x) and at least 4x at large scale. The model "
+        f"gives {min(red):.2f}-{max(red):.2f}x with tree-latency collectives (the profile's "
+        f"default) and {min(red_ring):.2f}-{max(red_ring):.2f}x with ring latency. The paper's 4x "
+        "lies between the two bounds: both models agree that 8-way segmentation cannot give "
+        "8x in bandwidth, because the 8 concurrent segments of a node share its two EDR rails "
+        "(one member per node: 4 rings through one adapter), so only the latency term shrinks "
+        "8x. Which latency schedule NCCL/Aluminum used per message size is not in the model; "
+        "the measured 4x says the allreduces were partly latency-bound.")
+    md.append(
+        f"2. **conv_5 weak scaling (Fig. 6).** From {f6[0]['P']} to {f6[-1]['P']} GPUs the "
+        f"model's layer time grows {grow.get('sample', float('nan')):.2f}x for sample "
+        f"parallelism and {grow.get('x 8', float('nan')):.2f}x for 8-way stationary-x: compute "
+        "per GPU is constant, and only the allreduce grows (logarithmically). Channel/filter "
+        "parallelism is faster per layer at every scale because each GPU holds 1/k of the "
+        "row's samples' work; stationary-x, -y and 2x2 -w are within a few percent of each "
+        "other for this square layer (x = y), as the paper finds.")
+    md.append(
+        f"3. **Layers with y larger than x.** In the traced ResNet-50, {y_big} of {n_convs} "
+        f"convolutions ({y_big / n_convs:.0%}) have more output than input elements (every "
+        "block's expanding 1x1 conv3, the stem, layer1's projection), against the paper's "
+        "'about 1/10'. The count is by element: the paper may count differently (e.g. by "
+        "bytes moved by stationary-x vs -y including halos, or only 3x3 layers); this is a "
+        "disagreement in the statement, not in the model.")
+    md.append(
+        f"4. **End to end (Figs. 7-8).** The planner's best speedup over sample parallelism at "
+        f"the same global batch is {best[1]:.2f}x ({best[0][0]}, {best[0][1]} rows, k = "
+        f"{best[0][2]}), against the paper's up to 4.1x reduction in training time. Adding GPUs "
+        "per N row always helps in the model; how much depends on the roofline's occupancy "
+        "term (small late layers leave a V100 idle) -- without it the model splits samples "
+        "down to one per GPU at almost perfect efficiency, which real GPUs do not deliver.")
+    md.append(
+        f"5. **The planner's choices.** Over all plans: "
+        + ", ".join(f"{a} {n / total:.0%}" for a, n in algos.most_common())
+        + f"; spatial in the stem and layer1: {early_spatial} layer choices. The paper uses "
+        "'+spatial' in early blocks, stationary-x mostly, stationary-y where y > x and a 4x2 "
+        "stationary-w for WRN-50-4. The planner keeps sample parallelism wherever a row's "
+        "samples still fill the GPUs (the early, large-image layers), and moves to channel/"
+        "filter parallelism in the late layers, where weights are large and images small: the "
+        "same direction as the paper, with sample parallelism standing in for spatial "
+        "parallelism in the early blocks because the model charges no per-GPU inefficiency "
+        "for a few samples of a large image.")
+    return md + [""]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="fewer scales and networks")
+    ap.add_argument("--out", type=Path, default=OUT)
+    args = ap.parse_args()
+    machine = lassen()
+    worlds = [8, 32, 128, 512, 2048] if args.quick else [8, 16, 32, 64, 128, 256, 512, 1024, 2048]
+    rows_list = [4, 64] if args.quick else [4, 32, 256]
+    nets = [("ResNet-50", 1, 32), ("WRN-50-2", 2, 16), ("WRN-50-4", 4, 8)]
+    res: dict[str, Any] = {"machine": repr(machine), "sources": dict(machine.sources)}
+    res["fig4"] = fig4(machine, worlds)
+    res["fig4_ring"] = fig4(lassen(schedule="ring"), worlds)
+    res["fig6"] = fig6(machine, worlds)
+    res["y_share"] = {n: y_share(w) for n, w, _ in nets}
+    res["fig78"] = fig78(machine, rows_list, nets[:2] if args.quick else nets)
+    args.out.mkdir(parents=True, exist_ok=True)
+    prefix = args.out / "scale_model"
+    res["plots"] = plots(res, prefix)
+    Path(f"{prefix}.json").write_text(json.dumps(res, indent=1, default=str))
+    md = report(res)
+    Path(f"{prefix}.md").write_text(md)
+    print(md)
+
+
+if __name__ == "__main__":
+    main()
