@@ -110,7 +110,10 @@ class ParallelModel(nn.Module):
         self._grids: dict[Layout, ProcessorGrid] = {}
         self._function_modules: dict[str, nn.Module] = {}
         self.data_grid = self.grid(cfg.data)
-        for step in analysis.steps:
+        for step in analysis.steps:  # every layout a value lives on, in graph order
+            for placement in [step.out, *step.needs.values()]:
+                if placement is not None:
+                    self.grid(placement.layout)
             if step.layer is not None:
                 self._build(gm, step)
         for name, child in gm.named_children():

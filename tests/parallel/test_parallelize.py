@@ -1,0 +1,212 @@
+"""parallelize: the user's loop on a parallelized model equals one process on the global batch."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from distconv.parallel import parallelize
+from distconv.parallel.explain import explain
+from distconv.testing import run_threads
+from tests.parallel.cases import (
+    RESNET_CONFIG, RESNET_SHAPE, TOL, max_errors, reference_step, resnet_bytes, resnet_case,
+    resnet_run, train_step,
+)
+
+
+class RandomNet(nn.Module):
+    """A stem conv, then a chain of conv / BN / ReLU / pooling / residual blocks, global average
+    pooling, flatten and a linear head."""
+
+    def __init__(self, kinds: list[str], channels: int, in_channels: int = 4,
+                 classes: int = 5) -> None:
+        super().__init__()
+        self.kinds = list(kinds)
+        self.stem = nn.Conv2d(in_channels, channels, 3, padding=1)
+        layers: list[nn.Module] = []
+        for kind in kinds:
+            layers.append({
+                "conv": lambda: nn.Conv2d(channels, channels, 3, padding=1, bias=False),
+                "conv1x1": lambda: nn.Conv2d(channels, channels, 1),
+                "bn": lambda: nn.BatchNorm2d(channels),
+                "relu": lambda: nn.ReLU(),
+                "maxpool": lambda: nn.MaxPool2d(3, stride=2, padding=1),
+                "avgpool": lambda: nn.AvgPool2d(2, ceil_mode=True, count_include_pad=False),
+                "res": lambda: nn.Sequential(nn.Conv2d(channels, channels, 3, padding=1),
+                                             nn.BatchNorm2d(channels), nn.ReLU()),
+            }[kind]())
+        self.layers = nn.ModuleList(layers)
+        self.pool = nn.AdaptiveAvgPool2d((1, 1))
+        self.head = nn.Linear(channels, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.stem(x)
+        for kind, layer in zip(self.kinds, self.layers):
+            x = x + layer(x) if kind == "res" else layer(x)
+        return self.head(torch.flatten(self.pool(x), 1))
+
+
+def _factor(draw: st.DrawFn, p: int, names: list[str]) -> dict[str, int]:
+    """Extents over ``names`` (first gets what is left) multiplying to p, in a random order."""
+    extents = {}
+    rest = p
+    for name in names[1:]:
+        options = [d for d in range(1, rest + 1) if rest % d == 0 and d <= 2]
+        extents[name] = draw(st.sampled_from(options))
+        rest //= extents[name]
+    extents[names[0]] = rest
+    order = draw(st.permutations(list(extents)))
+    return {n: extents[n] for n in order}
+
+
+@st.composite
+def layer_choices(draw: st.DrawFn, p: int) -> dict:
+    algorithm = draw(st.sampled_from(
+        ["sample", "spatial", "stationary-x", "stationary-y", "stationary-w"]))
+    if algorithm == "sample":
+        grid = {"N": p}
+    elif algorithm == "spatial":
+        grid = _factor(draw, p, ["N", "H", "W"])
+    elif algorithm == "stationary-x":
+        grid = _factor(draw, p, ["C", "N", "H"])
+    elif algorithm == "stationary-y":
+        grid = _factor(draw, p, ["F", "N", "W"])
+    else:
+        grid = _factor(draw, p, ["C", "F"])
+    return {"grid": grid, "algorithm": algorithm}
+
+
+@st.composite
+def network_cases(draw: st.DrawFn) -> tuple:
+    p = draw(st.sampled_from([2, 3, 4]))
+    kinds = draw(st.lists(st.sampled_from(
+        ["conv", "conv1x1", "bn", "relu", "maxpool", "avgpool", "res"]), min_size=1, max_size=5))
+    channels = draw(st.integers(4, 6))
+    torch.manual_seed(draw(st.integers(0, 2**16)))
+    model = RandomNet(kinds, channels).double()
+    convs = [n for n, m in model.named_modules() if isinstance(m, nn.Conv2d)]
+    chosen = draw(st.lists(st.sampled_from(convs), unique=True, max_size=len(convs)))
+    layers = [{"match": n, **draw(layer_choices(p))} for n in chosen]
+    config: dict = {"layers": layers}
+    if draw(st.booleans()):
+        config["data"] = _factor(draw, p, ["N", "C"])
+    batch = draw(st.integers(p, p + 3))
+    size = draw(st.integers(7, 10))
+    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
+    x = torch.randn(batch, 4, size, size, generator=gen, dtype=torch.float64)
+    y = torch.randint(0, 5, (batch,), generator=gen)
+    return p, model, config, x, y
+
+
+@settings(max_examples=10, suppress_health_check=[HealthCheck.too_slow], deadline=None)
+@given(network_cases())
+def test_user_loop_on_random_networks_equals_one_process(case: tuple) -> None:
+    p, model, config, x, y = case
+    ref = reference_step(model, x, y)
+    for got in run_threads(train_step, p, model, config, x, y):
+        err = max_errors(ref, got)
+        assert max(err.values()) < TOL, (config, err)
+
+
+def test_uneven_blocks_and_sum_reduction() -> None:
+    model, x, y = resnet_case(seed=1)
+    x, y = x[:5], y[:5]  # 5 samples over N=2 (3, 2) and over N=4 (2, 1, 1, 1)
+    for reduction in ("mean", "sum"):
+        ref = reference_step(model, x, y, reduction)
+        for got in run_threads(train_step, 4, model, RESNET_CONFIG, x, y, reduction):
+            err = max_errors(ref, got)
+            assert max(err.values()) < TOL, (reduction, err)
+
+
+def test_resnet_bytes_equal_explain_on_threads() -> None:
+    for r in run_threads(resnet_run, 4, resnet_bytes(4)):
+        assert r["out"] < TOL and r["grads"] < TOL, r
+        assert r["counted"] == r["explained"], r
+
+
+@pytest.mark.gloo
+def test_resnet_on_gloo(gloo4) -> None:
+    for r in gloo4.run(resnet_run):
+        assert r["out"] < TOL and r["grads"] < TOL, r
+        assert r["counted"] == r["explained"], r
+
+
+@pytest.mark.mpi
+def test_resnet_on_mpi(mpi4) -> None:
+    for r in mpi4.run(resnet_run):
+        assert r["out"] < TOL and r["grads"] < TOL, r
+        assert r["counted"] == r["explained"], r
+
+
+def test_distributions_follow_the_paper() -> None:
+    """Expected layouts typed from the paper's algorithms, not read from the layers."""
+    model, _, _ = resnet_case()
+    plan = explain(model, RESNET_CONFIG, RESNET_SHAPE, world_size=4)
+    dists = {layer.name: layer.dists for layer in plan.layers}
+    assert dists["conv1"] == {"x": "x[o,*,o,*]", "w": "w[*,*,*,*]", "y": "y[o,*,o,*]"}
+    assert dists["layer2.0.conv2"] == {"x": "x[o,o_C,*,*]", "w": "w[*,o_C,*,*]",
+                                       "y": "y[o,o_C,*,*]"}
+    assert dists["layer3.0.conv1"] == {"x": "x[o,o_F,*,*]", "w": "w[o_F,*,*,*]",
+                                       "y": "y[o,o_F,*,*]"}
+    assert dists["layer3.0.conv3"] == {"x": "x[*,o_{C×F},*,*]", "w": "w[o_F,o_C,*,*]",
+                                       "y": "y[*,o_{F×C},*,*]"}
+    assert dists["layer2.0.bn2"]["w"] == "w[o_C]"
+
+
+class TwoW(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Conv2d(8, 8, 3, padding=1)
+        self.b = nn.Conv2d(8, 8, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.a(x))
+
+
+def test_consecutive_stationary_w_layers_move_no_data_between_them() -> None:
+    config = {"layers": [{"match": "*", "grid": {"C": 2, "F": 2}, "algorithm": "stationary-w"}]}
+    plan = explain(TwoW(), config, (4, 8, 6, 6), world_size=4)
+    b = next(layer for layer in plan.layers if layer.name == "b")
+    assert b.dists["x"] == "x[*,o_{F×C},*,*]"  # a's y, taken as it is: roles swapped
+    assert not any(s.what.startswith("redistribute a") for s in b.steps)
+    torch.manual_seed(0)
+    model = TwoW().double()
+    x = torch.randn(4, 8, 6, 6, dtype=torch.float64)
+    ref = model(x)
+
+    def run(comm):
+        out = parallelize(copy.deepcopy(model), config, comm=comm)(x)
+        return (out - ref).abs().max().item()
+
+    assert max(run_threads(run, 4)) < TOL
+
+
+def test_explain_is_pure_and_scales_to_many_ranks() -> None:
+    model, _, _ = resnet_case()
+    config = {"default": {"grid": {"N": 64}, "algorithm": "sample"},
+              "layers": [{"match": "layer3.*", "grid": {"N": 16, "C": 4},
+                          "algorithm": "stationary-x"}]}
+    plan = explain(model, config, (128, 3, 16, 16))
+    assert plan.world_size == 64
+    text = str(plan)
+    assert "layer3.0.conv2" in text and "sample parallel:" in text
+    d = plan.to_dict()
+    assert d["totals"]["memory_per_rank"]["parameters"] < \
+        d["sample_parallel_totals"]["memory_per_rank"]["parameters"]
+
+
+def test_memory_of_model_parallel_layers_is_a_pth() -> None:
+    """Parameters of a stationary-w layer on C×F = 4 take a quarter per rank."""
+    full = sum(p.numel() for p in TwoW().parameters())
+    plan = explain(TwoW(), {"default": {"grid": {"C": 2, "F": 2}, "algorithm": "stationary-w"}},
+                   (4, 8, 6, 6))
+    per_rank = sum(layer.param_elements for layer in plan.layers)
+    # weights 8×8×3×3 split 4 ways (2×2 blocks of 4 rows and 4 columns), biases o_{F×C}: 2 each
+    assert per_rank == 2 * (4 * 4 * 9 + 2) and per_rank * 4 == full
+    assert math.isclose(per_rank / full, 0.25)
