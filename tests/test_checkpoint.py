@@ -336,6 +336,33 @@ def test_shardable_state_reshards_like_parameters(tmp_path: Path, rows: int) -> 
     assert index["tensors"]["kfac/layers/conv1/A"]["dist"] == "[o_C,*]"
 
 
+def test_kfac_state_round_trips_and_continues_identically(tmp_path: Path) -> None:
+    distkfac = pytest.importorskip("distkfac")
+    from distconv.checkpoint._tree import flatten
+
+    def model(seed: int) -> nn.Module:
+        torch.manual_seed(seed)
+        return nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten(), nn.Linear(64, 2))
+
+    x = torch.randn(5, 3, 6, 6, generator=torch.Generator().manual_seed(3))
+    saved = model(0)
+    kfac = distkfac.KFAC(saved)
+    saved(x).square().sum().backward()
+    kfac.step()
+    distconv.save(saved, tmp_path, states={"kfac": kfac}, comm=SingleCommunicator())
+    loaded = model(1)
+    kfac2 = distkfac.KFAC(loaded)
+    distconv.load(loaded, tmp_path, states={"kfac": kfac2})
+    tree, tensors = flatten(kfac.state_dict(), where="kfac")
+    tree2, tensors2 = flatten(kfac2.state_dict(), where="kfac")
+    assert tree == tree2 and tensors and all(torch.equal(tensors[k], tensors2[k]) for k in tensors)
+    for m, k in ((saved, kfac), (loaded, kfac2)):  # the next step preconditions identically
+        m.zero_grad()
+        m(x).square().sum().backward()
+        k.step()
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(saved.parameters(), loaded.parameters()))
+
+
 # ---------------------------------------------------------------- bad checkpoints
 
 @pytest.fixture(scope="module")
@@ -473,9 +500,8 @@ def test_failed_save_leaves_no_checkpoint(broken: Path, monkeypatch: Any) -> Non
     errors = run_threads(failing_save, 4, str(broken), timeout=20.0)
     assert errors[2] == "OSError: disk full"
     for r in (0, 1, 3):  # the others raise naming it, instead of waiting for rank 2
-        assert errors[r] == (
-            "CheckpointError: checkpoint.save could not write the shards: rank 2: OSError: disk full"
-        )
+        assert errors[r] == ("CheckpointError: checkpoint.save could not write the shards: "
+                             "rank 2: OSError: disk full")
     with pytest.raises(CheckpointError, match="no complete checkpoint"):
         load_single(broken)
 

@@ -30,7 +30,8 @@ import torch
 
 __all__ = [
     "FORMAT", "INDEX_NAME", "VERSION", "Box", "CheckpointError", "Shard", "TensorEntry",
-    "as_path", "check_flag", "dtype_name", "intersect", "read_index", "shard_file_name", "volume", "write_atomic",
+    "as_path", "check_flag", "dtype_name", "intersect", "read_index", "shard_file_name", "volume",
+    "write_atomic",
 ]
 
 FORMAT = "distconv.checkpoint"
@@ -64,8 +65,9 @@ def volume(box: Box) -> int:
 
 
 def intersect(a: Box, b: Box) -> Box | None:
+    """The common box of ``a`` and ``b``, None if they share no element (0-dim boxes: ``()``)."""
     out = tuple((max(a0, b0), min(a1, b1)) for (a0, a1), (b0, b1) in zip(a, b))
-    return out if all(lo < hi for lo, hi in out) or not out else None
+    return out if all(lo < hi for lo, hi in out) else None
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ Every node of the JSON tree is tagged with what it was, so it comes back exactly
     {"dict": [[key, node], ...]}             keys are str or int
     {"list": [node, ...]}    {"tuple": [node, ...]}
     {"value": v}                             None, bool, int, float (NaN and ±inf too) or str
+    {"dtype": "float32"}                     a torch.dtype (settings such as a factor dtype)
 
 A tensor's flat key is its path of keys joined by ``/`` (``%`` and ``/`` inside a key are written
 ``%25`` and ``%2F``), so ``{"factors": {"conv1": {"A": t}}}`` stores ``t`` as ``factors/conv1/A``.
@@ -58,9 +59,12 @@ def _encode(obj: Any, path: tuple[str | int, ...], out: dict[str, torch.Tensor],
         return {tag: [_encode(v, (*path, i), out, where) for i, v in enumerate(obj)]}
     if isinstance(obj, _SCALARS):
         return {"value": obj}
+    if isinstance(obj, torch.dtype):
+        return {"dtype": str(obj).removeprefix("torch.")}
     raise TypeError(
         f"{where}: {flat_key(path) or '(top)'!r} is a {type(obj).__name__}; a checkpoint holds "
-        "tensors, dicts, lists, tuples, None, bool, int, float and str (never pickles)"
+        "tensors, dicts, lists, tuples, None, bool, int, float, str and torch dtypes (never "
+        "pickles)"
     )
 
 
@@ -86,6 +90,8 @@ def _walk(node: Any, tensor: Callable[[str], Any]) -> Any:
         return body
     if tag == "dict" and isinstance(body, list):
         return {_key(pair): _walk(pair[1], tensor) for pair in body}
+    if tag == "dtype" and isinstance(getattr(torch, str(body), None), torch.dtype):
+        return getattr(torch, body)
     if tag in ("list", "tuple") and isinstance(body, list):
         items = [_walk(v, tensor) for v in body]
         return tuple(items) if tag == "tuple" else items
