@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -22,6 +23,11 @@ def run_threads(fn: Callable[..., Any], size: int, *args: Any, timeout: float = 
     collectives at once, and the most telling exception (an error in ``fn`` before the
     communication errors it caused; lowest rank first) is raised, its message prefixed with
     its rank, chained to the original with its traceback.
+
+    A rank still running ``timeout`` seconds after another rank failed (one that loops or
+    sleeps outside any collective, so no communicator timeout can reach it) is abandoned (the
+    threads are daemons) and :class:`~distconv.comm.CommTimeoutError` names it, instead of the
+    run waiting for it forever.
 
     The ranks are threads of one process and share torch's global random generator: after
     ``torch.manual_seed(0)`` on every rank, ``torch.randn`` draws interleaved numbers from one
@@ -55,8 +61,7 @@ def run_threads(fn: Callable[..., Any], size: int, *args: Any, timeout: float = 
     ]
     for t in threads:
         t.start()
-    for t in threads:
-        t.join()
+    _join(threads, group, timeout)
     bad = pick_error(errors)
     if bad is not None:
         exc = errors[bad]
@@ -66,3 +71,22 @@ def run_threads(fn: Callable[..., Any], size: int, *args: Any, timeout: float = 
             raise exc
         raise new from exc
     return results
+
+
+def _join(threads: list[threading.Thread], group: ThreadGroup, timeout: float) -> None:
+    """Join every rank; once one has failed, give the others ``timeout`` seconds more."""
+    deadline = None
+    while True:
+        alive = [t for t in threads if t.is_alive()]
+        if not alive:
+            return
+        if deadline is None and group.failed is not None:
+            deadline = time.monotonic() + timeout
+        if deadline is not None and time.monotonic() > deadline:
+            ranks = ", ".join(t.name.removeprefix("distconv-rank") for t in alive)
+            raise CommTimeoutError(
+                f"run_threads: rank(s) {ranks} of {len(threads)} still running {timeout} s after "
+                f"{group.failed}; a rank that waits outside the communicator (a loop, a sleep, "
+                "a lock) ignores its timeout"
+            )
+        alive[0].join(0.05)

@@ -1,0 +1,121 @@
+"""Promises the other communicator tests could not catch being broken: reductions in rank order
+bit for bit, non-contiguous inputs on every backend, and timeouts that are kept."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from distconv.comm import CommTimeoutError
+from distconv.testing import run_threads
+from tests.comm import programs
+
+
+def _spread(rank: int, n: int = 64) -> torch.Tensor:
+    """fp32 values over many magnitudes, so a sum's rounding depends on its order."""
+    g = torch.Generator().manual_seed(100 + rank)
+    scale = 10.0 ** torch.randint(-4, 5, (n,), generator=g)
+    return (torch.randn(n, generator=g) * scale).float()
+
+
+def _in_rank_order(parts):
+    out = parts[0].clone()
+    for p in parts[1:]:
+        out = out + p
+    return out
+
+
+def _reductions(comm):
+    x = _spread(comm.rank)
+    chunks = list(x.chunk(comm.size))
+    return comm.allreduce(x), comm.allreduce(x, op="avg"), comm.reduce_scatter(chunks)
+
+
+def _check_rank_order(results, size):
+    parts = [_spread(r) for r in range(size)]
+    want = _in_rank_order(parts)
+    # the data must make the order visible, or the test could not fail
+    assert not torch.equal(want, _in_rank_order(parts[::-1]))
+    for r, (total, avg, mine) in enumerate(results):
+        if total is not None:
+            assert torch.equal(total, want)
+            assert torch.equal(avg, want / size)
+        assert torch.equal(mine, want.chunk(size)[r])
+
+
+@pytest.mark.parametrize("size", [3, 4])
+def test_thread_reductions_sum_in_rank_order_bit_for_bit(size):
+    _check_rank_order(run_threads(_reductions, size), size)
+
+
+def _reduce_scatter_only(comm):
+    return None, None, comm.reduce_scatter(list(_spread(comm.rank).chunk(comm.size)))
+
+
+@pytest.mark.gloo
+def test_gloo_reduce_scatter_sums_in_rank_order_bit_for_bit(gloo4):
+    _check_rank_order(gloo4.run(_reduce_scatter_only), 4)
+
+
+@pytest.mark.parametrize("name", [
+    "threads",
+    pytest.param("gloo2", marks=pytest.mark.gloo),
+    pytest.param("mpi4", marks=pytest.mark.mpi),
+])
+def test_noncontiguous_inputs_to_every_collective(request, name):
+    if name == "threads":
+        results = run_threads(programs.check_all_ops, 3, "float32", 5, True)
+    else:
+        results = request.getfixturevalue(name).run(programs.check_all_ops, "float32", 5, True)
+    assert len(results) == (3 if name == "threads" else int(name[-1]))
+
+
+def _bounded(fn, limit):
+    """Run ``fn`` in a thread; fail after ``limit`` s rather than at pytest's 300 s timeout."""
+    out: dict = {}
+
+    def target():
+        try:
+            out["value"] = fn()
+        except BaseException as exc:
+            out["error"] = exc
+
+    t = threading.Thread(target=target, daemon=True)
+    t.start()
+    t.join(limit)
+    assert not t.is_alive(), f"did not finish within {limit} s: a timeout was not kept"
+    return out
+
+
+def _rank1_missing(comm):
+    if comm.rank == 1:
+        return None
+    return comm.allreduce(torch.ones(1))
+
+
+def test_missing_rank_times_out_within_its_timeout():
+    out = _bounded(lambda: run_threads(_rank1_missing, 2, timeout=0.5), 20)
+    assert isinstance(out.get("error"), CommTimeoutError), out
+    assert "rank 0" in str(out["error"])
+
+
+def _rank1_ignores_timeout(comm, release):
+    if comm.rank == 1:
+        release.wait(60)  # outside any collective: no communicator timeout reaches it
+        return None
+    return comm.allreduce(torch.ones(1))
+
+
+def test_rank_that_ignores_its_timeout_is_reported_within_the_timeouts():
+    release = threading.Event()
+    begin = time.monotonic()
+    try:
+        out = _bounded(lambda: run_threads(_rank1_ignores_timeout, 2, release, timeout=0.5), 20)
+    finally:
+        release.set()
+    assert isinstance(out.get("error"), CommTimeoutError), out
+    assert "rank(s) 1 of 2" in str(out["error"]), out["error"]
+    assert time.monotonic() - begin < 20
