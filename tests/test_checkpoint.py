@@ -336,6 +336,52 @@ def test_shardable_state_reshards_like_parameters(tmp_path: Path, rows: int) -> 
     assert index["tensors"]["kfac/layers/conv1/A"]["dist"] == "[o_C,*]"
 
 
+def small_cnn() -> nn.Sequential:
+    gen = torch.Generator().manual_seed(4)
+    model = nn.Sequential(nn.Conv2d(4, 6, 3, padding=1), nn.BatchNorm2d(6), nn.ReLU(),
+                          nn.Conv2d(6, 5, 3, padding=1))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen))
+    return model
+
+
+#: the first config splits the first conv's channels and the last conv's filters over 4 ranks,
+#: the second samples over 2 ranks and the last conv's channels
+PARALLEL_CONFIGS = [
+    {"default": {"grid": {"N": 4}, "algorithm": "sample"},
+     "layers": [{"match": "0", "grid": {"N": 2, "C": 2}, "algorithm": "stationary-x"},
+                {"match": "3", "grid": {"F": 4}, "algorithm": "stationary-y"}]},
+    {"default": {"grid": {"N": 2}, "algorithm": "sample"},
+     "layers": [{"match": "3", "grid": {"C": 2}, "algorithm": "stationary-x"}]},
+]
+
+
+def parallel_round_trip(comm: Any, config: dict[str, Any], path: str, save: bool) -> Any:
+    from distconv.parallel import parallelize
+
+    model = parallelize(small_cnn(), config, comm=comm)
+    if save:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1.5)
+        distconv.save(model, path, comm=comm)
+    else:
+        distconv.load(model, path)
+    return local_state(model, None)
+
+
+def test_parallelized_model_resumes_on_another_config(tmp_path: Path) -> None:
+    expected = {f"model/{k}": v for k, v in small_cnn().state_dict().items()}
+    for key in ("0.weight", "0.bias", "1.weight", "1.bias", "3.weight", "3.bias"):
+        expected[f"model/{key}"] = expected[f"model/{key}"] + 1.5
+    path = str(tmp_path / "ckpt")
+    check_equal(expected, run_threads(parallel_round_trip, 4, PARALLEL_CONFIGS[0], path, True))
+    check_equal(expected, run_threads(parallel_round_trip, 2, PARALLEL_CONFIGS[1], path, False))
+    plain = distconv.consolidate(path)
+    assert all(torch.equal(plain[k.removeprefix("model/")], v) for k, v in expected.items())
+
+
 def test_kfac_state_round_trips_and_continues_identically(tmp_path: Path) -> None:
     distkfac = pytest.importorskip("distkfac")
     from distconv.checkpoint._tree import flatten
