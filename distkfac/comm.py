@@ -245,7 +245,31 @@ class PayloadBroadcaster:
 
 def allreduce_gradients(params: Iterable[torch.nn.Parameter], comm, *,
                         bucket_bytes: int = 1 << 22) -> None:
-    """Average ``.grad`` over ``comm`` in fused buckets (data parallelism without a wrapper)."""
+    """Average ``.grad`` over ``comm`` in fused buckets (data parallelism of a plain model).
+
+    Models from ``distconv.parallelize`` and ``DistConv2d`` layers complete their gradients
+    themselves during ``backward()``; this is only for a plain model whose loss is a mean over
+    each rank's own samples.
+
+    Raises:
+        TypeError: ``params`` is a tensor or not an iterable of tensors; ``comm`` is not a
+            distconv Communicator (or None); ``bucket_bytes`` is not an int.
+    """
+    from distconv.comm import Communicator
+
+    if isinstance(params, torch.Tensor) or not isinstance(params, Iterable):
+        raise TypeError(f"allreduce_gradients: params must be an iterable of parameters (e.g. "
+                        f"model.parameters()), got {type(params).__name__}")
+    if comm is not None and not isinstance(comm, Communicator):
+        raise TypeError(f"allreduce_gradients: comm must be a distconv Communicator or None, "
+                        f"got {comm!r}")
+    if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1:
+        raise TypeError(f"allreduce_gradients: bucket_bytes must be an int >= 1, "
+                        f"got {bucket_bytes!r}")
+    params = list(params)
+    bad = [p for p in params if not isinstance(p, torch.Tensor)]
+    if bad:
+        raise TypeError(f"allreduce_gradients: params must hold tensors, got {bad[0]!r}")
     if comm is None or comm.size == 1:
         return
     buckets: list[list[Tensor]] = []

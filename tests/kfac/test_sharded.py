@@ -104,3 +104,167 @@ def test_exact_equals_single_process_kfac_on_gathered_layer(grid_dims, algorithm
     for e in grid_dims.values():
         size *= e
     assert_exact(run_threads(sharded_run, size, grid_dims, algorithm, conv_kw, kw, 2), ref)
+
+
+# ---------------------------------------------------------------- 'block'
+def block_reference(conv_kw, grid_dims, algorithm, damping):
+    """Per rank: the dense block-diagonal preconditioning of its shards, from explicit
+    per-sample factors of the gathered layer (blocks per the layout's definition)."""
+    conv = make_conv(conv_kw)
+    x, t = global_data(0, conv(torch.zeros(SHAPE, dtype=torch.float64)).shape)
+    A, G = reference_factors(conv, x, t, lambda out, tt: (torch.tanh(out) * tt).sum())[conv]
+    A, G = A[0], G[0]
+    conv.zero_grad()
+    loss_of(conv(x), t, SHAPE[0]).backward()
+    return conv, A, G
+
+
+def block_shards(conv, A, G, w_idx, b_idx, c_blocks, damping):
+    fo = conv.out_channels
+    f_sl, c_sl = w_idx[0], w_idx[1]
+    k2 = conv.kernel_size[0] * conv.kernel_size[1]
+    cols = torch.arange(A.shape[0] - (conv.bias is not None)).reshape(-1, k2)[c_sl].reshape(-1)
+    rows = torch.arange(fo)[f_sl]
+    v = conv.weight.grad[w_idx].reshape(len(rows), -1)
+    bias_in_a = conv.bias is not None and c_blocks == 1
+    if bias_in_a:
+        cols = torch.cat([cols, torch.tensor([A.shape[0] - 1])])
+        v = torch.cat([v, conv.bias.grad[rows][:, None]], 1)
+    vw = dense_precondition(A[cols][:, cols][None], G[rows][:, rows][None], v[None], damping)[0]
+    out_b = None
+    if bias_in_a:
+        vw, out_b = vw[:, :-1], vw[:, -1]
+    elif conv.bias is not None:
+        s = torch.arange(fo)[b_idx[0]]
+        gb = conv.bias.grad[s][None, :, None]
+        out_b = dense_precondition(torch.ones(1, 1, 1, dtype=A.dtype), G[s][:, s][None], gb,
+                                   damping)[0, :, 0]
+    return vw.reshape(conv.weight.grad[w_idx].shape), out_b
+
+
+@pytest.mark.parametrize("grid_dims, algorithm, conv_kw", [
+    ({"N": 2, "C": 2}, "stationary-x", dict(kernel_size=3, padding=1)),
+    ({"C": 2, "F": 2}, "stationary-w", dict(kernel_size=(2, 3), padding=1)),
+    ({"F": 3}, "stationary-y", dict(kernel_size=3, padding=1)),
+])
+def test_block_equals_dense_block_diagonal_reference(grid_dims, algorithm, conv_kw):
+    damping = 1e-2
+    kw = dict(kl_clip=None, damping=damping, factor_sharding="block")
+    conv, A, G = block_reference(conv_kw, grid_dims, algorithm, damping)
+    size = 1
+    for e in grid_dims.values():
+        size *= e
+    c_blocks = grid_dims.get("C", 1)
+    results = run_threads(sharded_run, size, grid_dims, algorithm, conv_kw, kw, 1)
+    for w_idx, b_idx, wg, bg, traffic, kfac in results:
+        want_w, want_b = block_shards(conv, A, G, w_idx, b_idx, c_blocks, damping)
+        torch.testing.assert_close(wg, want_w, rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(bg, want_b, rtol=1e-10, atol=1e-12)
+        if "N" not in grid_dims:  # nothing but the N/H/W reductions moves, and here none
+            assert traffic["bytes"] == {} or sum(traffic["bytes"].values()) == 0
+
+
+# ---------------------------------------------------------------- traffic and memory
+def traffic_run(comm, grid_dims, algorithm, conv_kw, kfac_kw):
+    """K-FAC's own bytes in one step: a step with K-FAC minus the same step without it."""
+    grid = ProcessorGrid(grid_dims, comm=comm)
+    conv = make_conv(conv_kw)
+    plain = DistConv2d.from_conv2d(conv, grid=grid, algorithm=algorithm)
+    layer = DistConv2d.from_conv2d(conv, grid=grid, algorithm=algorithm)
+    kfac = distkfac.KFAC(layer, factor_dtype=torch.float64, placement="round-robin", **kfac_kw)
+    y_shape = layer.output_shape(SHAPE)
+    x, t = global_data(0, y_shape)
+    out = []
+    for m in (plain, layer):
+        comm.stats.reset()
+        y = m(x[m.input_dist.local_slices(SHAPE, grid)], SHAPE)
+        loss_of(y, t[m.output_dist.local_slices(y_shape, grid)], SHAPE[0]).backward()
+        if m is layer:
+            kfac.step()
+        out.append(comm.stats.snapshot()["bytes"])
+    own = {op: out[1].get(op, 0) - out[0].get(op, 0) for op in out[1]}
+    ex = kfac.exact_layers[0]
+    memory = {k: (tuple(ex.factors[k].shape), tuple(ex.inverse_rows[k].shape)) for k in "AG"}
+    return {op: b for op, b in own.items() if b}, kfac.last_exact_assignment, memory
+
+
+def _coords(rank, dims):
+    out = {}
+    for name, e in reversed(list(dims.items())):
+        rank, out[name] = divmod(rank, e)
+    return out
+
+
+def _block(n, p, i):
+    return n // p + (i < n % p)
+
+
+def expected_exact(rank, dims, algorithm, conv, owners, kl):
+    """Bytes per step of 'exact', from the formulas of distkfac.sharded's docstring."""
+    from distconv.comm.base import allreduce_bytes
+
+    i = 8
+    co = _coords(rank, dims)
+    C = dims.get("C", 1) if algorithm != "stationary-y" else 1
+    F = dims.get("F", 1) if algorithm != "stationary-x" else 1
+    c, f = (co.get("C", 0) if C > 1 else 0), (co.get("F", 0) if F > 1 else 0)
+    ci, fo, k2 = conv.in_channels, conv.out_channels, conv.kernel_size[0] * conv.kernel_size[1]
+    bias = int(conv.bias is not None)
+    K = ci * k2 + bias
+    cn, fn = _block(ci, C, c), _block(fo, F, f)
+    rows_a = [_block(ci, C, b) * k2 + (bias and b == C - 1) for b in range(C)]
+    rows_g = [_block(fo, F, b) for b in range(F)]
+    bn = _block(fn, C, c)
+    nn_ = dims.get("N", 1)
+    n_loc = _block(SHAPE[0], nn_, co.get("N", 0))
+    h, w = SHAPE[2], SHAPE[3]
+    ho, wo = conv(torch.zeros(1, ci, h, w, dtype=torch.float64)).shape[2:]
+    want = {}
+    gathered = ((ci - cn) * n_loc * h * w if C > 1 else 0) + \
+        ((fo - fn) * n_loc * ho * wo if F > 1 else 0) + ((fn - bn) if bias and C > 1 else 0)
+    want["allgather"] = gathered * i
+    ar = 0
+    if nn_ > 1:
+        ar += allreduce_bytes(rows_a[c] * K + fn * fo + 2, co["N"], nn_, i)
+    if kl:
+        ar += allreduce_bytes(1, rank, _size(dims), 8)
+    want["allreduce"] = ar
+    a2a = 0
+    for key, blocks, side, mine in (("A", rows_a, K, c), ("G", rows_g, fo, f)):
+        owner = owners[f"layer/{key}"] if f"layer/{key}" in owners else owners[f"/{key}"]
+        if owner == rank:
+            a2a += sum(r for b, r in enumerate(blocks) if b != mine) * side * i
+        else:
+            a2a += blocks[mine] * side * i
+    want["alltoall"] = a2a
+    want["reduce_scatter"] = ((C - 1) + (F - 1)) * fn * (cn * k2 + bias) * i
+    return {op: b for op, b in want.items() if b}
+
+
+def _size(dims):
+    s = 1
+    for e in dims.values():
+        s *= e
+    return s
+
+
+@pytest.mark.parametrize("grid_dims, algorithm", [
+    ({"N": 2, "C": 2}, "stationary-x"), ({"C": 2, "F": 2}, "stationary-w"),
+    ({"N": 2, "F": 2}, "stationary-y"),
+])
+def test_exact_bytes_and_memory_per_rank_equal_the_documented_formulas(grid_dims, algorithm):
+    conv_kw = dict(kernel_size=3, padding=1)
+    conv = make_conv(conv_kw)
+    kw = dict(kl_clip=1e-2)
+    size = _size(grid_dims)
+    results = run_threads(traffic_run, size, grid_dims, algorithm, conv_kw, kw)
+    K = conv.in_channels * 9 + 1
+    a_rows = 0
+    for rank, (own, owners, memory) in enumerate(results):
+        assert own == expected_exact(rank, grid_dims, algorithm, conv, owners, kl=True), rank
+        (a_f, a_inv), (g_f, g_inv) = memory["A"], memory["G"]
+        assert a_f == a_inv and a_f[1] == K and g_f == g_inv and g_f[1] == conv.out_channels
+        a_rows += a_f[0]
+    # row blocks over C, replicated over the other dims: each rank holds 1/C of A
+    c = grid_dims.get("C", 1) if algorithm != "stationary-y" else 1
+    assert a_rows == K * size // c

@@ -1,0 +1,242 @@
+"""Accumulation, weight sharing, skipped steps, low-precision factor traffic, stale statistics,
+the world default and bad input."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import distkfac
+from distconv.comm import SingleCommunicator
+from distconv.comm.base import allreduce_bytes
+from distconv.grid import ProcessorGrid
+from distconv.nn import DistConv2d
+from distconv.testing.threads import run_threads
+from distkfac.comm import FactorReducer
+from distkfac.lowprec import float21_pack, float21_unpack
+
+F64 = dict(factor_dtype=torch.float64, kl_clip=None, damping=1e-2)
+
+
+def mlp(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+
+
+def data(seed=1, n=6):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 3, generator=g, dtype=torch.float64), torch.randint(0, 2, (n,), generator=g)
+
+
+def factors(kfac):
+    return [(ly.a.value.clone(), ly.g.value.clone()) for ly in kfac.layers]
+
+
+def grads(model):
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def assert_all_close(got, want):
+    for a, b in zip(got, want):
+        if isinstance(a, tuple):
+            assert_all_close(a, b)
+        else:
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+# ---------------------------------------------------------------- several passes per step
+def test_accumulation_steps_equal_one_batch():
+    x, y = data()
+    ref = mlp()
+    kref = distkfac.KFAC(ref, **F64)
+    F.cross_entropy(ref(x), y).backward()
+    kref.step()
+    model = mlp()
+    kfac = distkfac.KFAC(model, accumulation_steps=3, **F64)
+    for part in range(3):
+        sl = slice(2 * part, 2 * part + 2)
+        (F.cross_entropy(model(x[sl]), y[sl]) / 3).backward()
+    kfac.step()
+    assert_all_close(factors(kfac), factors(kref))
+    assert_all_close(grads(model), grads(ref))
+
+
+class Twice(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(3, 3).double()
+
+    def forward(self, x):
+        return self.layer(torch.tanh(self.layer(x)))
+
+
+def test_module_called_twice_sums_its_factors():
+    model = Twice()
+    layer = model.layer
+    kfac = distkfac.KFAC(model, **F64)
+    x = data(n=4)[0]
+    model(x).square().mean().backward()
+    kfac.step()
+    # explicit: both calls' rows; d = n dL/d(output of the call), n = 4 samples per call
+    h = layer(x)
+    out = layer(torch.tanh(h))
+    gh, gout = torch.autograd.grad(out.square().mean(), [h, out])
+    inputs = torch.cat([x, torch.tanh(h.detach())])
+    a = torch.cat([inputs, torch.ones(8, 1, dtype=torch.float64)], 1)
+    d = torch.cat([gh, gout]) * 4
+    torch.testing.assert_close(kfac.layers[0].a.value[0], a.T @ a / 8, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(kfac.layers[0].g.value[0], d.T @ d / 8, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("skipped", ["backward", "forward only"])
+def test_a_step_without_kfac_step_is_dropped(skipped):
+    x1, y1 = data(1)
+    x2, y2 = data(2)
+    ref = mlp()
+    kref = distkfac.KFAC(ref, **F64)
+    F.cross_entropy(ref(x2), y2).backward()
+    kref.step()
+    model = mlp()
+    kfac = distkfac.KFAC(model, **F64)
+    out = model(x1)
+    if skipped == "backward":
+        F.cross_entropy(out, y1).backward()
+    model.zero_grad()
+    with torch.no_grad():  # evaluation in between
+        model(x1)
+    F.cross_entropy(model(x2), y2).backward()
+    kfac.step()
+    assert_all_close(factors(kfac), factors(kref))
+    assert_all_close(grads(model), grads(ref))
+
+
+# ---------------------------------------------------------------- low precision
+def test_float21_packing_is_exact_for_representable_values_and_truncates_others():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1000, generator=g) * torch.logspace(-30, 30, 1000)
+    exact = (x.view(torch.int32) & ~0x7FF).view(torch.float32)
+    special = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), 2.0 ** -130, -1.5])
+    for v in (exact, special, exact[:7]):
+        assert torch.equal(float21_unpack(float21_pack(v), v.numel()), v)
+    assert float21_pack(exact).numel() == math.ceil(1000 / 3)
+    back = float21_unpack(float21_pack(x), x.numel())
+    assert bool(((back - x).abs() <= x.abs() * 2.0 ** -12).all())
+    assert bool((back.abs() <= x.abs()).all())  # truncation toward zero
+
+
+def _reduce(comm, comm_dtype, rows):
+    r = comm.rank
+    m = (torch.arange(12, dtype=torch.float32).reshape(1, 3, 4) - 5 + r) / 8  # fp16-exact
+    sym = torch.tensor([[[1.0, 0.5], [0.5, 2.0 + r]]])
+    red = FactorReducer(comm, comm_dtype=comm_dtype)
+    red.expect(["a", "b"])
+    comm.stats.reset()
+    red.add("a", m * rows[r], rows[r], symmetric=False)
+    red.add("b", sym * rows[r], rows[r])
+    out = red.finish()
+    return out, comm.stats.snapshot()["bytes"]
+
+
+@pytest.mark.parametrize("comm_dtype", [None, torch.bfloat16, torch.float16, "float21"])
+def test_low_precision_reduction_is_exact_for_representable_means_and_counted(comm_dtype):
+    rows = [3, 5, 2]
+    results = run_threads(_reduce, 3, comm_dtype, rows)
+    want_a = sum(((torch.arange(12.0).reshape(1, 3, 4) - 5 + r) / 8) * rows[r] for r in range(3))
+    want_b = sum(torch.tensor([[[1.0, 0.5], [0.5, 2.0 + r]]]) * rows[r] for r in range(3))
+    n, k = 12 + 3, 2  # numbers (b packed) and factors
+    for rank, (out, nbytes) in enumerate(results):
+        assert torch.equal(out["a"][0], want_a) and torch.equal(out["b"][0], want_b)
+        assert out["a"][1] == out["b"][1] == 10
+        if comm_dtype is None:
+            want = {"allreduce": allreduce_bytes(n + k, rank, 3, 4)}
+        elif comm_dtype == torch.bfloat16:
+            want = {"allreduce": allreduce_bytes(n, rank, 3, 2) + allreduce_bytes(k, rank, 3, 8)}
+        else:
+            enc = 2 * n if comm_dtype == torch.float16 else 8 * math.ceil(n / 3)
+            want = {"allgather": 2 * (enc + 8 * k)}
+        assert nbytes == want
+
+
+# ---------------------------------------------------------------- stale statistics
+def test_stale_statistics_follow_the_hand_computed_schedule():
+    """Same batch for steps 0-7, another from step 8 on; factor_decay 0 so a factor is its
+    batch's.  Looks at events 1, 3, 7 find nothing moved (intervals 2, 4, 4 = the cap); the look
+    at 11 sees the new batch and decomposes; 12 finds it unchanged: per factor 13 scheduled,
+    5 looks, 2 decompositions."""
+    model = nn.Linear(3, 2).double()
+    kfac = distkfac.KFAC(model, stale_threshold=1e-3, stale_max_interval=4, factor_decay=0.0,
+                         **F64)
+    decomposed = []
+    for step in range(13):
+        x, y = data(1 if step < 8 else 2)
+        model.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        before = kfac.layers[0].a_payload
+        kfac.step()
+        if kfac.layers[0].a_payload is not before:
+            decomposed.append(step)
+    assert decomposed == [0, 11]
+    assert kfac.stale_counts == {"scheduled": 26, "looked": 10, "skipped": 22}
+
+
+# ---------------------------------------------------------------- world, grid, bad input
+def _default(comm):
+    kfac = distkfac.KFAC(nn.Linear(2, 2))
+    return kfac.comm is comm, repr(kfac)
+
+
+@pytest.mark.gloo
+def test_default_comm_is_the_launchers_world(gloo2):
+    for same, text in gloo2.run(_default):
+        assert same and "comm='torch-gloo:2'" in text
+
+
+def _mismatch(comm):
+    grid = ProcessorGrid({"C": 2}, comm=comm)
+    layer = DistConv2d(4, 4, 3, grid=grid, algorithm="stationary-x", init_seed=0)
+    with pytest.raises(ValueError, match="lives on a grid over"):
+        distkfac.KFAC(layer, comm=SingleCommunicator())
+    return distkfac.KFAC(layer).comm is comm
+
+
+def test_grid_and_comm_mismatch_raises_and_default_is_the_grids():
+    assert all(run_threads(_mismatch, 2))
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(damping=float("nan")), "damping must be a finite number > 0"),
+    (dict(damping=float("inf")), "damping must be a finite number > 0"),
+    (dict(kl_clip=float("nan")), "kl_clip must be a finite number > 0"),
+    (dict(lr=-0.1), "lr must be"),
+    (dict(factor_sharding="rows"), "factor_sharding must be one of"),
+    (dict(factor_comm_dtype=torch.int8), "factor_comm_dtype must be one of"),
+    (dict(accumulation_steps=0), "accumulation_steps must be an int >= 1"),
+    (dict(stale_threshold=float("nan")), "stale_threshold must be None or a finite"),
+])
+def test_bad_settings_raise_naming_the_argument(kw, match):
+    with pytest.raises(ValueError, match=match):
+        distkfac.KFAC(mlp(), **kw)
+
+
+def test_schedule_returning_a_bad_value_raises_at_the_step_that_reads_it():
+    model = mlp()
+    kfac = distkfac.KFAC(model, damping=lambda step: -1.0)
+    x, y = data()
+    F.cross_entropy(model(x), y).backward()
+    with pytest.raises(ValueError, match=r"damping schedule returned -1.0 at step 0; it must"):
+        kfac.step()
+    with pytest.raises(ValueError, match="factor_update_steps schedule returned 0"):
+        distkfac.KFAC(mlp(), factor_update_steps=lambda step: 0)
+
+
+def test_allreduce_gradients_refuses_wrong_types():
+    model = mlp()
+    with pytest.raises(TypeError, match="comm must be a distconv Communicator"):
+        distkfac.allreduce_gradients(model.parameters(), "world")
+    with pytest.raises(TypeError, match="params must be an iterable"):
+        distkfac.allreduce_gradients(torch.zeros(3), None)
+    with pytest.raises(TypeError, match="params must hold tensors"):
+        distkfac.allreduce_gradients([1.0], None)
