@@ -184,8 +184,9 @@ class _DistPool2d(nn.Module):
                 lo, hi = plan.needed[0]
                 x = x.narrow(2 + i, lo, hi - lo)
             pads.append(plan.pad[r])
-        if x.numel() == 0 or 0 in local_out:
+        if 0 in local_out:
             return self._empty(x, local_out)
+        # (x may hold no rows here: a dilated max window can read only padding)
         x = F.pad(x, (*pads[1], *pads[0]), value=self._fill)
         return self._windows(x, geo)
 
