@@ -317,6 +317,25 @@ class _Analyser:
         step.layer = LayerSpec("adaptive", name, p.layout, input=p)
         return step
 
+    def visit_mean(self, node: fx.Node) -> Step:
+        """``x.mean(dims)`` over spatial dims: a local sum over the global count, a pending sum
+        over the grid dims that split those dims (as global average pooling)."""
+        args = self.tensor_args(node)
+        p = self.placement(args[0]).settled()
+        dims = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else None)
+        keep = bool(node.kwargs.get("keepdim", node.args[2] if len(node.args) > 2 else False))
+        dims = (dims,) if isinstance(dims, int) else tuple(dims or ())
+        dims = tuple(sorted(d % p.ndim for d in dims))
+        if not dims or 0 in dims or node.kwargs.get("dtype") is not None:
+            self.fail(node, "mean is supported over non-sample dims (e.g. x.mean((2, 3)))")
+        split = [g for d in dims for g in p.dist.grid_dims_of(d)]
+        entries = [None if i in dims else e for i, e in enumerate(p.dist.entries)]
+        if not keep:
+            entries = [e for i, e in enumerate(entries) if i not in dims]
+        out = Placement(p.layout, Dist(tuple(entries), frozenset(split)))
+        return Step(node, "mean", out, {args[0]: p},
+                    LayerSpec("mean", node.name, p.layout, input=p))
+
     def visit_dropout(self, node: fx.Node, p: float) -> Step:
         step = self.keep(node, "dropout")
         model_dims = step.out.dist.used() - set(step.out.dist.grid_dims_of(0))
@@ -362,6 +381,8 @@ class _Analyser:
         if fn is F.adaptive_avg_pool2d:
             return self.visit_adaptive(node, node.name, node.args[1] if len(node.args) > 1
                                        else node.kwargs["output_size"])
+        if fn is torch.mean:
+            return self.visit_mean(node)
         if fn is getattr:
             return Step(node, "meta", None)
         self.fail(node, "this function is not supported by parallelize; supported: elementwise "
@@ -377,6 +398,8 @@ class _Analyser:
             return Step(node, "meta", None)
         if name in RESHAPE_METHODS:
             return self.to_samples(node, node.args[0], _shape_len(node.args[1:]))
+        if name == "mean":
+            return self.visit_mean(node)
         if name == "flatten":
             start = node.kwargs.get("start_dim", node.args[1] if len(node.args) > 1 else 0)
             end = node.kwargs.get("end_dim", node.args[2] if len(node.args) > 2 else -1)

@@ -142,7 +142,7 @@ class ParallelModel(nn.Module):
     def _build(self, gm: fx.GraphModule, step: Step) -> None:
         spec = step.layer
         assert spec is not None
-        if spec.kind in ("linear", "local"):
+        if spec.kind in ("linear", "local", "mean"):
             return
         node = step.node
         if node.op == "call_module":
@@ -212,6 +212,8 @@ class ParallelModel(nn.Module):
 
     def _run(self, step: Step, args: Any, kwargs: Any, shapes: dict[str, tuple[int, ...]]) -> Any:
         node = step.node
+        if step.kind == "mean":
+            return _spatial_mean(node, args[0], shapes[node.args[0].name])
         distributed = step.layer is not None and step.layer.kind in _SHAPED_KINDS
         if node.op == "call_module":
             module = self.get_submodule(str(node.target))
@@ -315,6 +317,18 @@ class ParallelModel(nn.Module):
         return (f"world_size={self.comm.size}, data={layout_str(self.config.data)}, "
                 f"loss_reduction={self.loss_reduction!r}, layers={len(self.config.layers)} "
                 f"config entries")
+
+
+def _spatial_mean(node: fx.Node, x: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """The local part of ``x.mean(dims)``: a sum over the local block over the global count (the
+    blocks' parts add up to the mean: a pending sum over the grid dims that split ``dims``)."""
+    dims = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else None)
+    keep = bool(node.kwargs.get("keepdim", node.args[2] if len(node.args) > 2 else False))
+    dims = (dims,) if isinstance(dims, int) else tuple(dims)
+    count = 1
+    for d in dims:
+        count *= shape[d % len(shape)]
+    return x.sum(dims, keepdim=keep) / count
 
 
 def _set_submodule(root: nn.Module, target: str, module: nn.Module) -> None:

@@ -25,9 +25,9 @@ class RandomNet(nn.Module):
     pooling, flatten and a linear head."""
 
     def __init__(self, kinds: list[str], channels: int, in_channels: int = 4,
-                 classes: int = 5) -> None:
+                 classes: int = 5, mean_head: bool = False) -> None:
         super().__init__()
-        self.kinds = list(kinds)
+        self.kinds, self.mean_head = list(kinds), mean_head
         self.stem = nn.Conv2d(in_channels, channels, 3, padding=1)
         layers: list[nn.Module] = []
         for kind in kinds:
@@ -49,6 +49,8 @@ class RandomNet(nn.Module):
         x = self.stem(x)
         for kind, layer in zip(self.kinds, self.layers):
             x = x + layer(x) if kind == "res" else layer(x)
+        if self.mean_head:  # global average pooling written functionally
+            return self.head(x.mean((2, 3)))
         return self.head(torch.flatten(self.pool(x), 1))
 
 
@@ -89,7 +91,7 @@ def network_cases(draw: st.DrawFn) -> tuple:
         ["conv", "conv1x1", "bn", "relu", "maxpool", "avgpool", "res"]), min_size=1, max_size=5))
     channels = draw(st.integers(4, 6))
     torch.manual_seed(draw(st.integers(0, 2**16)))
-    model = RandomNet(kinds, channels).double()
+    model = RandomNet(kinds, channels, mean_head=draw(st.booleans())).double()
     convs = [n for n, m in model.named_modules() if isinstance(m, nn.Conv2d)]
     chosen = draw(st.lists(st.sampled_from(convs), unique=True, max_size=len(convs)))
     layers = [{"match": n, **draw(layer_choices(p))} for n in chosen]

@@ -1,0 +1,192 @@
+"""Configs and misuse are refused clearly, naming the entry, the node or the ranks."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from distconv.data import GridSampler, sample_block
+from distconv.grid import ProcessorGrid
+from distconv.nn.grad_sync import BucketedGradSync, plan_buckets
+from distconv.parallel import ParallelConfig, parallelize
+from distconv.parallel.explain import explain
+from distconv.testing import run_threads
+from tests.parallel.cases import resnet_case
+
+
+def _config_error(config: dict, world: int = 4) -> str:
+    with pytest.raises(ValueError) as info:
+        ParallelConfig(config, world_size=world)
+    return str(info.value)
+
+
+def test_config_errors_name_the_entry() -> None:
+    assert "multiply to the world size" in _config_error({"default": {"grid": {"N": 2}}})
+    msg = _config_error({"layers": [{"match": "a", "grid": {"F": 2, "N": 2},
+                                     "algorithm": "stationary-x"}]})
+    assert "layers[0]" in msg and "stationary-w" in msg
+    msg = _config_error({"layers": [{"match": "a", "grid": {"C": 4}, "algorithm": "sample"}]})
+    assert "splits only samples" in msg and "stationary-*" in msg
+    assert "unknown keys ['lyers']" in _config_error({"lyers": []})
+    assert "'X' is not one of" in _config_error({"default": {"grid": {"X": 4}}})
+    assert "algorithm must be one of" in _config_error(
+        {"default": {"grid": {"N": 4}, "algorithm": "fast"}})
+    assert "match must be" in _config_error({"layers": [{"grid": {"N": 4}, "match": ""}]})
+    assert "grid is required" in _config_error({"layers": [{"match": "a"}]})
+
+
+def test_a_pattern_that_matches_nothing_is_refused() -> None:
+    model, _, _ = resnet_case()
+    with pytest.raises(ValueError, match=r"layers\[0\] \('layer9\.\*'\): the pattern matches no"):
+        explain(model, {"default": {"grid": {"N": 4}},
+                        "layers": [{"match": "layer9.*", "grid": {"N": 4}}]}, (4, 3, 16, 16))
+
+
+def test_yaml_configs_load(tmp_path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text("default: {grid: {N: 2, C: 2}, algorithm: stationary-x}\n"
+                    "layers:\n  - {match: 'fc', grid: {N: 4}, algorithm: sample}\n")
+    cfg = ParallelConfig(str(path), world_size=4)
+    assert cfg.choice("layer1.0.conv1").grid == {"N": 2, "C": 2}
+    assert cfg.choice("fc").algorithm == "sample"
+    with pytest.raises(ValueError, match="neither a dict nor an existing YAML file"):
+        ParallelConfig(str(tmp_path / "missing.yaml"), world_size=4)
+
+
+class Dropper(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(4, 4, 3, padding=1)
+        self.drop = nn.Dropout(0.5)
+        self.fc = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.drop(self.conv(x)).mean((2, 3)))
+
+
+class Branchy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(4, 4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv(x) if x.sum() > 0 else x
+
+
+def _refusal(model: nn.Module, config: dict, exc: type[Exception], size: int = 2) -> str:
+    def run(comm):
+        with pytest.raises(exc) as info:
+            parallelize(model, config, comm=comm)
+        return str(info.value)
+
+    return run_threads(run, size)[0]
+
+
+def test_unsupported_constructs_are_refused_naming_the_node() -> None:
+    split_c = {"default": {"grid": {"C": 2}, "algorithm": "stationary-x"},
+               "layers": [{"match": "fc", "grid": {"N": 2}, "algorithm": "sample"}]}
+    msg = _refusal(Dropper(), split_c, NotImplementedError)
+    assert "'drop'" in msg and "dropout" in msg
+    assert "cannot trace Branchy" in _refusal(Branchy(), {}, TypeError)
+    linear_x = {"layers": [{"match": "fc", "grid": {"C": 2}, "algorithm": "stationary-x"}]}
+    assert "Linear layers run sample-parallel" in _refusal(Dropper(), linear_x, ValueError)
+    model, _, _ = resnet_case()
+    too_many = {"layers": [{"match": "conv1", "grid": {"C": 4}, "algorithm": "stationary-x"}]}
+    msg = _refusal(copy.deepcopy(model), too_many, ValueError, size=4)
+    assert "layer 'conv1'" in msg and "in_channels=3" in msg
+    with pytest.raises(ValueError, match="loss_reduction must be one of"):
+        parallelize(model, {}, loss_reduction="avg")
+
+
+def _forward_error(blocks: list[int], data: dict) -> str:
+    model, x, _ = resnet_case()
+
+    def run(comm):
+        pm = parallelize(copy.deepcopy(model), {"data": data}, comm=comm)
+        with pytest.raises(ValueError) as info:
+            pm(x[: blocks[comm.rank]])
+        return str(info.value)
+
+    return run_threads(run, 4)[0]
+
+
+def test_wrong_sample_blocks_are_refused() -> None:
+    assert "not balanced" in _forward_error([1, 3, 2, 2], {"N": 4})
+    msg = _forward_error([2, 3, 2, 2], {"N": 2, "C": 2})
+    assert "share sample block N=0" in msg and "GridSampler" in msg
+
+
+def test_grid_sampler_deals_balanced_blocks_and_replicas_agree() -> None:
+    data = list(range(11))
+
+    def run(comm):
+        grid = ProcessorGrid({"N": 2, "C": 2}, comm=comm)
+        sampler = GridSampler(data, grid, shuffle=True, seed=3)
+        sampler.set_epoch(1)
+        return grid.coords["N"], list(sampler)
+
+    got = run_threads(run, 4)
+    assert got[0] == got[1] and got[2] == got[3]  # replicas of one N block: same samples
+    assert len(got[0][1]) == len(got[2][1]) == 6  # padded to equal blocks, as DistributedSampler
+    assert set(got[0][1]) | set(got[2][1]) == set(data)
+
+    def block(comm):
+        return sample_block(7, ProcessorGrid({"N": 4}, comm=comm))
+
+    assert run_threads(block, 4) == [slice(0, 2), slice(2, 4), slice(4, 6), slice(6, 7)]
+
+
+def test_plan_buckets_fills_in_reverse_order() -> None:
+    assert plan_buckets([4, 4, 4, 4], 8) == [[3, 2], [1, 0]]
+    assert plan_buckets([4, 20, 4], 8) == [[2], [1], [0]]
+
+
+def test_bucketed_sync_sums_every_pass_and_unused_parameters() -> None:
+    def run(comm):
+        torch.manual_seed(0)
+        lin = nn.Linear(3, 2).double()
+        unused = nn.Parameter(torch.ones(2, dtype=torch.float64))
+        BucketedGradSync(comm, [lin.weight, lin.bias, unused], bucket_bytes=16)
+        x = torch.full((1, 3), float(comm.rank + 1), dtype=torch.float64)
+        for _ in range(2):  # accumulation over two backward passes
+            lin(x).sum().backward()
+        return lin.weight.grad.clone(), lin.bias.grad.clone(), unused.grad
+
+    results = run_threads(run, 2)
+    for w, b, u in results:
+        # d/dW sum(W x + b) = x per row; ranks' x are 1 and 2, two passes: 2 * (1 + 2) = 6
+        assert torch.equal(w, torch.full((2, 3), 6.0, dtype=torch.float64))
+        assert torch.equal(b, torch.full((2,), 4.0, dtype=torch.float64))
+        assert torch.equal(u, torch.zeros(2, dtype=torch.float64))
+
+
+def test_user_loop_trains_several_steps_exactly() -> None:
+    """Three steps of SGD with momentum, BN running statistics included."""
+    model, x, y = resnet_case(seed=2)
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    for _ in range(3):
+        F.cross_entropy(ref(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    config = {"layers": [{"match": "layer2.*", "grid": {"N": 2, "C": 2},
+                          "algorithm": "stationary-x"}]}
+
+    def run(comm):
+        pm = parallelize(copy.deepcopy(model), config, comm=comm)
+        popt = torch.optim.SGD(pm.parameters(), lr=0.05, momentum=0.9)
+        rows = sample_block(x.shape[0], pm.data_grid)
+        for _ in range(3):
+            F.cross_entropy(pm(x[rows]), y[rows]).backward()
+            popt.step()
+            popt.zero_grad()
+        return pm.gather_module().state_dict()
+
+    want = ref.state_dict()
+    for state in run_threads(run, 4):
+        for k, v in want.items():
+            assert (state[k].double() - v.double()).abs().max() < 1e-10, k
