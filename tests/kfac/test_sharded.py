@@ -268,3 +268,64 @@ def test_exact_bytes_and_memory_per_rank_equal_the_documented_formulas(grid_dims
     # row blocks over C, replicated over the other dims: each rank holds 1/C of A
     c = grid_dims.get("C", 1) if algorithm != "stationary-y" else 1
     assert a_rows == K * size // c
+
+
+# ---------------------------------------------------------------- real worlds
+def real_run(comm, grid_dims, algorithm, conv_kw, kfac_kw, steps):
+    return sharded_run(comm, grid_dims, algorithm, conv_kw, kfac_kw, steps)[:4]
+
+
+REAL_CASES = [
+    ({"N": 2, "C": 2}, "stationary-x", dict(kernel_size=3, padding=1), "exact"),
+    ({"C": 2, "F": 2}, "stationary-w", dict(kernel_size=3, padding=1), "exact"),
+    ({"H": 2, "F": 2}, "stationary-y", dict(kernel_size=(3, 2), padding=1), "exact"),
+]
+
+
+def _real(pool, cases):
+    kw = dict(kl_clip=1e-2, damping=1e-2, factor_decay=0.7)
+    for grid_dims, algorithm, conv_kw, layout in cases:
+        ref = single_run(conv_kw, kw, steps=2)
+        assert_exact(pool.run(real_run, grid_dims, algorithm, conv_kw,
+                              dict(kw, factor_sharding=layout), 2), ref)
+
+
+@pytest.mark.gloo
+def test_gloo4_exact_equals_single_process(gloo4):
+    _real(gloo4, REAL_CASES[:1])
+
+
+@pytest.mark.mpi
+def test_mpi4_exact_equals_single_process(mpi4):
+    _real(mpi4, REAL_CASES[1:])
+
+
+# ---------------------------------------------------------------- property
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+@st.composite
+def exact_cases(draw):
+    algorithm = draw(st.sampled_from(["stationary-x", "stationary-y", "stationary-w"]))
+    model = {"stationary-x": ["C"], "stationary-y": ["F"], "stationary-w": ["C", "F"]}[algorithm]
+    dims = {d: draw(st.integers(2, 3 if len(model) == 1 else 2)) for d in model}
+    for extra in draw(st.lists(st.sampled_from(["N", "H", "W"]), max_size=1, unique=True)):
+        dims[extra] = 2
+    size = _size(dims)
+    if size > 8:
+        dims.pop(model[0])
+        dims[model[0]] = 2
+    k = draw(st.sampled_from([1, 2, 3]))
+    conv_kw = dict(kernel_size=k, padding=k // 2, bias=draw(st.booleans()))
+    return dims, algorithm, conv_kw
+
+
+@settings(max_examples=5)
+@given(exact_cases())
+def test_exact_equals_single_process_on_drawn_grids(case):
+    grid_dims, algorithm, conv_kw = case
+    kw = dict(kl_clip=1e-2, damping=1e-2, factor_decay=0.5, compute_method="inverse")
+    ref = single_run(conv_kw, kw, steps=2)
+    assert_exact(run_threads(sharded_run, _size(grid_dims), grid_dims, algorithm, conv_kw, kw,
+                             2), ref)
