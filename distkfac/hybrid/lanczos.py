@@ -11,9 +11,11 @@ columns ``s_r : s_r + b_r`` of every Lanczos vector (DHO2's Algorithm 2), so D's
 4. ``c' = Σ_r D[:i+1, o] w[o]``; ``w -= c' D``                     (second pass, for stability)
 5. ``beta_i = ||w||``; ``D_{i+1} = w / beta_i``
 
-Steps 3–5 reduce only ``i + 2`` numbers.  The tridiagonal ``T`` (alphas on the diagonal, betas
-beside it) is the same on every rank, so its eigenproblem ``T = S diag(theta) S^T`` is solved by
-each rank locally and the Ritz vectors are assembled as slices: ``E[:, o] = S[:, sel]^T D[:, o]``.
+Steps 3–5 exchange ``i + 1``, ``i + 1`` and 1 numbers per rank, summed in rank order on every
+rank, so the tridiagonal ``T`` (alphas on the diagonal, betas beside it) is bitwise the same
+everywhere and every rank takes the same breakdown decision.  Its eigenproblem
+``T = S diag(theta) S^T`` is solved by each rank locally and the Ritz vectors are assembled as
+slices: ``E[:, o] = S[:, sel]^T D[:, o]``.
 
 Everything runs in float64 (as the FOSI authors do); Hessian-vector products run in the model's
 dtype.  When ``beta_i`` falls to ``breakdown * max(|alpha|, beta)`` the Krylov space is invariant:
