@@ -71,6 +71,43 @@ def test_noncontiguous_inputs_to_every_collective(request, name):
     else:
         results = request.getfixturevalue(name).run(programs.check_all_ops, "float32", 5, True)
     assert len(results) == (3 if name == "threads" else int(name[-1]))
+    run = (lambda fn: run_threads(fn, 3)) if name == "threads" else (
+        request.getfixturevalue(name).run)
+    assert run(_strided_collectives) == [[]] * len(results)
+
+
+def _views(rank: int, salt: int) -> dict[str, torch.Tensor]:
+    """The same (4, 3) values as a strided slice, a transpose's transpose and a broadcast view."""
+    g = torch.Generator().manual_seed(rank * 31 + salt)
+    base = torch.randint(-5, 6, (4, 6), generator=g).double()
+    return {
+        "strided": base[:, ::2],
+        "transposed": base[:, ::2].t().contiguous().t(),
+        "expanded": base[:1, ::2].expand(4, 3),
+    }
+
+
+def _strided_collectives(comm):
+    """Every collective fed views that are not contiguous, against contiguous references."""
+    P, r = comm.size, comm.rank
+    failures = []
+    for kind in ("strided", "transposed", "expanded"):
+        mine = _views(r, 0)[kind]
+        every = [_views(s, 0)[kind].contiguous() for s in range(P)]
+        assert not mine.is_contiguous()
+        checks = {
+            "allreduce": (comm.allreduce(mine), _in_rank_order(every)),
+            "allgather": (torch.stack(comm.allgather(mine)), torch.stack(every)),
+            "broadcast": (comm.broadcast(mine, root=P - 1), every[P - 1]),
+            "reduce_scatter": (
+                comm.reduce_scatter([mine.t()] * P), _in_rank_order([e.t() for e in every])),
+            "alltoall": (torch.stack(comm.alltoall([mine.t()] * P)),
+                         torch.stack([e.t() for e in every])),
+        }
+        for op, (got, want) in checks.items():
+            if not torch.equal(got, want):
+                failures.append(f"{op} of a {kind} view")
+    return failures
 
 
 def _bounded(fn, limit):

@@ -1,0 +1,210 @@
+"""Mutation check: does the suite fail when the code has a realistic bug?
+
+Each mutant replaces one exact piece of source text (it must occur exactly once, else the mutant
+is reported ``stale``: the code moved and the list needs updating). The tree (``distconv``,
+``distkfac``, ``tests``, ``examples`` and ``pyproject.toml``) is copied to a temporary directory
+and the mutant is applied there; the working tree is never touched. The mutant's tests run on
+the copy (``PYTHONPATH`` puts the copy first, and the test worlds' workers inherit it). A mutant
+whose tests still pass *survived*: the suite has a gap there.
+
+    python tests/mutation.py                 # every mutant
+    python tests/mutation.py --list
+    python tests/mutation.py threads-reduce-order allreduce-contiguity
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+COPY = ("distconv", "distkfac", "tests", "examples", "pyproject.toml")
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    path: str
+    old: str
+    new: str
+    tests: tuple[str, ...]
+    why: str
+
+
+MUTANTS = [
+    Mutant("threads-reduce-order", "distconv/comm/threads.py",
+           "return Work.completed(reduce_in_order(parts, op, self.size))",
+           "return Work.completed(reduce_in_order(parts[::-1], op, self.size))",
+           ("tests/comm/test_contracts.py", "tests/comm/test_threads.py"),
+           "thread allreduce sums in reverse rank order (determinism promised)"),
+    Mutant("gloo-reduce-scatter-order", "distconv/comm/torch_backend.py",
+           "reduce_in_order(work.wait(), op, self.size)",
+           "reduce_in_order(work.wait()[::-1], op, self.size)",
+           ("tests/comm/test_contracts.py",),
+           "gloo reduce-scatter (all-to-all + local sum) sums in reverse rank order"),
+    Mutant("allreduce-contiguity", "distconv/comm/base.py",
+           't = self._tensor(t, "t").contiguous()\n        op = self._reduce_op(op, t.dtype)',
+           't = self._tensor(t, "t")\n        op = self._reduce_op(op, t.dtype)',
+           ("tests/comm/test_contracts.py",),
+           "allreduce hands a non-contiguous tensor to the backend"),
+    Mutant("threads-ignore-timeout", "distconv/comm/threads.py",
+           "self._group.barrier.wait(timeout=self.timeout)",
+           "self._group.barrier.wait()",
+           ("tests/comm/test_contracts.py",),
+           "a thread rank waits at the barrier forever"),
+    Mutant("run-threads-unbounded-join", "distconv/testing/threads.py",
+           "    _join(threads, group, timeout)\n",
+           "    [t.join() for t in threads]\n",
+           ("tests/comm/test_contracts.py",),
+           "run_threads waits forever for a rank that ignores its timeout"),
+    Mutant("allreduce-bytes", "distconv/comm/base.py",
+           "return ((size - 1) * b + (n - b)) * itemsize",
+           "return ((size - 1) * b + n) * itemsize",
+           ("tests/comm/test_threads.py",),
+           "the byte counter of an allreduce counts the own block too"),
+    Mutant("mpi-avg-undivided", "distconv/comm/mpi_backend.py",
+           "        if op == \"avg\":\n            res = res / size\n",
+           "",
+           ("tests/comm/test_backends.py",),
+           "MPI avg returns the sum"),
+    Mutant("balanced-remainder-last", "distconv/distribution.py",
+           "return index * q + min(index, r), q + (index < r)",
+           "return index * q + max(0, index - (parts - r)), q + (index >= parts - r)",
+           ("tests/test_distribution.py", "tests/test_redistribute.py"),
+           "the remainder goes to the last blocks instead of the first"),
+    Mutant("nested-block-short-coords", "distconv/distribution.py",
+           "    if len(extents) != len(coords):\n",
+           "    if False:\n",
+           ("tests/test_validation.py",),
+           "nested_block silently truncates to the shorter of extents and coords"),
+    Mutant("pad-not-zeroed", "distconv/redistribute.py",
+           "out = x.new_zeros(_with(x.shape, self.dim, n))",
+           "out = x.new_empty(_with(x.shape, self.dim, n))",
+           ("tests/test_redistribute.py",),
+           "the adjoint of a slice pads with garbage instead of zeros"),
+    Mutant("stationary-w-output-layout", "distconv/nn/conv.py",
+           '"stationary-w": both(f, c)}[alg]',
+           '"stationary-w": both(c, f)}[alg]',
+           ("tests/nn/test_conv.py", "tests/nn/test_conv_layouts.py"),
+           "stationary-w's output y[o,o_{F×C},o,o] becomes y[o,o_{C×F},o,o]"),
+    Mutant("stationary-w-input-layout", "distconv/nn/conv.py",
+           '"stationary-w": both(c, f)}[alg]',
+           '"stationary-w": both(f, c)}[alg]',
+           ("tests/nn/test_conv.py", "tests/nn/test_conv_layouts.py"),
+           "stationary-w's input x[o,o_{C×F},o,o] becomes x[o,o_{F×C},o,o]"),
+    Mutant("conv-halo-span", "distconv/conv_geometry.py",
+           "return self.dilation * (self.kernel - 1) + 1",
+           "return self.dilation * (self.kernel - 1) + 1 - (self.dilation > 1)",
+           ("tests/nn/test_conv.py", "tests/test_halo.py"),
+           "a dilated kernel reads one row too few"),
+    Mutant("sample-path-ignores-global-shape", "distconv/nn/conv.py",
+           "if self._local and global_shape is None and self.input_shape is None:",
+           "if self._local:",
+           ("tests/test_validation.py",),
+           "a grid splitting only samples ignores a contradicting global_shape"),
+    Mutant("scatter-no-debug-check", "distconv/redistribute.py",
+           "    if get_debug():\n        agree_on_value(",
+           "    if False:\n        agree_on_value(",
+           ("tests/test_validation.py",),
+           "debug mode no longer catches a scatter of data that differs across ranks"),
+    Mutant("kfac-ema-decay", "distkfac/factors.py",
+           "self.value.mul_(decay).add_(new, alpha=1.0 - decay)",
+           "self.value.mul_(1.0 - decay).add_(new, alpha=decay)",
+           ("tests/kfac/test_exactness.py",),
+           "K-FAC's running average weighs the new factor with decay"),
+    Mutant("no-shutdown-at-exit", "distconv/comm/__init__.py",
+           "        _register_shutdown()\n        return _world\n",
+           "        return _world\n",
+           ("tests/test_validation.py",),
+           "process groups are left to interpreter finalization (aborts only sometimes: the "
+           "soak in benchmarks/soak.py measures it)"),
+]
+
+
+def _copy_tree(dest: Path) -> None:
+    ignore = shutil.ignore_patterns("__pycache__", ".hypothesis", ".pytest_cache", "output")
+    for name in COPY:
+        src = ROOT / name
+        if src.is_dir():
+            shutil.copytree(src, dest / name, ignore=ignore)
+        elif src.exists():
+            shutil.copy2(src, dest / name)
+
+
+def _pytest(tree: Path, tests: tuple[str, ...], limit: float) -> tuple[str, float, str]:
+    env = dict(os.environ, PYTHONPATH=str(tree), PYTHONDONTWRITEBYTECODE="1")
+    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *tests]
+    begin = time.monotonic()
+    try:
+        proc = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True,
+                              timeout=limit)
+    except subprocess.TimeoutExpired:
+        return "killed (timeout)", time.monotonic() - begin, ""
+    seconds = time.monotonic() - begin
+    last = (proc.stdout.strip().splitlines() or [""])[-1]
+    return ("survived" if proc.returncode == 0 else "killed"), seconds, last
+
+
+def run_mutant(m: Mutant, limit: float) -> dict:
+    with tempfile.TemporaryDirectory(prefix="distconv-mutant-") as tmp:
+        tree = Path(tmp)
+        _copy_tree(tree)
+        target = tree / m.path
+        text = target.read_text()
+        if text.count(m.old) != 1:
+            return {"name": m.name, "result": f"stale ({text.count(m.old)} matches)",
+                    "seconds": 0.0, "why": m.why}
+        target.write_text(text.replace(m.old, m.new))
+        result, seconds, last = _pytest(tree, m.tests, limit)
+    return {"name": m.name, "result": result, "seconds": round(seconds, 1), "last": last,
+            "why": m.why, "tests": list(m.tests)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("names", nargs="*", help="mutants to run (default: all)")
+    ap.add_argument("--list", action="store_true", help="list the mutants and exit")
+    ap.add_argument("--limit", type=float, default=600.0, help="seconds per mutant's tests")
+    ap.add_argument("--baseline", action="store_true",
+                    help="first run every mutant's tests on the unmutated copy (must pass)")
+    ap.add_argument("--out", default=None, help="write the results as JSON here")
+    args = ap.parse_args()
+    chosen = [m for m in MUTANTS if not args.names or m.name in args.names]
+    unknown = set(args.names) - {m.name for m in MUTANTS}
+    if unknown:
+        ap.error(f"unknown mutants: {sorted(unknown)}")
+    if args.list:
+        for m in chosen:
+            print(f"{m.name:34s} {m.path:32s} {m.why}")
+        return
+    if args.baseline:
+        tests = tuple(dict.fromkeys(t for m in chosen for t in m.tests))
+        with tempfile.TemporaryDirectory(prefix="distconv-baseline-") as tmp:
+            _copy_tree(Path(tmp))
+            result, seconds, last = _pytest(Path(tmp), tests, args.limit * 2)
+        print(f"baseline: {'pass' if result == 'survived' else 'FAIL'} in {seconds:.0f} s ({last})")
+        if result != "survived":
+            sys.exit(2)
+    results = []
+    for m in chosen:
+        r = run_mutant(m, args.limit)
+        results.append(r)
+        print(f"{r['name']:34s} {r['result']:18s} {r['seconds']:6.1f} s  {r['why']}", flush=True)
+    survivors = [r["name"] for r in results if r["result"] == "survived"]
+    stale = [r["name"] for r in results if r["result"].startswith("stale")]
+    print(f"\n{len(results) - len(survivors) - len(stale)} killed, {len(survivors)} survived"
+          f"{': ' + ', '.join(survivors) if survivors else ''}"
+          f"{f', {len(stale)} stale: ' + ', '.join(stale) if stale else ''}")
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
