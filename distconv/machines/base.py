@@ -98,11 +98,12 @@ class ConvTable:
     """Measured local forward-convolution seconds by layer shape, with a rate for the rest.
 
     ``times`` maps :func:`ConvTable.key` of a local :class:`ConvProblem` to seconds; shapes not in
-    the table cost ``flops / flop_rate``.
+    the table cost ``flops / flop_rate``; ``overhead`` is added to every call.
     """
 
     times: Mapping[tuple, float]
     flop_rate: float
+    overhead: float = 0.0  # seconds of software around every local convolution call
 
     @staticmethod
     def key(pb: ConvProblem) -> tuple:
@@ -111,7 +112,7 @@ class ConvTable:
 
     def __call__(self, pb: ConvProblem) -> float:
         t = self.times.get(self.key(pb))
-        return t if t is not None else pb.flops() / self.flop_rate
+        return (t if t is not None else pb.flops() / self.flop_rate) + self.overhead
 
 
 @dataclass(frozen=True)
@@ -159,6 +160,8 @@ class Machine:
         sources: where each number comes from (``field -> citation``).
         schedule: ``"ring"`` (default) or ``"tree"``: the latency term of collectives
             (:func:`latency_steps`).
+        call_overhead: seconds of software around every collective call (the library's
+            planning and bookkeeping, beyond the wire's ``alpha``). Default 0.
     """
 
     name: str
@@ -168,6 +171,7 @@ class Machine:
     conv_time: Callable[[ConvProblem], float] | None = None
     sources: Mapping[str, str] = field(default_factory=dict)
     schedule: str = "ring"
+    call_overhead: float = 0.0
 
     def __post_init__(self) -> None:
         if self.schedule not in ("ring", "tree"):
@@ -211,7 +215,7 @@ class Machine:
         lv = self.levels[i]
         below = self.levels[i - 1].ranks if i else 1
         flows = max(below // max(k, 1), 1) if lv.shared else 1
-        return steps * lv.alpha + nbytes * flows / lv.bandwidth
+        return self.call_overhead + steps * lv.alpha + nbytes * flows / lv.bandwidth
 
     def collective_time(self, op: str, peers: int, nbytes: float, *,
                         layout: Layout | None = None, dims: Sequence[str] = ()) -> float:
@@ -237,7 +241,7 @@ class Machine:
                            for lv in self.levels)
         return (f"Machine(name={self.name!r}, levels=[{levels}], flop_rate={self.flop_rate:.3g}, "
                 f"memory={self.memory:.3g}, conv_time={self.conv_time!r}, "
-                f"schedule={self.schedule!r})")
+                f"schedule={self.schedule!r}, call_overhead={self.call_overhead:.3g})")
 
     @classmethod
     def flat(cls, alpha: float, beta: float, flop_rate: float, *, memory: float = math.inf,

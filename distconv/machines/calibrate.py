@@ -3,34 +3,82 @@
 from __future__ import annotations
 
 import math
+import statistics
+import time
 from collections.abc import Sequence
 from typing import Any
 
+import torch
+
 from distconv.machines.base import ConvTable, Level, Machine
-from distconv.perfmodel import ConvProblem, calibrate as _fit, measure_flop_rate
+from distconv.perfmodel import ConvProblem, calibrate as _fit, conv_cost, measure_flop_rate
 
 __all__ = ["calibrate"]
 
 
 def calibrate(comm: Any, *, problems: Sequence[ConvProblem] = (), memory: float = math.inf,
-              sizes: Sequence[int] = (1, 1 << 18), repeats: int = 5) -> Machine:
-    """Fit alpha and beta on ``comm`` (every rank gets rank 0's fit) and the local FLOP rate,
-    and time the local forward convolutions in ``problems`` into a :class:`ConvTable`.
+              sizes: Sequence[int] = (1, 1 << 18), repeats: int = 5,
+              overheads: bool = True) -> Machine:
+    """Profile this machine on ``comm`` (collective; every rank gets rank 0's fit).
+
+    * alpha and beta from allgathers, and the local FLOP rate (:func:`perfmodel.calibrate`);
+    * the local forward convolutions in ``problems`` timed into a :class:`ConvTable`;
+    * with ``overheads`` (default) and 1 < P <= 16 ranks: the software around each layer and
+      each collective call, fitted so that the model reproduces two measured
+      :class:`~distconv.nn.DistConv2d` steps -- sample-parallel (``{N: P}``: one gradient
+      allreduce) and channel-parallel (``{C: P}``: a reduce-scatter and an allgather).
 
     All ranks of this machine share one level (one host, loopback or shared memory).
-    Collective: every rank of ``comm`` must call it with the same arguments.
     """
     flat = _fit(comm, sizes=sizes, repeats=repeats)
-    times = {ConvTable.key(pb): pb.flops() / measure_flop_rate(pb, repeats=repeats)
-             for pb in problems}
-    if comm.size > 1 and times:
-        import torch
-
-        keys = list(times)
-        t = comm.broadcast(torch.tensor([times[k] for k in keys], dtype=torch.float64), root=0)
-        times = {k: float(v) for k, v in zip(keys, t)}
-    table = ConvTable(times, flat.flop_rate) if times else None
+    keys = [ConvTable.key(pb) for pb in problems]
+    values = [pb.flops() / measure_flop_rate(pb, repeats=repeats) for pb in problems]
     source = f"calibrated on {comm.size} ranks ({getattr(comm, 'backend', '?')})"
     level = Level("host", 0, flat.alpha, 1.0 / flat.beta, source=source)
-    return Machine("this machine", (level,), flat.flop_rate, memory, table,
-                   {"alpha": source, "beta": source, "flop_rate": "measure_flop_rate()"})
+    machine = Machine("this machine", (level,), flat.flop_rate, memory,
+                      ConvTable(dict(zip(keys, values)), flat.flop_rate),
+                      {"alpha": source, "beta": source, "flop_rate": "measure_flop_rate()"})
+    layer, call = (_overheads(comm, machine, repeats)
+                   if overheads and 1 < comm.size <= 16 else (0.0, 0.0))
+    fit = torch.tensor([*values, layer, call], dtype=torch.float64)
+    if comm.size > 1:
+        fit = comm.broadcast(fit, root=0)
+    *values, layer, call = (float(v) for v in fit)
+    return Machine("this machine", (level,), flat.flop_rate, memory,
+                   ConvTable(dict(zip(keys, values)), flat.flop_rate, overhead=layer),
+                   {**machine.sources, "overheads": f"fitted to DistConv2d steps, {source}"},
+                   call_overhead=call)
+
+
+def _overheads(comm: Any, machine: Machine, repeats: int) -> tuple[float, float]:
+    """``(per local conv call, per collective call)`` seconds that close the gap between the
+    measured and modelled steps of two small layers (least squares, clamped at zero)."""
+    from distconv.grid import ProcessorGrid
+    from distconv.nn import DistConv2d
+
+    P = comm.size
+    pb = ConvProblem(2 * P, 16, 16, 8, 8, 3, padding=1)
+    rows = []
+    for grid in ({"N": P}, {"C": P}):
+        g = ProcessorGrid(grid, comm=comm)
+        conv = DistConv2d(16, 16, 3, padding=1, grid=g, algorithm="stationary-x", init_seed=0)
+        shape = (pb.batch, 16, 8, 8)
+        x = torch.randn(conv.local_input_shape(shape), requires_grad=True)
+        times = []
+        for _ in range(repeats + 1):
+            comm.barrier()
+            t0 = time.perf_counter()
+            conv(x, shape).sum().backward()
+            conv.zero_grad()
+            comm.barrier()
+            times.append(time.perf_counter() - t0)
+        cost = conv_cost(pb, grid, "stationary-x", machine)
+        calls = len(cost.traffic.forward) + len(cost.traffic.backward)
+        rows.append((3.0, float(calls), statistics.median(times[1:]) - cost.total))
+    (a1, b1, d1), (a2, b2, d2) = rows
+    det = a1 * b2 - a2 * b1
+    layer, call = ((d1 * b2 - d2 * b1) / det, (a1 * d2 - a2 * d1) / det) if det else (-1, -1)
+    if layer < 0 or call < 0:  # not separable from these two: put it all in one term
+        layer, call = max(0.0, min(d1, d2) / 3), 0.0
+        call = max(0.0, max((d - 3 * layer) / b for _, b, d in rows if b) if b1 or b2 else 0.0)
+    return layer, call
