@@ -19,10 +19,18 @@ mode in turn; per chunk position the fastest round counts (noise only adds time)
 The K-FAC phases (factor computation in the hooks, factor communication wait, decomposition,
 broadcast, preconditioning) come from ``KFAC.timings``.
 
+Channel parallelism (``--channel``, 2 processes): a stack of 3x3 ``DistConv2d`` layers
+(stationary-x on ``{C: 2}``, 64 channels, 16x16, batch 32) with K-FAC ``'exact'`` and
+``'block'``, against the same convolutions data-parallel (``{N: 2}``, plain ``nn.Conv2d``,
+``allreduce_gradients``) on the same two ranks: iteration time per phase, K-FAC's bytes per step
+(the communicators' counters, minus the same step without K-FAC) and factor plus decomposition
+memory per rank.
+
     python benchmarks/kfac.py                 # 1 and 2 processes, 2 rounds
     python benchmarks/kfac.py --procs 2 --rounds 3 --threads 1
+    python benchmarks/kfac.py --channel --rounds 2
 
-Writes ``benchmarks/results/kfac.json`` and ``kfac.md``.
+Writes ``benchmarks/results/kfac.json`` and ``kfac.md`` (``kfac_channel.*`` with ``--channel``).
 """
 from __future__ import annotations
 
@@ -160,6 +168,118 @@ def table(results: dict[int, dict]) -> str:
     return "\n".join(lines)
 
 
+# ---------------------------------------------------------------- channel parallelism
+CH, HW, DEPTH, CH_BATCH = 64, 16, 4, 32
+
+
+def _channel_model(comm, parallel: bool) -> nn.Module:
+    from distconv.grid import ProcessorGrid
+    from distconv.nn import DistConv2d
+
+    torch.manual_seed(0)
+    convs = [nn.Conv2d(CH, CH, 3, padding=1) for _ in range(DEPTH)]
+    if not parallel:
+        return nn.Sequential(*[m for c in convs for m in (c, nn.ReLU())])
+    grid = ProcessorGrid({"C": comm.size}, comm=comm)
+    shape = (CH_BATCH, CH, HW, HW)
+    return nn.Sequential(*[m for c in convs for m in (
+        DistConv2d.from_conv2d(c, grid=grid, algorithm="stationary-x", input_shape=shape),
+        nn.ReLU())])
+
+
+def _factor_bytes(kfac) -> int:
+    """Factors and decompositions this rank holds."""
+    total = 0
+    for ly in kfac.layers:
+        for t in (ly.a.value, ly.g.value, ly.a_payload, ly.g_payload):
+            total += 0 if t is None else t.numel() * t.element_size()
+    for ex in kfac.exact_layers:
+        for t in (*ex.factors.values(), *ex.inverse_rows.values()):
+            total += 0 if t is None else t.numel() * t.element_size()
+    return total
+
+
+def channel_worker(comm, rounds: int, threads: int) -> dict:
+    import distkfac
+
+    torch.set_num_threads(threads)
+    lr, p = 0.01, comm.size
+    g = torch.Generator().manual_seed(1)
+    x_full = torch.randn(CH_BATCH, CH, HW, HW, generator=g)
+    x_dp = x_full[comm.rank * CH_BATCH // p:(comm.rank + 1) * CH_BATCH // p]
+    modes = {"dp sgd": (False, None, 0, 0), "dp kfac-1": (False, "-", 1, 1),
+             "dp kfac-10/100": (False, "-", 10, 100),
+             "cp sgd": (True, None, 0, 0), "cp exact-1": (True, "exact", 1, 1),
+             "cp exact-10/100": (True, "exact", 10, 100), "cp block-1": (True, "block", 1, 1),
+             "cp block-10/100": (True, "block", 10, 100)}
+    states = {}
+    for mode, (parallel, layout, fsteps, isteps) in modes.items():
+        model = _channel_model(comm, parallel)
+        kfac = None
+        if layout is not None:
+            kw = {} if layout == "-" else {"factor_sharding": layout}
+            kfac = distkfac.KFAC(model, comm=comm, lr=lr, factor_update_steps=fsteps,
+                                 inv_update_steps=isteps, placement="round-robin", **kw)
+        opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+        x = x_full[:, comm.rank * CH // p:(comm.rank + 1) * CH // p] if parallel else x_dp
+        states[mode] = (model, opt, kfac, x, parallel)
+
+    def run(mode: str, steps: int) -> dict:
+        model, opt, kfac, x, parallel = states[mode]
+        if kfac is not None:
+            kfac.reset_timings()
+        comm.barrier()
+        comm.stats.reset()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            opt.zero_grad()
+            out = model(x)
+            # global-mean loss on the channel-parallel model, local mean data-parallel
+            (out.square().sum() / CH_BATCH if parallel else out.square().mean() * p).backward()
+            if not parallel:
+                distkfac.allreduce_gradients(model.parameters(), comm)
+            if kfac is not None:
+                kfac.step()
+            opt.step()
+        comm.barrier()
+        out = {"iter_s": (time.perf_counter() - t0) / steps,
+               "bytes": comm.stats.total_bytes() / steps}
+        if kfac is not None:
+            out.update({ph: kfac.timings[ph] / steps for ph in PHASES})
+        return out
+
+    per = {m: (100 if "10/100" in m else 4) for m in modes}
+    for mode in modes:
+        run(mode, 2)
+    best: dict = {}
+    for _ in range(rounds):
+        for mode in modes:
+            r = run(mode, per[mode])
+            if mode not in best or r["iter_s"] < best[mode]["iter_s"]:
+                best[mode] = r
+    for mode, (model, opt, kfac, x, parallel) in states.items():
+        keys = list(best[mode])
+        vals = comm.allreduce(torch.tensor([best[mode][k] for k in keys], dtype=torch.float64),
+                              op="max")
+        best[mode] = dict(zip(keys, vals.tolist()))
+        base = "cp sgd" if parallel else "dp sgd"
+        best[mode]["kfac_bytes"] = best[mode]["bytes"] - best[base]["bytes"]
+        best[mode]["factor_mem"] = 0 if kfac is None else _factor_bytes(kfac)
+    return best
+
+
+def channel_table(res: dict) -> str:
+    lines = ["| mode | ms/iter | ratio to its SGD | K-FAC bytes/step | factor+decomp. memory | "
+             + " | ".join(PHASES) + " |", "|---" * (5 + len(PHASES)) + "|"]
+    for mode, r in res.items():
+        base = res["cp sgd" if mode.startswith("cp") else "dp sgd"]["iter_s"]
+        phases = [f"{1e3 * r[p]:.1f}" if p in r else "-" for p in PHASES]
+        lines.append(f"| {mode} | {1e3 * r['iter_s']:.1f} | {r['iter_s'] / base:.2f} | "
+                     f"{r['kfac_bytes']:,.0f} | {r['factor_mem']:,} | " + " | ".join(phases)
+                     + " |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     from distconv.launch import launch
 
@@ -169,7 +289,18 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
     parser.add_argument("--batch", type=int, default=64, help="batch per rank")
     parser.add_argument("--placement", default="lbp", choices=["lbp", "round-robin"])
+    parser.add_argument("--channel", action="store_true",
+                        help="channel-parallel K-FAC ('exact', 'block') against data-parallel")
     args = parser.parse_args()
+    if args.channel:
+        res = launch(channel_worker, 2, args.rounds, args.threads, backend="gloo",
+                     timeout=600.0)[0]
+        text = channel_table(res)
+        print(text)
+        OUTPUT.mkdir(parents=True, exist_ok=True)
+        (OUTPUT / "kfac_channel.json").write_text(json.dumps(res, indent=1))
+        (OUTPUT / "kfac_channel.md").write_text(text + "\n")
+        return
     results = {}
     for procs in args.procs:
         backend = "single" if procs == 1 else "gloo"
