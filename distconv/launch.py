@@ -54,5 +54,5 @@ def launch(
         return run_threads(fn, nprocs, *args, timeout=timeout, **kw)
     from distconv.testing import WorkerPool
 
-    with WorkerPool(backend, nprocs, timeout=timeout, task_timeout=None) as pool:
+    with WorkerPool(backend, nprocs, timeout=timeout, task_timeout=None, echo=True) as pool:
         return pool.run(fn, *args, **kw)

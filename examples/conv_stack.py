@@ -1,4 +1,4 @@
-"""The main job: distconv on 4 local processes, checked against one process.
+"""A DistConv2d stack on 4 local processes, layer by layer, checked against one process.
 
 1. A tensor walks through the paper's redistributions on a 2×2 grid (allgather, discard,
    segmented allgather of a nested ``o_{C×F}`` block, reduce-scatter of a pending sum).
@@ -8,7 +8,7 @@
    weight gradient are compared with the same stack of ``nn.Conv2d`` on one process. Per layer
    it prints the distributions in the paper's notation, the bytes moved and the time.
 
-Run: ``python examples/demo.py [--backend gloo|mpi|threads]``.
+Run: ``python examples/conv_stack.py [--backend gloo|mpi|threads]``.
 """
 from __future__ import annotations
 

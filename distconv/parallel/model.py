@@ -69,7 +69,8 @@ class ParallelModel(nn.Module):
     """A model whose Conv2d layers run on the grids and algorithms of a declarative config.
 
     Made by :func:`distconv.parallelize`; see the module docstring for the training contract.
-    Parameters and buffers are the local shards (``distconv.nn.shard_specs(pmodel)`` says where
+    It works on its own copy of the model (the caller's model is left as it was). Parameters and
+    buffers are the local shards (``distconv.nn.shard_specs(pmodel)`` says where
     each lies); the state-dict keys are the original model's.
 
     Attributes:
@@ -97,7 +98,9 @@ class ParallelModel(nn.Module):
         # may run a module meanwhile, so every rank traces inside the same pair of barriers.
         comm.barrier(meta="parallelize: before tracing")
         try:
-            gm = trace(model)
+            # Our own copy: the parallel model never shares a module or tensor with the caller's
+            # (thread ranks may pass one model object; shards replace its layers anyway).
+            gm = trace(copy.deepcopy(model))
         finally:
             comm.barrier(meta="parallelize: after tracing")
         ndim = None if input_shape is None else len(tuple(input_shape))

@@ -85,6 +85,8 @@ class WorkerPool:
         start_timeout: seconds to wait for the world to come up (default 120.0).
         mpiexec: the launcher for ``backend="mpi"`` (default :func:`find_mpiexec`).
         env: extra environment variables for the workers (default none).
+        echo: the workers print to this process's stdout and stderr instead of per-rank log
+            files (default False; ``distconv.launch.launch`` sets it, so scripts show progress).
 
     The pool starts in the constructor. A task whose ranks died, timed out or failed in
     communication leaves the world in an unknown state: the pool restarts before the next task.
@@ -100,6 +102,7 @@ class WorkerPool:
         start_timeout: float = 120.0,
         mpiexec: str | None = None,
         env: dict[str, str] | None = None,
+        echo: bool = False,
     ) -> None:
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
@@ -110,6 +113,7 @@ class WorkerPool:
         check_timeout(start_timeout, "start_timeout")
         self.backend = backend
         self.size = size
+        self.echo = bool(echo)
         self.timeout = float(timeout)
         self.task_timeout = (
             float(task_timeout) if task_timeout is not None else 2 * self.timeout + 30
@@ -221,19 +225,21 @@ class WorkerPool:
         self._running = True
 
     def _spawn(self, cmd: list[str], env: dict[str, str], name: str) -> subprocess.Popen:
-        log = open(os.path.join(self._logdir, f"{name}.log"), "wb")
+        # echo: the workers write to this process's terminal (scripts); else to per-rank logs
+        log = None if self.echo else open(os.path.join(self._logdir, f"{name}.log"), "wb")
         try:
             return subprocess.Popen(
                 cmd,
                 env=env,
                 stdin=subprocess.DEVNULL,
                 stdout=log,
-                stderr=subprocess.STDOUT,
+                stderr=None if self.echo else subprocess.STDOUT,
                 start_new_session=True,
                 cwd=os.getcwd(),
             )
         finally:
-            log.close()
+            if log is not None:
+                log.close()
 
     def _handshake(self, listener: Listener) -> list[Connection]:
         accepted: list[Connection] = []
