@@ -121,6 +121,16 @@ class ProcessorGrid:
         return {n: coords[n] for n in self.names}
 
     def rank_of(self, coords: Mapping[str, int]) -> int:
+        """The rank at ``coords`` (dims left out are at 0)."""
+        if not isinstance(coords, Mapping):
+            raise TypeError(f"coords must be a mapping from grid dim name to int, got {coords!r}")
+        for name, c in coords.items():
+            extent = self.extent(name)
+            if isinstance(c, bool) or not isinstance(c, int) or not 0 <= c < extent:
+                raise ValueError(
+                    f"coords[{name!r}] must be an int in [0, {extent}), got {c!r} "
+                    f"({self._describe()})"
+                )
         rank = 0
         for name, extent in self._layout:
             rank = rank * extent + coords.get(name, 0)

@@ -209,3 +209,23 @@ def _close_world(comm):
 
 def test_close_releases_sub_communicators():
     assert run_threads(_close_world, 4) == [(4.0, 0)] * 4
+
+
+def _from_rank_conv(comm):
+    conv = nn.Conv2d(4, 4, 3)
+    with torch.no_grad():
+        conv.weight.fill_(comm.rank)  # as if every rank had seeded the shared generator itself
+    return DistConv2d.from_conv2d(conv, grid=ProcessorGrid({"C": 2}, comm=comm),
+                                  algorithm="stationary-x").weight.shape
+
+
+def test_from_conv2d_of_different_layers_is_caught_in_debug_mode(debug_mode):
+    with pytest.raises(CollectiveMismatchError, match="global weight must be the same"):
+        run_threads(_from_rank_conv, 2)
+
+
+@pytest.mark.parametrize("coords, exc", [({"N": 1}, ValueError), ({"Q": 0}, ValueError),
+                                         ([0], TypeError), ({"N": 0.0}, ValueError)])
+def test_rank_of_refuses_coordinates_outside_the_grid(coords, exc):
+    with pytest.raises(exc, match="coords|not in"):
+        GRID.rank_of(coords)

@@ -13,6 +13,7 @@ from torch import nn
 from distconv.conv_geometry import (
     PADDING_MODES, HaloPlan, check_padding_mode, conv_dims, normalize_padding, pair,
 )
+from distconv.comm.base import agree_on_value, get_debug
 from distconv.distribution import Dist, Entry, as_shape
 from distconv.grid import ProcessorGrid
 from distconv.halo import halo_exchange
@@ -453,12 +454,21 @@ class DistConv2d(nn.Module):
     def load_global_parameters(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         """Copy this rank's shards of the global ``weight`` (and ``bias``) into the parameters.
 
-        Every rank passes the same global tensors; no communication.
+        Every rank passes the same global tensors; no communication (in debug mode,
+        :func:`distconv.comm.set_debug`, the ranks first compare digests of them and raise
+        :class:`~distconv.comm.CollectiveMismatchError` when they differ).
         """
+        for name, t in (("weight", weight), ("bias", bias)):
+            if t is not None and not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if tuple(weight.shape) != self.weight_shape:
             raise ValueError(
                 f"weight must have the global shape {self.weight_shape}, got {tuple(weight.shape)}"
             )
+        if get_debug():
+            agree_on_value(self.grid.comm, weight, "DistConv2d: the global weight")
+            if bias is not None:
+                agree_on_value(self.grid.comm, bias, "DistConv2d: the global bias")
         self.weight.copy_(weight[self.weight_dist.local_slices(self.weight_shape, self.grid)])
         if self.bias is not None:
             if bias is None or tuple(bias.shape) != (self.out_channels,):

@@ -76,6 +76,34 @@ def test_noncontiguous_inputs_to_every_collective(request, name):
     assert run(_strided_collectives) == [[]] * len(results)
 
 
+def _avg_and_bytes(comm):
+    x = torch.arange(10.0, dtype=torch.float64) * (comm.rank + 1)
+    comm.stats.reset()
+    out = comm.allreduce(x, op="avg")
+    return out, comm.stats.bytes["allreduce"]
+
+
+# Ring allreduce of 10 float64 over P ranks, b_r = 10 // P + (r < 10 % P) elements of its own:
+# rank r receives ((P - 1) * b_r + (10 - b_r)) * 8 bytes, written out per rank.
+_ALLREDUCE_BYTES = {2: [80, 80], 3: [112, 104, 104], 4: [128, 128, 112, 112]}
+
+
+@pytest.mark.parametrize("name, size", [
+    ("threads", 3), ("threads", 4),
+    pytest.param("gloo2", 2, marks=pytest.mark.gloo),
+    pytest.param("mpi4", 4, marks=pytest.mark.mpi),
+])
+def test_allreduce_average_and_byte_count(request, name, size):
+    if name == "threads":
+        results = run_threads(_avg_and_bytes, size)
+    else:
+        results = request.getfixturevalue(name).run(_avg_and_bytes)
+    factor = sum(range(1, size + 1)) / size  # the mean of the ranks' multipliers 1..P
+    for r, (out, nbytes) in enumerate(results):
+        assert torch.equal(out, torch.arange(10.0, dtype=torch.float64) * factor)
+        assert nbytes == _ALLREDUCE_BYTES[size][r]
+
+
 def _views(rank: int, salt: int) -> dict[str, torch.Tensor]:
     """The same (4, 3) values as a strided slice, a transpose's transpose and a broadcast view."""
     g = torch.Generator().manual_seed(rank * 31 + salt)
