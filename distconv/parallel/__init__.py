@@ -20,7 +20,7 @@ __all__ = ["ALGORITHMS", "LOSS_REDUCTIONS", "ParallelConfig", "ParallelModel", "
 
 def parallelize(model: nn.Module, config: Any, *, comm: Any = None, loss_reduction: str = "mean",
                 input_shape: Sequence[int] | None = None,
-                bucket_bytes: int = 1 << 20) -> ParallelModel:
+                bucket_bytes: int = 1 << 20, machine: Any = None) -> ParallelModel:
     """Convert ``model`` to run model-parallel as ``config`` says (collective).
 
     Args:
@@ -34,6 +34,8 @@ def parallelize(model: nn.Module, config: Any, *, comm: Any = None, loss_reducti
         input_shape: the global input shape, if known; needed only for ``algorithm: auto`` and
             for models whose first layer does not tell the input's number of dims.
         bucket_bytes: fusion size of the gradient allreduce of replicated parameters. Default 1 MiB.
+        machine: the :class:`~distconv.perfmodel.Machine` that ``algorithm: auto`` predicts
+            with. Default None: :func:`distconv.perfmodel.calibrate` on ``comm`` (collective).
 
     Returns:
         A :class:`ParallelModel` whose parameters are this rank's shards.
@@ -45,4 +47,4 @@ def parallelize(model: nn.Module, config: Any, *, comm: Any = None, loss_reducti
         TypeError: a model ``torch.fx`` cannot trace (naming the construct).
     """
     return ParallelModel(model, config, comm=comm, loss_reduction=loss_reduction,
-                         input_shape=input_shape, bucket_bytes=bucket_bytes)
+                         input_shape=input_shape, bucket_bytes=bucket_bytes, machine=machine)

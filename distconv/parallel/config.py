@@ -44,13 +44,13 @@ Layout = tuple[tuple[str, int], ...]
 class LayerChoice:
     """The grid layout and algorithm one module runs with, and the config entry that chose it."""
 
-    layout: Layout
+    layout: Layout | None  # None: algorithm 'auto' with no grid given (every layout is a candidate)
     algorithm: str
     source: str
 
     @property
-    def grid(self) -> dict[str, int]:
-        return dict(self.layout)
+    def grid(self) -> dict[str, int] | None:
+        return None if self.layout is None else dict(self.layout)
 
 
 def load_config(config: Mapping[str, Any] | str | os.PathLike[str]) -> dict[str, Any]:
@@ -163,10 +163,15 @@ class ParallelConfig:
         pattern = entry.get("match", "*")
         if needs_match and (not isinstance(pattern, str) or not pattern):
             raise ValueError(f"{where}: match must be a non-empty fnmatch pattern, got {pattern!r}")
+        algorithm = entry.get("algorithm", "sample")
         if "grid" not in entry:
-            raise ValueError(f"{where}: grid is required (e.g. {{N: 2, C: 2}})")
+            if algorithm != "auto":
+                raise ValueError(f"{where}: grid is required (e.g. {{N: 2, C: 2}}) unless the "
+                                 "algorithm is 'auto'")
+            return pattern, LayerChoice(None, "auto", f"{where} ({pattern!r})" if needs_match
+                                        else where)
         layout = _layout(entry["grid"], where, self.world_size)
-        algorithm = _check_algorithm(layout, entry.get("algorithm", "sample"), where)
+        algorithm = _check_algorithm(layout, algorithm, where)
         source = f"{where} ({pattern!r})" if needs_match else where
         return pattern, LayerChoice(layout, algorithm, source)
 
@@ -188,10 +193,14 @@ class ParallelConfig:
                     f"model; configurable modules are: {shown}"
                 )
 
+    def has_auto(self) -> bool:
+        return any(c.algorithm == "auto" for _, c in [self.default, *self.layers])
+
     def to_dict(self) -> dict[str, Any]:
         return dict(self._raw)
 
     def __repr__(self) -> str:
-        entries = "; ".join(f"{p!r}: {c.grid} {c.algorithm}" for p, c in self.layers)
+        entries = "; ".join(f"{p!r}: {c.grid or 'any grid'} {c.algorithm}"
+                            for p, c in self.layers)
         return (f"ParallelConfig(world_size={self.world_size}, default={self.default[1].grid} "
                 f"{self.default[1].algorithm}, data={dict(self.data)}, layers=[{entries}])")

@@ -56,6 +56,7 @@ class LayerReport:
     param_elements: int = 0
     activation_elements: int = 0
     compute_seconds: float = 0.0
+    note: str = ""
 
     def bytes(self, phase: str, rank: int) -> int:
         return sum(s.bytes[rank] for s in self.steps if s.phase == phase)
@@ -107,7 +108,7 @@ class Explanation:
             "world_size": self.world_size, "input_shape": list(self.input_shape),
             "itemsize": self.itemsize, "totals": self.totals(),
             "layers": [{
-                "name": lay.name, "kind": lay.kind, "grid": lay.grid,
+                "name": lay.name, "kind": lay.kind, "grid": lay.grid, "note": lay.note,
                 "algorithm": lay.algorithm, "dists": lay.dists,
                 "param_elements_per_rank": lay.param_elements,
                 "activation_elements_per_rank": lay.activation_elements,
@@ -134,6 +135,8 @@ class Explanation:
             dists = "  ".join(f"{v}" for v in lay.dists.values())
             rows.append(f"{lay.name[:22]:<22} {lay.grid[:18]:<18} {lay.algorithm[:13]:<13} "
                         f"{dists[:58]:<58} {fwd:>10,} {bwd:>10,} {lay.param_elements:>9,}")
+            if lay.note:
+                rows.append(f"{'':<24}{lay.note}")
             for s in lay.steps:
                 rows.append(f"{'':<24}{s.phase:<9} {s.what[:70]:<70} {max(s.bytes):>12,}")
         rows.append(_summary("this config", self))
@@ -168,7 +171,8 @@ def explain(model: nn.Module, config: Any, input_shape: Sequence[int], *,
         input_shape: the global input shape.
         world_size: ranks to plan for. Default: the product of the config's default grid.
         machine: a :class:`~distconv.perfmodel.Machine` (e.g. from ``calibrate``) for predicted
-            times. Default None (bytes and memory only).
+            times. Default None (bytes and memory only; ``auto`` layers then choose with the
+            default ``Machine()``).
         optimizer_states: optimizer state tensors per parameter (SGD momentum 1, Adam 2).
             Default 1.
         itemsize: bytes per element. Default: the model's parameter dtype.
@@ -189,6 +193,11 @@ def _explain(model: nn.Module, cfg: ParallelConfig, shape: tuple[int, ...],
              machine: Machine | None, optimizer_states: int, itemsize: int,
              bucket_bytes: int, baseline: bool) -> Explanation:
     gm = trace(model)
+    decisions: dict[str, Any] = {}
+    if cfg.has_auto():
+        from distconv.parallel.auto import resolve_auto
+
+        cfg, decisions = resolve_auto(gm, cfg, shape, machine or Machine(), itemsize=itemsize)
     analysis = analyse(gm, cfg, input_ndim=len(shape))
     meta = copy.deepcopy(gm).to("meta")
     ShapeProp(meta).propagate(torch.empty(shape, device="meta"))
@@ -212,6 +221,8 @@ def _explain(model: nn.Module, cfg: ParallelConfig, shape: tuple[int, ...],
         owns = node.op == "call_module" and any(True for _ in modules[node.target].parameters())
         needs_grad[node.name] = grad_in or owns
         report = _layer(step, modules, shapes, itemsize, P, grad_in, machine)
+        if report.name in decisions:
+            report.note = decisions[report.name].describe()
         for a, need in step.needs.items():
             src = analysis.step(a).out
             if src != need and (a.name, need) not in done:

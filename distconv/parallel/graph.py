@@ -283,10 +283,10 @@ class _Analyser:
 
     def visit_linear(self, node: fx.Node, name: str) -> Step:
         choice = self.config.choice(name)
-        if choice.algorithm not in ("sample", "auto"):
-            if choice.source != "default":
-                self.fail(node, f"{choice.source} asks for {choice.algorithm}, but Linear layers "
-                          "run sample-parallel; give them algorithm 'sample'", ValueError)
+        if choice.algorithm not in ("sample", "auto") and choice.source != "default":
+            self.fail(node, f"{choice.source} asks for {choice.algorithm}, but Linear layers "
+                      "run sample-parallel; give them algorithm 'sample'", ValueError)
+        if choice.algorithm != "sample" or choice.layout is None:
             choice = LayerChoice(self.config.data, "sample", "data")
         args = self.tensor_args(node)
         need = Placement(choice.layout, _sample_dist(self.placement(args[0]).ndim))

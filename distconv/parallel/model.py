@@ -81,7 +81,7 @@ class ParallelModel(nn.Module):
 
     def __init__(self, model: nn.Module, config: Any, *, comm: Any = None,
                  loss_reduction: str = "mean", input_shape: Sequence[int] | None = None,
-                 bucket_bytes: int = 1 << 20) -> None:
+                 bucket_bytes: int = 1 << 20, machine: Any = None) -> None:
         super().__init__()
         if comm is None:
             from distconv.comm import world
@@ -104,6 +104,9 @@ class ParallelModel(nn.Module):
         finally:
             comm.barrier(meta="parallelize: after tracing")
         ndim = None if input_shape is None else len(tuple(input_shape))
+        self.auto_decisions: dict[str, Any] = {}
+        if cfg.has_auto():
+            cfg, self.auto_decisions = self._resolve_auto(gm, cfg, input_shape, machine)
         analysis = analyse(gm, cfg, input_ndim=ndim)
         object.__setattr__(self, "_meta", copy.deepcopy(gm).to("meta"))
         object.__setattr__(self, "_template", copy.deepcopy(model).to("meta"))
@@ -135,6 +138,18 @@ class ParallelModel(nn.Module):
             else None
 
     # ------------------------------------------------------------------ construction
+    def _resolve_auto(self, gm: fx.GraphModule, cfg: ParallelConfig,
+                      input_shape: Sequence[int] | None, machine: Any) -> tuple[Any, Any]:
+        from distconv.parallel.auto import resolve_auto
+        from distconv.perfmodel import calibrate
+
+        if input_shape is None:
+            raise ValueError("algorithm 'auto' chooses from the layers' global problems: pass "
+                             "input_shape= (the global input shape) to parallelize")
+        if machine is None:  # the calibrated §4 model of this machine (collective)
+            machine = calibrate(self.comm)
+        return resolve_auto(gm, cfg, input_shape, machine)
+
     def grid(self, layout: Layout) -> ProcessorGrid:
         """The one grid of ``layout`` (created collectively on first use, shared by layers)."""
         g = self._grids.get(layout)

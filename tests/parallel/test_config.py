@@ -15,7 +15,7 @@ from distconv.nn.grad_sync import BucketedGradSync, plan_buckets
 from distconv.parallel import ParallelConfig, parallelize
 from distconv.parallel.explain import explain
 from distconv.testing import run_threads
-from tests.parallel.cases import resnet_case
+from tests.parallel.cases import reference_step, resnet_case
 
 
 def _config_error(config: dict, world: int = 4) -> str:
@@ -190,3 +190,31 @@ def test_user_loop_trains_several_steps_exactly() -> None:
     for state in run_threads(run, 4):
         for k, v in want.items():
             assert (state[k].double() - v.double()).abs().max() < 1e-10, k
+
+
+def test_auto_layers_choose_by_the_model_and_stay_exact() -> None:
+    from distconv.perfmodel import Machine
+
+    model, x, y = resnet_case()
+    machine = Machine(alpha=1e-5, beta=1e-9, flop_rate=1e9)
+    config = {"layers": [{"match": "layer3.*", "algorithm": "auto"},
+                         {"match": "layer2.*", "grid": {"C": 4}, "algorithm": "auto"}]}
+    plan = explain(model, config, tuple(x.shape), world_size=4, machine=machine)
+    notes = {layer.name: layer.note for layer in plan.layers}
+    assert notes["layer2.0.conv1"].startswith("auto: stationary-x {'C': 4}")
+    chosen = notes["layer3.0.conv2"].split(",")[0]
+    layer = next(lay for lay in plan.layers if lay.name == "layer3.0.conv2")
+    assert chosen.startswith(f"auto: {layer.algorithm}")
+    ref = reference_step(model, x, y)
+
+    def run(comm):
+        pm = parallelize(copy.deepcopy(model), config, comm=comm, input_shape=x.shape,
+                         machine=machine)
+        rows = sample_block(x.shape[0], pm.data_grid)
+        return {k: d.chosen[1] for k, d in pm.auto_decisions.items()}, pm(x[rows]).detach(), rows
+
+    for choices, out, rows in run_threads(run, 4):
+        assert choices["layer3.0.conv2"] == layer.algorithm
+        assert (out - ref["out"][rows]).abs().max() < 1e-10
+    with pytest.raises(ValueError, match="pass input_shape="):
+        parallelize(model, {"default": {"algorithm": "auto"}})
