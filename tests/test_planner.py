@@ -163,3 +163,17 @@ def test_bad_arguments_raise() -> None:
         plan_network(model, (2, 4), world_size=2, machine=m)
     with pytest.raises(ValueError, match="algorithm must be one of"):
         Choice((("N", 2),), "data")
+
+
+class _Concat(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Conv2d(2, 2, 1), nn.Conv2d(2, 2, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([self.a(x), self.b(x)], 1)
+
+
+def test_branches_other_than_residual_adds_are_not_implemented() -> None:
+    with pytest.raises(NotImplementedError, match="joins several values"):
+        trace_network(_Concat(), (2, 2, 4, 4))
