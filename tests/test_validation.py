@@ -229,3 +229,14 @@ def test_from_conv2d_of_different_layers_is_caught_in_debug_mode(debug_mode):
 def test_rank_of_refuses_coordinates_outside_the_grid(coords, exc):
     with pytest.raises(exc, match="coords|not in"):
         GRID.rank_of(coords)
+
+
+@pytest.mark.parametrize("op, args", [
+    ("allreduce", (torch.ones(2),)), ("allgather", (torch.ones(2),)),
+    ("reduce_scatter", ([torch.ones(2)],)), ("alltoall", ([torch.ones(2)],)),
+])
+def test_collectives_refuse_a_non_bool_async_op(op, args):
+    with pytest.raises(TypeError, match="async_op must be a bool, got 'yes'"):
+        getattr(ONE, op)(*args, async_op="yes")
+    with pytest.raises(TypeError, match="async_op"):
+        ONE.broadcast(torch.ones(1), root=0, async_op=1)

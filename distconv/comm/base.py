@@ -493,11 +493,17 @@ class Communicator(abc.ABC):
     def _finish(work: Work, async_op: bool) -> Any:
         return work if async_op else work.wait()
 
+    @staticmethod
+    def _check_async(async_op: Any) -> None:
+        if not isinstance(async_op, bool):
+            raise TypeError(f"async_op must be a bool, got {async_op!r}")
+
     # ---------------------------------------------------------------- public operations
     def allreduce(
         self, t: torch.Tensor, *, op: str = "sum", async_op: bool = False, meta: str = ""
     ):
         """Elementwise reduction of ``t`` over all ranks; every rank gets the result."""
+        self._check_async(async_op)
         t = self._tensor(t, "t").contiguous()
         op = self._reduce_op(op, t.dtype)
         nbytes = allreduce_bytes(t.numel(), self.rank, self.size, t.element_size())
@@ -513,6 +519,7 @@ class Communicator(abc.ABC):
         meta: str = "",
     ):
         """``result[r]`` is rank r's tensor; ``shapes[r]`` its shape (None: all ``t.shape``)."""
+        self._check_async(async_op)
         t = self._tensor(t, "t").contiguous()
         if shapes is None:
             shapes_ = [tuple(t.shape)] * self.size
@@ -543,6 +550,7 @@ class Communicator(abc.ABC):
         meta: str = "",
     ):
         """The reduction over ranks s of ``chunks_s[self.rank]``; ``len(chunks) == size``."""
+        self._check_async(async_op)
         cs = self._tensors(chunks, "chunks")
         op = self._reduce_op(op, cs[0].dtype)
         shapes = [tuple(c.shape) for c in cs]
@@ -561,6 +569,7 @@ class Communicator(abc.ABC):
     ):
         """``chunks[r]`` goes to rank r; ``result[s]`` came from rank s (shape ``recv_shapes[s]``;
         None: the same shape as ``chunks[s]``)."""
+        self._check_async(async_op)
         cs = self._tensors(chunks, "chunks")
         if recv_shapes is None:
             rshapes = [tuple(c.shape) for c in cs]
@@ -595,6 +604,7 @@ class Communicator(abc.ABC):
 
     def broadcast(self, t: torch.Tensor, *, root: int, async_op: bool = False, meta: str = ""):
         """Root's ``t`` to every rank; non-roots pass a buffer giving shape and dtype."""
+        self._check_async(async_op)
         t = self._tensor(t, "t").contiguous()
         root = self._peer(root, "root")
         nbytes = 0 if self.rank == root else t.numel() * t.element_size()
