@@ -35,7 +35,7 @@ def example(explicit_shutdown: bool) -> None:
     from torch import nn
 
     from distconv import ProcessorGrid
-    from distconv.comm import init, shutdown
+    from distconv.comm import init
     from distconv.nn import DistConv2d
 
     comm = init()
@@ -47,6 +47,8 @@ def example(explicit_shutdown: bool) -> None:
     y = conv(x[conv.input_dist.local_slices(x.shape, grid)], global_shape=x.shape)
     print(f"rank {comm.rank}: {conv.output_dist.format('y')} {tuple(y.shape)}", flush=True)
     if explicit_shutdown:
+        from distconv.comm import shutdown
+
         shutdown()
 
 
@@ -100,6 +102,9 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=200, help="runs in all, split over the launchers")
     ap.add_argument("--jobs", type=int, default=1, help="runs at a time (default 1)")
     ap.add_argument("--launchers", default="torchrun,mpiexec")
+    ap.add_argument("--ending", choices=("both", "simple", "shutdown"), default="both",
+                    help="how the runs end: half and half (default), all simply ending, or all "
+                         "calling distconv.comm.shutdown()")
     ap.add_argument("--limit", type=float, default=180.0, help="seconds before a run is a hang")
     ap.add_argument("--out", default=str(HERE / "results" / "soak.json"))
     ap.add_argument("--tree", default=str(ROOT),
@@ -112,8 +117,10 @@ def main() -> None:
         example(args.explicit_shutdown)
         return
     launchers = [name for name in args.launchers.split(",") if name]
-    plan = [(i, launchers[i % len(launchers)], (i // len(launchers)) % 2 == 1)
-            for i in range(args.runs)]
+    def explicit(i: int) -> bool:
+        return {"simple": False, "shutdown": True}.get(args.ending, (i // len(launchers)) % 2 == 1)
+
+    plan = [(i, launchers[i % len(launchers)], explicit(i)) for i in range(args.runs)]
     results = []
     with ThreadPoolExecutor(args.jobs) as ex:
         futures = [ex.submit(one_run, i, name, explicit, args.limit, args.tree) for i, name, explicit in plan]
