@@ -121,7 +121,7 @@ def trace_network(model: torch.nn.Module, input_shape: Sequence[int]) -> Network
     linears: list[tuple[str, int]] = []
     order: list[Any] = []
     for node in gm.graph.nodes:
-        args = [a for a in node.args if isinstance(a, torch.fx.Node)]
+        args = [a for a in node.all_input_nodes if a in producer]  # parameters have none
         mod = modules.get(node.target) if node.op == "call_module" else None
         if node.op == "placeholder":
             producer[node] = "input"
