@@ -228,6 +228,8 @@ class KFAC:
             raise ValueError(f"stale_threshold must be None or a finite number > 0, "
                              f"got {stale_threshold!r}")
         self.model = model
+        self._parallel = model if hasattr(model, "global_batch_size") and hasattr(
+            model, "data_grid") else None
         self.grid = grid
         self.comm = self._resolve_comm(grid.comm if grid is not None else comm)
         self.factor_update_steps = factor_update_steps
@@ -330,8 +332,9 @@ class KFAC:
                 self.skipped[name] = adapter
                 warnings.warn(f"distkfac: skipping module {name!r}: {adapter}", stacklevel=3)
                 continue
+            root = self._check_parallel_head(name) if self._parallel is not None else True
             layer = self._add_layer(adapter, self._group_comm(adapter))
-            layer.handles.append(module.register_forward_hook(self._forward_hook(layer)))
+            layer.handles.append(module.register_forward_hook(self._forward_hook(layer, root)))
         unknown = [n for n in self.skip_layers if n not in matched]
         if unknown:
             names = [n for n, _ in self.model.named_modules() if n][:8]
@@ -339,6 +342,23 @@ class KFAC:
                              f"name of the model (module names: {names}...)")
         if not self.layers and not self.exact_layers:
             warnings.warn("distkfac: no layer of the model can be preconditioned", stacklevel=3)
+
+    def _check_parallel_head(self, name: str) -> bool:
+        """A plain layer of a ``distconv.parallelize`` model: replicated, sample-parallel over
+        the data grid's N.  Exact when its output is the model's output (the cotangent is then
+        complete on the root replica of each sample block and zero on the others); returns
+        whether this rank is that root replica, the one that counts its samples."""
+        gm = getattr(self._parallel, "_gm", None)
+        nodes = [] if gm is None else [n for n in gm.graph.nodes
+                                       if n.op == "call_module" and n.target == name]
+        if not nodes or not all(u.op == "output" for n in nodes for u in n.users):
+            raise NotImplementedError(
+                f"K-FAC of the replicated layer {name!r} inside a parallelized model is "
+                "implemented only for layers whose output is the model's output (a head): "
+                "inside, its output's gradient is a pending sum over the replicas; skip it "
+                "with skip_layers")
+        grid = self._parallel.data_grid
+        return all(c == 0 for d, c in grid.coords.items() if d != "N")
 
     def _add_layer(self, adapter: LayerAdapter, comm) -> _Layer:
         layer = _Layer(adapter, comm, self.factor_dtype)
@@ -402,7 +422,7 @@ class KFAC:
                 reducer.discard()
             self._micro = 1
 
-    def _forward_hook(self, layer: _Layer):
+    def _forward_hook(self, layer: _Layer, root: bool = True):
         def hook(module: nn.Module, inputs: tuple, output: Any) -> None:
             if not (self._collecting and module.training and torch.is_grad_enabled()):
                 return
@@ -412,8 +432,14 @@ class KFAC:
                 return
             t0 = time.perf_counter()
             x = inputs[0]
-            batch = layer.adapter.batch_size(x) * self.accumulation_steps
+            # d = n dL/dy: n the local batch under data parallelism (each rank's loss a local
+            # mean); the global batch in a parallelized model (the cotangent is dl_i / N)
+            n = (self._parallel.global_batch_size if self._parallel is not None
+                 else layer.adapter.batch_size(x))
+            batch = n * self.accumulation_steps
             a, rows = layer.adapter.a_sum(x, self.factor_dtype)
+            if not root:  # a replica of samples another rank counts
+                a, rows = a.zero_(), 0
             reducer = self._reducers[id(layer.comm)]
             reducer.add(layer.name + "/A", a, rows)
             self.timings["factor_compute"] += time.perf_counter() - t0
@@ -421,6 +447,8 @@ class KFAC:
             def grad_hook(gy: Tensor) -> None:
                 t1 = time.perf_counter()
                 g, grows = layer.adapter.g_sum(gy, batch, self.factor_dtype)
+                if not root:
+                    g, grows = g.zero_(), 0
                 reducer.add(layer.name + "/G", g, grows)
                 self.timings["factor_compute"] += time.perf_counter() - t1
 
