@@ -16,6 +16,7 @@ import argparse
 import collections
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -27,6 +28,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 BIN = Path(sys.executable).parent
 EXPECTED = "y[o,o_C,o,o] (2, 2, 6, 6)"
+_TELLING = re.compile(r"terminate called|Traceback|Error|Abort|Signal \d+|exitcode")
 
 
 def example(explicit_shutdown: bool) -> None:
@@ -93,8 +95,16 @@ def one_run(i: int, launcher: str, explicit: bool, limit: float, tree: str) -> d
     return {
         "run": i, "launcher": launcher, "explicit_shutdown": explicit, "exit": code,
         "ranks_printed": printed, "leaked": leaked, "seconds": round(seconds, 2), "ok": ok,
-        "tail": None if ok else "\n".join(out.splitlines()[-25:]),
+        "tail": None if ok else _tail(out),
     }
+
+
+def _tail(out: str, n: int = 25) -> str:
+    """The last ``n`` lines, after the telling lines from earlier in the log (the launcher's
+    summary of a failure is long and names no cause)."""
+    lines = out.splitlines()
+    telling = [line for line in lines[:-n] if _TELLING.search(line)]
+    return "\n".join(telling[:10] + (["..."] if telling else []) + lines[-n:])
 
 
 def main() -> None:
