@@ -30,7 +30,8 @@ the two progress concurrently.  Time runs in periods of ``T`` steps.  In a perio
 
 Every rank calls ``step()`` once per iteration; only workers need gradients
 (``opt.needs_gradient``).  An accelerator's step does its ESE at a period's first step and
-waits for the exchange at its last; in between it returns at once.
+waits for the exchange at its last; in between it returns at once.  The trained parameters live
+on the workers (an accelerator's copy is the last period's ``theta_0``).
 """
 from __future__ import annotations
 
@@ -230,10 +231,12 @@ class MRDHO2:
         return meta[2: 2 + q], l_, e
 
     def __repr__(self) -> str:
-        return (f"MRDHO2(n={self.n}, accelerators={len(self.accelerators)}, "
+        return (f"MRDHO2(n={self.n}, accelerator_fraction={self.accelerator_fraction}, "
+                f"accelerators={len(self.accelerators)}, "
                 f"workers={len(self.workers)}, role={self.role!r}, period={self.period}, "
                 f"k={self.k}, l={self.l}, order={self.order}, alpha={self.alpha}, "
-                f"lr_clip={self.lr_clip}, seed={self.seed}, base={type(self.base).__name__})")
+                f"lr_clip={self.lr_clip}, seed={self.seed}, "
+                f"base={type(self.base).__name__}({self.base.defaults.get('lr')!r}))")
 
 
 def _blocks(n: int, parts: int) -> list[tuple[int, int]]:
