@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["BucketedGradSync", "GradSync", "finish_grad_sync", "plan_buckets"]
+__all__ = ["BucketedGradSync", "GradSync", "GradSyncGroup", "finish_grad_sync", "plan_buckets"]
 
 
 class GradSync:
@@ -39,6 +39,8 @@ class GradSync:
         self.where = where
         self._pending: list[tuple[nn.Parameter, Any, bool]] = []
         self._queued = False
+        self.params: list[nn.Parameter] = []
+        self._handles: list[Any] = []
 
     def register(self, param: nn.Parameter) -> Any:
         """Start the allreduce of ``param``'s gradient whenever one is computed."""
@@ -56,7 +58,17 @@ class GradSync:
             # later ones must not add their local part to an already complete gradient.
             return grad if first else torch.zeros_like(grad)
 
-        return param.register_hook(hook)
+        self.params.append(param)
+        self._handles.append(param.register_hook(hook))
+        return self._handles[-1]
+
+    def detach(self) -> list[nn.Parameter]:
+        """Stop synchronising (remove the hooks); returns the parameters it synchronised, for a
+        model that takes their completion over (e.g. fused into buckets)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        return self.params
 
     def finish(self) -> None:
         """Wait for every started allreduce and write the complete gradients."""
@@ -124,6 +136,7 @@ class BucketedGradSync:
         self._grads: list[dict[int, torch.Tensor]] = [{} for _ in self.buckets]
         self._first: dict[int, bool] = {}
         self._works: dict[int, Any] = {}
+        self._next = 0  # buckets start in bucket order, whatever order their hooks fire in
         self._queued = False
 
     def _hook(self, param: nn.Parameter) -> Any:
@@ -135,8 +148,9 @@ class BucketedGradSync:
             if not self._queued:
                 self._queued = True
                 torch.autograd.Variable._execution_engine.queue_callback(self.finish)
-            if len(self._grads[b]) == len(self.buckets[b]):
-                self._launch(b)
+            while (self._next < len(self.buckets)
+                   and len(self._grads[self._next]) == len(self.buckets[self._next])):
+                self._launch(self._next)
             return grad if first else torch.zeros_like(grad)
 
         return hook
@@ -149,14 +163,14 @@ class BucketedGradSync:
         ])
         self._works[b] = self.comm.allreduce(
             flat, async_op=True, meta=f"gradient bucket {b} {self.where}")
+        self._next = b + 1
 
     def finish(self) -> None:
         """Start the buckets still waiting (in bucket order), wait for all, write the sums."""
         if not self._queued:
             return
-        for b in range(len(self.buckets)):
-            if b not in self._works:
-                self._launch(b)
+        while self._next < len(self.buckets):
+            self._launch(self._next)
         for b, params in enumerate(self.buckets):
             total = self._works[b].wait()
             offset = 0
@@ -175,6 +189,20 @@ class BucketedGradSync:
                 f"elements={sizes}, bucket_bytes={self.bucket_bytes}, where={self.where!r})")
 
 
+class GradSyncGroup:
+    """Several :class:`BucketedGradSync` (one per communicator), finished together."""
+
+    def __init__(self, syncs: list[BucketedGradSync]) -> None:
+        self.syncs = list(syncs)
+
+    def finish(self) -> None:
+        for sync in self.syncs:
+            sync.finish()
+
+    def __repr__(self) -> str:
+        return "GradSyncGroup(" + ", ".join(map(repr, self.syncs)) + ")"
+
+
 def finish_grad_sync(module: nn.Module) -> None:
     """Finish every pending gradient allreduce in ``module`` (idempotent).
 
@@ -183,5 +211,5 @@ def finish_grad_sync(module: nn.Module) -> None:
     """
     for m in module.modules():
         sync = getattr(m, "grad_sync", None)
-        if isinstance(sync, (GradSync, BucketedGradSync)):
+        if isinstance(sync, (GradSync, BucketedGradSync, GradSyncGroup)):
             sync.finish()

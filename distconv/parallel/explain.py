@@ -23,6 +23,7 @@ from torch.fx.passes.shape_prop import ShapeProp, TensorMetadata
 from distconv.comm.base import allreduce_bytes
 from distconv.nn.grad_sync import plan_buckets
 from distconv.parallel.config import ParallelConfig
+from distconv.distribution import Dist
 from distconv.parallel.graph import Step, analyse, conv_dists, trace
 from distconv.parallel.placement import Layout, Placement, conversion_bytes, layout_str, paper_grid
 from distconv.perfmodel import ConvProblem, Machine, conv_cost, conv_traffic
@@ -231,7 +232,7 @@ def _explain(model: nn.Module, cfg: ParallelConfig, shape: tuple[int, ...],
                             needs_grad.get(a.name, False))
         if report.steps or report.kind not in ("meta", "constant", "pointwise", "reshape"):
             layers.append(report)
-    sync = _replicated(gm, analysis, P, itemsize, bucket_bytes)
+    sync = _gradient_buckets(gm, analysis, P, itemsize, bucket_bytes)
     if sync is not None:
         layers.append(sync)
     result = Explanation(P, shape, itemsize, optimizer_states, layers, machine)
@@ -307,26 +308,55 @@ def _layer(step: Step, modules: dict[str, nn.Module], shapes: dict[str, tuple[in
     return report
 
 
-def _replicated(gm: fx.GraphModule, analysis: Any, P: int, isz: int,
-                bucket_bytes: int) -> LayerReport | None:
-    """The bucketed allreduce of the parameters no layer distributes (as ParallelModel runs it)."""
-    converted = {str(s.node.target) for s in analysis.steps
-                 if s.layer is not None and s.layer.kind in ("conv", "batchnorm", "pool")}
-    params = [p for name, m in gm.named_modules() if name not in converted
-              for p in m.parameters(recurse=False) if p.requires_grad]
-    unique: list[Any] = []
-    for p in params:
-        if all(p is not q for q in unique):
-            unique.append(p)
-    if not unique or P == 1:
-        return None
-    report = LayerReport("(replicated params)", "grad-sync", "world", "-", {})
-    for i, bucket in enumerate(plan_buckets([p.numel() * isz for p in unique], bucket_bytes)):
-        n = sum(unique[j].numel() for j in bucket)
-        report.steps.append(CommStep("backward", f"gradient bucket {i}: allreduce of {n:,} "
-                                     "elements over every rank", "allreduce",
-                                     [allreduce_bytes(n, r, P, isz) for r in range(P)], P))
-    return report
+def _gradient_buckets(gm: fx.GraphModule, analysis: Any, P: int, isz: int,
+                      bucket_bytes: int) -> LayerReport | None:
+    """The fused gradient allreduces, grouped and bucketed exactly as ParallelModel runs them."""
+    from distconv.nn.sharding import ShardSpec
+    from distconv.parallel.model import gradient_groups
+
+    owners: dict[str, Step] = {str(s.node.target): s for s in analysis.steps
+                               if s.layer is not None and s.node.op == "call_module"}
+    params = dict(gm.named_parameters())
+    specs: dict[str, ShardSpec] = {}
+    for name, p in params.items():
+        owner, _, leaf = name.rpartition(".")
+        step = owners.get(owner)
+        dist = None
+        if step is not None and step.kind == "conv":
+            conv = gm.get_submodule(owner)
+            ext = dict(step.layer.layout)
+            grouped = conv.groups > 1 and ext.get("C", 1) * ext.get("F", 1) > 1
+            dist = conv_dists(step.layer.algorithm, dict(step.layer.roles), grouped)[leaf]
+        elif step is not None and step.kind == "batchnorm":
+            dist = _param_dist(step.out)
+        if dist is None:
+            specs[name] = ShardSpec(None, Dist.replicated(p.dim()), tuple(p.shape))
+        else:
+            layout = step.layer.layout
+            specs[name] = ShardSpec(paper_grid(layout, 0), Placement(layout, dist).dist,
+                                    tuple(p.shape))
+    report = LayerReport("(gradients)", "grad-sync", "-", "-", {})
+    for (layout, dims), names in gradient_groups(specs, params).items():
+        if layout is None and P == 1:
+            continue
+        size = P if layout is None else math.prod(dict(layout)[d] for d in dims)
+        per_rank: list[list[int]] = []
+        for r in range(P):
+            if layout is None:
+                sizes, sub = [params[n].numel() for n in names], r
+            else:
+                g = paper_grid(layout, r)
+                sizes = [math.prod(specs[n].dist.local_shape(specs[n].global_shape, g))
+                         for n in names]
+                sub = _segment_rank(layout, dims, g.coords)
+            per_rank.append([allreduce_bytes(sum(sizes[i] for i in b), sub, size, isz)
+                             for b in plan_buckets([n * isz for n in sizes], bucket_bytes)])
+        where = "every rank" if layout is None else f"{'×'.join(dims)} of {layout_str(layout)}"
+        for i in range(len(per_rank[0])):
+            report.steps.append(CommStep("backward", f"gradient bucket {i} over {where} "
+                                         f"({len(names)} parameters in the group)", "allreduce",
+                                         [b[i] for b in per_rank], size))
+    return report if report.steps else None
 
 
 def _conv(report: LayerReport, step: Step, conv: nn.Conv2d, x_shape: tuple[int, ...],
@@ -356,7 +386,7 @@ def _conv(report: LayerReport, step: Step, conv: nn.Conv2d, x_shape: tuple[int, 
             if conv.bias is not None else 0)
         report.param_elements = max(report.param_elements, w + b)
     for phase in ("forward", "backward"):
-        names = list(getattr(traffic[0], phase))
+        names = [k for k in getattr(traffic[0], phase) if not k.startswith("allreduce dL/d")]
         for key in names:
             report.steps.append(CommStep(phase, key, traffic[0].ops[key],
                                          [getattr(t, phase).get(key, 0) for t in traffic],
@@ -380,18 +410,14 @@ def _batchnorm(report: LayerReport, step: Step, bn: nn.BatchNorm2d, x_shape: tup
     p = step.out
     ext = dict(p.layout)
     seg = [g for i in (0, 2, 3) for g in p.dist.grid_dims_of(i)]
-    chan = list(p.dist.grid_dims_of(1))
-    red = [g for g, e in p.layout if e > 1 and g not in chan]
-    s, q = math.prod(ext[g] for g in seg), math.prod(ext[g] for g in red)
-    fwd, bwd, grads, params = [], [], [], 0
+    s = math.prod(ext[g] for g in seg)
+    fwd, bwd, params = [], [], 0
     for r in range(P):
         g = paper_grid(p.layout, r)
         c = p.dist.local_shape(x_shape, g)[1]
         params = max(params, 2 * c if bn.affine else 0)
         fwd.append((s - 1) * (1 + 2 * c) * isz)
         bwd.append(allreduce_bytes(2 * c, _segment_rank(p.layout, seg, g.coords), s, isz))
-        grads.append(2 * allreduce_bytes(c, _segment_rank(p.layout, red, g.coords), q, isz)
-                     if bn.affine else 0)
     report.param_elements = params
     report.dists["w"] = Placement(p.layout, _param_dist(p)).dist.format("w")
     if s > 1:
@@ -399,9 +425,6 @@ def _batchnorm(report: LayerReport, step: Step, bn: nn.BatchNorm2d, x_shape: tup
                                      "allgather", fwd, s))
         report.steps.append(CommStep("backward", f"Σdy, Σdy·x̂ allreduce over {'×'.join(seg)}",
                                      "allreduce", bwd, s))
-    if q > 1 and bn.affine:
-        report.steps.append(CommStep("backward", f"dL/dw, dL/db allreduce over {'×'.join(red)}",
-                                     "allreduce", grads, q))
 
 
 def _param_dist(p: Placement) -> Any:

@@ -35,8 +35,8 @@ from torch.fx.passes.shape_prop import ShapeProp
 from distconv.distribution import balanced_block
 from distconv.grid import ProcessorGrid
 from distconv.nn.conv import DistConv2d
-from distconv.nn.grad_sync import BucketedGradSync
-from distconv.nn.sharding import shard_specs
+from distconv.nn.grad_sync import BucketedGradSync, GradSync, GradSyncGroup
+from distconv.nn.sharding import ShardSpec, shard_specs
 from distconv.parallel.config import ParallelConfig
 from distconv.parallel.graph import Analysis, LayerSpec, Step, analyse, trace
 from distconv.parallel.placement import Layout, Placement, convert, layout_str
@@ -130,12 +130,7 @@ class ParallelModel(nn.Module):
             self.register_buffer(name, value)
         object.__setattr__(self, "_gm", gm)
         self._plans: dict[tuple[int, ...], dict[str, tuple[int, ...]]] = {}
-        replicated = [p for m in self.modules() if not hasattr(m, "_shard_specs")
-                      for p in m.parameters(recurse=False)]
-        self.grad_sync = BucketedGradSync(
-            comm, replicated, bucket_bytes=bucket_bytes,
-            where="replicated parameters over every rank") if replicated and comm.size > 1 \
-            else None
+        self.grad_sync = self._fuse_gradient_syncs(bucket_bytes)
 
     # ------------------------------------------------------------------ construction
     def _resolve_auto(self, gm: fx.GraphModule, cfg: ParallelConfig,
@@ -149,6 +144,26 @@ class ParallelModel(nn.Module):
         if machine is None:  # the calibrated §4 model of this machine (collective)
             machine = calibrate(self.comm)
         return resolve_auto(gm, cfg, input_shape, machine)
+
+    def _fuse_gradient_syncs(self, bucket_bytes: int) -> GradSyncGroup | None:
+        """Every parameter's gradient completion, fused: the layers' own per-parameter
+        allreduces are detached, and the parameters that reduce over the same ranks share
+        bucketed asynchronous allreduces (:func:`gradient_groups` says which)."""
+        for m in self.modules():
+            if isinstance(getattr(m, "grad_sync", None), GradSync):
+                m.grad_sync.detach()
+                m.grad_sync = None
+        groups = gradient_groups(shard_specs(self), dict(self.named_parameters()))
+        syncs = []
+        for (layout, dims), names in groups.items():
+            if layout is None and self.comm.size == 1:
+                continue
+            comm = self.comm if layout is None else self.grid(layout).subcomm(dims)
+            params = [p for n, p in self.named_parameters() if n in names]
+            where = "over every rank" if layout is None else (
+                f"over {'×'.join(dims)} of {layout_str(layout)}")
+            syncs.append(BucketedGradSync(comm, params, bucket_bytes=bucket_bytes, where=where))
+        return GradSyncGroup(syncs) if syncs else None
 
     def grid(self, layout: Layout) -> ProcessorGrid:
         """The one grid of ``layout`` (created collectively on first use, shared by layers)."""
@@ -335,6 +350,27 @@ class ParallelModel(nn.Module):
         return (f"world_size={self.comm.size}, data={layout_str(self.config.data)}, "
                 f"loss_reduction={self.loss_reduction!r}, layers={len(self.config.layers)} "
                 f"config entries")
+
+
+def gradient_groups(specs: dict[str, ShardSpec], params: dict[str, Any]
+                    ) -> dict[tuple[Layout | None, tuple[str, ...]], list[str]]:
+    """Parameters (in registration order) by the ranks their gradient is summed over: the grid
+    dims of extent > 1 their distribution leaves unused (in grid order), or every rank (``None``)
+    for parameters replicated on all ranks. Ranks that share no such dim need no reduction."""
+    groups: dict[tuple[Layout | None, tuple[str, ...]], list[str]] = {}
+    for name, p in params.items():
+        if not p.requires_grad:
+            continue
+        spec = specs[name]
+        if spec.grid is None:
+            key: tuple[Layout | None, tuple[str, ...]] = (None, ())
+        else:
+            dims = tuple(d for d in spec.dist.redundant(spec.grid) if spec.grid.extent(d) > 1)
+            if not dims:
+                continue
+            key = (spec.grid.layout, dims)
+        groups.setdefault(key, []).append(name)
+    return groups
 
 
 def _spatial_mean(node: fx.Node, x: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
