@@ -218,3 +218,29 @@ def test_mr_dho2_refuses_at_construction_on_every_rank():
 
     with pytest.raises(ValueError, match="accelerator_fraction=1.0 gives 2 accelerators"):
         run_threads(make, 2)
+
+
+def test_dho2_with_more_ranks_than_parameters_equals_fosi():
+    """n = 3 over 4 ranks: one rank holds an empty slice of every vector."""
+    h = torch.tensor([3.0, 1.0, 0.2], dtype=torch.float64)
+
+    def run(comm):
+        theta = nn.Parameter(torch.tensor([1.0, -1.0, 0.5], dtype=torch.float64))
+
+        def f():
+            return 0.5 * (h * theta * theta).sum()
+
+        kw = dict(k=1, order=2, warmup=1, ese_every=2, ese_closure=f)
+        base = BASES["momentum"]
+        opt = (FOSI([theta], base, **kw) if comm is None else
+               DHO2([theta], base, comm=comm, **kw))
+        for _ in range(4):
+            opt.zero_grad()
+            f().backward()
+            opt.step()
+        return theta.detach().clone(), opt.eigenvalues
+
+    ref = run(None)
+    for theta, vals in run_threads(run, 4):
+        torch.testing.assert_close(theta, ref[0], rtol=0, atol=1e-12)
+        torch.testing.assert_close(vals, ref[1], rtol=0, atol=1e-12)
