@@ -25,6 +25,7 @@ The contract (what makes a user's ordinary data-parallel loop exact)::
 from __future__ import annotations
 
 import copy
+import hashlib
 from typing import Any, Sequence
 
 import torch
@@ -32,6 +33,7 @@ import torch.fx as fx
 from torch import nn
 from torch.fx.passes.shape_prop import ShapeProp
 
+from distconv.comm import get_debug
 from distconv.distribution import balanced_block
 from distconv.grid import ProcessorGrid
 from distconv.nn.conv import DistConv2d
@@ -305,8 +307,25 @@ class ParallelModel(nn.Module):
                     f"sample blocks {sizes} of a global batch of {total} are not balanced: block "
                     f"N={n} must hold {want} (blocks of N//P_N, one more for the first N%P_N); "
                     "distconv.data.GridSampler deals samples that way")
+        if get_debug() and self.comm.size > 1:
+            self._check_replicas(x)
         self.global_batch_size = total
         return (total,) + tuple(x.shape[1:])
+
+    def _check_replicas(self, x: torch.Tensor) -> None:
+        """Debug mode: ranks of one sample block must hold the same samples, bit for bit."""
+        data = x.detach().contiguous().cpu().numpy().tobytes()
+        digest = torch.tensor(list(hashlib.sha256(data).digest()[:8]), dtype=torch.int64)
+        digests = self.comm.allgather(digest, meta="ParallelModel entry: sample digests")
+        first: dict[int, int] = {}
+        for r, d in enumerate(digests):
+            n = self.data_grid.coords_of(r).get("N", 0)
+            if n in first and not torch.equal(digests[first[n]], d):
+                raise ValueError(
+                    f"ranks {first[n]} and {r} share sample block N={n} of the data grid "
+                    f"{layout_str(self.data_grid.layout)} but hold different samples; every rank "
+                    "of one N block must see the same samples (distconv.data.GridSampler)")
+            first.setdefault(n, r)
 
     def _shapes(self, shape: tuple[int, ...], dtype: torch.dtype) -> dict[str, tuple[int, ...]]:
         """Every node's global shape for a global input shape (meta-device trace, cached)."""

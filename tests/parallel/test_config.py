@@ -218,3 +218,26 @@ def test_auto_layers_choose_by_the_model_and_stay_exact() -> None:
         assert (out - ref["out"][rows]).abs().max() < 1e-10
     with pytest.raises(ValueError, match="pass input_shape="):
         parallelize(model, {"default": {"algorithm": "auto"}})
+
+
+def test_debug_mode_refuses_replicas_with_different_samples() -> None:
+    from distconv.comm import set_debug
+
+    model, x, _ = resnet_case()
+
+    def run(comm):
+        pm = parallelize(copy.deepcopy(model), {"data": {"N": 2, "C": 2}}, comm=comm)
+        rows = sample_block(x.shape[0], pm.data_grid)
+        mine = x[rows].clone()
+        if comm.rank == 1:
+            mine[0, 0, 0, 0] += 1.0  # rank 1 replicates rank 0's block, but not quite
+        with pytest.raises(ValueError) as info:
+            pm(mine)
+        return str(info.value)
+
+    set_debug(True)
+    try:
+        messages = run_threads(run, 4)
+    finally:
+        set_debug(False)
+    assert "ranks 0 and 1 share sample block N=0" in messages[0]
