@@ -65,10 +65,12 @@ class ConvNode:
 
 @dataclass(frozen=True)
 class Block:
-    """A residual block: ``add(main(x), skip(x))``; ``skip`` is empty for the identity."""
+    """A residual block: ``add(main(x), skip(x))``; ``skip`` is empty for the identity.
+    ``main_first``: the main branch is the add's first operand (which wins a tie)."""
 
     main: tuple[ConvNode, ...]
     skip: tuple[ConvNode, ...]
+    main_first: bool = True
 
     @property
     def convs(self) -> tuple[ConvNode, ...]:
@@ -169,20 +171,21 @@ def _units(order, convs, source, adds) -> tuple[Unit, ...]:  # noqa: ANN001
             raise NotImplementedError(f"trace_network: the add {a} has no common entry")
         b1, b2 = c1[:c1.index(entry)][::-1], c2[:c2.index(entry)][::-1]
         main, skip = (b1, b2) if len(b1) >= len(b2) else (b2, b1)
-        blocks[a] = (entry, main, skip)
+        blocks[a] = (entry, main, skip, main is b1)
         for c in main + skip:
             in_block[c] = a
     units: list[Unit] = []
     frontier: Any = "input"
     for node in order:
         if node in adds:
-            entry, main, skip = blocks[node]
+            entry, main, skip, main_first = blocks[node]
             if entry != frontier:
                 raise NotImplementedError(
                     f"trace_network: residual block ending at {node} starts at {entry}, not at "
                     f"the previous unit's output {frontier}; nested branches are not supported"
                 )
-            units.append(Block(tuple(convs[c] for c in main), tuple(convs[c] for c in skip)))
+            units.append(Block(tuple(convs[c] for c in main), tuple(convs[c] for c in skip),
+                               main_first))
             frontier = node
         elif node not in in_block:
             if source[node] != frontier:
@@ -594,6 +597,7 @@ class _Model:
                       for c in net.convs for ch in self.options[c.name]}
         self.head_params = sum(n for _, n in net.linears)
         self._moves: dict[tuple, tuple[float, int]] = {}
+        self._meets: dict[tuple, bool] = {}
         self.entry = sample_choice(world_size)
 
     def move(self, src: Choice, dst: Choice, shape: tuple[int, ...], *,
@@ -605,6 +609,32 @@ class _Model:
             self._moves[key] = _move_time((src.grid, src.output_dist), (dst.grid, d), shape,
                                           self.machine, self.itemsize)
         return self._moves[key]
+
+    def meet(self, main: Choice, skip: Choice, main_first: bool) -> bool:
+        """Whether the add's operands meet in the main branch's distribution: the executor's
+        rule -- the placement the other operand reaches with fewer bytes summed over all ranks,
+        on a nominal shape every extent divides (2P per dim), ties to the first operand.
+        Worlds above the all-ranks size sum their corner ranks, scaled to P."""
+        key = (main, skip, main_first)
+        if key not in self._meets:
+            a, b = (main.grid, main.output_dist), (skip.grid, skip.output_dist)
+            if a == b:
+                self._meets[key] = True
+                return True
+            shape = (2 * self.P,) * 4
+            ranks = _ranks([a[0], b[0]], self.P)
+            scale = self.P / len(ranks)
+            to_main = scale * sum(_move_bytes(b, a, shape, r, 1) for r in ranks)
+            to_skip = scale * sum(_move_bytes(a, b, shape, r, 1) for r in ranks)
+            self._meets[key] = to_main <= to_skip if main_first else to_main < to_skip
+        return self._meets[key]
+
+    def join(self, main: Choice, skip: Choice, block: Block) -> tuple[float, int, Choice]:
+        """Forward seconds, bytes and the resulting distribution of the residual add."""
+        shape = block.main[-1].out_shape
+        if self.meet(main, skip, block.main_first):
+            return (*self.move(skip, main, shape, to_output=True), main)
+        return (*self.move(main, skip, shape, to_output=True), skip)
 
     def weight(self, c: ConvNode, ch: Choice, lam: float, mu: float) -> float:
         lc = self.costs[(c.name, ch)]
@@ -638,14 +668,13 @@ class _Model:
             for a, (base, _) in state.items():
                 main = self.chain({a: (base, None)}, unit.main, lam, mu)
                 skip = self.chain({a: (0.0, None)}, unit.skip, lam, mu) if unit.skip else None
-                shape = unit.main[-1].out_shape
+                ends = skip[-1].items() if skip else [(a, (0.0, None))]
                 for e, (cost, _) in main[-1].items():
-                    ends = skip[-1].items() if skip else [(a, (0.0, None))]
-                    s_cost, s_end = min(((sc + 2 * self.move(s, e, shape, to_output=True)[0], s)
-                                         for s, (sc, _) in ends), key=_first)
-                    total = cost + s_cost
-                    if e not in best or total < best[e][0]:
-                        best[e] = (total, (a, main, skip, s_end))
+                    for s_end, (sc, _) in ends:
+                        t, _, out = self.join(e, s_end, unit)
+                        total = cost + sc + 2 * t
+                        if out not in best or total < best[out][0]:
+                            best[out] = (total, (a, main, skip, s_end, e))
             trail.append((unit, best))
             state = best
         out_shape = self.net.out_shape
@@ -660,8 +689,7 @@ class _Model:
                 pick[unit.name] = cur
                 cur = table[cur][1]
                 continue
-            a, main, skip, s_end = table[cur][1]
-            e = cur
+            a, main, skip, s_end, e = table[cur][1]
             for c, step in zip(reversed(unit.main), reversed(main)):
                 pick[c.name] = e
                 e = step[e][1]
@@ -697,7 +725,8 @@ class _Model:
                 t, b = self.move(s, pick[c.name], c.in_shape)
                 layers.append((c, pick[c.name], t, b))
                 s = pick[c.name]
-            extra += self.move(s, cur, unit.main[-1].out_shape, to_output=True)[0]
+            t, _, cur = self.join(cur, s, unit)
+            extra += t
         extra += self.move(cur, self.entry, self.net.out_shape)[0]
         forward = extra + sum(self.costs[(c.name, ch)].forward + t for c, ch, t, _ in layers)
         head = 0.0
@@ -866,7 +895,9 @@ def _config_choices(net: Network, config: Mapping[str, Any], world_size: int) ->
     out = {}
     for c in net.convs:
         e = next(e for e in entries if fnmatch.fnmatchcase(c.name, e["match"]))
-        grid = tuple((str(k), int(v)) for k, v in e["grid"].items())
+        # canonical, as the executor keeps placements: grid dims of extent 1 dropped
+        grid = tuple((str(k), int(v)) for k, v in e["grid"].items() if int(v) > 1) or (
+            ("N", 1),)
         ch = Choice(grid, e["algorithm"])
         if ch.size != world_size:
             raise ValueError(f"predict: the grid {e['grid']} for {c.name} has {ch.size} "

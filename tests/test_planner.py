@@ -177,3 +177,20 @@ class _Concat(nn.Module):
 def test_branches_other_than_residual_adds_are_not_implemented() -> None:
     with pytest.raises(NotImplementedError, match="joins several values"):
         trace_network(_Concat(), (2, 2, 4, 4))
+
+
+def test_residual_operands_meet_where_the_executor_joins_them() -> None:
+    # The executor's rule (distconv.parallel): the placement the other operand reaches with
+    # fewer bytes on a nominal shape, ties to the first operand.
+    from distconv.parallel.graph import _cheaper_meeting
+    from distconv.parallel.placement import Placement
+    from distconv.planner import _Model
+
+    net = trace_network(_one_layer(8, 8), (8, 8, 8, 8))
+    model = _Model(net, 4, _flat(1e-6, 1e9, 1e9), max_model=4, algorithms=(
+        "sample", "spatial", "stationary-x", "stationary-y", "stationary-w"), itemsize=4,
+        optimizer_slots=1, activation_factor=3)
+    options = candidates(ConvProblem(8, 8, 8, 8, 8, 3, padding=1), 4, max_model=4)
+    for a, b in itertools.product(options, options):
+        pa, pb = Placement(a.grid, a.output_dist), Placement(b.grid, b.output_dist)
+        assert model.meet(a, b, True) == (_cheaper_meeting(pa, pb) == pa), (a, b)
