@@ -143,8 +143,14 @@ def test_transition_bytes_equal_the_redistribution_plans(world: int) -> None:
 
 def test_explain_counts_the_redistribution_into_each_layer_exactly(tiny) -> None:  # noqa: ANN001
     plan = plan_network(tiny, world_size=4, machine=_flat(1e-5, 1e7, 1e12))
-    sources = {"stem": None, "b1": "stem", "b2": "b1", "d1": "b2", "d2": "d1", "down": "b2"}
+    from distconv.parallel.graph import _cheaper_meeting
+    from distconv.parallel.placement import Placement
+
     chosen = {lp.conv.name: lp.choice for lp in plan.layers}
+    main, skip = chosen["b2"], chosen["stem"]  # block 1's add: b2's output + the stem's
+    pm, ps = (Placement(c.grid, c.output_dist) for c in (main, skip))
+    joined = "b2" if _cheaper_meeting(pm, ps) == pm else "stem"
+    sources = {"stem": None, "b1": "stem", "b2": "b1", "d1": joined, "d2": "d1", "down": joined}
     entry = Choice((("N", 4),), "sample")
     for lp in plan.layers:
         src = chosen[sources[lp.conv.name]] if sources[lp.conv.name] else entry
