@@ -36,6 +36,7 @@ class Mutant:
     new: str
     tests: tuple[str, ...]
     why: str
+    also: tuple[tuple[str, str, str], ...] = ()  # further (path, old, new) edits of one bug
 
 
 MUTANTS = [
@@ -94,6 +95,13 @@ MUTANTS = [
            '"stationary-w": both(c, f)}[alg]',
            ("tests/nn/test_conv.py", "tests/nn/test_conv_layouts.py"),
            "stationary-w's output y[o,o_{F×C},o,o] becomes y[o,o_{C×F},o,o]"),
+    Mutant("stationary-w-output-layout-and-model", "distconv/nn/conv.py",
+           '"stationary-w": both(f, c)}[alg]',
+           '"stationary-w": both(c, f)}[alg]',
+           ("tests/nn/test_conv.py", "tests/nn/test_conv_layouts.py"),
+           "the same wrong output layout, with the performance model moved along",
+           also=(("distconv/perfmodel.py", "fy, fw, cw = _blk2(Fo, [pf, pc], [f, c])",
+                  "fy, fw, cw = _blk2(Fo, [pc, pf], [c, f])"),)),
     Mutant("stationary-w-input-layout", "distconv/nn/conv.py",
            '"stationary-w": both(c, f)}[alg]',
            '"stationary-w": both(f, c)}[alg]',
@@ -156,12 +164,13 @@ def run_mutant(m: Mutant, limit: float) -> dict:
     with tempfile.TemporaryDirectory(prefix="distconv-mutant-") as tmp:
         tree = Path(tmp)
         _copy_tree(tree)
-        target = tree / m.path
-        text = target.read_text()
-        if text.count(m.old) != 1:
-            return {"name": m.name, "result": f"stale ({text.count(m.old)} matches)",
-                    "seconds": 0.0, "why": m.why}
-        target.write_text(text.replace(m.old, m.new))
+        for path, old, new in ((m.path, m.old, m.new), *m.also):
+            target = tree / path
+            text = target.read_text()
+            if text.count(old) != 1:
+                return {"name": m.name, "result": f"stale ({text.count(old)} matches in {path})",
+                        "seconds": 0.0, "why": m.why}
+            target.write_text(text.replace(old, new))
         result, seconds, last = _pytest(tree, m.tests, limit)
     return {"name": m.name, "result": result, "seconds": round(seconds, 1), "last": last,
             "why": m.why, "tests": list(m.tests)}
