@@ -12,6 +12,9 @@ Two parts, kept apart:
   allreduce: ``2 (p-1) alpha + bytes beta``; halo exchange: ``alpha`` per neighbour plus bytes),
   and local convolutions cost their FLOPs over a measured rate (or a measured time function). The
   layer time is that of its slowest rank; :func:`choose_algorithm` picks the cheapest candidate.
+  The flat :class:`Machine` prices every collective alike; a hierarchical
+  :class:`distconv.machines.Machine` prices each on the level its segment crosses (the grid dims
+  a step runs over are in ``Traffic.dims``).
 
 Closed forms, per rank, with ``n`` its samples, ``h, w`` its input rows/cols and ``ho, wo`` its
 output rows/cols (balanced blocks), ``s`` the element size, and the channel blocks below
