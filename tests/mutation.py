@@ -131,8 +131,8 @@ MUTANTS = [
            "        _register_shutdown()\n        return _world\n",
            "        return _world\n",
            ("tests/test_validation.py",),
-           "process groups are left to interpreter finalization (aborts only sometimes: the "
-           "soak in benchmarks/soak.py measures it)"),
+           "process groups are left to interpreter finalization (it aborts only sometimes; "
+           "benchmarks/soak.py measures how often)"),
 ]
 
 

@@ -172,8 +172,12 @@ def test_scatter_of_different_data_is_caught_in_debug_mode(debug_mode):
 _SCRIPT = textwrap.dedent("""
     import os, sys
     os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1])
+    import atexit
     import torch
+    import torch.distributed as dist
     from distconv.comm import init
+    # registered first, so it runs last: by then distconv must have released the groups
+    atexit.register(lambda: print("initialized at exit:", dist.is_initialized()))
     comm = init()
     sub = comm.split([[0]])
     print(float(comm.allreduce(torch.ones(3)).sum()))
@@ -196,7 +200,7 @@ def test_script_that_simply_ends_exits_cleanly(tmp_path):
     proc = subprocess.run([sys.executable, str(script), str(port)], capture_output=True,
                           text=True, timeout=120, env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout.strip() == "3.0"
+    assert proc.stdout.split("\n")[:2] == ["3.0", "initialized at exit: False"], proc.stdout
 
 
 def _close_world(comm):
