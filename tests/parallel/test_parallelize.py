@@ -86,12 +86,13 @@ def layer_choices(draw: st.DrawFn, p: int) -> dict:
 
 @st.composite
 def network_cases(draw: st.DrawFn) -> tuple:
-    p = draw(st.sampled_from([2, 3, 4]))
+    p = draw(st.sampled_from([2, 3, 4, 6, 8]))
     kinds = draw(st.lists(st.sampled_from(
         ["conv", "conv1x1", "bn", "relu", "maxpool", "avgpool", "res"]), min_size=1, max_size=5))
-    channels = draw(st.integers(4, 6))
+    channels = draw(st.integers(max(4, p), max(6, p + 1)))  # C×F blocks need channels
     torch.manual_seed(draw(st.integers(0, 2**16)))
-    model = RandomNet(kinds, channels, mean_head=draw(st.booleans())).double()
+    model = RandomNet(kinds, channels, in_channels=channels,
+                      mean_head=draw(st.booleans())).double()
     convs = [n for n, m in model.named_modules() if isinstance(m, nn.Conv2d)]
     chosen = draw(st.lists(st.sampled_from(convs), unique=True, max_size=len(convs)))
     layers = [{"match": n, **draw(layer_choices(p))} for n in chosen]
@@ -101,7 +102,7 @@ def network_cases(draw: st.DrawFn) -> tuple:
     batch = draw(st.integers(p, p + 3))
     size = draw(st.integers(7, 10))
     gen = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
-    x = torch.randn(batch, 4, size, size, generator=gen, dtype=torch.float64)
+    x = torch.randn(batch, channels, size, size, generator=gen, dtype=torch.float64)
     y = torch.randint(0, 5, (batch,), generator=gen)
     return p, model, config, x, y
 
