@@ -244,3 +244,24 @@ def test_collectives_refuse_a_non_bool_async_op(op, args):
         getattr(ONE, op)(*args, async_op="yes")
     with pytest.raises(TypeError, match="async_op"):
         ONE.broadcast(torch.ones(1), root=0, async_op=1)
+
+
+def _use_closed_sub(comm):
+    # the pool's world must stay usable, so close a sub-communicator of it
+    groups = [list(range(comm.size))]
+    sub = comm.split(groups, timeout=7.0)
+    sub.close()
+    try:
+        sub.allreduce(torch.ones(1))
+        said = None
+    except Exception as exc:  # noqa: BLE001 - the type is the point
+        said = (type(exc).__name__, "closed" in str(exc))
+    again = comm.split(groups, timeout=7.0)  # a new one in place of the closed one
+    return said, again is not sub, float(again.allreduce(torch.ones(1)).sum())
+
+
+@pytest.mark.parametrize("name", [pytest.param("gloo2", marks=pytest.mark.gloo),
+                                  pytest.param("mpi4", marks=pytest.mark.mpi)])
+def test_a_closed_communicator_says_so(request, name):
+    pool = request.getfixturevalue(name)
+    assert pool.run(_use_closed_sub) == [(("CommError", True), True, float(pool.size))] * pool.size

@@ -394,6 +394,7 @@ class Communicator(abc.ABC):
         self.timeout = float(timeout)
         self.stats = CommStats(parent=parent.stats if parent is not None else None)
         self._splits: dict[Any, Communicator] = {}
+        self.closed = False
 
     @property
     def rank(self) -> int:
@@ -654,7 +655,7 @@ class Communicator(abc.ABC):
         timeout_ = self.timeout if timeout is None else check_timeout(timeout)
         key = (key_groups, timeout_)
         cached = self._splits.get(key)
-        if cached is not None:
+        if cached is not None and not cached.closed:
             return cached
         self.stats.add("split", 0)
         if self.size > 1:
@@ -688,7 +689,9 @@ class Communicator(abc.ABC):
     def close(self) -> None:
         """Release this communicator and its sub-communicators (newest first); idempotent.
 
-        Not collective. Afterwards no operation may be called on them. Called for the world by
+        Not collective. Afterwards they must not be used (the torch and MPI backends raise
+        ``CommError``), and a ``split`` of the parent creates a new sub-communicator in place of a
+        closed one. Called for the world by
         :func:`distconv.comm.shutdown`, which runs by itself at interpreter exit.
         """
         subs = list(self._splits.values())
@@ -696,6 +699,7 @@ class Communicator(abc.ABC):
         for sub in reversed(subs):
             sub.close()
         self._release()
+        self.closed = True
 
     def _release(self) -> None:
         """Free the backend's own resources (process groups, duplicated MPI communicators)."""

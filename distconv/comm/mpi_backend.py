@@ -86,6 +86,11 @@ class MPICommunicator(Communicator):
     # ---------------------------------------------------------------- polling
     def _issue(self, opname: str, start, finish) -> Work:
         MPI = self._MPI
+        if not self._by_op:
+            raise CommError(
+                f"rank {self.rank}, backend 'mpi', op {opname!r}: the communicator is closed "
+                "(distconv.comm.shutdown() or close() released it)"
+            )
         deadline = time.monotonic() + self.timeout
         try:
             reqs = start()

@@ -118,6 +118,11 @@ class TorchCommunicator(Communicator):
 
     def _issue(self, opname: str, start: Callable[[], Any], finish: Callable[[], Any]) -> Work:
         """Start a c10d operation; the Work waits (bounded by the timeout) and then finishes."""
+        if self._pg is None:
+            raise CommError(
+                f"rank {self.rank}, backend {self.backend!r}, op {opname!r}: the communicator "
+                "is closed (distconv.comm.shutdown() or close() released it)"
+            )
         try:
             handle = start()
         except RuntimeError as exc:
