@@ -29,6 +29,15 @@ BASES = {
 }
 
 
+@pytest.fixture(autouse=True)
+def one_torch_thread():
+    """Tiny tensors: intra-op threads only contend (10-100x slower on a loaded 2-core box)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def build() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 3)).double()  # n = 57
@@ -85,8 +94,7 @@ def assert_equal_to_fosi(results, base: str) -> None:
     assert sum(r["basis_bytes"] for r in results) == ref["basis_bytes"]
 
 
-@pytest.mark.parametrize("size,base", [(2, "adam"), (3, "momentum"), (4, "adam"),
-                                       (4, "momentum")])
+@pytest.mark.parametrize("size,base", [(2, "adam"), (3, "momentum"), (4, "adam")])
 def test_dho2_on_threads_equals_fosi_on_the_concatenated_batch(size, base):
     model = build()  # built here: thread-ranks must not race on the global RNG
     results = run_threads(lambda comm: train(comm, copy.deepcopy(model), base), size)
