@@ -22,7 +22,7 @@ from distconv.nn.sharding import ShardSpec
 from distconv.perfmodel import ConvProblem, conv_traffic
 from distconv.redistribute import gather, plan_redistribution, redistribute
 
-__all__ = ["ALGORITHMS", "DistConv2d", "UnsupportedConvError"]
+__all__ = ["ALGORITHMS", "DistConv2d", "UnsupportedConvError", "conv_dists"]
 
 ALGORITHMS = ("stationary-x", "stationary-y", "stationary-w")
 
@@ -319,37 +319,12 @@ class DistConv2d(nn.Module):
         return name if name in self.grid.shape or name in ("N", "C", "F", "H", "W") else None
 
     def _build_dists(self) -> None:
-        n, c, f = self._role("sample_dim"), self._role("channel_dim"), self._role("filter_dim")
-        h, w = self._role("H"), self._role("W")
-
-        def both(major: str | None, minor: str | None) -> Entry:
-            names = tuple(d for d in (major, minor) if d is not None)
-            return names if len(names) > 1 else (names[0] if names else None)
-
-        alg = self.algorithm
-        x_in = {"stationary-x": c, "stationary-y": f, "stationary-w": both(c, f)}[alg]
-        x_work = {"stationary-x": c, "stationary-y": None, "stationary-w": c}[alg]
-        w_rows = {"stationary-x": None, "stationary-y": f, "stationary-w": f}[alg]
-        w_cols = {"stationary-x": c, "stationary-y": None, "stationary-w": c}[alg]
-        y_part = {"stationary-x": None, "stationary-y": f, "stationary-w": f}[alg]
-        y_out = {"stationary-x": c, "stationary-y": f, "stationary-w": both(f, c)}[alg]
-        pending = frozenset({c}) if c is not None and alg != "stationary-y" else frozenset()
-        if self._group_parts > 1:
-            # Aligned groups: each rank's channel block holds whole groups, whose filters form
-            # its block of y -- a local grouped convolution, no communication.
-            role = c if alg == "stationary-x" else f
-            x_in = x_work = y_part = y_out = role
-            w_rows, w_cols, pending = role, None, frozenset()
-
-        def act(entry: Entry, pend: frozenset[str] = frozenset()) -> Dist:
-            return Dist((n, entry, h, w), pend, _ACT_DIMS)
-
-        self.input_dist = act(x_in)
-        self.work_dist = act(x_work)
-        self.partial_dist = act(y_part, pending)
-        self.output_dist = act(y_out)
-        self.weight_dist = Dist((w_rows, w_cols, None, None), frozenset(), _W_DIMS)
-        self.bias_dist = Dist((y_out,), frozenset(), ("filters",))
+        roles = {k: self._role(r) for k, r in (("N", "sample_dim"), ("C", "channel_dim"),
+                                               ("F", "filter_dim"), ("H", "H"), ("W", "W"))}
+        d = conv_dists(self.algorithm, roles, grouped=self._group_parts > 1)
+        self.input_dist, self.work_dist = d["input"], d["work"]
+        self.partial_dist, self.output_dist = d["partial"], d["output"]
+        self.weight_dist, self.bias_dist = d["weight"], d["bias"]
 
     def _check_input_shape(self, shape: Sequence[int]) -> tuple[int, int, int, int]:
         shape = as_shape(shape, "input_shape")
@@ -701,6 +676,39 @@ class DistConv2d(nn.Module):
         dists = (self.input_dist.format("x"), self.weight_dist.format("w"),
                  self.output_dist.format("y"))
         return s + ", x={}, w={}, y={}".format(*dists)
+
+
+def conv_dists(algorithm: str, roles: dict[str, str | None], grouped: bool = False
+               ) -> dict[str, Dist]:
+    """The distributions of a :class:`DistConv2d` in the paper's notation, from its algorithm and
+    grid-dim roles (``roles["N"|"C"|"F"|"H"|"W"]``: the grid dim playing that role, or None):
+    ``input`` (x), ``work`` (x after forward step 1), ``partial`` (the local convolution's y,
+    pending over C), ``output`` (y), ``weight`` and ``bias``. ``grouped``: a grouped convolution
+    whose channel blocks hold whole groups (a local grouped convolution, no communication)."""
+    n, c, f, h, w = (roles[k] for k in ("N", "C", "F", "H", "W"))
+
+    def both(major: str | None, minor: str | None) -> Entry:
+        names = tuple(g for g in (major, minor) if g is not None)
+        return names if len(names) > 1 else (names[0] if names else None)
+
+    x_in = {"stationary-x": c, "stationary-y": f, "stationary-w": both(c, f)}[algorithm]
+    x_work = {"stationary-x": c, "stationary-y": None, "stationary-w": c}[algorithm]
+    w_rows = {"stationary-x": None, "stationary-y": f, "stationary-w": f}[algorithm]
+    w_cols = {"stationary-x": c, "stationary-y": None, "stationary-w": c}[algorithm]
+    y_part = {"stationary-x": None, "stationary-y": f, "stationary-w": f}[algorithm]
+    y_out = {"stationary-x": c, "stationary-y": f, "stationary-w": both(f, c)}[algorithm]
+    pending = frozenset({c}) if c is not None and algorithm != "stationary-y" else frozenset()
+    if grouped:
+        role = c if algorithm == "stationary-x" else f
+        x_in = x_work = y_part = y_out = role
+        w_rows, w_cols, pending = role, None, frozenset()
+
+    def act(entry: Entry, pend: frozenset[str] = frozenset()) -> Dist:
+        return Dist((n, entry, h, w), pend, _ACT_DIMS)
+
+    return {"input": act(x_in), "work": act(x_work), "partial": act(y_part, pending),
+            "output": act(y_out), "weight": Dist((w_rows, w_cols, None, None), frozenset(), _W_DIMS),
+            "bias": Dist((y_out,), frozenset(), ("filters",))}
 
 
 def _positive(value: int, name: str) -> int:

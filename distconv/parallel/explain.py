@@ -24,7 +24,8 @@ from distconv.comm.base import allreduce_bytes
 from distconv.nn.grad_sync import plan_buckets
 from distconv.parallel.config import ParallelConfig
 from distconv.distribution import Dist
-from distconv.parallel.graph import Step, analyse, conv_dists, trace
+from distconv.nn.conv import conv_dists
+from distconv.parallel.graph import Step, analyse, trace
 from distconv.parallel.placement import Layout, Placement, conversion_bytes, layout_str, paper_grid
 from distconv.perfmodel import ConvProblem, Machine, conv_cost, conv_traffic
 

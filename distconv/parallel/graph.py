@@ -30,7 +30,7 @@ import math
 import operator
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -38,12 +38,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from distconv.distribution import Dist
+from distconv.nn.conv import conv_dists
 from distconv.parallel.config import LayerChoice, ParallelConfig
 from distconv.parallel.placement import Layout, Placement, conversion_bytes, layout_str
 
-__all__ = ["Analysis", "LayerSpec", "Step", "analyse", "conv_dists", "trace"]
+__all__ = ["Analysis", "LayerSpec", "Step", "analyse", "trace"]
 
-_ACT = ("N", "C", "H", "W")
 
 POINTWISE_MODULES: tuple[type, ...] = (
     nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.GELU, nn.SiLU, nn.Sigmoid, nn.Tanh, nn.ELU, nn.Hardswish,
@@ -125,33 +125,6 @@ def trace(model: nn.Module) -> fx.GraphModule:
             "control flow cannot be captured; rewrite it, or convert layer by layer with "
             "DistConv2d.from_conv2d and Redistribute"
         ) from exc
-
-
-def conv_dists(algorithm: str, roles: dict[str, str], grouped: bool) -> dict[str, Dist]:
-    """The distributions of a DistConv2d (x, x after step 1, partial y, y, w, b), in the paper's
-    notation, from its algorithm and grid-dim roles (``N C F H W`` -> grid dim names)."""
-    n, c, f, h, w = (roles[k] for k in ("N", "C", "F", "H", "W"))
-    both: Callable[[str, str], tuple[str, str]] = lambda a, b: (a, b)  # noqa: E731
-    x_in = {"stationary-x": c, "stationary-y": f, "stationary-w": both(c, f)}[algorithm]
-    x_work = {"stationary-x": c, "stationary-y": None, "stationary-w": c}[algorithm]
-    w_rows = {"stationary-x": None, "stationary-y": f, "stationary-w": f}[algorithm]
-    w_cols = {"stationary-x": c, "stationary-y": None, "stationary-w": c}[algorithm]
-    y_part = {"stationary-x": None, "stationary-y": f, "stationary-w": f}[algorithm]
-    y_out = {"stationary-x": c, "stationary-y": f, "stationary-w": both(f, c)}[algorithm]
-    pending = frozenset() if algorithm == "stationary-y" else frozenset({c})
-    if grouped:
-        role = c if algorithm == "stationary-x" else f
-        x_in = x_work = y_part = y_out = role
-        w_rows, w_cols, pending = role, None, frozenset()
-
-    def act(entry: Any, pend: frozenset[str] = frozenset()) -> Dist:
-        return Dist((n, entry, h, w), pend, _ACT)
-
-    return {
-        "input": act(x_in), "work": act(x_work), "partial": act(y_part, pending),
-        "output": act(y_out), "weight": Dist((w_rows, w_cols, None, None)),
-        "bias": Dist((y_out,)),
-    }
 
 
 def _sample_dist(ndim: int) -> Dist:
