@@ -241,3 +241,25 @@ def test_debug_mode_refuses_replicas_with_different_samples() -> None:
     finally:
         set_debug(False)
     assert "ranks 0 and 1 share sample block N=0" in messages[0]
+
+
+def test_eval_mode_under_no_grad_equals_one_process() -> None:
+    model, x, y = resnet_case(seed=3)
+    ref = copy.deepcopy(model)
+    F.cross_entropy(ref(x), y).backward()  # one training forward: running statistics move
+    ref.eval()
+    with torch.no_grad():
+        want = ref(x)
+    config = {"layers": [{"match": "layer1.*", "grid": {"N": 2, "H": 2}, "algorithm": "spatial"},
+                         {"match": "layer3.*", "grid": {"C": 2, "F": 2},
+                          "algorithm": "stationary-w"}]}
+
+    def run(comm):
+        pm = parallelize(copy.deepcopy(model), config, comm=comm)
+        rows = sample_block(x.shape[0], pm.data_grid)
+        F.cross_entropy(pm(x[rows]), y[rows]).backward()
+        pm.eval()
+        with torch.no_grad():
+            return (pm(x[rows]) - want[rows]).abs().max().item()
+
+    assert max(run_threads(run, 4)) < 1e-10
