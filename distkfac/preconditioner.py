@@ -463,8 +463,14 @@ class KFAC:
                     and y.requires_grad):
                 return
             t0 = time.perf_counter()
+            # d = N dL/dy with N the global batch: from the layer's global shape, else the
+            # parallelized model's, else (sample parallelism only) from the reduced row count
+            n = y_shape[0] if y_shape[0] > 0 else getattr(self._parallel, "global_batch_size",
+                                                          None)
+            scale = None if n is None else float(n * self.accumulation_steps) ** 2
             for target, name in targets:
                 target.positions = y_shape[2] * y_shape[3]
+                target.prescaled = scale is not None
                 a, rows = target.work_a(x, padding, y, self.factor_dtype)
                 reducer.add(name + "/A", a, rows, symmetric=not isinstance(target, ExactLayer))
             self.timings["factor_compute"] += time.perf_counter() - t0
@@ -473,6 +479,8 @@ class KFAC:
                 t1 = time.perf_counter()
                 for target, name in targets:
                     g, rows = target.work_g(gy, self.factor_dtype)
+                    if scale is not None:
+                        g = g * scale
                     reducer.add(name + "/G", g, rows,
                                 symmetric=not isinstance(target, ExactLayer))
                 self.timings["factor_compute"] += time.perf_counter() - t1

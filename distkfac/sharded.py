@@ -128,7 +128,7 @@ class ShardAdapter(LayerAdapter):
         self.geo = geo
         self._bias = geo.bias and geo.C == 1
         self._groups = module.groups if geo.C * geo.F == 1 else 1
-        self.positions = 1
+        self.positions, self.prescaled = 1, False
 
     @property
     def has_bias(self) -> bool:
@@ -166,8 +166,9 @@ class ShardAdapter(LayerAdapter):
         return _g_cov(gy, self._groups, dtype)
 
     def g_scale(self, rows: float) -> float:
-        """``G = sum / rows * N^2`` with ``N = rows / (global output positions per sample)``."""
-        return (rows / self.positions) ** 2
+        """``G = sum / rows * N^2``: N^2 already applied in the hook when the global batch was
+        known there, else ``N = rows / (global output positions per sample)``."""
+        return 1.0 if self.prescaled else (rows / self.positions) ** 2
 
 
 class BiasShardAdapter(LayerAdapter):
@@ -179,7 +180,7 @@ class BiasShardAdapter(LayerAdapter):
         self.geo = geo
         lo, _ = geo.bias_subblocks()[geo.c]
         self.offset = lo
-        self.positions = 1
+        self.positions, self.prescaled = 1, False
 
     @property
     def has_bias(self) -> bool:
@@ -248,7 +249,7 @@ class ExactLayer:
         self.factors: dict[str, Tensor | None] = {"A": None, "G": None}
         self.updates = 0
         self.inverse_rows: dict[str, Tensor | None] = {"A": None, "G": None}
-        self.positions = 1
+        self.positions, self.prescaled = 1, False
 
     @property
     def replication(self) -> int:
@@ -287,7 +288,8 @@ class ExactLayer:
         a, g = results.get(self.name + "/A"), results.get(self.name + "/G")
         if a is None or g is None:
             return False
-        new = {"A": a[0][0] / a[1], "G": g[0][0] / g[1] * (g[1] / self.positions) ** 2}
+        scale = 1.0 if self.prescaled else (g[1] / self.positions) ** 2
+        new = {"A": a[0][0] / a[1], "G": g[0][0] / g[1] * scale}
         for key, value in new.items():
             value = value.to(self.dtype)
             old = self.factors[key]

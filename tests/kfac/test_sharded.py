@@ -93,6 +93,7 @@ EXACT_CASES = [
     ({"C": 2, "F": 2}, "stationary-w", dict(kernel_size=3, padding=1)),
     ({"H": 2, "C": 2}, "stationary-x", dict(kernel_size=3, padding=1, dilation=(1, 2))),
     ({"N": 2, "W": 2}, "stationary-x", dict(kernel_size=3, padding=1)),
+    ({"N": 3}, "stationary-x", dict(kernel_size=3, padding=1, padding_mode="reflect")),
 ]
 
 
@@ -329,3 +330,39 @@ def test_exact_equals_single_process_on_drawn_grids(case):
     ref = single_run(conv_kw, kw, steps=2)
     assert_exact(run_threads(sharded_run, _size(grid_dims), grid_dims, algorithm, conv_kw, kw,
                              2), ref)
+
+
+# ---------------------------------------------------------------- weight sharing
+class _Twice(nn.Module):
+    def __init__(self, conv: nn.Module) -> None:
+        super().__init__()
+        self.conv = conv
+
+    def forward(self, x, *shape):
+        return self.conv(torch.tanh(self.conv(x, *shape)), *shape)
+
+
+def twice_run(comm, grid_dims, kw):
+    grid = ProcessorGrid(grid_dims, comm=comm)
+    layer = DistConv2d.from_conv2d(make_conv(dict(kernel_size=3, padding=1)), grid=grid,
+                                   algorithm="stationary-x")
+    model = _Twice(layer)
+    kfac = distkfac.KFAC(model, factor_dtype=torch.float64, **kw)
+    x, t = global_data(0, (SHAPE[0], 5, SHAPE[2], SHAPE[3]))
+    sl = layer.input_dist.local_slices(SHAPE, grid)
+    loss_of(model(x[sl], SHAPE), t[sl], SHAPE[0]).backward()
+    kfac.step()
+    return (layer.weight_dist.local_slices(layer.weight_shape, grid),
+            layer.bias_dist.local_slices((5,), grid), layer.weight.grad, layer.bias.grad)
+
+
+def test_distconv_called_twice_sums_its_factors_like_one_process():
+    kw = dict(kl_clip=1e-2, damping=1e-2)
+    conv = make_conv(dict(kernel_size=3, padding=1))
+    model = _Twice(conv)
+    model.forward = lambda x: conv(torch.tanh(conv(x)))
+    kfac = distkfac.KFAC(model, factor_dtype=torch.float64, comm=None, **kw)
+    x, t = global_data(0, (SHAPE[0], 5, SHAPE[2], SHAPE[3]))
+    loss_of(model(x), t, SHAPE[0]).backward()
+    kfac.step()
+    assert_exact(run_threads(twice_run, 2, {"C": 2}, kw), conv)
