@@ -155,7 +155,7 @@ MUTANTS = [
     Mutant("debug-check-ignores-alltoall-pairs", "distconv/comm/base.py",
            "    if not bad and sigs[0].sends is not None:",
            "    if False:",
-           ("tests/comm/test_failures.py",),
+           ("tests/comm/test_failures.py", "tests/comm/test_contracts.py"),
            "debug mode misses all-to-all send/receive shapes that do not pair up"),
     Mutant("grad-sync-double-count", "distconv/nn/grad_sync.py",
            "# later ones must not add their local part to an already complete gradient.\n"

@@ -184,3 +184,34 @@ def test_rank_that_ignores_its_timeout_is_reported_within_the_timeouts():
     assert isinstance(out.get("error"), CommTimeoutError), out
     assert "rank(s) 1 of 2" in str(out["error"]), out["error"]
     assert time.monotonic() - begin < 20
+
+
+def _mutate_own_results(comm):
+    x = torch.full((2,), float(comm.rank))
+    got = comm.allgather(x)
+    comm.barrier()
+    if comm.rank == 0:
+        for g in got:
+            g.add_(100.0)  # results are this rank's own tensors: others must not see this
+    comm.barrier()
+    return [float(g[0]) for g in got], any(g.data_ptr() == x.data_ptr() for g in got)
+
+
+def test_thread_allgather_results_belong_to_each_rank():
+    results = run_threads(_mutate_own_results, 3)
+    assert results[0] == ([100.0, 101.0, 102.0], False)
+    assert results[1:] == [([0.0, 1.0, 2.0], False)] * 2
+
+
+def _unpaired_alltoall(comm):
+    # rank 0 sends 2 elements to rank 1, which expects 3
+    chunks = [torch.ones(2), torch.ones(2)]
+    recv = [(3,) if comm.rank == 1 else (2,), (2,)]
+    return comm.alltoall(chunks, recv_shapes=recv)
+
+
+def test_alltoall_whose_shapes_do_not_pair_up_is_refused():
+    from distconv.comm import CollectiveMismatchError
+
+    with pytest.raises(CollectiveMismatchError, match=r"\(3,\)"):
+        run_threads(_unpaired_alltoall, 2)
