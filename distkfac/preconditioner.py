@@ -63,6 +63,7 @@ from distkfac.sharded import (
     ShardGeometry,
     attach,
     exchange_exact,
+    redundant_comm,
 )
 
 __all__ = ["KFAC"]
@@ -382,8 +383,7 @@ class KFAC:
             warnings.warn(f"distkfac: skipping module {name!r}: frozen", stacklevel=4)
             return
         geo = ShardGeometry(module)
-        sync = module.grad_sync
-        comm = None if sync is None else sync.comm
+        comm = redundant_comm(module)
         if geo.C * geo.F > 1 and module.groups > 1:
             raise NotImplementedError(
                 f"K-FAC of the grouped DistConv2d {name!r} (groups={module.groups}) with channel "

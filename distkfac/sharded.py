@@ -67,7 +67,8 @@ from torch import Tensor, nn
 from distconv.distribution import balanced_block
 from distkfac.layers import LayerAdapter, conv_input_cov
 
-__all__ = ["LAYOUTS", "ShardAdapter", "BiasShardAdapter", "ExactLayer", "shard_geometry"]
+__all__ = ["LAYOUTS", "ShardAdapter", "BiasShardAdapter", "ExactLayer", "redundant_comm",
+           "shard_geometry"]
 
 LAYOUTS = ("exact", "block")
 
@@ -110,6 +111,14 @@ class ShardGeometry:
 
 def shard_geometry(m: nn.Module) -> ShardGeometry:
     return ShardGeometry(m)
+
+
+def redundant_comm(m: nn.Module):
+    """The ranks that hold the same weight shard: the segment over the grid dims the weight's
+    Dist leaves unused (N, H, W), None when there are none.  Read from the Dist, not from the
+    layer's own gradient sync (a parallelized model fuses those)."""
+    dims = [d for d in m.weight_dist.redundant(m.grid) if m.grid.extent(d) > 1]
+    return m.grid.subcomm(dims) if dims else None
 
 
 def _g_cov(gy: Tensor, groups: int, dtype: torch.dtype) -> tuple[Tensor, int]:
@@ -242,8 +251,7 @@ class ExactLayer:
         self.grid = grid
         self.c_comm = grid.subcomm([geo.cdim]) if geo.C > 1 else None
         self.f_comm = grid.subcomm([geo.fdim]) if geo.F > 1 else None
-        sync = module.grad_sync
-        self.comm = None if sync is None else sync.comm  # the redundant dims N x H x W
+        self.comm = redundant_comm(module)
         self.rows = {"A": geo.a_rows(geo.c), "G": geo.g_rows(geo.f)}
         self.side = {"A": geo.K, "G": geo.fo}
         self.factors: dict[str, Tensor | None] = {"A": None, "G": None}
