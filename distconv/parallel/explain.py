@@ -10,6 +10,7 @@ parallelism on the same world.
 from __future__ import annotations
 
 import copy
+import itertools
 import json
 import math
 from dataclasses import dataclass, field
@@ -26,7 +27,9 @@ from distconv.parallel.config import ParallelConfig
 from distconv.distribution import Dist
 from distconv.nn.conv import conv_dists
 from distconv.parallel.graph import Step, analyse, trace
-from distconv.parallel.placement import Layout, Placement, conversion_bytes, layout_str, paper_grid
+from distconv.parallel.placement import (
+    Layout, Placement, conversion_bytes, layout_str, paper_grid, repartition_bytes,
+)
 from distconv.perfmodel import ConvProblem, Machine, conv_cost, conv_traffic
 
 __all__ = ["CommStep", "Explanation", "LayerReport", "explain"]
@@ -39,12 +42,12 @@ class CommStep:
     phase: str
     what: str
     op: str
-    bytes: list[int]
+    bytes: dict[int, int]  # rank -> bytes it receives (the evaluated ranks)
     peers: int = 1
 
     def seconds(self, machine: Machine) -> float:
         steps = 2 * (self.peers - 1) if self.op == "allreduce" else max(self.peers - 1, 1)
-        return steps * machine.alpha + max(self.bytes) * machine.beta
+        return steps * machine.alpha + max(self.bytes.values()) * machine.beta
 
 
 @dataclass
@@ -69,6 +72,7 @@ class Explanation:
     """The result of :func:`explain`: ``print`` it, or ``to_dict()`` / ``to_json()``."""
 
     world_size: int
+    ranks: list[int]
     input_shape: tuple[int, ...]
     itemsize: int
     optimizer_states: int
@@ -78,6 +82,9 @@ class Explanation:
 
     def rank_bytes(self, rank: int) -> dict[str, int]:
         """Bytes ``rank`` receives per step: forward and backward (the communicators' count)."""
+        if rank not in self.ranks:
+            raise ValueError(f"rank {rank} was not evaluated; explain evaluates every rank of "
+                             f"worlds up to {ALL_RANKS} and these of larger ones: {self.ranks}")
         return {ph: sum(layer.bytes(ph, rank) for layer in self.layers)
                 for ph in ("forward", "backward")}
 
@@ -95,7 +102,7 @@ class Explanation:
                    for lay in self.layers)
 
     def totals(self) -> dict[str, Any]:
-        per_rank = [self.rank_bytes(r) for r in range(self.world_size)]
+        per_rank = [self.rank_bytes(r) for r in self.ranks]
         out: dict[str, Any] = {
             "max_bytes_forward": max(b["forward"] for b in per_rank),
             "max_bytes_backward": max(b["backward"] for b in per_rank),
@@ -115,7 +122,8 @@ class Explanation:
                 "param_elements_per_rank": lay.param_elements,
                 "activation_elements_per_rank": lay.activation_elements,
                 "steps": [{"phase": s.phase, "what": s.what, "op": s.op,
-                           "bytes_per_rank": s.bytes} for s in lay.steps],
+                           "bytes_per_rank": {str(r): b for r, b in s.bytes.items()}}
+                          for s in lay.steps],
             } for lay in self.layers],
         }
         if self.baseline is not None:
@@ -132,15 +140,15 @@ class Explanation:
                f"{'bwd B':>10} {'params':>9}"
         rows += [head, "-" * len(head)]
         for lay in self.layers:
-            fwd = max(lay.bytes("forward", r) for r in range(self.world_size))
-            bwd = max(lay.bytes("backward", r) for r in range(self.world_size))
+            fwd = max(lay.bytes("forward", r) for r in self.ranks)
+            bwd = max(lay.bytes("backward", r) for r in self.ranks)
             dists = "  ".join(f"{v}" for v in lay.dists.values())
             rows.append(f"{lay.name[:22]:<22} {lay.grid[:18]:<18} {lay.algorithm[:13]:<13} "
                         f"{dists[:58]:<58} {fwd:>10,} {bwd:>10,} {lay.param_elements:>9,}")
             if lay.note:
                 rows.append(f"{'':<24}{lay.note}")
             for s in lay.steps:
-                rows.append(f"{'':<24}{s.phase:<9} {s.what[:70]:<70} {max(s.bytes):>12,}")
+                rows.append(f"{'':<24}{s.phase:<9} {s.what[:70]:<70} {max(s.bytes.values()):>12,}")
         rows.append(_summary("this config", self))
         if self.baseline is not None:
             rows.append(_summary("sample parallel", self.baseline))
@@ -207,13 +215,14 @@ def _explain(model: nn.Module, cfg: ParallelConfig, shape: tuple[int, ...],
               if isinstance(n.meta.get("tensor_meta"), TensorMetadata)}
     modules = dict(gm.named_modules())
     P = cfg.world_size
+    ranks = _evaluated_ranks(analysis, P)
     needs_grad: dict[str, bool] = {}
     layers: list[LayerReport] = []
     entry = LayerReport("(input)", "input", layout_str(cfg.data), "-",
                         {"x": analysis.steps[0].out.format("x")})
     if P > 1:
         entry.steps.append(CommStep("forward", "agree on the global batch: allgather of local "
-                                    "shapes", "allgather", [(P - 1) * len(shape) * 8] * P, P))
+                                    "shapes", "allgather", {r: (P - 1) * len(shape) * 8 for r in ranks}, P))
     layers.append(entry)
     done: set[tuple[str, Placement]] = set()  # the runtime converts a value once per placement
     for step in analysis.steps[1:]:
@@ -222,21 +231,21 @@ def _explain(model: nn.Module, cfg: ParallelConfig, shape: tuple[int, ...],
         grad_in = any(needs_grad.get(a.name, False) for a in args)
         owns = node.op == "call_module" and any(True for _ in modules[node.target].parameters())
         needs_grad[node.name] = grad_in or owns
-        report = _layer(step, modules, shapes, itemsize, P, grad_in, machine)
+        report = _layer(step, modules, shapes, itemsize, P, ranks, grad_in, machine)
         if report.name in decisions:
             report.note = decisions[report.name].describe()
         for a, need in step.needs.items():
             src = analysis.step(a).out
             if src != need and (a.name, need) not in done:
                 done.add((a.name, need))
-                _conversion(report, a.name, src, need, shapes[a.name], itemsize, P,
+                _conversion(report, a.name, src, need, shapes[a.name], itemsize, P, ranks,
                             needs_grad.get(a.name, False))
         if report.steps or report.kind not in ("meta", "constant", "pointwise", "reshape"):
             layers.append(report)
-    sync = _gradient_buckets(gm, analysis, P, itemsize, bucket_bytes)
+    sync = _gradient_buckets(gm, analysis, P, ranks, itemsize, bucket_bytes)
     if sync is not None:
         layers.append(sync)
-    result = Explanation(P, shape, itemsize, optimizer_states, layers, machine)
+    result = Explanation(P, ranks, shape, itemsize, optimizer_states, layers, machine)
     if baseline and P > 1:
         sample = ParallelConfig({"default": {"grid": {"N": P}, "algorithm": "sample"}},
                                 world_size=P)
@@ -246,12 +255,13 @@ def _explain(model: nn.Module, cfg: ParallelConfig, shape: tuple[int, ...],
 
 
 def _conversion(report: LayerReport, name: str, src: Placement, dst: Placement,
-                shape: tuple[int, ...], isz: int, P: int, backward: bool) -> None:
-    fwd = [conversion_bytes(src, dst, shape, isz, r) for r in range(P)]
+                shape: tuple[int, ...], isz: int, P: int, ranks: list[int],
+                backward: bool) -> None:
+    fwd = {r: conversion_bytes(src, dst, shape, isz, r) for r in ranks}
     what = f"redistribute {name}: {src.format()} -> {dst.format()}"
     report.steps.insert(0, CommStep("forward", what, "redistribute", fwd, P))
     if backward:
-        bwd = [_backward_bytes(src, dst, shape, isz, r) for r in range(P)]
+        bwd = {r: _backward_bytes(src, dst, shape, isz, r) for r in ranks}
         report.steps.append(CommStep("backward", "adjoint of " + what, "redistribute", bwd, P))
 
 
@@ -263,7 +273,7 @@ def _backward_bytes(src: Placement, dst: Placement, shape: tuple[int, ...], isz:
         g = paper_grid(src.layout, rank)
         return conversion_bytes(Placement(dst.layout, dst.dist.dual(g)),
                                 Placement(src.layout, src.dist.dual(g)), shape, isz, rank)
-    from distconv.redistribute import _repartition_plan, plan_redistribution
+    from distconv.redistribute import plan_redistribution
 
     total = 0
     s_dist, d_dist = src.dist, dst.dist
@@ -272,9 +282,8 @@ def _backward_bytes(src: Placement, dst: Placement, shape: tuple[int, ...], isz:
         g = paper_grid(dst.layout, rank)
         total += plan_redistribution(dst.layout, d_dist.dual(g), plain_dst.dual(g),
                                      shape).received_bytes(g, isz)
-    plan = _repartition_plan(src.layout, plain_src, dst.layout, plain_dst, shape)
-    total += isz * sum(math.prod(n for _, n in box) for t, box in enumerate(plan.sends[rank])
-                       if t != rank and box is not None)
+    total += repartition_bytes(src.layout, plain_src, dst.layout, plain_dst, shape, rank,
+                               isz)[1]
     if s_dist.pending:
         g = paper_grid(src.layout, rank)
         total += plan_redistribution(src.layout, plain_src.dual(g), s_dist.dual(g),
@@ -283,7 +292,8 @@ def _backward_bytes(src: Placement, dst: Placement, shape: tuple[int, ...], isz:
 
 
 def _layer(step: Step, modules: dict[str, nn.Module], shapes: dict[str, tuple[int, ...]],
-           isz: int, P: int, grad_in: bool, machine: Machine | None) -> LayerReport:
+           isz: int, P: int, ranks: list[int], grad_in: bool,
+           machine: Machine | None) -> LayerReport:
     node, spec = step.node, step.layer
     out = step.out
     name = str(node.target) if node.op == "call_module" else node.name
@@ -292,24 +302,22 @@ def _layer(step: Step, modules: dict[str, nn.Module], shapes: dict[str, tuple[in
     dists = {"y": out.format("y")} if out is not None else {}
     report = LayerReport(name, step.kind, grid, spec.algorithm if spec else "-", dists)
     if out is not None and node.name in shapes:
-        report.activation_elements = max(
-            math.prod(out.dist.local_shape(shapes[node.name], paper_grid(out.layout, r)))
-            for r in range(P))
+        report.activation_elements = _largest_block(out, shapes[node.name])
     if step.kind == "conv":
-        _conv(report, step, modules[node.target], shapes[node.args[0].name], isz, P, grad_in,
-              machine)
+        _conv(report, step, modules[node.target], shapes[node.args[0].name], isz, ranks,
+              grad_in, machine)
     elif step.kind == "batchnorm":
-        _batchnorm(report, step, modules[node.target], shapes[node.args[0].name], isz, P)
+        _batchnorm(report, step, modules[node.target], shapes[node.args[0].name], isz, ranks)
     elif step.kind == "pool" and spec is not None and spec.kind == "pool":
-        _pool(report, step, modules.get(str(node.target)), shapes[node.args[0].name], isz, P,
-              grad_in)
+        _pool(report, step, modules.get(str(node.target)), shapes[node.args[0].name], isz,
+              ranks, grad_in)
     elif step.kind == "linear":
         report.param_elements = sum(p.numel() for p in modules[node.target].parameters())
         report.dists["w"] = "w[*,*]"
     return report
 
 
-def _gradient_buckets(gm: fx.GraphModule, analysis: Any, P: int, isz: int,
+def _gradient_buckets(gm: fx.GraphModule, analysis: Any, P: int, ranks: list[int], isz: int,
                       bucket_bytes: int) -> LayerReport | None:
     """The fused gradient allreduces, grouped and bucketed exactly as ParallelModel runs them."""
     from distconv.nn.sharding import ShardSpec
@@ -341,8 +349,8 @@ def _gradient_buckets(gm: fx.GraphModule, analysis: Any, P: int, isz: int,
         if layout is None and P == 1:
             continue
         size = P if layout is None else math.prod(dict(layout)[d] for d in dims)
-        per_rank: list[list[int]] = []
-        for r in range(P):
+        per_rank: dict[int, list[int]] = {}
+        for r in ranks:
             if layout is None:
                 sizes, sub = [params[n].numel() for n in names], r
             else:
@@ -350,18 +358,18 @@ def _gradient_buckets(gm: fx.GraphModule, analysis: Any, P: int, isz: int,
                 sizes = [math.prod(specs[n].dist.local_shape(specs[n].global_shape, g))
                          for n in names]
                 sub = _segment_rank(layout, dims, g.coords)
-            per_rank.append([allreduce_bytes(sum(sizes[i] for i in b), sub, size, isz)
-                             for b in plan_buckets([n * isz for n in sizes], bucket_bytes)])
+            per_rank[r] = [allreduce_bytes(sum(sizes[i] for i in b), sub, size, isz)
+                           for b in plan_buckets([n * isz for n in sizes], bucket_bytes)]
         where = "every rank" if layout is None else f"{'×'.join(dims)} of {layout_str(layout)}"
-        for i in range(len(per_rank[0])):
+        for i in range(len(per_rank[ranks[0]])):
             report.steps.append(CommStep("backward", f"gradient bucket {i} over {where} "
                                          f"({len(names)} parameters in the group)", "allreduce",
-                                         [b[i] for b in per_rank], size))
+                                         {r: b[i] for r, b in per_rank.items()}, size))
     return report if report.steps else None
 
 
 def _conv(report: LayerReport, step: Step, conv: nn.Conv2d, x_shape: tuple[int, ...],
-          isz: int, P: int, grad_in: bool, machine: Machine | None) -> None:
+          isz: int, ranks: list[int], grad_in: bool, machine: Machine | None) -> None:
     spec = step.layer
     assert spec is not None
     roles = dict(spec.roles)
@@ -377,25 +385,52 @@ def _conv(report: LayerReport, step: Step, conv: nn.Conv2d, x_shape: tuple[int, 
                     "w": Placement(spec.layout, d["weight"]).dist.format("w"),
                     "y": Placement(spec.layout, d["output"]).dist.format("y")}
     w_shape = (conv.out_channels, conv.in_channels // conv.groups, *conv.kernel_size)
-    traffic = []
-    for r in range(P):
-        g = paper_grid(spec.layout, r)
-        traffic.append(conv_traffic(problem, spec.layout, spec.algorithm, g.coords, **kw))
-        w = math.prod(Placement(spec.layout, d["weight"]).dist.local_shape(w_shape, g))
-        b = conv.out_channels and (math.prod(
-            Placement(spec.layout, d["bias"]).dist.local_shape((conv.out_channels,), g))
-            if conv.bias is not None else 0)
-        report.param_elements = max(report.param_elements, w + b)
+    traffic = {r: conv_traffic(problem, spec.layout, spec.algorithm,
+                               paper_grid(spec.layout, r).coords, **kw) for r in ranks}
+    first = traffic[ranks[0]]
+    report.param_elements = _largest_block(Placement(spec.layout, d["weight"]), w_shape) + (
+        _largest_block(Placement(spec.layout, d["bias"]), (conv.out_channels,))
+        if conv.bias is not None else 0)
     for phase in ("forward", "backward"):
-        names = [k for k in getattr(traffic[0], phase) if not k.startswith("allreduce dL/d")]
+        names = [k for k in getattr(first, phase) if not k.startswith("allreduce dL/d")]
         for key in names:
-            report.steps.append(CommStep(phase, key, traffic[0].ops[key],
-                                         [getattr(t, phase).get(key, 0) for t in traffic],
-                                         traffic[0].peers[key]))
+            report.steps.append(CommStep(phase, key, first.ops[key],
+                                         {r: getattr(t, phase).get(key, 0)
+                                          for r, t in traffic.items()}, first.peers[key]))
     if machine is not None:
         cost = conv_cost(problem, spec.layout, spec.algorithm, machine, **{
             k: v for k, v in kw.items() if k != "input_grad"})
         report.compute_seconds = sum(v for k, v in cost.steps.items() if k.startswith("local"))
+
+
+ALL_RANKS = 64  # worlds up to this size are evaluated rank by rank
+
+
+def _evaluated_ranks(analysis: Any, P: int) -> list[int]:
+    """Every rank of a world of at most ``ALL_RANKS``; above, the ranks at coordinates 0, 1 and
+    last of every grid dim of every layout in use (the largest blocks, an interior block with
+    halos on both sides, the last block), so maxima are those of the whole world for the regular
+    layouts the paper uses."""
+    if P <= ALL_RANKS:
+        return list(range(P))
+    layouts = {analysis.data}
+    for step in analysis.steps:
+        layouts.update(pl.layout for pl in [step.out, *step.needs.values()] if pl is not None)
+    ranks: set[int] = set()
+    for layout in layouts:
+        options = [sorted({0, min(1, e - 1), e - 1}) for _, e in layout]
+        for combo in itertools.product(*options):
+            r = 0
+            for (_, e), c in zip(layout, combo):
+                r = r * e + c
+            ranks.add(r)
+    return sorted(ranks)
+
+
+def _largest_block(p: Placement, shape: Sequence[int]) -> int:
+    """Elements of the largest local block: balanced blocks put the larger parts first, so rank
+    0 (coordinate 0 on every grid dim) holds it."""
+    return math.prod(p.dist.local_shape(tuple(shape), paper_grid(p.layout, 0)))
 
 
 def _segment_rank(layout: Layout, dims: Sequence[str], coords: dict[str, int]) -> int:
@@ -407,18 +442,18 @@ def _segment_rank(layout: Layout, dims: Sequence[str], coords: dict[str, int]) -
 
 
 def _batchnorm(report: LayerReport, step: Step, bn: nn.BatchNorm2d, x_shape: tuple[int, ...],
-               isz: int, P: int) -> None:
+               isz: int, ranks: list[int]) -> None:
     p = step.out
     ext = dict(p.layout)
     seg = [g for i in (0, 2, 3) for g in p.dist.grid_dims_of(i)]
     s = math.prod(ext[g] for g in seg)
-    fwd, bwd, params = [], [], 0
-    for r in range(P):
+    fwd, bwd, params = {}, {}, 0
+    for r in ranks:
         g = paper_grid(p.layout, r)
         c = p.dist.local_shape(x_shape, g)[1]
         params = max(params, 2 * c if bn.affine else 0)
-        fwd.append((s - 1) * (1 + 2 * c) * isz)
-        bwd.append(allreduce_bytes(2 * c, _segment_rank(p.layout, seg, g.coords), s, isz))
+        fwd[r] = (s - 1) * (1 + 2 * c) * isz
+        bwd[r] = allreduce_bytes(2 * c, _segment_rank(p.layout, seg, g.coords), s, isz)
     report.param_elements = params
     report.dists["w"] = Placement(p.layout, _param_dist(p)).dist.format("w")
     if s > 1:
@@ -435,7 +470,7 @@ def _param_dist(p: Placement) -> Any:
 
 
 def _pool(report: LayerReport, step: Step, module: nn.Module | None, x_shape: tuple[int, ...],
-          isz: int, P: int, grad_in: bool) -> None:
+          isz: int, ranks: list[int], grad_in: bool) -> None:
     from distconv.nn.pool import _NestedHaloPlan, pool_dim
 
     p = step.out
@@ -450,8 +485,9 @@ def _pool(report: LayerReport, step: Step, module: nn.Module | None, x_shape: tu
     plans = [_NestedHaloPlan(pool_dim(x_shape[2 + i], k[i], st[i], pad[i], dil[i],
                                       module.ceil_mode), max(1, math.prod(ext[g] for g in s)),
                              extents=tuple(ext[g] for g in s)) for i, s in enumerate(splits)]
-    rows = {ph: [[0] * P, [0] * P] for ph in ("forward", "backward")}
-    for r in range(P):
+    rows: dict[str, list[dict[int, int]]] = {ph: [{r: 0 for r in ranks}, {r: 0 for r in ranks}]
+                                             for ph in ("forward", "backward")}
+    for r in ranks:
         g = paper_grid(p.layout, r)
         n, c, h, w = p.dist.local_shape(x_shape, g)
         idx = [_block_index(s, ext, g.coords) for s in splits]

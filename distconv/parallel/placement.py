@@ -4,6 +4,7 @@ ranks: :func:`repartition`) with the exact bytes each rank receives doing them."
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -13,11 +14,10 @@ import torch
 
 from distconv.distribution import Dist
 from distconv.grid import ProcessorGrid
-from distconv.redistribute import (
-    _repartition_plan, plan_redistribution, redistribute, repartition,
-)
+from distconv.redistribute import plan_redistribution, redistribute, repartition
 
-__all__ = ["Layout", "Placement", "conversion_bytes", "convert", "layout_str", "paper_grid"]
+__all__ = ["Layout", "Placement", "conversion_bytes", "convert", "layout_str", "paper_grid",
+           "repartition_bytes"]
 
 Layout = tuple[tuple[str, int], ...]
 
@@ -84,6 +84,39 @@ def convert(x: torch.Tensor, src: Placement, dst: Placement, shape: Sequence[int
     return repartition(x, grids[src.layout], src.dist, grids[dst.layout], dst.dist, shape)
 
 
+@functools.lru_cache(maxsize=256)
+def _boxes(layout: Layout, dist: Dist, shape: tuple[int, ...]) -> tuple[tuple, dict]:
+    """Every rank's index box of ``dist`` and, per distinct box, the ranks holding it."""
+    boxes = tuple(tuple(dist.blocks(shape, paper_grid(layout, r)))
+                  for r in range(math.prod(e for _, e in layout)))
+    holders: dict[tuple, list[int]] = {}
+    for r, box in enumerate(boxes):
+        holders.setdefault(box, []).append(r)
+    return boxes, holders
+
+
+def _overlap(a: tuple, b: tuple) -> int:
+    n = 1
+    for (s0, n0), (s1, n1) in zip(a, b):
+        n *= max(0, min(s0 + n0, s1 + n1) - max(s0, s1))
+    return n
+
+
+def repartition_bytes(src_layout: Layout, src: Dist, dst_layout: Layout, dst: Dist,
+                      shape: tuple[int, ...], rank: int, itemsize: int) -> tuple[int, int]:
+    """(received, sent) bytes of ``rank`` in :func:`repartition` of plain (non-pending) dists, in
+    O(P): target rank t reads each source box from its holder ``holders[t % len(holders)]``, as
+    the exchange does; the adjoint receives what the forward sent."""
+    src_boxes, holders = _boxes(src_layout, src, shape)
+    dst_boxes, _ = _boxes(dst_layout, dst, shape)
+    received = sum(_overlap(box, dst_boxes[rank]) for box, ranks in holders.items()
+                   if ranks[rank % len(ranks)] != rank)
+    mine = holders[src_boxes[rank]]
+    sent = sum(_overlap(src_boxes[rank], dst_boxes[t]) for t in range(len(dst_boxes))
+               if t != rank and mine[t % len(mine)] == rank)
+    return received * itemsize, sent * itemsize
+
+
 def conversion_bytes(src: Placement, dst: Placement, shape: Sequence[int], itemsize: int,
                      rank: int) -> int:
     """Bytes ``rank`` receives in :func:`convert` (what the communicators count)."""
@@ -101,8 +134,8 @@ def conversion_bytes(src: Placement, dst: Placement, shape: Sequence[int], items
             paper_grid(src.layout, rank), itemsize)
         s_dist = plain
     plain_dst = d_dist.with_pending(())
-    plan = _repartition_plan(src.layout, s_dist, dst.layout, plain_dst, shape)
-    total += plan.received_bytes(rank, itemsize)
+    total += repartition_bytes(src.layout, s_dist, dst.layout, plain_dst, shape, rank,
+                               itemsize)[0]
     if d_dist.pending:
         total += plan_redistribution(dst.layout, plain_dst, d_dist, shape).received_bytes(
             paper_grid(dst.layout, rank), itemsize)
