@@ -27,8 +27,9 @@ K-FAC); with C > 1 its shard ``b[s]`` (filters ``s`` inside block f) is its own 
 redundant segment, size P_R): ``allreduce_bytes(n + k, r, P_R, i)`` per bucket, n the packed
 upper triangles of its blocks and k their count (see :class:`~distkfac.comm.FactorReducer`);
 decompositions are placed within that segment and broadcast there as for data parallelism.
-Nothing else moves but, with KL clipping, the one float64 allreduce of ``<V~, V>`` over the grid.  With C = F = 1 (sample and spatial parallelism only) this is exactly the
-global layer's K-FAC, so ``'exact'`` uses it too.
+Nothing else moves but, with KL clipping, the one float64 allreduce of ``<V~, V>`` over the
+grid.  With C = F = 1 (sample and spatial parallelism only) this is exactly the global layer's
+K-FAC, so ``'exact'`` uses it too.
 
 ``'exact'`` -- the global layer's K-FAC.  A is kept as row blocks over C (the channel rows of
 block c, the bias row with the last block), G as row blocks over F; the damped inverses too.

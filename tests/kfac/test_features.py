@@ -28,7 +28,8 @@ def mlp(seed=0):
 
 def data(seed=1, n=6):
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(n, 3, generator=g, dtype=torch.float64), torch.randint(0, 2, (n,), generator=g)
+    return (torch.randn(n, 3, generator=g, dtype=torch.float64),
+            torch.randint(0, 2, (n,), generator=g))
 
 
 def factors(kfac):

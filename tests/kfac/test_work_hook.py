@@ -30,8 +30,10 @@ def _seen(comm, grid_dims, algorithm, padding_mode):
 
 
 def test_work_hook_sees_the_local_convolution():
-    for dims, alg, mode in [({"N": 2}, "stationary-x", "reflect"), ({"N": 2}, "stationary-x", "zeros"),
-                            ({"C": 2}, "stationary-x", "zeros"), ({"H": 2}, "stationary-x", "zeros"),
+    for dims, alg, mode in [({"N": 2}, "stationary-x", "reflect"),
+                            ({"N": 2}, "stationary-x", "zeros"),
+                            ({"C": 2}, "stationary-x", "zeros"),
+                            ({"H": 2}, "stationary-x", "zeros"),
                             ({"F": 2}, "stationary-y", "zeros")]:
         for ok, y_shape in run_threads(_seen, 2, dims, alg, mode):
             assert ok, (dims, alg, mode)
