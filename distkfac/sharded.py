@@ -36,7 +36,8 @@ block c, the bias row with the last block), G as row blocks over F; the damped i
 
 * Factor steps: ``x`` is allgathered over C (channels of the other blocks at this rank's
   positions: ``sum_{c' != c} n C_{c'} H_x W_x`` numbers received), this rank's rows
-  ``A[c, :] = sum u_c u^T`` (``K_c x K``) are formed from the im2col rows; likewise ``dL/dy``
+  ``A[c, :] = sum u_c u^T`` (``K_c x K``) are formed from the im2col rows (when C <= kh, as
+  rows of the whole A by lags, a temporary that is cheaper to form); likewise ``dL/dy``
   over F for ``G[f, :]`` (``F_f x F_o``).  Both are reduced over the redundant dims
   (``allreduce_bytes(K_c K + F_f F_o + 2, r, P_R, i)`` for one bucket; row blocks travel whole).
 * Inverse steps: each factor has one owner among all ranks (the placement policy); one
@@ -274,7 +275,14 @@ class ExactLayer:
             shapes = [(x.shape[0], n, x.shape[2], x.shape[3]) for _, n in geo.c_blocks]
             x = torch.cat(self.c_comm.allgather(x.contiguous(), shapes=shapes,
                                                 meta=f"kfac x of {self.name}"), 1)
-        u = F.unfold(F.pad(x.to(dtype), padding), m.kernel_size, dilation=m.dilation,
+        x = x.to(dtype)
+        if geo.C <= m.kernel_size[0]:
+            # the whole A by lags (about kh times cheaper than the unfold's Gram matrix, see
+            # conv_input_cov) costs less than this rank's 1/C of the unfold's rows
+            full, rows = conv_input_cov(x, m.kernel_size, stride=m.stride, dilation=m.dilation,
+                                        bias=geo.bias, padding=padding)
+            return full[:, self.rows["A"].to(full.device)], rows
+        u = F.unfold(F.pad(x, padding), m.kernel_size, dilation=m.dilation,
                      stride=m.stride)  # (n, C_i kh kw, L)
         if geo.bias:
             u = torch.cat([u, u.new_ones(u.shape[0], 1, u.shape[2])], 1)
