@@ -8,7 +8,10 @@ bottleneck wide ResNet under:
 * ``hybrid``  -- the paper's "+spatial + x/w" idea: rows split early, channels (x) in the middle,
   channels × filters (w, or x on 2 ranks) in the widest stage;
 * ``ddp``     -- ``torch.nn.parallel.DistributedDataParallel`` on gloo, for reference (plain
-  per-rank BatchNorm: it does less than ours, which keeps global-batch statistics).
+  per-rank BatchNorm: it does less than ours, which keeps global-batch statistics);
+* ``sample, BN frozen`` / ``ddp, BN frozen`` (gloo) -- the same two with every BatchNorm in eval
+  mode (a local affine map, no statistics to share), which isolates the library's own cost from
+  the global-batch statistics DDP does not compute.
 
 The variants are interleaved step by step in one world; a step's time is the slowest rank's, and
 the table reports medians and ratios of the same run. Bytes per step are the communicators' counts
@@ -77,6 +80,13 @@ def _variants(comm: Any, model: torch.nn.Module, backend: str) -> dict[str, torc
         from torch.nn.parallel import DistributedDataParallel
 
         out["ddp"] = DistributedDataParallel(copy.deepcopy(model), broadcast_buffers=False)
+        out["sample-frozen-bn"] = parallelize(model, sample_config(p), comm=comm)
+        out["ddp-frozen-bn"] = DistributedDataParallel(copy.deepcopy(model),
+                                                       broadcast_buffers=False)
+        for name in ("sample-frozen-bn", "ddp-frozen-bn"):
+            for m in out[name].modules():
+                if "BatchNorm" in type(m).__name__:
+                    m.eval()
     return out
 
 
@@ -94,8 +104,8 @@ def measure(comm: Any, backend: str, per_rank: int, steps: int, warmup: int) -> 
     counted: dict[str, int] = {}
     for step in range(warmup + steps):
         for name, m in variants.items():
-            rows = (slice(comm.rank * per_rank, (comm.rank + 1) * per_rank) if name == "ddp"
-                    else sample_block(batch, m.data_grid))
+            rows = (slice(comm.rank * per_rank, (comm.rank + 1) * per_rank)
+                    if name.startswith("ddp") else sample_block(batch, m.data_grid))
             comm.barrier()
             b0 = comm.stats.total_bytes()
             t0 = time.perf_counter()
@@ -120,10 +130,17 @@ def memory(config: dict, p: int, batch: int) -> dict[str, Any]:
     split = [lay for lay in plan.layers if lay.kind == "conv" and lay.algorithm in (
         "stationary-x", "stationary-y", "stationary-w")]
     full = {n: sum(q.numel() for q in m.parameters()) for n, m in model.named_modules()}
-    mp_full = sum(full[lay.name] for lay in split)
+    parts = {lay.name: _model_parts(lay.grid) for lay in split}
+    ideal = sum(full[lay.name] / parts[lay.name] for lay in split)
     mp_rank = sum(lay.param_elements for lay in split)
     return {"memory": mem, "explained": [tuple(plan.rank_bytes(r).values()) for r in range(p)],
-            "model_parallel_share": mp_rank / mp_full if mp_full else None}
+            "model_parallel_share": mp_rank / ideal if ideal else None}
+
+
+def _model_parts(grid: str) -> int:
+    """C×F of a layer's grid as explain prints it (``{N: 2, C: 2}``)."""
+    ext = dict(item.split(": ") for item in grid.strip("{}").split(", "))
+    return int(ext.get("C", 1)) * int(ext.get("F", 1))
 
 
 def run(backends: list[str], sizes: list[int], per_rank: list[int], steps: int,
@@ -145,6 +162,9 @@ def run(backends: list[str], sizes: list[int], per_rank: list[int], steps: int,
                            "median_ms": {k: v * 1e3 for k, v in med.items()},
                            "speedup_hybrid": med["sample"] / med["hybrid"],
                            "sample_over_ddp": med["sample"] / med["ddp"] if "ddp" in med else None,
+                           "frozen_bn_sample_over_ddp": (
+                               med["sample-frozen-bn"] / med["ddp-frozen-bn"]
+                               if "ddp" in med else None),
                            "bytes_counted": counted, "bytes_explained": explained,
                            "bytes_match": counted == explained,
                            "memory": {k: info[k]["memory"] for k in info},
@@ -158,18 +178,21 @@ def _line(r: dict[str, Any]) -> str:
     ms = r["median_ms"]
     ddp = f"{ms['ddp']:.1f}" if "ddp" in ms else "-"
     ratio = f"{r['sample_over_ddp']:.2f}" if r["sample_over_ddp"] else "-"
+    frozen = (f"{ms['sample-frozen-bn']:.1f} / {ms['ddp-frozen-bn']:.1f} = "
+              f"{r['frozen_bn_sample_over_ddp']:.2f}" if r["frozen_bn_sample_over_ddp"] else "-")
     mem = r["memory"]
     pgo = lambda k: (mem[k]["parameters"] + mem[k]["gradients"]  # noqa: E731
                      + mem[k]["optimizer_state"]) / 2**20
     return (f"| {r['backend']} | {r['ranks']} | {r['per_rank']} | {ms['sample']:.1f} | "
-            f"{ms['hybrid']:.1f} | {ddp} | {r['speedup_hybrid']:.2f} | {ratio} | "
+            f"{ms['hybrid']:.1f} | {ddp} | {r['speedup_hybrid']:.2f} | {ratio} | {frozen} | "
             f"{pgo('sample'):.2f} | {pgo('hybrid'):.2f} | {r['model_parallel_share']:.3f} | "
             f"{'yes' if r['bytes_match'] else 'NO'} |")
 
 
 HEADER = ("| backend | ranks | samples/rank | sample ms | hybrid ms | DDP ms | sample/hybrid | "
-          "sample/DDP | sample MiB | hybrid MiB | mp-layer share | bytes = explain |\n"
-          "|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "sample/DDP | BN frozen: sample / DDP ms | sample MiB | hybrid MiB | "
+          "mp-layer memory vs 1/(C×F) | bytes = explain |\n"
+          "|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 
 
 def plot(rows: list[dict[str, Any]], path: Path) -> None:

@@ -20,7 +20,7 @@ __all__ = ["ALGORITHMS", "LOSS_REDUCTIONS", "ParallelConfig", "ParallelModel", "
 
 def parallelize(model: nn.Module, config: Any, *, comm: Any = None, loss_reduction: str = "mean",
                 input_shape: Sequence[int] | None = None,
-                bucket_bytes: int = 1 << 20, machine: Any = None) -> ParallelModel:
+                bucket_bytes: int = 25 << 20, machine: Any = None) -> ParallelModel:
     """Convert ``model`` to run model-parallel as ``config`` says (collective).
 
     Args:
@@ -33,7 +33,7 @@ def parallelize(model: nn.Module, config: Any, *, comm: Any = None, loss_reducti
             batch.
         input_shape: the global input shape, if known; needed only for ``algorithm: auto`` and
             for models whose first layer does not tell the input's number of dims.
-        bucket_bytes: fusion size of the gradient allreduce of replicated parameters. Default 1 MiB.
+        bucket_bytes: fusion size of the gradient allreduces (DDP's default). Default 25 MiB.
         machine: the :class:`~distconv.perfmodel.Machine` that ``algorithm: auto`` predicts
             with. Default None: :func:`distconv.perfmodel.calibrate` on ``comm`` (collective).
 

@@ -169,7 +169,7 @@ def _summary(label: str, e: Explanation) -> str:
 def explain(model: nn.Module, config: Any, input_shape: Sequence[int], *,
             world_size: int | None = None, machine: Machine | None = None,
             optimizer_states: int = 1, itemsize: int | None = None,
-            bucket_bytes: int = 1 << 20) -> Explanation:
+            bucket_bytes: int = 25 << 20) -> Explanation:
     """The plan :func:`distconv.parallelize` makes for ``model`` under ``config``, on paper.
 
     Pure: traces the model and propagates ``input_shape`` (the global input) on the meta device;

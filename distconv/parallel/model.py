@@ -83,7 +83,7 @@ class ParallelModel(nn.Module):
 
     def __init__(self, model: nn.Module, config: Any, *, comm: Any = None,
                  loss_reduction: str = "mean", input_shape: Sequence[int] | None = None,
-                 bucket_bytes: int = 1 << 20, machine: Any = None) -> None:
+                 bucket_bytes: int = 25 << 20, machine: Any = None) -> None:
         super().__init__()
         if comm is None:
             from distconv.comm import world
