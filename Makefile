@@ -9,7 +9,7 @@ venv: $(STAMP)
 $(STAMP): pyproject.toml constraints.txt
 	python3 -m venv .venv
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -c constraints.txt -e '.[mpi,test,examples,checkpoint]'
+	$(PY) -m pip install -q -c constraints.txt -e '.[mpi,test,examples,checkpoint,yaml]'
 	touch $(STAMP)
 
 demo: $(STAMP)
