@@ -130,7 +130,6 @@ class ParallelModel(nn.Module):
             self.register_parameter(name, value)
         for name, value in list(gm.named_buffers(recurse=False)):
             self.register_buffer(name, value)
-        object.__setattr__(self, "_gm", gm)
         self._plans: dict[tuple[int, ...], dict[str, tuple[int, ...]]] = {}
         self.grad_sync = self._fuse_gradient_syncs(bucket_bytes)
 
@@ -161,7 +160,8 @@ class ParallelModel(nn.Module):
             if layout is None and self.comm.size == 1:
                 continue
             comm = self.comm if layout is None else self.grid(layout).subcomm(dims)
-            params = [p for n, p in self.named_parameters() if n in names]
+            members = set(names)
+            params = [p for n, p in self.named_parameters() if n in members]
             where = "over every rank" if layout is None else (
                 f"over {'×'.join(dims)} of {layout_str(layout)}")
             syncs.append(BucketedGradSync(comm, params, bucket_bytes=bucket_bytes, where=where))
