@@ -743,6 +743,30 @@ class KFAC:
             "skip_layers": self.skip_layers,
         }
 
+    def shard_specs(self) -> dict[str, Any]:
+        """Where the tensors of :meth:`state_dict` lie, for checkpoints that reshard
+        (``distconv.save(..., states={"kfac": kfac})``): everything is replicated for
+        data-parallel layers and for DistConv2d layers split only over samples and rows.
+
+        Raises:
+            NotImplementedError: the state of channel- or filter-parallel layers (``'exact'``
+                row blocks, ``'block'`` shards) differs from rank to rank, and resharding it onto
+                another grid is not implemented; save the model and optimizer, and let the
+                factors re-accumulate after loading.
+        """
+        from distkfac.sharded import BiasShardAdapter, ShardAdapter
+
+        sharded = [ly.name for ly in self.exact_layers] + [
+            ly.name for ly in self.layers
+            if isinstance(ly.adapter, (ShardAdapter, BiasShardAdapter))
+            and ly.adapter.geo.C * ly.adapter.geo.F > 1]
+        if sharded:
+            raise NotImplementedError(
+                f"K-FAC state of the channel/filter-parallel layers {sorted(sharded)} is sharded "
+                "per rank; resharding it in a checkpoint is not implemented: save the model and "
+                "optimizer, and let the factors re-accumulate after loading")
+        return {}
+
     def state_dict(self) -> dict[str, Any]:
         """Steps, settings (callables are not saved), every layer's running factors and its
         current decompositions (so a restored run continues identically)."""

@@ -130,6 +130,9 @@ class ParallelModel(nn.Module):
             self.register_parameter(name, value)
         for name, value in list(gm.named_buffers(recurse=False)):
             self.register_buffer(name, value)
+        # The traced graph (its modules are this model's children): distkfac reads it to tell a
+        # head, whose output is the model's, from a replicated layer inside the model.
+        object.__setattr__(self, "_gm", gm)
         self._plans: dict[tuple[int, ...], dict[str, tuple[int, ...]]] = {}
         self.grad_sync = self._fuse_gradient_syncs(bucket_bytes)
 
