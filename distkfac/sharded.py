@@ -129,7 +129,21 @@ def _g_cov(gy: Tensor, groups: int, dtype: torch.dtype) -> tuple[Tensor, int]:
     return (rows @ rows.transpose(-1, -2)).sum(0), n * ho * wo
 
 
-class ShardAdapter(LayerAdapter):
+class _WorkHookAdapter(LayerAdapter):
+    """A DistConv2d shard's K-FAC block: its statistics arrive through the layer's work hook
+    (``work_a`` / ``work_g``), never through the generic per-module hooks."""
+
+    @staticmethod
+    def batch_size(x: Tensor) -> int:
+        return x.shape[0]
+
+    def a_sum(self, x: Tensor, dtype: torch.dtype) -> tuple[Tensor, int]:
+        raise TypeError("a DistConv2d shard's factors come from its work hook")
+
+    g_sum = a_sum
+
+
+class ShardAdapter(_WorkHookAdapter):
     """The weight shard ``V[f, c]`` of a DistConv2d as one K-FAC block (``'block'`` layout,
     and the exact layer when C = F = 1).  Statistics arrive through :meth:`work_a` and
     :meth:`work_g`; ``G`` is scaled by ``N^2`` from the reduced row count."""
@@ -157,15 +171,6 @@ class ShardAdapter(LayerAdapter):
     def g_dim(self) -> int:
         return self.module.weight.shape[0] // self._groups
 
-    @staticmethod
-    def batch_size(x: Tensor) -> int:
-        return x.shape[0]
-
-    def a_sum(self, x: Tensor, dtype: torch.dtype) -> tuple[Tensor, int]:
-        raise TypeError("a DistConv2d shard's factors come from its work hook")
-
-    g_sum = a_sum
-
     def work_a(self, x: Tensor, padding: tuple[int, ...], y: Tensor,
                dtype: torch.dtype) -> tuple[Tensor, int]:
         m = self.module
@@ -182,7 +187,7 @@ class ShardAdapter(LayerAdapter):
         return 1.0 if self.prescaled else (rows / self.positions) ** 2
 
 
-class BiasShardAdapter(LayerAdapter):
+class BiasShardAdapter(_WorkHookAdapter):
     """A bias shard ``b[s]`` as its own block (``'block'`` layout with C > 1): ``A = [1]``,
     ``G = G_ss`` from the gradient rows of its filters."""
 
@@ -208,15 +213,6 @@ class BiasShardAdapter(LayerAdapter):
     @property
     def g_dim(self) -> int:
         return self.module.bias.shape[0]
-
-    @staticmethod
-    def batch_size(x: Tensor) -> int:
-        return x.shape[0]
-
-    def a_sum(self, x: Tensor, dtype: torch.dtype) -> tuple[Tensor, int]:
-        raise TypeError("a DistConv2d shard's factors come from its work hook")
-
-    g_sum = a_sum
 
     def work_a(self, x: Tensor, padding: tuple[int, ...], y: Tensor,
                dtype: torch.dtype) -> tuple[Tensor, int]:
