@@ -63,6 +63,7 @@ from distkfac.sharded import (
     ShardGeometry,
     attach,
     exchange_exact,
+    precondition_exact,
     redundant_comm,
 )
 
@@ -468,15 +469,22 @@ class KFAC:
             n = y_shape[0] if y_shape[0] > 0 else getattr(self._parallel, "global_batch_size",
                                                           None)
             scale = None if n is None else float(n * self.accumulation_steps) ** 2
+            deferred = []
             for target, name in targets:
                 target.positions = y_shape[2] * y_shape[3]
                 target.prescaled = scale is not None
                 a, rows = target.work_a(x, padding, y, self.factor_dtype)
-                reducer.add(name + "/A", a, rows, symmetric=not isinstance(target, ExactLayer))
+                if callable(a):  # still being reduced: added when the gradient arrives
+                    deferred.append((name, a, rows))
+                else:
+                    reducer.add(name + "/A", a, rows,
+                                symmetric=not isinstance(target, ExactLayer))
             self.timings["factor_compute"] += time.perf_counter() - t0
 
             def grad_hook(gy: Tensor) -> None:
                 t1 = time.perf_counter()
+                for name, wait, rows in deferred:
+                    reducer.add(name + "/A", wait(), rows, symmetric=False)
                 for target, name in targets:
                     g, rows = target.work_g(gy, self.factor_dtype)
                     if scale is not None:
@@ -667,33 +675,15 @@ class KFAC:
         t0 = time.perf_counter()
         damping = float(self._value("damping"))
         done: list[tuple[int, Tensor, Tensor, Callable[[Tensor], None]]] = []
-        for layer in self.layers:
-            if layer.a_payload is None:
-                continue
-            ad = layer.adapter
-            grad = ad.grad_matrix(self.factor_dtype)
-            if grad is None:
-                continue
-            # A decomposition used once (inverse updates every step) is applied directly; from
-            # its second use on, the damped inverses are formed once and reused.
-            fresh = layer.uses == 0
-            layer.uses += 1
-            if fresh:
-                v = self.method.precondition(grad, layer.a_payload, layer.g_payload, ad.groups,
-                                             ad.a_dim, ad.g_dim, damping)
-            else:
-                if layer.inverses is None or layer.inverses[0] != damping:
-                    layer.inverses = (
-                        damping,
-                        self.method.damped_inverse(layer.a_payload, ad.groups, ad.a_dim, damping),
-                        self.method.damped_inverse(layer.g_payload, ad.groups, ad.g_dim, damping))
-                _, a_inv, g_inv = layer.inverses
-                v = g_inv @ grad @ a_inv
-            done.append((layer.replication, grad, v, ad.set_grad))
-        for exact in self.exact_layers:
-            out = exact.precondition()
-            if out is not None:
-                done.append((exact.replication, *out))
+
+        def others() -> None:
+            for layer in self.layers:
+                out = self._precondition_layer(layer, damping)
+                if out is not None:
+                    done.append(out)
+
+        # the exact layers' reduce-scatters are in flight while the others are preconditioned
+        done += precondition_exact(self.exact_layers, others)
         scale = 1.0
         kl_clip = self._value("kl_clip")
         if kl_clip is not None and done:
@@ -705,6 +695,32 @@ class KFAC:
             write(v * scale)
         self.last_kl_scale = scale
         self.timings["precondition"] += time.perf_counter() - t0
+
+    def _precondition_layer(self, layer: _Layer, damping: float,
+                            ) -> tuple[int, Tensor, Tensor, Callable[[Tensor], None]] | None:
+        """``(replication, V, V~, write)`` of a layer with whole (not row-block) factors."""
+        if layer.a_payload is None:
+            return None
+        ad = layer.adapter
+        grad = ad.grad_matrix(self.factor_dtype)
+        if grad is None:
+            return None
+        # A decomposition used once (inverse updates every step) is applied directly; from
+        # its second use on, the damped inverses are formed once and reused.
+        fresh = layer.uses == 0
+        layer.uses += 1
+        if fresh:
+            v = self.method.precondition(grad, layer.a_payload, layer.g_payload, ad.groups,
+                                         ad.a_dim, ad.g_dim, damping)
+        else:
+            if layer.inverses is None or layer.inverses[0] != damping:
+                layer.inverses = (
+                    damping,
+                    self.method.damped_inverse(layer.a_payload, ad.groups, ad.a_dim, damping),
+                    self.method.damped_inverse(layer.g_payload, ad.groups, ad.g_dim, damping))
+            _, a_inv, g_inv = layer.inverses
+            v = g_inv @ grad @ a_inv
+        return layer.replication, grad, v, ad.set_grad
 
     def _vg(self, done: list) -> float:
         """``sum_l <V~_l, V_l>`` over the global model: local sums, and when some layers are

@@ -34,24 +34,30 @@ K-FAC, so ``'exact'`` uses it too.
 ``'exact'`` -- the global layer's K-FAC.  A is kept as row blocks over C (the channel rows of
 block c, the bias row with the last block), G as row blocks over F; the damped inverses too.
 
-* Factor steps: ``x`` is allgathered over C (channels of the other blocks at this rank's
-  positions: ``sum_{c' != c} n C_{c'} H_x W_x`` numbers received), this rank's rows
-  ``A[c, :] = sum u_c u^T`` (``K_c x K``) are formed from the im2col rows (when C <= kh, as
-  rows of the whole A by lags, a temporary that is cheaper to form); likewise ``dL/dy``
-  over F for ``G[f, :]`` (``F_f x F_o``).  Both are reduced over the redundant dims
-  (``allreduce_bytes(K_c K + F_f F_o + 2, r, P_R, i)`` for one bucket; row blocks travel whole).
+* Factor steps: the C ranks of a segment hold the same samples, each its channels.  One
+  all-to-all over C gives rank c every channel of its block of the local samples (``n_c``
+  of ``n``, balanced: ``n_c (C_i - C_c) H_x W_x`` numbers received, in x's dtype); it forms
+  the whole A of those samples by lags (:func:`~distkfac.layers.conv_input_cov`, 1/C of
+  the Gram matrix's work), and one asynchronous reduce-scatter over C sums the row blocks
+  (``(C - 1) K_c K`` numbers, ``K_c`` the rows of block c: its channels' im2col rows, the
+  bias row with the last block).  ``dL/dy`` is allgathered over F for ``G[f, :]``
+  (``F_f x F_o``: ``(F_o - F_f) n H_o W_o`` numbers).  Both are then reduced over the
+  redundant dims (``allreduce_bytes(K_c K + F_f F_o + 2, r, P_R, i)`` for one bucket; row
+  blocks travel whole).
 * Inverse steps: each factor has one owner among all ranks (the placement policy); one
   all-to-all brings it the other row blocks (``sum_{c' != c_o} K_{c'} K`` numbers to the
   owner of A), it decomposes the full factor and forms the damped inverse, and one all-to-all
-  hands every rank its row block of that inverse (``K_c K`` numbers to each rank but the
-  owner).  Only the owner holds a whole factor, and only while it decomposes.
-* Every step: ``b[o_F]`` by an allgather over C of the bias shards (``F_f - b_s`` numbers);
-  ``P = V[f, c] (A + rI)^-1[c, :]`` (+ ``b (A + rI)^-1[bias, :]`` on the last block) is a
-  pending sum over C, reduce-scattered over C in column blocks, each with the bias column
-  (``(C - 1) F_f (K_c + 1)`` numbers received, ``K_c`` the channel columns); then
-  ``(G + rI)^-1[f, :]^T U`` is a pending sum over F, reduce-scattered over F in row blocks
-  (``(F - 1) F_f (K_c + 1)`` numbers).  With KL clipping one float64 allreduce of
-  ``<V~, V>`` over the grid.
+  hands every rank its row block of that inverse, A's with the bias row on every block
+  (``(K_c + [c != C - 1]) K`` numbers to each rank but the owner).  Only the owner holds a
+  whole factor, and only while it decomposes.
+* Every step: ``P = V[f, c] (A + rI)^-1[c, :] + e_c (A + rI)^-1[bias, :]`` (``e_c`` this
+  rank's bias shard ``b[o_{F x C}]`` at its filters' rows) is a pending sum over C,
+  reduce-scattered over C in column blocks, each with the bias column (``(C - 1) F_f
+  (K_c' + 1)`` numbers received, ``K_c'`` the channel columns); then ``(G + rI)^-1[f, :]^T
+  U`` is a pending sum over F, reduce-scattered over F in row blocks (``(F - 1) F_f (K_c' +
+  1)`` numbers).  All exact layers on one communicator share one reduce-scatter, launched
+  before the data-parallel layers are preconditioned and waited for after.  With KL
+  clipping one float64 allreduce of ``<V~, V>`` over the grid.
 
 A damping that changes between decompositions takes effect at the next decomposition (the row
 blocks are of the damped inverse).  Grouped DistConv2d layers with channel or filter blocks are
@@ -63,14 +69,13 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from distconv.distribution import balanced_block
 from distkfac.layers import LayerAdapter, conv_input_cov
 
-__all__ = ["LAYOUTS", "ShardAdapter", "BiasShardAdapter", "ExactLayer", "redundant_comm",
-           "shard_geometry"]
+__all__ = ["LAYOUTS", "ShardAdapter", "BiasShardAdapter", "ExactLayer", "precondition_exact",
+           "redundant_comm", "shard_geometry"]
 
 LAYOUTS = ("exact", "block")
 
@@ -101,6 +106,14 @@ class ShardGeometry:
         if self.bias and i == self.C - 1:
             rows.append(self.K - 1)
         return torch.tensor(rows, dtype=torch.int64)
+
+    def a_inv_rows(self, i: int) -> Tensor:
+        """Rows of ``(A + rI)^-1`` block i holds: its channel rows, then the bias row (on
+        every block: each adds its own bias shard's term)."""
+        rows = self.a_rows(i)
+        if self.bias and i != self.C - 1:
+            rows = torch.cat([rows, torch.tensor([self.K - 1])])
+        return rows
 
     def g_rows(self, j: int) -> Tensor:
         lo, n = self.f_blocks[j]
@@ -251,6 +264,8 @@ class ExactLayer:
         self.f_comm = grid.subcomm([geo.fdim]) if geo.F > 1 else None
         self.comm = redundant_comm(module)
         self.rows = {"A": geo.a_rows(geo.c), "G": geo.g_rows(geo.f)}
+        self.inv_rows = {"A": geo.a_inv_rows(geo.c), "G": self.rows["G"]}
+        self._pending: tuple[Tensor, Tensor | None] | None = None
         self.side = {"A": geo.K, "G": geo.fo}
         self.factors: dict[str, Tensor | None] = {"A": None, "G": None}
         self.updates = 0
@@ -263,27 +278,33 @@ class ExactLayer:
 
     # ------------------------------------------------------------------ statistics
     def work_a(self, x: Tensor, padding: tuple[int, ...], y: Tensor,
-               dtype: torch.dtype) -> tuple[Tensor, int]:
-        """``A[c, :]``'s contribution of this rank's positions (allgather over C)."""
+               dtype: torch.dtype) -> tuple[Tensor | Callable[[], Tensor], int]:
+        """``A[c, :]``'s contribution of this rank's samples, or (C > 1) a callable that waits
+        for it: the C ranks of a segment hold the same samples, each its channels, so one
+        all-to-all over C gives rank c every channel of its 1/C of the samples; it forms the
+        whole A of those (by lags, :func:`~distkfac.layers.conv_input_cov`) and one
+        asynchronous reduce-scatter over C sums the row blocks.  Each rank forms 1/C of the
+        Gram matrix instead of its row block of all of it."""
         m, geo = self.module, self.geo
         x = x.detach()
-        if self.c_comm is not None:
-            shapes = [(x.shape[0], n, x.shape[2], x.shape[3]) for _, n in geo.c_blocks]
-            x = torch.cat(self.c_comm.allgather(x.contiguous(), shapes=shapes,
-                                                meta=f"kfac x of {self.name}"), 1)
-        x = x.to(dtype)
-        if geo.C <= m.kernel_size[0]:
-            # the whole A by lags (about kh times cheaper than the unfold's Gram matrix, see
-            # conv_input_cov) costs less than this rank's 1/C of the unfold's rows
-            full, rows = conv_input_cov(x, m.kernel_size, stride=m.stride, dilation=m.dilation,
-                                        bias=geo.bias, padding=padding)
-            return full[:, self.rows["A"].to(full.device)], rows
-        u = F.unfold(F.pad(x, padding), m.kernel_size, dilation=m.dilation,
-                     stride=m.stride)  # (n, C_i kh kw, L)
-        if geo.bias:
-            u = torch.cat([u, u.new_ones(u.shape[0], 1, u.shape[2])], 1)
-        mine = u.index_select(1, self.rows["A"].to(u.device))
-        return (mine @ u.transpose(1, 2)).sum(0).unsqueeze(0), u.shape[0] * u.shape[2]
+        rows = x.shape[0] * y.shape[2] * y.shape[3]
+        kw = dict(stride=m.stride, dilation=m.dilation, bias=geo.bias, padding=padding)
+        if self.c_comm is None:
+            return conv_input_cov(x.to(dtype), m.kernel_size, **kw)[0], rows
+        samples = [balanced_block(x.shape[0], geo.C, i) for i in range(geo.C)]
+        mine = samples[geo.c][1]
+        parts = self.c_comm.alltoall(
+            [x[lo: lo + n].contiguous() for lo, n in samples],
+            recv_shapes=[(mine, n, *x.shape[2:]) for _, n in geo.c_blocks],
+            meta=f"kfac x of {self.name}")
+        if mine:
+            full = conv_input_cov(torch.cat(parts, 1).to(dtype), m.kernel_size, **kw)[0][0]
+        else:
+            full = torch.zeros(geo.K, geo.K, dtype=dtype, device=x.device)
+        work = self.c_comm.reduce_scatter(
+            [full.index_select(0, geo.a_rows(i).to(full.device)) for i in range(geo.C)],
+            async_op=True, meta=f"kfac A rows of {self.name}")
+        return (lambda: work.wait().unsqueeze(0)), rows
 
     def work_g(self, gy: Tensor, dtype: torch.dtype) -> tuple[Tensor, int]:
         """``G[f, :]``'s contribution (sum of g g^T, unscaled; allgather over F)."""
@@ -312,62 +333,118 @@ class ExactLayer:
         return True
 
     # ------------------------------------------------------------------ preconditioning
-    def precondition(self) -> tuple[Tensor, Tensor, Callable[[Tensor], None]] | None:
-        """``(V shard, V~ shard, write)`` with V and V~ flattened to match; None without grads
-        or inverses."""
+    def ready(self) -> bool:
+        """Whether this step preconditions the layer: its weight has a gradient and the row
+        blocks of the damped inverses have arrived."""
+        return self.module.weight.grad is not None and self.inverse_rows["A"] is not None
+
+    def a_side(self) -> list[Tensor]:
+        """``P = V[f, c] (A + rI)^-1[c, :] + e_c (A + rI)^-1[bias, :]``, a pending sum over C
+        (``e_c``: this rank's bias shard at its filters' rows), as the C column blocks the
+        reduce-scatter hands out, each with the bias column."""
         m, geo = self.module, self.geo
-        if m.weight.grad is None or self.inverse_rows["A"] is None:
-            return None
-        dt = self.dtype
         fn = m.weight.shape[0]
-        vw = m.weight.grad.detach().reshape(fn, -1).to(dt)
+        vw = m.weight.grad.detach().reshape(fn, -1).to(self.dtype)
         ck = vw.shape[1]
-        a_inv, g_inv = self.inverse_rows["A"], self.inverse_rows["G"]
+        a_inv = self.inverse_rows["A"]
         p = vw @ a_inv[:ck]
-        b_f = vb = None
+        vb = None
         if geo.bias:
-            vb = (m.bias.grad.detach().to(dt) if m.bias.grad is not None
-                  else torch.zeros(m.bias.shape, dtype=dt, device=vw.device))
-            b_f = vb
-            if self.c_comm is not None:
-                shapes = [(n,) for _, n in geo.bias_subblocks()]
-                b_f = torch.cat(self.c_comm.allgather(vb.contiguous(), shapes=shapes,
-                                                      meta=f"kfac bias of {self.name}"))
-            if geo.c == geo.C - 1:
-                p = p + b_f[:, None] * a_inv[ck][None, :]
-        if self.c_comm is not None:
-            chunks = []
-            for i, (lo, n) in enumerate(geo.c_blocks):
-                part = p[:, lo * geo.k2: (lo + n) * geo.k2]
-                if geo.bias:
-                    part = torch.cat([part, p[:, -1:]], 1)
-                chunks.append(part.contiguous())
-            u = self.c_comm.reduce_scatter(chunks, meta=f"kfac A^-1 of {self.name}")
-        else:
-            u = p
-        if self.f_comm is not None:
-            q = g_inv.T @ u
-            chunks = [q[lo: lo + n].contiguous() for lo, n in geo.f_blocks]
-            v = self.f_comm.reduce_scatter(chunks, meta=f"kfac G^-1 of {self.name}")
-        else:
-            v = g_inv @ u
-        got = [vw.reshape(-1)]
-        out = [v[:, :ck].reshape(-1)]
-        if geo.bias:
-            lo, n = geo.bias_subblocks()[geo.c] if self.c_comm is not None else (0, fn)
+            vb = (m.bias.grad.detach().to(self.dtype) if m.bias.grad is not None
+                  else vw.new_zeros(m.bias.shape))
+            lo, n = self._bias_block()
+            e = vw.new_zeros(fn)
+            e[lo: lo + n] = vb
+            p = p.addr(e, a_inv[ck])
+        self._pending = (vw, vb)
+        if self.c_comm is None:
+            return [p]
+        chunks = []
+        for lo, n in geo.c_blocks:
+            part = p[:, lo * geo.k2: (lo + n) * geo.k2]
+            chunks.append(torch.cat([part, p[:, -1:]], 1) if geo.bias else part.contiguous())
+        return chunks
+
+    def g_side(self, u: Tensor) -> list[Tensor]:
+        """``(G + rI)^-1[f, :]^T U``, a pending sum over F, as the F row blocks."""
+        g_inv = self.inverse_rows["G"]
+        if self.f_comm is None:
+            return [g_inv @ u]
+        q = g_inv.T @ u
+        return [q[lo: lo + n] for lo, n in self.geo.f_blocks]
+
+    def result(self, v: Tensor) -> tuple[Tensor, Tensor, Callable[[Tensor], None]]:
+        """``(V shard, V~ shard, write)`` flattened alike, from this rank's block of V~."""
+        m = self.module
+        vw, vb = self._pending
+        self._pending = None
+        fn, ck = vw.shape
+        got, out = [vw.reshape(-1)], [v[:, :ck].reshape(-1)]
+        if vb is not None:
+            lo, n = self._bias_block()
             got.append(vb.reshape(-1))
             out.append(v[lo: lo + n, -1])
 
         def write(scaled: Tensor) -> None:
             m.weight.grad.copy_(scaled[: fn * ck].reshape(m.weight.shape))
-            if geo.bias and m.bias.grad is not None:
+            if vb is not None and m.bias.grad is not None:
                 m.bias.grad.copy_(scaled[fn * ck:].reshape(m.bias.shape))
 
         return torch.cat(got), torch.cat(out), write
 
+    def _bias_block(self) -> tuple[int, int]:
+        """This rank's bias shard inside its filter block: ``b[o_{F x C}]``."""
+        if self.c_comm is None:
+            return 0, self.module.weight.shape[0]
+        return self.geo.bias_subblocks()[self.geo.c]
+
     def __repr__(self) -> str:
         return (f"ExactLayer({self.name!r}, A rows {len(self.rows['A'])}/{self.side['A']}, "
                 f"G rows {len(self.rows['G'])}/{self.side['G']})")
+
+
+def _fused_reduce_scatter(comms: list, parts: list[list[Tensor]],
+                          meta: str) -> Callable[[], list[Tensor]]:
+    """Launch one asynchronous reduce-scatter per communicator for all the layers on it
+    (``parts[i][r]``: layer i's chunk for rank r; ``comms[i]`` None: nothing to reduce) and
+    return the wait that hands back each layer's own chunk."""
+    out: list[Tensor | None] = [p[0] if c is None else None for c, p in zip(comms, parts)]
+    groups: dict[int, list[int]] = {}
+    for i, c in enumerate(comms):
+        if c is not None:
+            groups.setdefault(id(c), []).append(i)
+    pending = []
+    for idx in groups.values():
+        comm = comms[idx[0]]
+        chunks = [torch.cat([parts[i][r].reshape(-1) for i in idx]) for r in range(comm.size)]
+        work = comm.reduce_scatter(chunks, async_op=True, meta=f"{meta} of {len(idx)} layers")
+        pending.append((idx, [parts[i][comm.rank].shape for i in idx], work))
+
+    def wait() -> list[Tensor]:
+        for idx, shapes, work in pending:
+            flat, offset = work.wait(), 0
+            for i, shape in zip(idx, shapes):
+                n = shape.numel()
+                out[i] = flat[offset: offset + n].reshape(shape)
+                offset += n
+        return out
+
+    return wait
+
+
+def precondition_exact(layers: list[ExactLayer], meanwhile: Callable[[], None] = lambda: None,
+                       ) -> list[tuple[int, Tensor, Tensor, Callable[[Tensor], None]]]:
+    """Precondition every ready exact layer: one reduce-scatter over each C communicator for
+    all of them (``meanwhile()`` runs while it is in flight), then one over each F
+    communicator.  Returns ``(replication, V, V~, write)`` per layer."""
+    ready = [ly for ly in layers if ly.ready()]
+    wait = _fused_reduce_scatter([ly.c_comm for ly in ready], [ly.a_side() for ly in ready],
+                                 "kfac A^-1")
+    meanwhile()
+    us = wait()
+    vs = _fused_reduce_scatter([ly.f_comm for ly in ready],
+                               [ly.g_side(u) for ly, u in zip(ready, us)], "kfac G^-1")()
+    return [(ly.replication, *ly.result(v)) for ly, v in zip(ready, vs)]
 
 
 def exchange_exact(layers: list[ExactLayer], owners: list[int], comm,
@@ -391,6 +468,9 @@ def exchange_exact(layers: list[ExactLayer], owners: list[int], comm,
 
     def rows_of(ly: ExactLayer, key: str, block: int) -> Tensor:
         return ly.geo.a_rows(block) if key == "A" else ly.geo.g_rows(block)
+
+    def inv_rows_of(ly: ExactLayer, key: str, block: int) -> Tensor:
+        return ly.geo.a_inv_rows(block) if key == "A" else ly.geo.g_rows(block)
 
     def sources(ly: ExactLayer, key: str, owner: int) -> dict[int, int]:
         """{block: rank that sends it} for the owner: the ranks that share all its coordinates
@@ -437,20 +517,20 @@ def exchange_exact(layers: list[ExactLayer], owners: list[int], comm,
             if r == owner:
                 continue
             if owner == me:
-                send[r].append(mine[(id(ly), key)][rows_of(ly, key, block_of(ly, key, r))]
+                send[r].append(mine[(id(ly), key)][inv_rows_of(ly, key, block_of(ly, key, r))]
                                .reshape(-1))
             if r == me:
-                recv_numel[owner] += len(ly.rows[key]) * ly.side[key]
+                recv_numel[owner] += len(ly.inv_rows[key]) * ly.side[key]
     got = comm.alltoall([torch.cat(s) if s else empty for s in send],
                         recv_shapes=[(n,) for n in recv_numel], meta="kfac exact inverses")
     offsets = [0] * size
     for ly, key, owner in tasks:
         if owner == me:
-            ly.inverse_rows[key] = mine[(id(ly), key)][ly.rows[key]].clone()
+            ly.inverse_rows[key] = mine[(id(ly), key)][ly.inv_rows[key]].clone()
         else:
-            n = len(ly.rows[key]) * ly.side[key]
+            n = len(ly.inv_rows[key]) * ly.side[key]
             ly.inverse_rows[key] = got[owner][offsets[owner]: offsets[owner] + n].reshape(
-                len(ly.rows[key]), -1)
+                len(ly.inv_rows[key]), -1)
             offsets[owner] += n
     del grid
 

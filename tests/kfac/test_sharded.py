@@ -215,30 +215,34 @@ def expected_exact(rank, dims, algorithm, conv, owners, kl):
     cn, fn = _block(ci, C, c), _block(fo, F, f)
     rows_a = [_block(ci, C, b) * k2 + (bias and b == C - 1) for b in range(C)]
     rows_g = [_block(fo, F, b) for b in range(F)]
-    bn = _block(fn, C, c)
     nn_ = dims.get("N", 1)
     n_loc = _block(SHAPE[0], nn_, co.get("N", 0))
     h, w = SHAPE[2], SHAPE[3]
     ho, wo = conv(torch.zeros(1, ci, h, w, dtype=torch.float64)).shape[2:]
     want = {}
-    gathered = ((ci - cn) * n_loc * h * w if C > 1 else 0) + \
-        ((fo - fn) * n_loc * ho * wo if F > 1 else 0) + ((fn - bn) if bias and C > 1 else 0)
-    want["allgather"] = gathered * i
+    want["allgather"] = ((fo - fn) * n_loc * ho * wo if F > 1 else 0) * i
     ar = 0
     if nn_ > 1:
         ar += allreduce_bytes(rows_a[c] * K + fn * fo + 2, co["N"], nn_, i)
     if kl:
         ar += allreduce_bytes(1, rank, _size(dims), 8)
     want["allreduce"] = ar
-    a2a = 0
-    for key, blocks, side, mine in (("A", rows_a, K, c), ("G", rows_g, fo, f)):
+    # x over C: every channel of this rank's 1/C of the local samples
+    a2a = (_block(n_loc, C, c) * (ci - cn) * h * w if C > 1 else 0) * i
+    # row blocks to the owners; the damped inverses' row blocks back, every A block with the
+    # bias row
+    inv_a = [r + (bias and b != C - 1) for b, r in enumerate(rows_a)]
+    for key, blocks, inv, side, mine in (("A", rows_a, inv_a, K, c),
+                                         ("G", rows_g, rows_g, fo, f)):
         owner = owners[f"layer/{key}"] if f"layer/{key}" in owners else owners[f"/{key}"]
         if owner == rank:
             a2a += sum(r for b, r in enumerate(blocks) if b != mine) * side * i
         else:
-            a2a += blocks[mine] * side * i
+            a2a += inv[mine] * side * i
     want["alltoall"] = a2a
-    want["reduce_scatter"] = ((C - 1) + (F - 1)) * fn * (cn * k2 + bias) * i
+    # A's row blocks summed over C; then every step the two preconditioning reduce-scatters
+    want["reduce_scatter"] = ((C - 1) * rows_a[c] * K
+                              + ((C - 1) + (F - 1)) * fn * (cn * k2 + bias)) * i
     return {op: b for op, b in want.items() if b}
 
 
@@ -264,7 +268,10 @@ def test_exact_bytes_and_memory_per_rank_equal_the_documented_formulas(grid_dims
     for rank, (own, owners, memory) in enumerate(results):
         assert own == expected_exact(rank, grid_dims, algorithm, conv, owners, kl=True), rank
         (a_f, a_inv), (g_f, g_inv) = memory["A"], memory["G"]
-        assert a_f == a_inv and a_f[1] == K and g_f == g_inv and g_f[1] == conv.out_channels
+        c = _coords(rank, grid_dims).get("C", 0) if algorithm != "stationary-y" else 0
+        last = c == (grid_dims.get("C", 1) if algorithm != "stationary-y" else 1) - 1
+        assert a_f[1] == a_inv[1] == K and a_inv[0] == a_f[0] + (not last)  # + the bias row
+        assert g_f == g_inv and g_f[1] == conv.out_channels
         a_rows += a_f[0]
     # row blocks over C, replicated over the other dims: each rank holds 1/C of A
     c = grid_dims.get("C", 1) if algorithm != "stationary-y" else 1
