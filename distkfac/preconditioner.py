@@ -85,6 +85,11 @@ class _Stale:
         self.wait = 1
 
 
+def _relative_change(value: Tensor, ref: Tensor) -> float:
+    """``||value - ref||_F / ||ref||_F``."""
+    return float(torch.linalg.norm(value - ref) / torch.linalg.norm(ref).clamp_min(1e-300))
+
+
 class _Layer:
     """Runtime state of one preconditioned module (or DistConv2d shard block)."""
 
@@ -183,7 +188,9 @@ class KFAC:
             skipped). Default 1.
         stale_threshold: skip a factor's decomposition when it moved less than this (relative
             Frobenius norm) since its last one, and look again after twice as many scheduled
-            decompositions (up to ``stale_max_interval``). Default None (off).
+            decompositions (up to ``stale_max_interval``). Default None (off).  For
+            ``'exact'`` row-block factors the norms are summed over the grid (one allgather
+            of two float64 per looked factor), so every rank skips the same.
         stale_max_interval: the longest stretch, in scheduled decompositions. Default 8.
         skip_layers: module names or class names left unpreconditioned; each must name some
             module of the model. Default ().
@@ -267,11 +274,7 @@ class KFAC:
         self._warned: set[str] = set()
         self._micro = 0
         self._register()
-        if self.stale_threshold is not None and self.exact_layers:
-            raise NotImplementedError(
-                "stale_threshold with factor_sharding='exact' on channel/filter-parallel "
-                f"DistConv2d layers ({[ly.name for ly in self.exact_layers]}) is not "
-                "implemented; use factor_sharding='block' for them")
+        self._exact_stale = {ly.name: (_Stale(), _Stale()) for ly in self.exact_layers}
         self._root_hook = model.register_forward_pre_hook(self._count_micro_batch)
         self._begin_step()
 
@@ -573,31 +576,28 @@ class KFAC:
             self.placement.cost_model = CostModel.fit(
                 comm, lambda m: self.method.decompose(m, damping), dtype=self.factor_dtype)
 
-    def _due(self, layers: list[_Layer], comm) -> list[bool]:
-        """Which of the layers' factors (A, G of each) to decompose at this scheduled update;
-        with ``stale_threshold``, the stale-statistics rule (rank 0 of ``comm`` decides the
-        looks, one broadcast, so every rank of the group skips the same)."""
-        pairs = [(f, st, ly) for ly in layers for f, st in zip((ly.a, ly.g), ly.stale)]
-        if self.stale_threshold is None:
-            return [True] * len(pairs)
-        due, looks = [], []
-        for f, st, ly in pairs:
+    def _stale_due(self, entries: list[tuple[_Stale, Tensor, bool]],
+                   moved: Callable[[list[int]], list[bool]]) -> list[bool]:
+        """The stale-statistics rule over ``(state, current value, must decompose)`` entries
+        at a scheduled decomposition: a factor whose wait is over is looked at, ``moved(looks)``
+        says (the same on every rank) which looked factors moved by ``stale_threshold`` or
+        more; those are decomposed and their interval reset, the others' doubles (up to
+        ``stale_max_interval``)."""
+        due: list[bool | None] = []
+        looks = []
+        for i, (st, _, force) in enumerate(entries):
             self.stale_counts["scheduled"] += 1
-            if st.ref is None or ly.a_payload is None:
+            if force or st.ref is None:
                 due.append(True)
             elif st.wait > 1:
                 st.wait -= 1
                 due.append(False)
             else:
                 due.append(None)
-                looks.append(float(torch.linalg.norm(f.value - st.ref)
-                                   / torch.linalg.norm(st.ref).clamp_min(1e-300)))
-        moved = torch.tensor([r >= self.stale_threshold for r in looks], dtype=torch.float64)
-        if looks and comm is not None and comm.size > 1:
-            moved = comm.broadcast(moved, root=0, meta="kfac stale statistics")
-        it = iter(moved.tolist())
+                looks.append(i)
+        it = iter(moved(looks) if looks else [])
         self.stale_counts["looked"] += len(looks)
-        for i, (f, st, _) in enumerate(pairs):
+        for i, (st, value, _) in enumerate(entries):
             if due[i] is None:
                 if next(it):
                     due[i], st.interval = True, 1
@@ -606,10 +606,56 @@ class KFAC:
                     st.interval = min(2 * st.interval, self.stale_max_interval)
                     st.wait = st.interval
             if due[i]:
-                st.ref, st.wait = f.value.clone(), st.interval
+                st.ref, st.wait = value.clone(), st.interval
             else:
                 self.stale_counts["skipped"] += 1
-        return due
+        return due  # type: ignore[return-value]
+
+    def _due(self, layers: list[_Layer], comm) -> list[bool]:
+        """Which of the layers' factors (A, G of each) to decompose at this scheduled update;
+        with ``stale_threshold``, rank 0 of ``comm`` (every rank of it holds the factors)
+        decides the looks and broadcasts them, so every rank skips the same."""
+        if self.stale_threshold is None:
+            return [True] * (2 * len(layers))
+        entries = [(st, f.value, ly.a_payload is None)
+                   for ly in layers for f, st in zip((ly.a, ly.g), ly.stale)]
+
+        def moved(looks: list[int]) -> list[bool]:
+            flags = torch.tensor([_relative_change(entries[i][1], entries[i][0].ref)
+                                  >= self.stale_threshold for i in looks], dtype=torch.float64)
+            if comm is not None and comm.size > 1:
+                flags = comm.broadcast(flags, root=0, meta="kfac stale statistics")
+            return [bool(v) for v in flags.tolist()]
+
+        return self._stale_due(entries, moved)
+
+    def _exact_due(self, layers: list[ExactLayer]) -> list[bool]:
+        """The stale rule for row-block factors: the squared norms of each looked factor's
+        change and reference are summed over the grid (each row block counted once: divided
+        by the ranks that hold it) by one allgather, in rank order, so every rank decides
+        alike."""
+        if self.stale_threshold is None:
+            return [True] * (2 * len(layers))
+        entries = [(st, ly.factors[k], ly.inverse_rows[k] is None)
+                   for ly in layers for k, st in zip("AG", self._exact_stale[ly.name])]
+        holders = [ly.grid.size // (ly.grid.extent(d) if d else 1)
+                   for ly in layers for d in (ly.geo.cdim, ly.geo.fdim)]
+
+        def moved(looks: list[int]) -> list[bool]:
+            local = torch.tensor([[float(torch.sum((entries[i][1] - entries[i][0].ref) ** 2)),
+                                   float(torch.sum(entries[i][0].ref ** 2))]
+                                  for i in looks], dtype=torch.float64)
+            local = local / torch.tensor([holders[i] for i in looks],
+                                         dtype=torch.float64)[:, None]
+            parts = ([local] if self.comm is None or self.comm.size == 1 else
+                     self.comm.allgather(local, meta="kfac stale statistics"))
+            total = torch.zeros_like(local)
+            for part in parts:
+                total += part
+            return [math.sqrt(num / den) >= self.stale_threshold if den > 0 else True
+                    for num, den in total.tolist()]
+
+        return self._stale_due(entries, moved)
 
     def _update_decompositions(self) -> None:
         damping = float(self._value("damping"))
@@ -657,8 +703,13 @@ class KFAC:
         if not layers:
             return
         size = self.comm.size
+        due = self._exact_due(layers)
+        work = [(ly, k) for i, (ly, k) in enumerate((ly, k) for ly in layers for k in "AG")
+                if due[i]]
+        if not work:
+            return
         tasks = [FactorTask(f"{ly.name}/{k}", 1, ly.side[k], ly.side[k] * ly.side[k])
-                 for ly in layers for k in "AG"]
+                 for ly, k in work]
         owners = [o if o != EVERYWHERE else i % size
                   for i, o in enumerate(self.placement.assign(tasks, size))]
         t0 = time.perf_counter()
@@ -667,7 +718,7 @@ class KFAC:
             payload = self.method.decompose(full[None], damping)
             return self.method.damped_inverse(payload, 1, full.shape[0], damping)[0]
 
-        exchange_exact(layers, owners, self.comm, decompose, self.factor_dtype)
+        exchange_exact(work, owners, self.comm, decompose, self.factor_dtype)
         self.timings["inversion"] += time.perf_counter() - t0
         self.last_exact_assignment = dict(zip((t.key for t in tasks), owners))
 

@@ -447,17 +447,15 @@ def precondition_exact(layers: list[ExactLayer], meanwhile: Callable[[], None] =
     return [(ly.replication, *ly.result(v)) for ly, v in zip(ready, vs)]
 
 
-def exchange_exact(layers: list[ExactLayer], owners: list[int], comm,
+def exchange_exact(work: list[tuple[ExactLayer, str]], owners: list[int], comm,
                    decompose: Callable[[Tensor], Tensor], dtype: torch.dtype) -> None:
     """Assemble each exact factor on its owner, decompose it there and hand every rank its
     row block of the damped inverse: two all-to-alls over ``comm`` (all ranks of the grid).
 
-    ``owners[2 i + j]`` owns factor j (A, G) of ``layers[i]``; ``decompose(full)`` returns the
-    damped inverse of a full ``(d, d)`` factor."""
+    ``work[i] = (layer, 'A' or 'G')`` is owned by rank ``owners[i]``; ``decompose(full)``
+    returns the damped inverse of a full ``(d, d)`` factor."""
     size, me = comm.size, comm.rank
-    grid = layers[0].grid if layers else None
-    tasks = [(ly, key, owners[2 * i + j]) for i, ly in enumerate(layers)
-             for j, key in enumerate(("A", "G"))]
+    tasks = [(ly, key, owner) for (ly, key), owner in zip(work, owners)]
 
     def row_dim(ly: ExactLayer, key: str) -> str | None:
         return ly.geo.cdim if key == "A" else ly.geo.fdim
@@ -532,7 +530,6 @@ def exchange_exact(layers: list[ExactLayer], owners: list[int], comm,
             ly.inverse_rows[key] = got[owner][offsets[owner]: offsets[owner] + n].reshape(
                 len(ly.inv_rows[key]), -1)
             offsets[owner] += n
-    del grid
 
 
 def attach(module: nn.Module, fn: Any) -> None:

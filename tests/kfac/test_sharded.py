@@ -373,3 +373,51 @@ def test_distconv_called_twice_sums_its_factors_like_one_process():
     loss_of(model(x), t, SHAPE[0]).backward()
     kfac.step()
     assert_exact(run_threads(twice_run, 2, {"C": 2}, kw), conv)
+
+
+# ---------------------------------------------------------------- stale statistics
+STALE_BATCHES = [0] * 8 + [1] * 5
+STALE_KW = dict(stale_threshold=1e-3, stale_max_interval=4, factor_decay=0.0)
+
+
+def _stale_sharded(comm, grid_dims, algorithm, conv_kw):
+    grid = ProcessorGrid(grid_dims, comm=comm)
+    layer = DistConv2d.from_conv2d(make_conv(conv_kw), grid=grid, algorithm=algorithm)
+    kfac = distkfac.KFAC(layer, factor_dtype=torch.float64, **STALE_KW)
+    ex = kfac.exact_layers[0]
+    decomposed = []
+    for step, batch in enumerate(STALE_BATCHES):
+        y_shape = layer.output_shape(SHAPE)
+        x, t = global_data(batch, y_shape)
+        layer.zero_grad()
+        y = layer(x[layer.input_dist.local_slices(SHAPE, grid)], SHAPE)
+        loss_of(y, t[layer.output_dist.local_slices(y_shape, grid)], SHAPE[0]).backward()
+        before = dict(ex.inverse_rows)
+        kfac.step()
+        decomposed += [(step, k) for k in "AG" if ex.inverse_rows[k] is not before[k]]
+    w_idx = layer.weight_dist.local_slices(layer.weight_shape, grid)
+    b_idx = layer.bias_dist.local_slices((layer.out_channels,), grid)
+    return (w_idx, b_idx, layer.weight.grad.clone(), layer.bias.grad.clone(), decomposed,
+            dict(kfac.stale_counts))
+
+
+@pytest.mark.parametrize("grid_dims, algorithm", [
+    ({"C": 2}, "stationary-x"), ({"C": 2, "F": 2}, "stationary-w")])
+def test_exact_stale_statistics_follow_the_single_process_schedule(grid_dims, algorithm):
+    """The batch is the same for steps 0-7 and another from 8 on, factor_decay 0: as for one
+    process (tests/kfac/test_features.py), each factor is decomposed at steps 0 and 11 only
+    (looks at scheduled events 1, 3, 7 see no change, the one at 11 does) -- 13 scheduled, 5
+    looks per factor -- and the last gradient equals single-process K-FAC's."""
+    conv_kw = dict(kernel_size=3, padding=1)
+    conv = make_conv(conv_kw)
+    kfac = distkfac.KFAC(conv, factor_dtype=torch.float64, comm=None, **STALE_KW)
+    for batch in STALE_BATCHES:
+        x, t = global_data(batch, conv(torch.zeros(SHAPE, dtype=torch.float64)).shape)
+        conv.zero_grad()
+        loss_of(conv(x), t, SHAPE[0]).backward()
+        kfac.step()
+    results = run_threads(_stale_sharded, _size(grid_dims), grid_dims, algorithm, conv_kw)
+    assert_exact(results, conv)
+    for *_, decomposed, counts in results:
+        assert decomposed == [(0, "A"), (0, "G"), (11, "A"), (11, "G")]
+        assert counts == {"scheduled": 26, "looked": 10, "skipped": 22}
