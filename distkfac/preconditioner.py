@@ -812,49 +812,81 @@ class KFAC:
 
     def shard_specs(self) -> dict[str, Any]:
         """Where the tensors of :meth:`state_dict` lie, for checkpoints that reshard
-        (``distconv.save(..., states={"kfac": kfac})``): everything is replicated for
-        data-parallel layers and for DistConv2d layers split only over samples and rows.
+        (``distconv.save(..., states={"kfac": kfac})``).  Data-parallel layers and DistConv2d
+        layers split only over samples and rows hold whole factors (replicated).  A
+        channel/filter-parallel layer under ``'exact'`` holds its factors as blocks of the
+        global ones, ``A[*, o_C, *]`` and ``G[*, o_F, *]`` (shape ``(1, d, d)``, as one
+        process holds them), and the rows of the damped inverses its gradient meets: so a
+        checkpoint loads onto any grid, any algorithm, or one process with plain layers.
+        Where the layout changes the decompositions are recomputed at the next ``step()``
+        from the loaded factors; where it does not, the run continues identically.
 
         Raises:
-            NotImplementedError: the state of channel- or filter-parallel layers (``'exact'``
-                row blocks, ``'block'`` shards) differs from rank to rank, and resharding it onto
-                another grid is not implemented; save the model and optimizer, and let the
-                factors re-accumulate after loading.
+            NotImplementedError: ``'block'`` factors of channel/filter-parallel layers are
+                per-shard diagonal blocks, not blocks of a global factor; resharding them is
+                not implemented (use ``'exact'``, or let the factors re-accumulate).
         """
-        from distkfac.sharded import BiasShardAdapter, ShardAdapter
+        from distconv.distribution import Dist
+        from distconv.nn.sharding import ShardSpec
 
-        sharded = [ly.name for ly in self.exact_layers] + [
-            ly.name for ly in self.layers
-            if isinstance(ly.adapter, (ShardAdapter, BiasShardAdapter))
-            and ly.adapter.geo.C * ly.adapter.geo.F > 1]
-        if sharded:
+        blocks = [ly.name for ly in self.layers
+                  if isinstance(ly.adapter, (ShardAdapter, BiasShardAdapter))
+                  and ly.adapter.geo.C * ly.adapter.geo.F > 1]
+        if blocks:
             raise NotImplementedError(
-                f"K-FAC state of the channel/filter-parallel layers {sorted(sharded)} is sharded "
-                "per rank; resharding it in a checkpoint is not implemented: save the model and "
-                "optimizer, and let the factors re-accumulate after loading")
-        return {}
+                f"K-FAC state of the channel/filter-parallel layers {sorted(blocks)} under "
+                "factor_sharding='block' is per-shard diagonal blocks; resharding it in a "
+                "checkpoint is not implemented: use factor_sharding='exact', or save the model "
+                "and optimizer and let the factors re-accumulate after loading")
+        specs: dict[str, Any] = {}
+        for ly in self.exact_layers:
+            geo, grid = ly.geo, ly.grid
+            specs[f"factors/{ly.name}/A/value"] = ShardSpec(
+                grid, Dist((None, geo.cdim, None)), (1, geo.K, geo.K))
+            specs[f"factors/{ly.name}/G/value"] = ShardSpec(
+                grid, Dist((None, geo.fdim, None)), (1, geo.fo, geo.fo))
+            specs[f"exact_inverses/{ly.name}/A"] = ShardSpec(
+                grid, Dist((geo.cdim, None, None)), (geo.ci, geo.k2, geo.K))
+            specs[f"exact_inverses/{ly.name}/G"] = ShardSpec(
+                grid, Dist((geo.fdim, None)), (geo.fo, geo.fo))
+        return specs
 
     def state_dict(self) -> dict[str, Any]:
         """Steps, settings (callables are not saved), every layer's running factors and its
-        current decompositions (so a restored run continues identically)."""
+        current decompositions (so a restored run continues identically).  Factors are
+        ``{"factors": {layer: {"A": {"value", "updates"}, "G": ...}}}`` for every layer, the
+        blocks of the global ``(groups, d, d)`` factors this rank holds (see
+        :meth:`shard_specs`); decompositions are per layout."""
         settings = {k: v for k, v in self.settings().items() if not callable(v)}
+        factors = {ly.name: {"A": ly.a.state_dict(), "G": ly.g.state_dict()}
+                   for ly in self.layers}
+        inverses: dict[str, Any] = {}
+        for ly in self.exact_layers:
+            factors[ly.name] = {k: {"value": None if ly.factors[k] is None
+                                    else ly.factors[k].unsqueeze(0), "updates": ly.updates}
+                                for k in "AG"}
+            a_inv, g_inv = ly.inverse_rows["A"], ly.inverse_rows["G"]
+            if a_inv is not None:
+                cn = ly.geo.c_blocks[ly.geo.c][1]
+                inverses[ly.name] = {
+                    "A": a_inv[: cn * ly.geo.k2].reshape(cn, ly.geo.k2, -1).clone(), "G": g_inv}
+                if ly.geo.bias:
+                    inverses[ly.name]["A_bias"] = a_inv[-1].clone()
         return {
             "steps": self.steps,
             "settings": settings,
-            "factors": {ly.name: {"A": ly.a.state_dict(), "G": ly.g.state_dict()}
-                        for ly in self.layers},
+            "factors": factors,
             "decompositions": {ly.name: {"A": ly.a_payload, "G": ly.g_payload}
                                for ly in self.layers},
-            "exact": {ly.name: {"factors": dict(ly.factors), "updates": ly.updates,
-                                "inverse_rows": dict(ly.inverse_rows)}
-                      for ly in self.exact_layers},
+            "exact_inverses": inverses,
             "payload_format": (self.method.name, self.method.symmetric),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore factors, decompositions, steps and non-callable settings.  Without saved
-        decompositions they are recomputed at the next ``step()``."""
-        names = {ly.name for ly in self.layers}
+        decompositions (none yet, or saved under another layout) they are recomputed at the
+        next ``step()``."""
+        names = {ly.name for ly in self.layers} | {ly.name for ly in self.exact_layers}
         if set(state["factors"]) != names:
             raise ValueError(f"state holds layers {sorted(state['factors'])}, this "
                              f"preconditioner has {sorted(names)}")
@@ -877,14 +909,26 @@ class KFAC:
             layer.inverses, layer.uses = None, 0
             if layer.a_payload is None or layer.g_payload is None:
                 layer.a_payload = layer.g_payload = None
-        exact = state.get("exact", {})
         for layer in self.exact_layers:
-            if layer.name not in exact:
-                raise ValueError(f"state holds no factors of the DistConv2d {layer.name!r}")
-            saved = exact[layer.name]
-            layer.factors = dict(saved["factors"])
-            layer.updates = int(saved["updates"])
-            layer.inverse_rows = dict(saved["inverse_rows"])
+            saved = state["factors"][layer.name]
+            for key in "AG":
+                value = saved[key]["value"]
+                want = (1, len(layer.rows[key]), layer.side[key])
+                if value is not None and tuple(value.shape) != want:
+                    raise ValueError(f"factor {key} of {layer.name!r} of shape "
+                                     f"{tuple(value.shape)} does not fit this rank's block "
+                                     f"{want}")
+                layer.factors[key] = None if value is None else value[0].to(
+                    self.factor_dtype).clone()
+            layer.updates = int(saved["A"]["updates"])
+            inv = state.get("exact_inverses", {}).get(layer.name)
+            layer.inverse_rows = {"A": None, "G": None}
+            if inv is not None:
+                a_rows = [inv["A"].reshape(-1, layer.side["A"])]
+                if layer.geo.bias:
+                    a_rows.append(inv["A_bias"].reshape(1, -1))
+                layer.inverse_rows = {"A": torch.cat(a_rows).to(self.factor_dtype),
+                                      "G": inv["G"].to(self.factor_dtype).clone()}
         self.steps = int(state["steps"])
         self._begin_step()
 

@@ -31,37 +31,41 @@ Nothing else moves but, with KL clipping, the one float64 allreduce of ``<V~, V>
 grid.  With C = F = 1 (sample and spatial parallelism only) this is exactly the global layer's
 K-FAC, so ``'exact'`` uses it too.
 
-``'exact'`` -- the global layer's K-FAC.  A is kept as row blocks over C (the channel rows of
-block c, the bias row with the last block), G as row blocks over F; the damped inverses too.
+``'exact'`` -- the global layer's K-FAC.  The factor A (``K x K``) is kept as balanced
+blocks of its rows over C, ``A[o_C, *]`` (``K_c`` rows on block c), G (``F_o x F_o``) as
+``G[o_F, *]``; both replicated over the other grid dims.  The damped inverse of A is kept by
+the rows that block c's gradient columns meet: the im2col rows of its channels
+(``K'_c = C_c kh kw``) and the bias row, on every block; that of G as ``[o_F, *]``.
 
 * Factor steps: the C ranks of a segment hold the same samples, each its channels.  One
   all-to-all over C gives rank c every channel of its block of the local samples (``n_c``
   of ``n``, balanced: ``n_c (C_i - C_c) H_x W_x`` numbers received, in x's dtype); it forms
   the whole A of those samples by lags (:func:`~distkfac.layers.conv_input_cov`, 1/C of
   the Gram matrix's work), and one asynchronous reduce-scatter over C sums the row blocks
-  (``(C - 1) K_c K`` numbers, ``K_c`` the rows of block c: its channels' im2col rows, the
-  bias row with the last block).  ``dL/dy`` is allgathered over F for ``G[f, :]``
+  (``(C - 1) K_c K`` numbers).  ``dL/dy`` is allgathered over F for ``G[f, :]``
   (``F_f x F_o``: ``(F_o - F_f) n H_o W_o`` numbers).  Both are then reduced over the
   redundant dims (``allreduce_bytes(K_c K + F_f F_o + 2, r, P_R, i)`` for one bucket; row
   blocks travel whole).
 * Inverse steps: each factor has one owner among all ranks (the placement policy); one
   all-to-all brings it the other row blocks (``sum_{c' != c_o} K_{c'} K`` numbers to the
   owner of A), it decomposes the full factor and forms the damped inverse, and one all-to-all
-  hands every rank its row block of that inverse, A's with the bias row on every block
-  (``(K_c + [c != C - 1]) K`` numbers to each rank but the owner).  Only the owner holds a
-  whole factor, and only while it decomposes.
+  hands every rank its rows of that inverse (``(K'_c + b) K`` numbers for A, b = 1 with a
+  bias, to each rank but the owner).  Only the owner holds a whole factor, and only while it
+  decomposes.
 * Every step: ``P = V[f, c] (A + rI)^-1[c, :] + e_c (A + rI)^-1[bias, :]`` (``e_c`` this
   rank's bias shard ``b[o_{F x C}]`` at its filters' rows) is a pending sum over C,
-  reduce-scattered over C in column blocks, each with the bias column (``(C - 1) F_f
-  (K_c' + 1)`` numbers received, ``K_c'`` the channel columns); then ``(G + rI)^-1[f, :]^T
-  U`` is a pending sum over F, reduce-scattered over F in row blocks (``(F - 1) F_f (K_c' +
-  1)`` numbers).  All exact layers on one communicator share one reduce-scatter, launched
-  before the data-parallel layers are preconditioned and waited for after.  With KL
-  clipping one float64 allreduce of ``<V~, V>`` over the grid.
+  reduce-scattered over C in column blocks, each with the bias column (``(C - 1) F_f (K'_c
+  + b)`` numbers received); then ``(G + rI)^-1[f, :]^T U`` is a pending sum over F,
+  reduce-scattered over F in row blocks (``(F - 1) F_f (K'_c + b)`` numbers).  All exact
+  layers on one communicator share one reduce-scatter, launched before the data-parallel
+  layers are preconditioned and waited for after.  With KL clipping one float64 allreduce of
+  ``<V~, V>`` over the grid.
 
 A damping that changes between decompositions takes effect at the next decomposition (the row
-blocks are of the damped inverse).  Grouped DistConv2d layers with channel or filter blocks are
-not implemented.
+blocks are of the damped inverse).  Checkpoints: the factors are the global ``(1, K, K)`` and
+``(1, F_o, F_o)`` tensors with the Dists above, so they reshard onto any grid or onto one
+process (see :meth:`distkfac.KFAC.shard_specs`).  Grouped DistConv2d layers with channel or
+filter blocks are not implemented.
 """
 from __future__ import annotations
 
@@ -100,20 +104,18 @@ class ShardGeometry:
         self.K = self.ci * self.k2 + int(self.bias)
 
     def a_rows(self, i: int) -> Tensor:
-        """Rows of A in block i: its channels' im2col rows, and the bias row with the last."""
-        lo, n = self.c_blocks[i]
-        rows = list(range(lo * self.k2, (lo + n) * self.k2))
-        if self.bias and i == self.C - 1:
-            rows.append(self.K - 1)
-        return torch.tensor(rows, dtype=torch.int64)
+        """Rows of the factor A that block i holds: balanced blocks of its K rows (any
+        partition would do; this one is the Dist ``[o_C, *]`` checkpoints reshard)."""
+        lo, n = balanced_block(self.K, self.C, i)
+        return torch.arange(lo, lo + n)
 
     def a_inv_rows(self, i: int) -> Tensor:
-        """Rows of ``(A + rI)^-1`` block i holds: its channel rows, then the bias row (on
-        every block: each adds its own bias shard's term)."""
-        rows = self.a_rows(i)
-        if self.bias and i != self.C - 1:
-            rows = torch.cat([rows, torch.tensor([self.K - 1])])
-        return rows
+        """Rows of ``(A + rI)^-1`` block i holds: the im2col rows of its channels (those its
+        gradient columns meet), then the bias row (on every block: each adds its own bias
+        shard's term)."""
+        lo, n = self.c_blocks[i]
+        rows = torch.arange(lo * self.k2, (lo + n) * self.k2)
+        return torch.cat([rows, torch.tensor([self.K - 1])]) if self.bias else rows
 
     def g_rows(self, j: int) -> Tensor:
         lo, n = self.f_blocks[j]
@@ -301,9 +303,9 @@ class ExactLayer:
             full = conv_input_cov(torch.cat(parts, 1).to(dtype), m.kernel_size, **kw)[0][0]
         else:
             full = torch.zeros(geo.K, geo.K, dtype=dtype, device=x.device)
-        work = self.c_comm.reduce_scatter(
-            [full.index_select(0, geo.a_rows(i).to(full.device)) for i in range(geo.C)],
-            async_op=True, meta=f"kfac A rows of {self.name}")
+        blocks = [balanced_block(geo.K, geo.C, i) for i in range(geo.C)]
+        work = self.c_comm.reduce_scatter([full[lo: lo + n] for lo, n in blocks],
+                                          async_op=True, meta=f"kfac A rows of {self.name}")
         return (lambda: work.wait().unsqueeze(0)), rows
 
     def work_g(self, gy: Tensor, dtype: torch.dtype) -> tuple[Tensor, int]:

@@ -241,27 +241,3 @@ def test_allreduce_gradients_refuses_wrong_types():
         distkfac.allreduce_gradients(torch.zeros(3), None)
     with pytest.raises(TypeError, match="params must hold tensors"):
         distkfac.allreduce_gradients([1.0], None)
-
-
-def test_checkpointing_sharded_kfac_state_is_refused_clearly(tmp_path) -> None:
-    import copy
-
-    import pytest
-
-    import distconv
-    from distconv.parallel import parallelize
-    from distconv.testing import run_threads
-
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Conv2d(4, 4, 3, padding=1), nn.Flatten(), nn.Linear(64, 3))
-    config = {"layers": [{"match": "0", "grid": {"C": 2}, "algorithm": "stationary-x"}]}
-
-    def run(comm):
-        pm = parallelize(copy.deepcopy(model), config, comm=comm)
-        kfac = distkfac.KFAC(pm, factor_sharding="exact")
-        with pytest.raises(NotImplementedError, match=r"channel/filter-parallel layers \['0'\]"):
-            distconv.save(pm, str(tmp_path / "sharded"), states={"kfac": kfac}, comm=comm)
-        plain = distkfac.KFAC(copy.deepcopy(model), comm=comm)
-        return plain.shard_specs()
-
-    assert run_threads(run, 2) == [{}, {}]

@@ -213,7 +213,7 @@ def expected_exact(rank, dims, algorithm, conv, owners, kl):
     bias = int(conv.bias is not None)
     K = ci * k2 + bias
     cn, fn = _block(ci, C, c), _block(fo, F, f)
-    rows_a = [_block(ci, C, b) * k2 + (bias and b == C - 1) for b in range(C)]
+    rows_a = [_block(K, C, b) for b in range(C)]  # balanced row blocks of A
     rows_g = [_block(fo, F, b) for b in range(F)]
     nn_ = dims.get("N", 1)
     n_loc = _block(SHAPE[0], nn_, co.get("N", 0))
@@ -231,7 +231,7 @@ def expected_exact(rank, dims, algorithm, conv, owners, kl):
     a2a = (_block(n_loc, C, c) * (ci - cn) * h * w if C > 1 else 0) * i
     # row blocks to the owners; the damped inverses' row blocks back, every A block with the
     # bias row
-    inv_a = [r + (bias and b != C - 1) for b, r in enumerate(rows_a)]
+    inv_a = [_block(ci, C, b) * k2 + bias for b in range(C)]
     for key, blocks, inv, side, mine in (("A", rows_a, inv_a, K, c),
                                          ("G", rows_g, rows_g, fo, f)):
         owner = owners[f"layer/{key}"] if f"layer/{key}" in owners else owners[f"/{key}"]
@@ -268,9 +268,10 @@ def test_exact_bytes_and_memory_per_rank_equal_the_documented_formulas(grid_dims
     for rank, (own, owners, memory) in enumerate(results):
         assert own == expected_exact(rank, grid_dims, algorithm, conv, owners, kl=True), rank
         (a_f, a_inv), (g_f, g_inv) = memory["A"], memory["G"]
-        c = _coords(rank, grid_dims).get("C", 0) if algorithm != "stationary-y" else 0
-        last = c == (grid_dims.get("C", 1) if algorithm != "stationary-y" else 1) - 1
-        assert a_f[1] == a_inv[1] == K and a_inv[0] == a_f[0] + (not last)  # + the bias row
+        c_dims = grid_dims.get("C", 1) if algorithm != "stationary-y" else 1
+        c = _coords(rank, grid_dims).get("C", 0) if c_dims > 1 else 0
+        assert a_f == (_block(K, c_dims, c), K)
+        assert a_inv == (_block(conv.in_channels, c_dims, c) * 9 + 1, K)  # + the bias row
         assert g_f == g_inv and g_f[1] == conv.out_channels
         a_rows += a_f[0]
     # row blocks over C, replicated over the other dims: each rank holds 1/C of A

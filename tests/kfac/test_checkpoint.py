@@ -1,0 +1,148 @@
+"""K-FAC state in checkpoints: 'exact' factors of channel/filter-parallel layers are blocks of
+the global factors, so a run saved on one grid resumes on another grid or on one process.
+
+Reference: single-process K-FAC on the plain model, same data, same schedule (decompositions
+every 3 steps: the step after loading uses the saved decomposition)."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import distconv
+import distkfac
+from distconv.parallel import parallelize
+from distconv.testing.threads import run_threads
+
+N, CI, HW = 6, 5, 4
+KW = dict(factor_dtype=torch.float64, factor_update_steps=1, inv_update_steps=3, damping=1e-2)
+
+
+def plain_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(CI, 6, 3, padding=1), nn.Tanh(), nn.Flatten(),
+                         nn.Linear(6 * HW * HW, 3)).double()
+
+
+def batch(step: int):
+    g = torch.Generator().manual_seed(50 + step)
+    return (torch.randn(N, CI, HW, HW, generator=g, dtype=torch.float64),
+            torch.randint(0, 3, (N,), generator=g))
+
+
+def config(grid: dict, algorithm: str) -> dict:
+    return {"layers": [{"match": "0", "grid": grid, "algorithm": algorithm}]}
+
+
+def train(model, kfac, steps, data_block=lambda t: t, *, first=0):
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(first, first + steps):
+        x, y = batch(step)
+        opt.zero_grad()
+        F.cross_entropy(model(data_block(x)), data_block(y)).backward()
+        kfac.step()
+        if step < first + steps - 1 or first == 0:
+            opt.step()
+
+
+def reference():
+    """Factors of layer 0 after steps 0-1, and its preconditioned gradient at step 2."""
+    model = plain_model()
+    kfac = distkfac.KFAC(model, comm=None, **KW)
+    train(model, kfac, 2)
+    saved = {k: getattr(kfac.layers[0], k.lower()).value[0].clone() for k in "AG"}
+    train(model, kfac, 1, first=2)
+    return saved, model[0].weight.grad.clone(), model[0].bias.grad.clone()
+
+
+def _block(pm, t):
+    """This rank's samples of a global batch tensor."""
+    from distconv.data import sample_block
+
+    return t[sample_block(t.shape[0], pm.data_grid)]
+
+
+def save_run(comm, path, grid, algorithm):
+    pm = parallelize(plain_model(), config(grid, algorithm), comm=comm)
+    kfac = distkfac.KFAC(pm, factor_sharding="exact", **KW)
+    train(pm, kfac, 2, lambda t: _block(pm, t))
+    distconv.save(pm, path, states={"kfac": kfac}, comm=comm)
+
+
+def load_run(comm, path, grid, algorithm):
+    pm = parallelize(plain_model(), config(grid, algorithm), comm=comm)
+    kfac = distkfac.KFAC(pm, factor_sharding="exact", **KW)
+    distconv.load(pm, path, states={"kfac": kfac})
+    ex = kfac.exact_layers[0]
+    loaded = {k: (ex.rows[k], ex.factors[k].clone()) for k in "AG"}
+    steps = kfac.steps
+    train(pm, kfac, 1, lambda t: _block(pm, t), first=2)
+    m = ex.module
+    return (steps, loaded, m.weight_dist.local_slices(m.weight_shape, m.grid),
+            m.bias_dist.local_slices((m.out_channels,), m.grid), m.weight.grad.clone(),
+            m.bias.grad.clone())
+
+
+@pytest.mark.parametrize("saved_on, loaded_on", [
+    (({"C": 2}, "stationary-x"), ({"C": 3}, "stationary-x")),
+    (({"C": 3}, "stationary-x"), ({"C": 2, "F": 2}, "stationary-w")),
+    (({"C": 2, "F": 2}, "stationary-w"), ({"N": 2, "F": 2}, "stationary-y")),
+])
+def test_exact_state_resumes_on_another_grid_identically(tmp_path, saved_on, loaded_on):
+    """Saved on one grid, loaded on another: every rank holds its block of the reference
+    factors, and the next step (which reuses the saved decomposition) gives the reference's
+    preconditioned gradient."""
+    (ref_a, ref_g), ref_w, ref_b = reference()[0].values(), *reference()[1:]
+    path = str(tmp_path / "ckpt")
+    size = lambda grid: int(torch.tensor(list(grid.values())).prod())  # noqa: E731
+    run_threads(save_run, size(saved_on[0]), path, *saved_on)
+    for steps, loaded, w_idx, b_idx, wg, bg in run_threads(
+            load_run, size(loaded_on[0]), path, *loaded_on):
+        assert steps == 2
+        for (rows, got), ref in zip(loaded.values(), (ref_a, ref_g)):
+            torch.testing.assert_close(got, ref[rows], rtol=1e-12, atol=1e-14)
+        torch.testing.assert_close(wg, ref_w[w_idx], rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(bg, ref_b[b_idx], rtol=1e-10, atol=1e-12)
+
+
+def test_exact_state_loads_onto_one_process_and_back(tmp_path):
+    """Channel-parallel state loads into single-process K-FAC on the plain model (factors
+    bitwise the reference's up to round-off; decompositions recomputed), and a single-process
+    checkpoint loads onto a channel-parallel run (each rank its blocks)."""
+    (ref_a, ref_g), *_ = reference()[0].values(), None
+    path = str(tmp_path / "parallel")
+    run_threads(save_run, 2, path, {"C": 2}, "stationary-x")
+    model = plain_model()
+    kfac = distkfac.KFAC(model, comm=None, **KW)
+    distconv.load(model, path, states={"kfac": kfac})
+    torch.testing.assert_close(kfac.layers[0].a.value[0], ref_a, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(kfac.layers[0].g.value[0], ref_g, rtol=1e-12, atol=1e-14)
+    assert kfac.steps == 2 and kfac.layers[0].a_payload is None  # recomputed at the next step
+    single = str(tmp_path / "single")
+    distconv.save(model, single, states={"kfac": kfac}, comm=distconv.comm.SingleCommunicator())
+
+    def back(comm):
+        pm = parallelize(plain_model(), config({"C": 2}, "stationary-x"), comm=comm)
+        k = distkfac.KFAC(pm, factor_sharding="exact", **KW)
+        distconv.load(pm, single, states={"kfac": k})
+        ex = k.exact_layers[0]
+        return ex.rows["A"], ex.factors["A"], ex.inverse_rows["A"]
+
+    for rows, a, inv in run_threads(back, 2):
+        torch.testing.assert_close(a, ref_a[rows], rtol=1e-12, atol=1e-14)
+        assert inv is None
+
+
+def test_block_state_is_refused_by_name(tmp_path):
+    def run(comm):
+        pm = parallelize(copy.deepcopy(plain_model()), config({"C": 2}, "stationary-x"),
+                         comm=comm)
+        kfac = distkfac.KFAC(pm, factor_sharding="block")
+        with pytest.raises(NotImplementedError, match=r"layers \['0', '0.bias'\] under "
+                                                      r"factor_sharding='block'"):
+            distconv.save(pm, str(tmp_path / "block"), states={"kfac": kfac}, comm=comm)
+
+    run_threads(run, 2)
