@@ -5,9 +5,16 @@ Factors stay in their own dtype (fp32 by default); only what travels is narrowed
 * ``torch.bfloat16``: the sums themselves (bf16 has fp32's range), reduced by the backend; the
   row counts go beside them in float64 so they stay exact.
 * ``torch.float16`` and ``'float21'``: each rank's local *mean* (sum / rows, within fp16's range)
-  and its rows (float64 bits), gathered; every rank sums ``mean_r * rows_r`` in rank order in
-  fp32.  A narrower format cannot be summed by the backend (float21 is not a dtype), and
-  gathering keeps unequal batches exactly weighted.
+  travels with its rows (float64 bits), and the means are summed weighted by the rows in fp32,
+  in rank order (unequal batches exactly weighted; a narrower format cannot be summed by the
+  backend: float21 is not a dtype).  On 2 ranks the means are allgathered and every rank sums
+  them: ``enc(n) + 8 k`` bytes received for n numbers of k factors.  On P >= 3 that would cost
+  more than an fp32 allreduce, so it is a reduce-scatter and an allgather by hand, each in the
+  wire format: one all-to-all hands rank j block j of every rank's means (balanced blocks of
+  the n numbers; ``(P - 1) (enc(n_j) + 8 k)`` bytes received), rank j sums its block and
+  encodes the global mean, and one allgather gives every rank all blocks
+  (``sum_{i != j} enc(n_i)``): ``2 (P - 1) / P`` of the numbers, as a ring allreduce moves, at
+  2 (fp16) or 8/3 (float21) bytes each.  The result is rounded to the wire format once more.
 * ``'float21'``: three truncated float32 (sign, 8 exponent bits, the 12 high mantissa bits) packed
   in one 64-bit word: 8/3 bytes per number.  Exact for every float32 whose 11 low mantissa bits
   are zero; otherwise truncated toward zero (relative error below ``2**-12``).
@@ -18,6 +25,8 @@ from collections.abc import Sequence
 
 import torch
 from torch import Tensor
+
+from distconv.distribution import balanced_block
 
 __all__ = ["COMM_DTYPES", "check_comm_dtype", "float21_pack", "float21_unpack", "encoded_bytes",
            "launch", "collect"]
@@ -74,9 +83,20 @@ def launch(comm, flats: Sequence[Tensor], counts: Sequence[float],
     values = torch.cat(list(flats))
     rows = values.new_tensor(list(counts), dtype=torch.float64)
     if comm_dtype in _GATHERED:
-        means = torch.cat([f / c for f, c in zip(flats, counts)]) if flats else values
-        buf = torch.cat([_encode(means, comm_dtype), rows.view(torch.uint8)])  # type: ignore
-        return [comm.allgather(buf, async_op=True, meta=meta)]
+        # a replica that counts no rows contributes zeros (not 0 / 0)
+        means = (torch.cat([f / c if c else f for f, c in zip(flats, counts)]) if flats
+                 else values).to(torch.float32)
+        tail = rows.view(torch.uint8)
+        if comm.size < 3:
+            buf = torch.cat([_encode(means, comm_dtype), tail])  # type: ignore[arg-type]
+            return [comm.allgather(buf, async_op=True, meta=meta)]
+        blocks = [balanced_block(means.numel(), comm.size, j) for j in range(comm.size)]
+        mine = blocks[comm.rank][1]
+        chunks = [torch.cat([_encode(means[lo: lo + m], comm_dtype), tail])  # type: ignore
+                  for lo, m in blocks]
+        shape = (encoded_bytes(mine, comm_dtype) + tail.numel(),)  # type: ignore[arg-type]
+        return [_TwoPhase(comm, comm.alltoall(chunks, recv_shapes=[shape] * comm.size,
+                                              async_op=True, meta=meta), blocks, meta)]
     if comm_dtype == torch.bfloat16:
         return [comm.allreduce(values.to(torch.bfloat16), async_op=True, meta=meta),
                 comm.allreduce(rows, async_op=True, meta=meta + " rows")]
@@ -89,7 +109,10 @@ def collect(works: list, numels: Sequence[int], comm_dtype: torch.dtype | str | 
             dtype: torch.dtype) -> tuple[list[Tensor], list[float]]:
     """Wait for :func:`launch`'s works: the summed flat factors (in ``dtype``) and rows."""
     n, k = sum(numels), len(numels)
-    if comm_dtype in _GATHERED:
+    if isinstance(works[0], _TwoPhase):
+        values, counts = works[0].finish(numels, comm_dtype)  # type: ignore[arg-type]
+        values = values.to(dtype)
+    elif comm_dtype in _GATHERED:
         parts = works[0].wait()
         size = encoded_bytes(n, comm_dtype)  # type: ignore[arg-type]
         total = torch.zeros(n, dtype=torch.float32, device=parts[0].device)
@@ -107,3 +130,41 @@ def collect(works: list, numels: Sequence[int], comm_dtype: torch.dtype | str | 
         flat = works[0].wait().to(dtype)
         values, counts = flat[:n], flat[n:].tolist()
     return list(values.split(list(numels))), counts
+
+
+class _TwoPhase:
+    """The reduce-scatter (an all-to-all in flight) and allgather of low-precision means on
+    P >= 3 ranks (see the module docstring)."""
+
+    def __init__(self, comm, work, blocks: list[tuple[int, int]], meta: str) -> None:
+        self.comm, self.work, self.blocks, self.meta = comm, work, blocks, meta
+
+    def wait(self) -> None:
+        self.work.wait()
+
+    def finish(self, numels: Sequence[int], comm_dtype: torch.dtype | str,
+               ) -> tuple[Tensor, list[float]]:
+        k = len(numels)
+        lo, m = self.blocks[self.comm.rank]
+        size = encoded_bytes(m, comm_dtype)
+        received = self.work.wait()
+        device = received[0].device
+        # the factor of every number, and of every number of this rank's block
+        owner = torch.repeat_interleave(torch.arange(k, device=device),
+                                        torch.tensor(list(numels), device=device))
+        mine = owner[lo: lo + m]
+        total = torch.zeros(m, dtype=torch.float32, device=device)
+        rows = torch.zeros(k, dtype=torch.float64)
+        for raw in received:  # rank order on every rank
+            r = raw[size: size + 8 * k].clone().view(torch.float64).cpu()
+            total += _decode(raw[:size].clone(), m, comm_dtype) * r.to(device, torch.float32)[mine]
+            rows += r
+        weight = rows.to(device, torch.float32)
+        mean = torch.where(weight[mine] > 0, total / weight[mine].clamp_min(1), total)
+        parts = self.comm.allgather(
+            _encode(mean, comm_dtype), shapes=[(encoded_bytes(b, comm_dtype),)
+                                              for _, b in self.blocks],
+            meta=self.meta + " means")
+        means = torch.cat([_decode(raw.clone(), b, comm_dtype)
+                           for raw, (_, b) in zip(parts, self.blocks)])
+        return means * weight[owner], rows.tolist()

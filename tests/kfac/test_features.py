@@ -142,22 +142,34 @@ def _reduce(comm, comm_dtype, rows):
 
 
 @pytest.mark.parametrize("comm_dtype", [None, torch.bfloat16, torch.float16, "float21"])
-def test_low_precision_reduction_is_exact_for_representable_means_and_counted(comm_dtype):
-    rows = [3, 5, 2]
-    results = run_threads(_reduce, 3, comm_dtype, rows)
-    want_a = sum(((torch.arange(12.0).reshape(1, 3, 4) - 5 + r) / 8) * rows[r] for r in range(3))
-    want_b = sum(torch.tensor([[[1.0, 0.5], [0.5, 2.0 + r]]]) * rows[r] for r in range(3))
+@pytest.mark.parametrize("rows", [[3, 5], [2, 4, 2], [1, 3, 0, 4]])
+def test_low_precision_reduction_is_exact_for_representable_means_and_counted(comm_dtype, rows):
+    """Means representable in every wire format (also the global means: P >= 3 rounds them
+    once more), unequal batches, a rank with no rows; bytes from the formulas of
+    distkfac.lowprec's docstring."""
+    size = len(rows)
+    results = run_threads(_reduce, size, comm_dtype, rows)
+    want_a = sum(((torch.arange(12.0).reshape(1, 3, 4) - 5 + r) / 8) * rows[r]
+                 for r in range(size))
+    want_b = sum(torch.tensor([[[1.0, 0.5], [0.5, 2.0 + r]]]) * rows[r] for r in range(size))
     n, k = 12 + 3, 2  # numbers (b packed) and factors
     for rank, (out, nbytes) in enumerate(results):
         assert torch.equal(out["a"][0], want_a) and torch.equal(out["b"][0], want_b)
-        assert out["a"][1] == out["b"][1] == 10
+        assert out["a"][1] == out["b"][1] == sum(rows)
         if comm_dtype is None:
-            want = {"allreduce": allreduce_bytes(n + k, rank, 3, 4)}
+            want = {"allreduce": allreduce_bytes(n + k, rank, size, 4)}
         elif comm_dtype == torch.bfloat16:
-            want = {"allreduce": allreduce_bytes(n, rank, 3, 2) + allreduce_bytes(k, rank, 3, 8)}
+            want = {"allreduce": allreduce_bytes(n, rank, size, 2)
+                    + allreduce_bytes(k, rank, size, 8)}
         else:
-            enc = 2 * n if comm_dtype == torch.float16 else 8 * math.ceil(n / 3)
-            want = {"allgather": 2 * (enc + 8 * k)}
+            def enc(m):
+                return 2 * m if comm_dtype == torch.float16 else 8 * math.ceil(m / 3)
+            if size == 2:
+                want = {"allgather": enc(n) + 8 * k}
+            else:  # balanced blocks of the n numbers: reduce-scatter, then allgather
+                blocks = [n // size + (j < n % size) for j in range(size)]
+                want = {"alltoall": (size - 1) * (enc(blocks[rank]) + 8 * k),
+                        "allgather": sum(enc(b) for j, b in enumerate(blocks) if j != rank)}
         assert nbytes == want
 
 
