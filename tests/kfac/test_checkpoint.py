@@ -21,10 +21,17 @@ N, CI, HW = 6, 5, 4
 KW = dict(factor_dtype=torch.float64, factor_update_steps=1, inv_update_steps=3, damping=1e-2)
 
 
-def plain_model() -> nn.Module:
+def _build() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Conv2d(CI, 6, 3, padding=1), nn.Tanh(), nn.Flatten(),
                          nn.Linear(6 * HW * HW, 3)).double()
+
+
+MODEL = _build()  # built once: thread ranks share torch's global generator
+
+
+def plain_model() -> nn.Module:
+    return copy.deepcopy(MODEL)
 
 
 def batch(step: int):
@@ -138,7 +145,7 @@ def test_exact_state_loads_onto_one_process_and_back(tmp_path):
 
 def test_block_state_is_refused_by_name(tmp_path):
     def run(comm):
-        pm = parallelize(copy.deepcopy(plain_model()), config({"C": 2}, "stationary-x"),
+        pm = parallelize(plain_model(), config({"C": 2}, "stationary-x"),
                          comm=comm)
         kfac = distkfac.KFAC(pm, factor_sharding="block")
         with pytest.raises(NotImplementedError, match=r"layers \['0', '0.bias'\] under "
