@@ -65,6 +65,20 @@ class Method(abc.ABC):
     def damped_inverse(self, payload: Tensor, groups: int, d: int, damping: float) -> Tensor:
         """``(F + sqrt(lam) I)^-1`` as ``(groups, d, d)`` from ``F``'s payload."""
 
+    @abc.abstractmethod
+    def group_numel(self, d: int) -> int:
+        """Numbers per group in :meth:`by_group`'s rows."""
+
+    @abc.abstractmethod
+    def by_group(self, payload: Tensor, groups: int, d: int) -> Tensor:
+        """The payload as ``(groups, group_numel(d))``, one row per group, the same whatever
+        ``symmetric`` (how checkpoints keep it: a layer whose groups are split over ranks
+        holds a block of rows, and a run that packs payloads loads one that does not)."""
+
+    @abc.abstractmethod
+    def from_groups(self, rows: Tensor, groups: int, d: int) -> Tensor:
+        """Inverse of :meth:`by_group`, in this method's payload format."""
+
     def precondition(self, grad: Tensor, a: Tensor, g: Tensor, groups: int, a_dim: int,
                      g_dim: int, damping: float) -> Tensor:
         """``V~`` for ``grad`` of shape ``(groups, g_dim, a_dim)`` from the payloads of A and G."""
@@ -103,6 +117,16 @@ class EigenMethod(Method):
         q = payload[: groups * d * d].reshape(groups, d, d)
         return q, payload[groups * d * d:].reshape(groups, 1, d)
 
+    def group_numel(self, d: int) -> int:
+        return d * (d + 1)
+
+    def by_group(self, payload: Tensor, groups: int, d: int) -> Tensor:
+        q, e = self._split(payload, groups, d)
+        return torch.cat([q.reshape(groups, -1), e.reshape(groups, -1)], 1)
+
+    def from_groups(self, rows: Tensor, groups: int, d: int) -> Tensor:
+        return torch.cat([rows[:, : d * d].reshape(-1), rows[:, d * d:].reshape(-1)])
+
     def damped_inverse(self, payload: Tensor, groups: int, d: int, damping: float) -> Tensor:
         q, e = self._split(payload, groups, d)
         return (q / (e + math.sqrt(damping))) @ q.transpose(1, 2)
@@ -139,6 +163,19 @@ class InverseMethod(Method):
 
     def damped_inverse(self, payload: Tensor, groups: int, d: int, damping: float) -> Tensor:
         return unpack(payload, groups, d, symmetric=self.symmetric)
+
+    def group_numel(self, d: int) -> int:
+        return d * (d + 1) // 2
+
+    def by_group(self, payload: Tensor, groups: int, d: int) -> Tensor:
+        """Upper triangles."""
+        if not self.symmetric:
+            payload = pack(payload.reshape(groups, d, d))
+        return payload.reshape(groups, -1)
+
+    def from_groups(self, rows: Tensor, groups: int, d: int) -> Tensor:
+        flat = rows.reshape(-1)
+        return flat if self.symmetric else unpack(flat, groups, d).reshape(-1)
 
 
 def method_for(name: str, *, symmetric: bool = True) -> Method:

@@ -388,12 +388,10 @@ class KFAC:
             return
         geo = ShardGeometry(module)
         comm = redundant_comm(module)
-        if geo.C * geo.F > 1 and module.groups > 1:
-            raise NotImplementedError(
-                f"K-FAC of the grouped DistConv2d {name!r} (groups={module.groups}) with channel "
-                "or filter blocks is not implemented; skip it with skip_layers")
         targets: list[Any]
-        if geo.C * geo.F == 1 or self._layout(name) == "block":
+        # A grouped layer's K-FAC is block-diagonal by group, and a grouped DistConv2d split
+        # over C or F holds whole groups: its groups' factors are local and exact in any layout.
+        if geo.C * geo.F == 1 or module.groups > 1 or self._layout(name) == "block":
             targets = [self._add_layer(ShardAdapter(module, name, geo), comm)]
             if geo.bias and geo.C > 1:
                 targets.append(self._add_layer(BiasShardAdapter(module, name + ".bias", geo),
@@ -816,8 +814,10 @@ class KFAC:
         layers split only over samples and rows hold whole factors (replicated).  A
         channel/filter-parallel layer under ``'exact'`` holds its factors as blocks of the
         global ones, ``A[*, o_C, *]`` and ``G[*, o_F, *]`` (shape ``(1, d, d)``, as one
-        process holds them), and the rows of the damped inverses its gradient meets: so a
-        checkpoint loads onto any grid, any algorithm, or one process with plain layers.
+        process holds them), and the rows of the damped inverses its gradient meets; a
+        grouped layer split over its groups holds ``[o, *, *]`` blocks of its factors and of
+        its decompositions' rows per group.  So a checkpoint loads onto any grid, any
+        algorithm, or one process with plain layers.
         Where the layout changes the decompositions are recomputed at the next ``step()``
         from the loaded factors; where it does not, the run continues identically.
 
@@ -829,16 +829,29 @@ class KFAC:
         from distconv.distribution import Dist
         from distconv.nn.sharding import ShardSpec
 
-        blocks = [ly.name for ly in self.layers
-                  if isinstance(ly.adapter, (ShardAdapter, BiasShardAdapter))
-                  and ly.adapter.geo.C * ly.adapter.geo.F > 1]
+        specs: dict[str, Any] = {}
+        blocks = []
+        for ly in self.layers:
+            ad = ly.adapter
+            if not isinstance(ad, (ShardAdapter, BiasShardAdapter)) or ad.geo.C * ad.geo.F == 1:
+                continue
+            if ad.module.groups == 1:
+                blocks.append(ly.name)
+                continue
+            # whole groups per rank: blocks of the global (groups, d, d) factors over the
+            # grid dim that splits the filters, and of the decompositions' rows per group
+            groups, grid, dim = ad.module.groups, ad.module.grid, ad.geo.fdim
+            for key, d in (("A", ad.a_dim), ("G", ad.g_dim)):
+                specs[f"factors/{ly.name}/{key}/value"] = ShardSpec(
+                    grid, Dist((dim, None, None)), (groups, d, d))
+                specs[f"decompositions/{ly.name}/{key}"] = ShardSpec(
+                    grid, Dist((dim, None)), (groups, self.method.group_numel(d)))
         if blocks:
             raise NotImplementedError(
                 f"K-FAC state of the channel/filter-parallel layers {sorted(blocks)} under "
                 "factor_sharding='block' is per-shard diagonal blocks; resharding it in a "
                 "checkpoint is not implemented: use factor_sharding='exact', or save the model "
                 "and optimizer and let the factors re-accumulate after loading")
-        specs: dict[str, Any] = {}
         for ly in self.exact_layers:
             geo, grid = ly.geo, ly.grid
             specs[f"factors/{ly.name}/A/value"] = ShardSpec(
@@ -876,11 +889,17 @@ class KFAC:
             "steps": self.steps,
             "settings": settings,
             "factors": factors,
-            "decompositions": {ly.name: {"A": ly.a_payload, "G": ly.g_payload}
+            "decompositions": {ly.name: {k: self._by_group(ly, k) for k in "AG"}
                                for ly in self.layers},
             "exact_inverses": inverses,
-            "payload_format": (self.method.name, self.method.symmetric),
+            "payload_format": self.method.name,  # rows per group: packing does not matter
         }
+
+    def _by_group(self, layer: _Layer, key: str) -> Tensor | None:
+        payload = layer.a_payload if key == "A" else layer.g_payload
+        ad = layer.adapter
+        return None if payload is None else self.method.by_group(
+            payload, ad.groups, ad.a_dim if key == "A" else ad.g_dim)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore factors, decompositions, steps and non-callable settings.  Without saved
@@ -899,13 +918,16 @@ class KFAC:
             self.compute_method = settings.get("compute_method", self.compute_method)
             self.symmetric_comm = settings.get("symmetric_comm", self.symmetric_comm)
             self.method = method_for(self.compute_method, symmetric=self._pack_payloads)
-        same_format = tuple(state.get("payload_format", ())) == (self.method.name,
-                                                                 self.method.symmetric)
+        same_format = state.get("payload_format") == self.method.name
         for layer in self.layers:
             layer.a.load_state_dict(state["factors"][layer.name]["A"])
             layer.g.load_state_dict(state["factors"][layer.name]["G"])
             saved = state.get("decompositions", {}).get(layer.name, {}) if same_format else {}
-            layer.a_payload, layer.g_payload = saved.get("A"), saved.get("G")
+            ad = layer.adapter
+            layer.a_payload, layer.g_payload = (
+                None if saved.get(k) is None else
+                self.method.from_groups(saved[k], ad.groups, d).to(self.factor_dtype)
+                for k, d in (("A", ad.a_dim), ("G", ad.g_dim)))
             layer.inverses, layer.uses = None, 0
             if layer.a_payload is None or layer.g_payload is None:
                 layer.a_payload = layer.g_payload = None

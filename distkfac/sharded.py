@@ -64,8 +64,12 @@ the rows that block c's gradient columns meet: the im2col rows of its channels
 A damping that changes between decompositions takes effect at the next decomposition (the row
 blocks are of the damped inverse).  Checkpoints: the factors are the global ``(1, K, K)`` and
 ``(1, F_o, F_o)`` tensors with the Dists above, so they reshard onto any grid or onto one
-process (see :meth:`distkfac.KFAC.shard_specs`).  Grouped DistConv2d layers with channel or
-filter blocks are not implemented.
+process (see :meth:`distkfac.KFAC.shard_specs`).
+
+Grouped layers: K-FAC of a grouped convolution is block-diagonal by group, and a grouped
+DistConv2d split over C or F holds whole groups (``w[o_C, *]``), so each rank's factors are
+those of its groups (``(groups / p, d, d)``), exact in either layout with nothing moving but
+the reductions over N, H, W.
 """
 from __future__ import annotations
 
@@ -167,7 +171,8 @@ class ShardAdapter(_WorkHookAdapter):
         super().__init__(module, name)
         self.geo = geo
         self._bias = geo.bias and geo.C == 1
-        self._groups = module.groups if geo.C * geo.F == 1 else 1
+        # a grouped layer split over C or F holds whole groups: its share of them
+        self._groups = module.groups // (geo.C * geo.F) if module.groups > 1 else 1
         self.positions, self.prescaled = 1, False
 
     @property

@@ -60,3 +60,22 @@ def test_non_finite_factor_raises_floating_point_error():
     f[0, 1, 1] = float("inf")
     with pytest.raises(FloatingPointError, match="NaN or Inf"):
         EigenMethod().decompose(f, 1e-3)
+
+
+@pytest.mark.parametrize("method", ["eigen", "inverse"])
+def test_rows_per_group_are_independent_of_packing_and_split_by_group(method):
+    """by_group rows: the same for packed and unpacked payloads, each group's row formed
+    from that group alone (so a block of rows is the payload of a block of groups)."""
+    f, lam = spd(3, 4), 1e-2
+    packed, plain = method_for(method, symmetric=True), method_for(method, symmetric=False)
+    rows = packed.by_group(packed.decompose(f, lam), 3, 4)
+    assert rows.shape == (3, packed.group_numel(4))
+    torch.testing.assert_close(plain.by_group(plain.decompose(f, lam), 3, 4), rows)
+    for m in (packed, plain):
+        back = m.from_groups(rows, 3, 4)
+        torch.testing.assert_close(m.damped_inverse(back, 3, 4, lam),
+                                   torch.linalg.inv(f + lam ** 0.5 * torch.eye(4, dtype=f.dtype)))
+        one = m.from_groups(rows[1:2], 1, 4)  # group 1 alone
+        torch.testing.assert_close(m.damped_inverse(one, 1, 4, lam)[0],
+                                   torch.linalg.inv(f[1] + lam ** 0.5 * torch.eye(4,
+                                                                                dtype=f.dtype)))

@@ -27,9 +27,9 @@ def global_data(step: int, y_shape, shape=SHAPE):
     return x, torch.randn(y_shape, generator=g, dtype=torch.float64)
 
 
-def make_conv(conv_kw: dict, fo: int = 5) -> nn.Conv2d:
+def make_conv(conv_kw: dict, fo: int = 5, ci: int = SHAPE[1]) -> nn.Conv2d:
     """The same layer on every thread rank (a generator of its own, not torch's global one)."""
-    conv = nn.Conv2d(SHAPE[1], fo, **conv_kw).double()
+    conv = nn.Conv2d(ci, fo, **conv_kw).double()
     g = torch.Generator().manual_seed(3)
     with torch.no_grad():
         for p in conv.parameters():
@@ -41,18 +41,18 @@ def loss_of(y: torch.Tensor, t: torch.Tensor, n: int) -> torch.Tensor:
     return (torch.tanh(y) * t).sum() / n
 
 
-def sharded_run(comm, grid_dims, algorithm, conv_kw, kfac_kw, steps):
+def sharded_run(comm, grid_dims, algorithm, conv_kw, kfac_kw, steps, shape=SHAPE, fo=5):
     grid = ProcessorGrid(grid_dims, comm=comm)
-    conv = make_conv(conv_kw)
+    conv = make_conv(conv_kw, fo, shape[1])
     layer = DistConv2d.from_conv2d(conv, grid=grid, algorithm=algorithm)
     kfac = distkfac.KFAC(layer, factor_dtype=torch.float64, **kfac_kw)
     opt = torch.optim.SGD(layer.parameters(), lr=0.1)
     for step in range(steps):
-        y_shape = layer.output_shape(SHAPE)
-        x, t = global_data(step, y_shape)
+        y_shape = layer.output_shape(shape)
+        x, t = global_data(step, y_shape, shape)
         opt.zero_grad()
-        y = layer(x[layer.input_dist.local_slices(SHAPE, grid)], SHAPE)
-        loss_of(y, t[layer.output_dist.local_slices(y_shape, grid)], SHAPE[0]).backward()
+        y = layer(x[layer.input_dist.local_slices(shape, grid)], shape)
+        loss_of(y, t[layer.output_dist.local_slices(y_shape, grid)], shape[0]).backward()
         comm.stats.reset()
         kfac.step()
         traffic = comm.stats.snapshot()
@@ -64,14 +64,14 @@ def sharded_run(comm, grid_dims, algorithm, conv_kw, kfac_kw, steps):
             None if layer.bias is None else layer.bias.grad.clone(), traffic, kfac)
 
 
-def single_run(conv_kw, kfac_kw, steps):
-    conv = make_conv(conv_kw)
+def single_run(conv_kw, kfac_kw, steps, shape=SHAPE, fo=5):
+    conv = make_conv(conv_kw, fo, shape[1])
     kfac = distkfac.KFAC(conv, factor_dtype=torch.float64, comm=None, **kfac_kw)
     opt = torch.optim.SGD(conv.parameters(), lr=0.1)
     for step in range(steps):
-        x, t = global_data(step, conv(torch.zeros(SHAPE, dtype=torch.float64)).shape)
+        x, t = global_data(step, conv(torch.zeros(shape, dtype=torch.float64)).shape, shape)
         opt.zero_grad()
-        loss_of(conv(x), t, SHAPE[0]).backward()
+        loss_of(conv(x), t, shape[0]).backward()
         kfac.step()
         if step < steps - 1:
             opt.step()
@@ -105,6 +105,30 @@ def test_exact_equals_single_process_kfac_on_gathered_layer(grid_dims, algorithm
     for e in grid_dims.values():
         size *= e
     assert_exact(run_threads(sharded_run, size, grid_dims, algorithm, conv_kw, kw, 2), ref)
+
+
+GROUPED_SHAPE = (4, 4, 5, 6)
+
+
+@pytest.mark.parametrize("layout", ["exact", "block"])
+@pytest.mark.parametrize("grid_dims, algorithm, groups", [
+    ({"C": 2}, "stationary-x", 2), ({"N": 2, "C": 2}, "stationary-x", 4),
+    ({"F": 2}, "stationary-y", 4), ({"H": 2, "C": 2}, "stationary-x", 2),
+])
+def test_grouped_layers_split_over_groups_equal_single_process(grid_dims, algorithm, groups,
+                                                              layout):
+    """A grouped layer's K-FAC is block-diagonal by group; split over C or F each rank holds
+    whole groups, so in either layout its factors are its groups' and the result is exact
+    (depthwise included: groups = 4 channels)."""
+    conv_kw = dict(kernel_size=3, padding=1, groups=groups)
+    kw = dict(kl_clip=1e-2, damping=1e-2, factor_decay=0.7)
+    ref = single_run(conv_kw, kw, 2, GROUPED_SHAPE, fo=8)
+    results = run_threads(sharded_run, _size(grid_dims), grid_dims, algorithm, conv_kw,
+                          dict(kw, factor_sharding=layout), 2, GROUPED_SHAPE, 8)
+    assert_exact(results, ref)
+    for *_, kfac in results:
+        (layer,) = kfac.layers
+        assert layer.a.value.shape[0] == groups // 2 and not kfac.exact_layers
 
 
 # ---------------------------------------------------------------- 'block'
