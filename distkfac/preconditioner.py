@@ -350,19 +350,24 @@ class KFAC:
 
     def _check_parallel_head(self, name: str) -> bool:
         """A plain layer of a ``distconv.parallelize`` model: replicated, sample-parallel over
-        the data grid's N.  Exact when its output is the model's output (the cotangent is then
-        complete on the root replica of each sample block and zero on the others); returns
-        whether this rank is that root replica, the one that counts its samples."""
+        the data grid's N.  Its output's gradient is complete on each rank for its samples when
+        the data grid has no replicas (``{N: P}``, the default); with replicas it is complete
+        only for a head (a layer whose output is the model's output: the cotangent is kept on
+        the root replica of each sample block and is zero on the others) -- inside, it is a
+        pending sum over the replicas.  Returns whether this rank counts its samples (the root
+        replica)."""
+        grid = self._parallel.data_grid
+        replicas = {d: e for d, e in grid.shape.items() if d != "N" and e > 1}
         gm = getattr(self._parallel, "_gm", None)
         nodes = [] if gm is None else [n for n in gm.graph.nodes
                                        if n.op == "call_module" and n.target == name]
-        if not nodes or not all(u.op == "output" for n in nodes for u in n.users):
+        head = bool(nodes) and all(u.op == "output" for n in nodes for u in n.users)
+        if replicas and not head:
             raise NotImplementedError(
-                f"K-FAC of the replicated layer {name!r} inside a parallelized model is "
-                "implemented only for layers whose output is the model's output (a head): "
-                "inside, its output's gradient is a pending sum over the replicas; skip it "
-                "with skip_layers")
-        grid = self._parallel.data_grid
+                f"K-FAC of the replicated layer {name!r} inside a parallelized model whose data "
+                f"grid has replicas ({replicas}) is implemented only for layers whose output is "
+                "the model's output (a head): inside, its output's gradient is a pending sum "
+                "over the replicas; skip it with skip_layers, or use a data grid of N only")
         return all(c == 0 for d, c in grid.coords.items() if d != "N")
 
     def _add_layer(self, adapter: LayerAdapter, comm) -> _Layer:
