@@ -867,11 +867,15 @@ class KFAC:
                 grid, Dist((geo.cdim, None, None)), (geo.ci, geo.k2, geo.K))
             specs[f"exact_inverses/{ly.name}/G"] = ShardSpec(
                 grid, Dist((geo.fdim, None)), (geo.fo, geo.fo))
+        # the stale-statistics references lie like the factors
+        for key in [k for k in specs if k.startswith("factors/")]:
+            specs["stale/" + key[len("factors/"): -len("/value")] + "/ref"] = specs[key]
         return specs
 
     def state_dict(self) -> dict[str, Any]:
-        """Steps, settings (callables are not saved), every layer's running factors and its
-        current decompositions (so a restored run continues identically).  Factors are
+        """Steps, settings (callables are not saved), every layer's running factors, its
+        current decompositions and stale-statistics state (so a restored run continues
+        identically).  Factors are
         ``{"factors": {layer: {"A": {"value", "updates"}, "G": ...}}}`` for every layer, the
         blocks of the global ``(groups, d, d)`` factors this rank holds (see
         :meth:`shard_specs`); decompositions are per layout."""
@@ -890,10 +894,17 @@ class KFAC:
                     "A": a_inv[: cn * ly.geo.k2].reshape(cn, ly.geo.k2, -1).clone(), "G": g_inv}
                 if ly.geo.bias:
                     inverses[ly.name]["A_bias"] = a_inv[-1].clone()
+        stale = {ly.name: dict(zip("AG", ly.stale)) for ly in self.layers}
+        stale.update({name: dict(zip("AG", pair)) for name, pair in self._exact_stale.items()})
+        exact = {ly.name for ly in self.exact_layers}
         return {
             "steps": self.steps,
             "settings": settings,
             "factors": factors,
+            "stale": {name: {k: {"ref": None if st.ref is None else
+                                 st.ref.unsqueeze(0) if name in exact else st.ref,
+                                 "interval": st.interval, "wait": st.wait}
+                             for k, st in pair.items()} for name, pair in stale.items()},
             "decompositions": {ly.name: {k: self._by_group(ly, k) for k in "AG"}
                                for ly in self.layers},
             "exact_inverses": inverses,
@@ -956,6 +967,19 @@ class KFAC:
                     a_rows.append(inv["A_bias"].reshape(1, -1))
                 layer.inverse_rows = {"A": torch.cat(a_rows).to(self.factor_dtype),
                                       "G": inv["G"].to(self.factor_dtype).clone()}
+        saved_stale = state.get("stale", {})
+        pairs = [(ly.name, ly.stale, False) for ly in self.layers] + [
+            (name, pair, True) for name, pair in self._exact_stale.items()]
+        for name, pair, exact in pairs:
+            for key, st in zip("AG", pair):
+                got = saved_stale.get(name, {}).get(key)
+                if got is None:
+                    st.ref, st.interval, st.wait = None, 1, 1
+                    continue
+                ref = got["ref"]
+                st.ref = None if ref is None else (ref[0] if exact else ref).to(
+                    self.factor_dtype).clone()
+                st.interval, st.wait = int(got["interval"]), int(got["wait"])
         self.steps = int(state["steps"])
         self._begin_step()
 

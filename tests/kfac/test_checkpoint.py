@@ -211,3 +211,41 @@ def test_grouped_state_split_over_groups_resumes_on_one_process_identically(tmp_
     _grouped_steps(ref, kref, 1, first=2)
     for p, q in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-12)
+
+
+# ---------------------------------------------------------------- stale statistics
+CONV = plain_model()[0]
+
+
+def _stale_part(comm, path, grid_dims, steps, load):
+    from distconv.grid import ProcessorGrid
+    from distconv.nn import DistConv2d
+
+    grid = ProcessorGrid(grid_dims, comm=comm)
+    layer = DistConv2d.from_conv2d(copy.deepcopy(CONV), grid=grid, algorithm="stationary-x")
+    kfac = distkfac.KFAC(layer, factor_dtype=torch.float64, stale_threshold=1e-3,
+                         stale_max_interval=4, factor_decay=0.0)
+    if load:
+        distconv.load(layer, path, states={"kfac": kfac})
+    ex, shape, decomposed = kfac.exact_layers[0], (N, CI, HW, HW), []
+    for step in steps:
+        x = batch(0 if step < 8 else 1)[0]
+        layer.zero_grad()
+        y = layer(x[layer.input_dist.local_slices(shape, grid)], shape)
+        (y.square().sum() / N).backward()
+        before = dict(ex.inverse_rows)
+        kfac.step()
+        decomposed += [step for k in "AG" if ex.inverse_rows[k] is not before[k]]
+    if not load:
+        distconv.save(layer, path, states={"kfac": kfac}, comm=comm)
+    return decomposed
+
+
+def test_stale_statistics_schedule_survives_a_checkpoint_onto_another_grid(tmp_path):
+    """The batch changes at step 8, factor_decay 0: uninterrupted, each factor is decomposed at
+    steps 0 and 11 only (tests/kfac/test_sharded.py).  Saved after step 5 on {C: 2} and loaded
+    on {C: 3}, the references, intervals and waits carry over: step 11 alone decomposes."""
+    path = str(tmp_path / "stale")
+    first = run_threads(_stale_part, 2, path, {"C": 2}, range(6), False)
+    second = run_threads(_stale_part, 3, path, {"C": 3}, range(6, 13), True)
+    assert all(d == [0, 0] for d in first) and all(d == [11, 11] for d in second)
