@@ -44,10 +44,12 @@ def config(grid: dict, algorithm: str) -> dict:
     return {"layers": [{"match": "0", "grid": grid, "algorithm": algorithm}]}
 
 
-def train(model, kfac, steps, data_block=lambda t: t, *, first=0):
+def train(model, kfac, steps, data_block=lambda t: t, *, first=0, data=None):
+    """Steps ``first, ...`` of SGD with K-FAC on ``data(step)`` (default :func:`batch`); the
+    gradients of the last step of a continuation are left for the caller to read."""
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     for step in range(first, first + steps):
-        x, y = batch(step)
+        x, y = (data or batch)(step)
         opt.zero_grad()
         F.cross_entropy(model(data_block(x)), data_block(y)).backward()
         kfac.step()
@@ -170,29 +172,19 @@ def grouped_batch(step: int):
             torch.randint(0, 3, (N,), generator=g))
 
 
-def _grouped_steps(model, kfac, steps, block=lambda t: t, first=0):
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    for step in range(first, first + steps):
-        x, y = grouped_batch(step)
-        opt.zero_grad()
-        F.cross_entropy(model(block(x)), block(y)).backward()
-        kfac.step()
-        opt.step()
-
-
 def test_grouped_state_split_over_groups_resumes_on_one_process_identically(tmp_path):
     """A depthwise layer on {C: 2} holds half the groups' factors and decompositions; saved,
     loaded on one process, the next step (reusing the saved decompositions) equals the
     single-process run's."""
     ref = copy.deepcopy(GROUPED)
     kref = distkfac.KFAC(ref, comm=None, **KW)
-    _grouped_steps(ref, kref, 2)
+    train(ref, kref, 2, data=grouped_batch)
     path = str(tmp_path / "grouped")
 
     def save(comm):
         pm = parallelize(copy.deepcopy(GROUPED), config({"C": 2}, "stationary-x"), comm=comm)
         kfac = distkfac.KFAC(pm, **KW)
-        _grouped_steps(pm, kfac, 2, lambda t: _block(pm, t))
+        train(pm, kfac, 2, lambda t: _block(pm, t), data=grouped_batch)
         distconv.save(pm, path, states={"kfac": kfac}, comm=comm)
 
     run_threads(save, 2)
@@ -207,8 +199,8 @@ def test_grouped_state_split_over_groups_resumes_on_one_process_identically(tmp_
             inverse = [kfac.method.damped_inverse(getattr(ly, k), ad.groups, d, damping)
                        for ly in (got, want)]
             torch.testing.assert_close(*inverse, rtol=1e-9, atol=1e-11)
-    _grouped_steps(model, kfac, 1, first=2)
-    _grouped_steps(ref, kref, 1, first=2)
+    train(model, kfac, 1, first=2, data=grouped_batch)
+    train(ref, kref, 1, first=2, data=grouped_batch)
     for p, q in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-12)
 
