@@ -173,6 +173,26 @@ def test_low_precision_reduction_is_exact_for_representable_means_and_counted(co
         assert nbytes == want
 
 
+def _check_low_precision_world(results, rows):
+    size = len(rows)
+    want_a = sum(((torch.arange(12.0).reshape(1, 3, 4) - 5 + r) / 8) * rows[r]
+                 for r in range(size))
+    for out, _ in results:
+        assert torch.equal(out["a"][0], want_a) and out["a"][1] == sum(rows)
+
+
+@pytest.mark.gloo
+def test_gloo4_low_precision_reduction_is_exact(gloo4):
+    for dtype in (torch.float16, "float21"):
+        _check_low_precision_world(gloo4.run(_reduce, dtype, [1, 3, 0, 4]), [1, 3, 0, 4])
+
+
+@pytest.mark.mpi
+def test_mpi4_low_precision_reduction_is_exact(mpi4):
+    for dtype in (torch.float16, "float21"):
+        _check_low_precision_world(mpi4.run(_reduce, dtype, [1, 3, 0, 4]), [1, 3, 0, 4])
+
+
 # ---------------------------------------------------------------- stale statistics
 def test_stale_statistics_follow_the_hand_computed_schedule():
     """Same batch for steps 0-7, another from step 8 on; factor_decay 0 so a factor is its
