@@ -24,7 +24,7 @@ Channel parallelism (``--channel``, 2 processes): a stack of 3x3 ``DistConv2d`` 
 ``'block'``, against the same convolutions data-parallel (``{N: 2}``, plain ``nn.Conv2d``,
 ``allreduce_gradients``) on the same two ranks: iteration time per phase, K-FAC's bytes per step
 (the communicators' counters, minus the same step without K-FAC) and factor plus decomposition
-memory per rank.
+memory per rank; ``exact-1 inverse`` decomposes by Cholesky instead of eigh.
 
     python benchmarks/kfac.py                 # 1 and 2 processes, 2 rounds
     python benchmarks/kfac.py --procs 2 --rounds 3 --threads 1
@@ -210,6 +210,7 @@ def channel_worker(comm, rounds: int, threads: int) -> dict:
     modes = {"dp sgd": (False, None, 0, 0), "dp kfac-1": (False, "-", 1, 1),
              "dp kfac-10/100": (False, "-", 10, 100),
              "cp sgd": (True, None, 0, 0), "cp exact-1": (True, "exact", 1, 1),
+             "cp exact-1 inverse": (True, "exact", 1, 1),
              "cp exact-10/100": (True, "exact", 10, 100), "cp block-1": (True, "block", 1, 1),
              "cp block-10/100": (True, "block", 10, 100)}
     states = {}
@@ -219,7 +220,9 @@ def channel_worker(comm, rounds: int, threads: int) -> dict:
         if layout is not None:
             kw = {} if layout == "-" else {"factor_sharding": layout}
             kfac = distkfac.KFAC(model, comm=comm, lr=lr, factor_update_steps=fsteps,
-                                 inv_update_steps=isteps, placement="round-robin", **kw)
+                                 inv_update_steps=isteps, placement="round-robin",
+                                 compute_method="inverse" if "inverse" in mode else "eigen",
+                                 **kw)
         opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
         x = x_full[:, comm.rank * CH // p:(comm.rank + 1) * CH // p] if parallel else x_dp
         states[mode] = (model, opt, kfac, x, parallel)
