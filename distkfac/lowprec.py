@@ -21,7 +21,7 @@ Factors stay in their own dtype (fp32 by default); only what travels is narrowed
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -29,7 +29,7 @@ from torch import Tensor
 from distconv.distribution import balanced_block
 
 __all__ = ["COMM_DTYPES", "check_comm_dtype", "float21_pack", "float21_unpack", "encoded_bytes",
-           "launch", "collect"]
+           "launch", "collect", "reduce_scatter"]
 
 COMM_DTYPES = (None, torch.float64, torch.float32, torch.bfloat16, torch.float16, "float21")
 _GATHERED = (torch.float16, "float21")
@@ -91,12 +91,8 @@ def launch(comm, flats: Sequence[Tensor], counts: Sequence[float],
             buf = torch.cat([_encode(means, comm_dtype), tail])  # type: ignore[arg-type]
             return [comm.allgather(buf, async_op=True, meta=meta)]
         blocks = [balanced_block(means.numel(), comm.size, j) for j in range(comm.size)]
-        mine = blocks[comm.rank][1]
-        chunks = [torch.cat([_encode(means[lo: lo + m], comm_dtype), tail])  # type: ignore
-                  for lo, m in blocks]
-        shape = (encoded_bytes(mine, comm_dtype) + tail.numel(),)  # type: ignore[arg-type]
-        return [_TwoPhase(comm, comm.alltoall(chunks, recv_shapes=[shape] * comm.size,
-                                              async_op=True, meta=meta), blocks, meta)]
+        work = _launch_scatter(comm, means, rows, blocks, comm_dtype, meta)  # type: ignore
+        return [_TwoPhase(comm, work, blocks, meta)]
     if comm_dtype == torch.bfloat16:
         return [comm.allreduce(values.to(torch.bfloat16), async_op=True, meta=meta),
                 comm.allreduce(rows, async_op=True, meta=meta + " rows")]
@@ -132,6 +128,32 @@ def collect(works: list, numels: Sequence[int], comm_dtype: torch.dtype | str | 
     return list(values.split(list(numels))), counts
 
 
+def _launch_scatter(comm, means: Tensor, rows: Tensor, blocks: list[tuple[int, int]],
+                    comm_dtype: torch.dtype | str, meta: str):
+    """All-to-all: block j of this rank's means, encoded, with its rows (float64 bits) to
+    rank j."""
+    tail = rows.view(torch.uint8)
+    chunks = [torch.cat([_encode(means[lo: lo + m], comm_dtype), tail]) for lo, m in blocks]
+    mine = blocks[comm.rank][1]
+    shape = (encoded_bytes(mine, comm_dtype) + tail.numel(),)
+    return comm.alltoall(chunks, recv_shapes=[shape] * comm.size, async_op=True, meta=meta)
+
+
+def _weighted_sum(received: list[Tensor], m: int, owner: Tensor, k: int,
+                  comm_dtype: torch.dtype | str) -> tuple[Tensor, Tensor]:
+    """``sum_r mean_r * rows_r`` over the received blocks, in rank order (the same on every
+    rank), fp32; ``owner[i]`` the factor of number i.  Also the summed rows (float64)."""
+    size = encoded_bytes(m, comm_dtype)
+    device = received[0].device
+    total = torch.zeros(m, dtype=torch.float32, device=device)
+    rows = torch.zeros(k, dtype=torch.float64)
+    for raw in received:
+        r = raw[size: size + 8 * k].clone().view(torch.float64).cpu()
+        total += _decode(raw[:size].clone(), m, comm_dtype) * r.to(device, torch.float32)[owner]
+        rows += r
+    return total, rows
+
+
 class _TwoPhase:
     """The reduce-scatter (an all-to-all in flight) and allgather of low-precision means on
     P >= 3 ranks (see the module docstring)."""
@@ -146,19 +168,13 @@ class _TwoPhase:
                ) -> tuple[Tensor, list[float]]:
         k = len(numels)
         lo, m = self.blocks[self.comm.rank]
-        size = encoded_bytes(m, comm_dtype)
         received = self.work.wait()
         device = received[0].device
         # the factor of every number, and of every number of this rank's block
         owner = torch.repeat_interleave(torch.arange(k, device=device),
                                         torch.tensor(list(numels), device=device))
         mine = owner[lo: lo + m]
-        total = torch.zeros(m, dtype=torch.float32, device=device)
-        rows = torch.zeros(k, dtype=torch.float64)
-        for raw in received:  # rank order on every rank
-            r = raw[size: size + 8 * k].clone().view(torch.float64).cpu()
-            total += _decode(raw[:size].clone(), m, comm_dtype) * r.to(device, torch.float32)[mine]
-            rows += r
+        total, rows = _weighted_sum(received, m, mine, k, comm_dtype)
         weight = rows.to(device, torch.float32)
         mean = torch.where(weight[mine] > 0, total / weight[mine].clamp_min(1), total)
         parts = self.comm.allgather(
@@ -168,3 +184,31 @@ class _TwoPhase:
         means = torch.cat([_decode(raw.clone(), b, comm_dtype)
                            for raw, (_, b) in zip(parts, self.blocks)])
         return means * weight[owner], rows.tolist()
+
+
+def reduce_scatter(comm, values: Tensor, rows: float, blocks: list[tuple[int, int]],
+                   comm_dtype: torch.dtype | str | None, *, meta: str) -> Callable[[], Tensor]:
+    """Start summing ``values`` (one factor's contribution, flat, of ``rows`` rows) over
+    ``comm``, each rank receiving its block ``blocks[rank] = (start, length)``; returns the
+    wait that gives that block of the sum in ``values``' dtype.  On the wire: ``values`` in
+    ``comm_dtype`` (None: their own dtype) for a backend reduce-scatter, ``(P - 1) m`` numbers
+    received for a block of m; with ``torch.float16`` or ``'float21'`` the local means with
+    their rows, weighted and summed in fp32 by the receiver (``(P - 1) (enc(m) + 8)``
+    bytes)."""
+    dtype = values.dtype
+    if comm_dtype in _GATHERED:
+        means = (values / rows if rows else values).to(torch.float32)
+        work = _launch_scatter(comm, means, values.new_tensor([float(rows)], dtype=torch.float64),
+                               blocks, comm_dtype, meta)  # type: ignore[arg-type]
+        m = blocks[comm.rank][1]
+
+        def wait_means() -> Tensor:
+            received = work.wait()
+            owner = torch.zeros(m, dtype=torch.int64, device=received[0].device)
+            return _weighted_sum(received, m, owner, 1, comm_dtype)[0].to(dtype)  # type: ignore
+
+        return wait_means
+    wire = dtype if comm_dtype is None else comm_dtype
+    work = comm.reduce_scatter([values[lo: lo + m].to(wire) for lo, m in blocks],
+                               async_op=True, meta=meta)
+    return lambda: work.wait().to(dtype)

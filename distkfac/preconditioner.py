@@ -403,7 +403,7 @@ class KFAC:
                                                comm))
             keys = [(t.adapter, t.name) for t in targets]
         else:
-            exact = ExactLayer(module, name, self.factor_dtype)
+            exact = ExactLayer(module, name, self.factor_dtype, self.factor_comm_dtype)
             self.exact_layers.append(exact)
             self._reducer(comm)
             keys = [(exact, name)]

@@ -42,7 +42,9 @@ the rows that block c's gradient columns meet: the im2col rows of its channels
   of ``n``, balanced: ``n_c (C_i - C_c) H_x W_x`` numbers received, in x's dtype); it forms
   the whole A of those samples by lags (:func:`~distkfac.layers.conv_input_cov`, 1/C of
   the Gram matrix's work), and one asynchronous reduce-scatter over C sums the row blocks
-  (``(C - 1) K_c K`` numbers).  ``dL/dy`` is allgathered over F for ``G[f, :]``
+  (``(C - 1) K_c K`` numbers in ``factor_comm_dtype``; with fp16 or float21 each rank's
+  mean and rows travel instead, ``(C - 1) (enc(K_c K) + 8)`` bytes, see
+  :func:`distkfac.lowprec.reduce_scatter`).  ``dL/dy`` is allgathered over F for ``G[f, :]``
   (``F_f x F_o``: ``(F_o - F_f) n H_o W_o`` numbers).  Both are then reduced over the
   redundant dims (``allreduce_bytes(K_c K + F_f F_o + 2, r, P_R, i)`` for one bucket; row
   blocks travel whole).
@@ -81,6 +83,7 @@ from torch import Tensor, nn
 
 from distconv.distribution import balanced_block
 from distkfac.layers import LayerAdapter, conv_input_cov
+from distkfac.lowprec import reduce_scatter
 
 __all__ = ["LAYOUTS", "ShardAdapter", "BiasShardAdapter", "ExactLayer", "precondition_exact",
            "redundant_comm", "shard_geometry"]
@@ -257,8 +260,10 @@ class ExactLayer:
     """Runtime of one DistConv2d under ``'exact'``: row-block factors, their owners, and the
     two reduce-scatters that apply the damped inverses (see the module docstring)."""
 
-    def __init__(self, module: nn.Module, name: str, dtype: torch.dtype) -> None:
+    def __init__(self, module: nn.Module, name: str, dtype: torch.dtype,
+                 comm_dtype: torch.dtype | str | None = None) -> None:
         geo = ShardGeometry(module)
+        self.comm_dtype = comm_dtype
         if module.groups > 1:
             raise NotImplementedError(
                 f"K-FAC of the grouped DistConv2d {name!r} (groups={module.groups}) with channel "
@@ -308,10 +313,11 @@ class ExactLayer:
             full = conv_input_cov(torch.cat(parts, 1).to(dtype), m.kernel_size, **kw)[0][0]
         else:
             full = torch.zeros(geo.K, geo.K, dtype=dtype, device=x.device)
-        blocks = [balanced_block(geo.K, geo.C, i) for i in range(geo.C)]
-        work = self.c_comm.reduce_scatter([full[lo: lo + n] for lo, n in blocks],
-                                          async_op=True, meta=f"kfac A rows of {self.name}")
-        return (lambda: work.wait().unsqueeze(0)), rows
+        blocks = [(lo * geo.K, n * geo.K) for lo, n in
+                  (balanced_block(geo.K, geo.C, i) for i in range(geo.C))]
+        wait = reduce_scatter(self.c_comm, full.reshape(-1), mine * y.shape[2] * y.shape[3],
+                              blocks, self.comm_dtype, meta=f"kfac A rows of {self.name}")
+        return (lambda: wait().reshape(1, -1, geo.K)), rows
 
     def work_g(self, gy: Tensor, dtype: torch.dtype) -> tuple[Tensor, int]:
         """``G[f, :]``'s contribution (sum of g g^T, unscaled; allgather over F)."""

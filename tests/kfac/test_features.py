@@ -173,6 +173,69 @@ def test_low_precision_reduction_is_exact_for_representable_means_and_counted(co
         assert nbytes == want
 
 
+def _scatter(comm, comm_dtype, rows):
+    from distkfac.lowprec import reduce_scatter
+
+    r = comm.rank
+    values = (torch.arange(10, dtype=torch.float32) - 4 + r) / 8 * rows[r]  # means fp16-exact
+    blocks = [(0, 4), (4, 0), (4, 6)][: comm.size]
+    comm.stats.reset()
+    got = reduce_scatter(comm, values, rows[r], blocks, comm_dtype, meta="test")()
+    return got, comm.stats.snapshot()["bytes"]
+
+
+@pytest.mark.parametrize("comm_dtype", [None, torch.bfloat16, torch.float16, "float21"])
+def test_low_precision_reduce_scatter_of_row_blocks_is_exact_and_counted(comm_dtype):
+    """Uneven blocks (one empty), a rank with no rows; bytes from the docstring of
+    distkfac.lowprec.reduce_scatter."""
+    rows = [2, 0, 5]
+    want = sum((torch.arange(10.0) - 4 + r) / 8 * rows[r] for r in range(3))
+    blocks = [(0, 4), (4, 0), (4, 6)]
+    for rank, (got, nbytes) in enumerate(run_threads(_scatter, 3, comm_dtype, rows)):
+        lo, m = blocks[rank]
+        assert torch.equal(got, want[lo: lo + m])
+        nbytes = {op: b for op, b in nbytes.items() if b}
+        if comm_dtype in (torch.float16, "float21"):
+            enc = 2 * m if comm_dtype == torch.float16 else 8 * math.ceil(m / 3)
+            assert nbytes == {"alltoall": 2 * (enc + 8)}
+        else:
+            size = 2 if comm_dtype == torch.bfloat16 else 4
+            assert nbytes == ({"reduce_scatter": 2 * m * size} if m else {})
+
+
+def _exact_factors(comm, comm_dtype):
+    grid = ProcessorGrid({"C": 3}, comm=comm)
+    gen = torch.Generator().manual_seed(5)
+    layer = DistConv2d(6, 4, 3, padding=1, grid=grid, algorithm="stationary-x", init_seed=0)
+    kfac = distkfac.KFAC(layer, factor_comm_dtype=comm_dtype)
+    x = torch.randn(4, 6, 5, 5, generator=gen)
+    comm.stats.reset()
+    layer(x[layer.input_dist.local_slices(x.shape, grid)], x.shape).square().sum().backward()
+    kfac.step()
+    ex = kfac.exact_layers[0]
+    return ex.factors["A"], comm.stats.snapshot()["bytes"]
+
+
+def test_exact_channel_reduction_takes_the_low_precision_wire_format():
+    """The reduce-scatter of A's row blocks over C (K = 6 * 9 + 1 = 55 columns, K_c = 19, 18,
+    18 rows) travels in the wire format; everything else moves as with fp32."""
+    fp32 = run_threads(_exact_factors, 3, None)
+    for dtype, rtol in ((torch.bfloat16, 2 ** -7), (torch.float16, 2 ** -10),
+                        ("float21", 2 ** -11)):
+        for rank, ((a32, b32), (a, b)) in enumerate(zip(fp32, run_threads(_exact_factors, 3,
+                                                                           dtype))):
+            assert (a - a32).norm() <= rtol * a32.norm()
+            n = (19, 18, 18)[rank] * 55
+            rows32 = 2 * n * 4  # received: (C - 1) blocks of fp32
+            if dtype == torch.bfloat16:
+                assert b["reduce_scatter"] == b32["reduce_scatter"] - rows32 // 2
+                assert b["alltoall"] == b32["alltoall"]
+            else:
+                enc = 2 * n if dtype == torch.float16 else 8 * math.ceil(n / 3)
+                assert b["reduce_scatter"] == b32["reduce_scatter"] - rows32
+                assert b["alltoall"] == b32["alltoall"] + 2 * (enc + 8)
+
+
 def _check_low_precision_world(results, rows):
     size = len(rows)
     want_a = sum(((torch.arange(12.0).reshape(1, 3, 4) - 5 + r) / 8) * rows[r]
