@@ -337,9 +337,11 @@ class KFAC:
                 self.skipped[name] = adapter
                 warnings.warn(f"distkfac: skipping module {name!r}: {adapter}", stacklevel=3)
                 continue
-            root = self._check_parallel_head(name) if self._parallel is not None else True
+            root, pending = (self._parallel_placement(name) if self._parallel is not None
+                             else (True, None))
             layer = self._add_layer(adapter, self._group_comm(adapter))
-            layer.handles.append(module.register_forward_hook(self._forward_hook(layer, root)))
+            layer.handles.append(module.register_forward_hook(
+                self._forward_hook(layer, root, pending)))
         unknown = [n for n in self.skip_layers if n not in matched]
         if unknown:
             names = [n for n, _ in self.model.named_modules() if n][:8]
@@ -348,27 +350,26 @@ class KFAC:
         if not self.layers and not self.exact_layers:
             warnings.warn("distkfac: no layer of the model can be preconditioned", stacklevel=3)
 
-    def _check_parallel_head(self, name: str) -> bool:
-        """A plain layer of a ``distconv.parallelize`` model: replicated, sample-parallel over
-        the data grid's N.  Its output's gradient is complete on each rank for its samples when
-        the data grid has no replicas (``{N: P}``, the default); with replicas it is complete
-        only for a head (a layer whose output is the model's output: the cotangent is kept on
-        the root replica of each sample block and is zero on the others) -- inside, it is a
-        pending sum over the replicas.  Returns whether this rank counts its samples (the root
-        replica)."""
-        grid = self._parallel.data_grid
-        replicas = {d: e for d, e in grid.shape.items() if d != "N" and e > 1}
-        gm = getattr(self._parallel, "_gm", None)
-        nodes = [] if gm is None else [n for n in gm.graph.nodes
-                                       if n.op == "call_module" and n.target == name]
-        head = bool(nodes) and all(u.op == "output" for n in nodes for u in n.users)
-        if replicas and not head:
+    def _parallel_placement(self, name: str) -> tuple[bool, Any]:
+        """A plain (Linear) layer of a ``distconv.parallelize`` model runs sample-parallel on
+        its own grid, ``x[o_N, *]``, replicated over that grid's other dims R.  Returns whether
+        this rank counts its samples (the root of R: its coordinates over R all 0) and the
+        communicator over R, or None without replicas.  Over R the output's gradient is a
+        pending sum (the adjoint of replication; at the model's output the cotangent is kept
+        on one replica), so at factor-update steps one allreduce over R completes it before G
+        is formed (``allreduce_bytes`` of the output's numbers)."""
+        steps = [st.layer for st in self._parallel._analysis.steps
+                 if st.layer is not None and st.layer.kind == "linear" and st.layer.name == name]
+        if not steps:
             raise NotImplementedError(
-                f"K-FAC of the replicated layer {name!r} inside a parallelized model whose data "
-                f"grid has replicas ({replicas}) is implemented only for layers whose output is "
-                "the model's output (a head): inside, its output's gradient is a pending sum "
-                "over the replicas; skip it with skip_layers, or use a data grid of N only")
-        return all(c == 0 for d, c in grid.coords.items() if d != "N")
+                f"K-FAC of {name!r}: the parallelized model runs it outside its traced layers; "
+                "skip it with skip_layers")
+        spec = steps[0]
+        grid = self._parallel.grid(spec.layout)
+        samples = spec.input.dist.used()
+        replicas = [d for d, e in grid.shape.items() if e > 1 and d not in samples]
+        root = all(grid.coords[d] == 0 for d in replicas)
+        return root, (grid.subcomm(replicas) if replicas else None)
 
     def _add_layer(self, adapter: LayerAdapter, comm) -> _Layer:
         layer = _Layer(adapter, comm, self.factor_dtype)
@@ -429,7 +430,7 @@ class KFAC:
                 reducer.discard()
             self._micro = 1
 
-    def _forward_hook(self, layer: _Layer, root: bool = True):
+    def _forward_hook(self, layer: _Layer, root: bool = True, pending=None):
         def hook(module: nn.Module, inputs: tuple, output: Any) -> None:
             if not (self._collecting and module.training and torch.is_grad_enabled()):
                 return
@@ -453,6 +454,8 @@ class KFAC:
 
             def grad_hook(gy: Tensor) -> None:
                 t1 = time.perf_counter()
+                if pending is not None:  # a pending sum over the replicas of the samples
+                    gy = pending.allreduce(gy.detach(), meta=f"kfac dL/dy of {layer.name}")
                 g, grows = layer.adapter.g_sum(gy, batch, self.factor_dtype)
                 if not root:
                     g, grows = g.zero_(), 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -67,12 +68,14 @@ def _mlp_head():
     return model, x, torch.randint(0, 3, (6,), generator=gen)
 
 
-MLP_CONFIG = {"layers": [{"match": "0", "grid": {"C": 2}, "algorithm": "stationary-x"}]}
-
-
-def _mlp_run(comm, data):
+def _mlp_run(comm, data, conv_default=False):
     model, x, y = _mlp_head()
-    config = dict(MLP_CONFIG, **({"data": data} if data else {}))
+    conv = {"grid": {"C": 2} if comm.size == 2 else {"N": comm.size // 2, "C": 2},
+            "algorithm": "stationary-x"}
+    # with a channel-parallel default the Linear layers run on the data grid
+    config = {"default": conv} if conv_default else {"layers": [dict(conv, match="0")]}
+    if data:
+        config["data"] = data
     pmodel = parallelize(copy.deepcopy(model), config, comm=comm)
     kfac = distkfac.KFAC(pmodel, **KW)
     opt = torch.optim.SGD(pmodel.parameters(), lr=0.05)
@@ -85,9 +88,15 @@ def _mlp_run(comm, data):
     return _gathered_grads(pmodel), [ly.name for ly in kfac.layers]
 
 
-def test_replicated_layers_inside_a_sample_parallel_model_equal_single_process():
-    """The Linear '3' feeds another layer, not the output: on a data grid of N only its
-    output's gradient is complete for each rank's samples, so its K-FAC is data-parallel."""
+@pytest.mark.parametrize("size, data, conv_default", [
+    (2, None, False), (2, {"N": 1, "C": 2}, False), (2, {"N": 1, "C": 2}, True),
+    (4, {"N": 2, "C": 2}, True), (4, None, True)])
+def test_replicated_layers_inside_a_parallelized_model_equal_single_process(size, data,
+                                                                            conv_default):
+    """The Linear '3' feeds another layer, '5' is the head.  On a grid of N only (a sample
+    default: {N: P}) each rank holds its samples and their complete output gradients; on the
+    data grid with replicas ({N: 1, C: 2}: both ranks hold every sample) the output gradient
+    is a pending sum over them, summed at factor steps, and one replica counts the samples."""
     from distconv.testing.threads import run_threads
 
     model, x, y = _mlp_head()
@@ -98,17 +107,69 @@ def test_replicated_layers_inside_a_sample_parallel_model_equal_single_process()
         F.cross_entropy(model(x), y).backward()
         kfac.step()
         opt.step()
-    for grads, names in run_threads(_mlp_run, 2, None):
+    for grads, names in run_threads(_mlp_run, size, data, conv_default):
         assert names == ["3", "5"]
         for k, p in model.named_parameters():
             torch.testing.assert_close(grads[k], p.grad, rtol=1e-9, atol=1e-11, msg=k)
 
 
-def test_replicated_layer_inside_with_replicas_is_refused_by_name():
-    import pytest
+class _LinearIntoConv(torch.nn.Module):
+    """A replicated Linear whose output a channel-parallel convolution splits: on replicas its
+    output gradient is a pending sum with every part nonzero."""
 
+    def __init__(self) -> None:
+        super().__init__()
+        from torch import nn
+
+        self.fc = nn.Linear(3 * 4 * 4, 4 * 4 * 4)
+        self.conv = nn.Conv2d(4, 4, 3, padding=1)
+        self.head = nn.Linear(4 * 4 * 4, 3)
+
+    def forward(self, x):
+        h = torch.tanh(self.fc(x.flatten(1))).view(-1, 4, 4, 4)
+        return self.head(torch.tanh(self.conv(h)).flatten(1))
+
+
+def _into_conv():
+    gen = torch.Generator().manual_seed(6)
+    model = _LinearIntoConv().double()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * 0.3)
+    x = torch.randn(6, 3, 4, 4, generator=gen, dtype=torch.float64)
+    return model, x, torch.randint(0, 3, (6,), generator=gen)
+
+
+def _into_conv_run(comm):
+    model, x, y = _into_conv()
+    config = {"default": {"grid": {"C": 2}, "algorithm": "stationary-x"},
+              "data": {"N": 1, "C": 2}}
+    pmodel = parallelize(copy.deepcopy(model), config, comm=comm, input_shape=x.shape)
+    kfac = distkfac.KFAC(pmodel, **KW)
+    opt = torch.optim.SGD(pmodel.parameters(), lr=0.05)
+    for _ in range(2):
+        opt.zero_grad()
+        F.cross_entropy(pmodel(x), y).backward()
+        kfac.step()
+        opt.step()
+    return _gathered_grads(pmodel)
+
+
+def test_replicated_layer_whose_output_a_channel_parallel_layer_splits():
+    """Both ranks hold every sample; the convolution takes its channel block of the Linear's
+    replicated output, so each replica's output gradient is the part of its channels: their
+    sum (one allreduce at factor steps) gives the single-process G."""
     from distconv.testing.threads import run_threads
 
-    with pytest.raises(NotImplementedError, match=r"layer '3' inside a parallelized model whose "
-                                                  r"data grid has replicas \(\{'C': 2\}\)"):
-        run_threads(_mlp_run, 2, {"N": 1, "C": 2})
+    model, x, y = _into_conv()
+    kfac = distkfac.KFAC(model, comm=None, **KW)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    for _ in range(2):
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        kfac.step()
+        opt.step()
+    for grads in run_threads(_into_conv_run, 2):
+        for k, p in model.named_parameters():
+            torch.testing.assert_close(grads[k], p.grad, rtol=1e-9, atol=1e-11, msg=k)
+
