@@ -17,15 +17,19 @@ from tests.parallel.cases import RESNET_CONFIG, _gathered_grads, resnet_case
 KW = dict(factor_dtype=torch.float64, damping=1e-2, kl_clip=1e-2, factor_decay=0.6)
 
 
-def reference(steps: int):
-    model, x, y = resnet_case()
-    kfac = distkfac.KFAC(model, comm=None, **KW)
+def train(model, x, y, kfac, steps: int = 2) -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     for _ in range(steps):
         opt.zero_grad()
         F.cross_entropy(model(x), y).backward()
         kfac.step()
         opt.step()
+
+
+def reference(case, steps: int = 2) -> dict:
+    """Gradients after ``steps`` of single-process K-FAC on the model of ``case()``."""
+    model, x, y = case()
+    train(model, x, y, distkfac.KFAC(model, comm=None, **KW), steps)
     return {k: p.grad.clone() for k, p in model.named_parameters()}
 
 
@@ -33,20 +37,15 @@ def parallel_run(comm, steps: int, layout: str):
     model, x, y = resnet_case()
     pmodel = parallelize(copy.deepcopy(model), RESNET_CONFIG, comm=comm)
     kfac = distkfac.KFAC(pmodel, factor_sharding=layout, **KW)
-    opt = torch.optim.SGD(pmodel.parameters(), lr=0.05)
     rows = sample_block(x.shape[0], pmodel.data_grid)
-    for _ in range(steps):
-        opt.zero_grad()
-        F.cross_entropy(pmodel(x[rows]), y[rows]).backward()
-        kfac.step()
-        opt.step()
+    train(pmodel, x[rows], y[rows], kfac, steps)
     return _gathered_grads(pmodel), len(kfac.exact_layers), len(kfac.layers)
 
 
 def test_exact_on_parallelized_resnet_equals_single_process():
     from distconv.testing.threads import run_threads
 
-    want = reference(2)
+    want = reference(resnet_case)
     for grads, exact, plain in run_threads(parallel_run, 4, 2, "exact"):
         assert exact > 0 and plain > 0
         for k, g in want.items():
@@ -78,13 +77,8 @@ def _mlp_run(comm, data, conv_default=False):
         config["data"] = data
     pmodel = parallelize(copy.deepcopy(model), config, comm=comm)
     kfac = distkfac.KFAC(pmodel, **KW)
-    opt = torch.optim.SGD(pmodel.parameters(), lr=0.05)
     rows = sample_block(x.shape[0], pmodel.data_grid)
-    for _ in range(2):
-        opt.zero_grad()
-        F.cross_entropy(pmodel(x[rows]), y[rows]).backward()
-        kfac.step()
-        opt.step()
+    train(pmodel, x[rows], y[rows], kfac)
     return _gathered_grads(pmodel), [ly.name for ly in kfac.layers]
 
 
@@ -99,18 +93,11 @@ def test_replicated_layers_inside_a_parallelized_model_equal_single_process(size
     is a pending sum over them, summed at factor steps, and one replica counts the samples."""
     from distconv.testing.threads import run_threads
 
-    model, x, y = _mlp_head()
-    kfac = distkfac.KFAC(model, comm=None, **KW)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    for _ in range(2):
-        opt.zero_grad()
-        F.cross_entropy(model(x), y).backward()
-        kfac.step()
-        opt.step()
+    want = reference(_mlp_head)
     for grads, names in run_threads(_mlp_run, size, data, conv_default):
         assert names == ["3", "5"]
-        for k, p in model.named_parameters():
-            torch.testing.assert_close(grads[k], p.grad, rtol=1e-9, atol=1e-11, msg=k)
+        for k, g in want.items():
+            torch.testing.assert_close(grads[k], g, rtol=1e-9, atol=1e-11, msg=k)
 
 
 class _LinearIntoConv(torch.nn.Module):
@@ -146,12 +133,7 @@ def _into_conv_run(comm):
               "data": {"N": 1, "C": 2}}
     pmodel = parallelize(copy.deepcopy(model), config, comm=comm, input_shape=x.shape)
     kfac = distkfac.KFAC(pmodel, **KW)
-    opt = torch.optim.SGD(pmodel.parameters(), lr=0.05)
-    for _ in range(2):
-        opt.zero_grad()
-        F.cross_entropy(pmodel(x), y).backward()
-        kfac.step()
-        opt.step()
+    train(pmodel, x, y, kfac)
     return _gathered_grads(pmodel)
 
 
@@ -161,15 +143,8 @@ def test_replicated_layer_whose_output_a_channel_parallel_layer_splits():
     sum (one allreduce at factor steps) gives the single-process G."""
     from distconv.testing.threads import run_threads
 
-    model, x, y = _into_conv()
-    kfac = distkfac.KFAC(model, comm=None, **KW)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    for _ in range(2):
-        opt.zero_grad()
-        F.cross_entropy(model(x), y).backward()
-        kfac.step()
-        opt.step()
+    want = reference(_into_conv)
     for grads in run_threads(_into_conv_run, 2):
-        for k, p in model.named_parameters():
-            torch.testing.assert_close(grads[k], p.grad, rtol=1e-9, atol=1e-11, msg=k)
+        for k, g in want.items():
+            torch.testing.assert_close(grads[k], g, rtol=1e-9, atol=1e-11, msg=k)
 
