@@ -109,15 +109,9 @@ def collect(works: list, numels: Sequence[int], comm_dtype: torch.dtype | str | 
         values, counts = works[0].finish(numels, comm_dtype)  # type: ignore[arg-type]
         values = values.to(dtype)
     elif comm_dtype in _GATHERED:
-        parts = works[0].wait()
-        size = encoded_bytes(n, comm_dtype)  # type: ignore[arg-type]
-        total = torch.zeros(n, dtype=torch.float32, device=parts[0].device)
-        rows = torch.zeros(k, dtype=torch.float64)
-        for raw in parts:  # rank order on every rank: the same sum everywhere
-            r = raw[size: size + 8 * k].clone().view(torch.float64).cpu()
-            means = _decode(raw[:size].clone(), n, comm_dtype).split(list(numels))
-            total += torch.cat([m * float(c) for m, c in zip(means, r.tolist())])
-            rows += r
+        parts = works[0].wait()  # every rank's means: the same sum everywhere
+        total, rows = _weighted_sum(parts, n, _owners(numels, parts[0].device), k,
+                                    comm_dtype)  # type: ignore[arg-type]
         values, counts = total.to(dtype), rows.tolist()
     elif comm_dtype == torch.bfloat16:
         values = works[0].wait().to(dtype)
@@ -137,6 +131,12 @@ def _launch_scatter(comm, means: Tensor, rows: Tensor, blocks: list[tuple[int, i
     mine = blocks[comm.rank][1]
     shape = (encoded_bytes(mine, comm_dtype) + tail.numel(),)
     return comm.alltoall(chunks, recv_shapes=[shape] * comm.size, async_op=True, meta=meta)
+
+
+def _owners(numels: Sequence[int], device: torch.device) -> Tensor:
+    """The factor of every number of the concatenated factors."""
+    return torch.repeat_interleave(torch.arange(len(numels), device=device),
+                                   torch.tensor(list(numels), device=device))
 
 
 def _weighted_sum(received: list[Tensor], m: int, owner: Tensor, k: int,
@@ -170,9 +170,7 @@ class _TwoPhase:
         lo, m = self.blocks[self.comm.rank]
         received = self.work.wait()
         device = received[0].device
-        # the factor of every number, and of every number of this rank's block
-        owner = torch.repeat_interleave(torch.arange(k, device=device),
-                                        torch.tensor(list(numels), device=device))
+        owner = _owners(numels, device)
         mine = owner[lo: lo + m]
         total, rows = _weighted_sum(received, m, mine, k, comm_dtype)
         weight = rows.to(device, torch.float32)
