@@ -277,7 +277,6 @@ class ExactLayer:
         self.comm = redundant_comm(module)
         self.rows = {"A": geo.a_rows(geo.c), "G": geo.g_rows(geo.f)}
         self.inv_rows = {"A": geo.a_inv_rows(geo.c), "G": self.rows["G"]}
-        self._pending: tuple[Tensor, Tensor | None] | None = None
         self.side = {"A": geo.K, "G": geo.fo}
         self.factors: dict[str, Tensor | None] = {"A": None, "G": None}
         self.updates = 0
@@ -351,10 +350,10 @@ class ExactLayer:
         blocks of the damped inverses have arrived."""
         return self.module.weight.grad is not None and self.inverse_rows["A"] is not None
 
-    def a_side(self) -> list[Tensor]:
+    def a_side(self) -> tuple[list[Tensor], tuple[Tensor, Tensor | None]]:
         """``P = V[f, c] (A + rI)^-1[c, :] + e_c (A + rI)^-1[bias, :]``, a pending sum over C
         (``e_c``: this rank's bias shard at its filters' rows), as the C column blocks the
-        reduce-scatter hands out, each with the bias column."""
+        reduce-scatter hands out, each with the bias column; and ``V`` (weight, bias)."""
         m, geo = self.module, self.geo
         fn = m.weight.shape[0]
         vw = m.weight.grad.detach().reshape(fn, -1).to(self.dtype)
@@ -369,14 +368,13 @@ class ExactLayer:
             e = vw.new_zeros(fn)
             e[lo: lo + n] = vb
             p = p.addr(e, a_inv[ck])
-        self._pending = (vw, vb)
         if self.c_comm is None:
-            return [p]
+            return [p], (vw, vb)
         chunks = []
         for lo, n in geo.c_blocks:
             part = p[:, lo * geo.k2: (lo + n) * geo.k2]
             chunks.append(torch.cat([part, p[:, -1:]], 1) if geo.bias else part.contiguous())
-        return chunks
+        return chunks, (vw, vb)
 
     def g_side(self, u: Tensor) -> list[Tensor]:
         """``(G + rI)^-1[f, :]^T U``, a pending sum over F, as the F row blocks."""
@@ -386,11 +384,11 @@ class ExactLayer:
         q = g_inv.T @ u
         return [q[lo: lo + n] for lo, n in self.geo.f_blocks]
 
-    def result(self, v: Tensor) -> tuple[Tensor, Tensor, Callable[[Tensor], None]]:
-        """``(V shard, V~ shard, write)`` flattened alike, from this rank's block of V~."""
+    def result(self, v: Tensor, vw: Tensor, vb: Tensor | None,
+               ) -> tuple[Tensor, Tensor, Callable[[Tensor], None]]:
+        """``(V shard, V~ shard, write)`` flattened alike, from this rank's block of V~ and
+        its gradient ``V`` (weight ``vw``, bias ``vb``)."""
         m = self.module
-        vw, vb = self._pending
-        self._pending = None
         fn, ck = vw.shape
         got, out = [vw.reshape(-1)], [v[:, :ck].reshape(-1)]
         if vb is not None:
@@ -451,13 +449,15 @@ def precondition_exact(layers: list[ExactLayer], meanwhile: Callable[[], None] =
     all of them (``meanwhile()`` runs while it is in flight), then one over each F
     communicator.  Returns ``(replication, V, V~, write)`` per layer."""
     ready = [ly for ly in layers if ly.ready()]
-    wait = _fused_reduce_scatter([ly.c_comm for ly in ready], [ly.a_side() for ly in ready],
+    sides = [ly.a_side() for ly in ready]
+    wait = _fused_reduce_scatter([ly.c_comm for ly in ready], [p for p, _ in sides],
                                  "kfac A^-1")
     meanwhile()
     us = wait()
     vs = _fused_reduce_scatter([ly.f_comm for ly in ready],
                                [ly.g_side(u) for ly, u in zip(ready, us)], "kfac G^-1")()
-    return [(ly.replication, *ly.result(v)) for ly, v in zip(ready, vs)]
+    return [(ly.replication, *ly.result(v, *grads))
+            for ly, v, (_, grads) in zip(ready, vs, sides)]
 
 
 def exchange_exact(work: list[tuple[ExactLayer, str]], owners: list[int], comm,
