@@ -24,6 +24,7 @@ arithmetic entry by entry.
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Callable, Iterable
 
 import torch
@@ -33,7 +34,7 @@ from distkfac.hybrid.lanczos import ESEResult, ese, make_hvp
 from distkfac.hybrid.space import SlicedSpace, assign, flatten
 
 __all__ = ["FOSI", "BaseFactory", "base_delta", "build_base", "newton_momentum",
-           "newton_rates", "check_spectrum",
+           "newton_rates", "check_spectrum", "sample_count",
            "world_of"]
 
 BaseFactory = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
@@ -104,6 +105,19 @@ def _finite(value, name: str, *, minimum: float) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
             or value < minimum:
         raise ValueError(f"{name} must be a finite number >= {minimum}, got {value!r}")
+    return float(value)
+
+
+def sample_count(value, name: str = "num_samples", *, allow_zero: bool = False) -> float:
+    """``value`` as a float sample count: a real number (not a bool), finite and > 0
+    (``>= 0`` with ``allow_zero``), else TypeError / ValueError naming ``name`` and the value."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a number of samples (an int or float, e.g. "
+                        f"x.shape[0]), got {value!r} of type {type(value).__name__}")
+    bound = ">= 0" if allow_zero else "> 0"
+    if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
+        raise ValueError(f"{name} must be a finite number of samples {bound} (it weights this "
+                         f"rank's mean gradient), got {value!r}")
     return float(value)
 
 
@@ -188,7 +202,10 @@ class _HybridOrder(torch.optim.Optimizer):
     def estimate(self, closure: Callable[[], Tensor] | None = None, *,
                  num_samples: float | None = None) -> ESEResult:
         """Run ESE now on ``closure`` (default: ``ese_closure``): the loss on this rank's ESE
-        samples at the current parameters, a mean over ``num_samples`` (default ``ese_samples``)."""
+        samples at the current parameters, a mean over ``num_samples`` (default ``ese_samples``;
+        a finite number >= 0, else TypeError / ValueError)."""
+        if num_samples is not None:
+            num_samples = sample_count(num_samples, allow_zero=True)
         closure = self.ese_closure if closure is None else closure
         if closure is None:
             raise ValueError("ESE needs a loss closure: pass ese_closure= to the constructor or "
@@ -218,8 +235,12 @@ class _HybridOrder(torch.optim.Optimizer):
              ese_closure: Callable[[], Tensor] | None = None):
         """One FOSI step from ``p.grad`` (this rank's mean over its ``num_samples`` samples).
 
+        ``num_samples``: a finite number > 0 (default 1); anything else (0, negative, NaN, a
+        bool, a non-number) raises TypeError / ValueError before the step, since it weights
+        the rank's gradient in the global mean (0 samples on every rank would divide by 0).
         ``closure`` (optional) recomputes the loss and gradients, as in ``torch.optim``;
         ``ese_closure`` overrides the constructor's for an ESE due at this step."""
+        num_samples = sample_count(num_samples)
         loss = None
         if closure is not None:
             with torch.enable_grad():

@@ -51,6 +51,7 @@ from distkfac.hybrid.fosi import (
     build_base,
     check_spectrum,
     newton_rates,
+    sample_count,
     world_of,
 )
 from distkfac.hybrid.lanczos import ESEResult, ese, make_hvp
@@ -143,7 +144,9 @@ class MRDHO2:
     # ------------------------------------------------------------------ the period
     @torch.no_grad()
     def step(self, *, num_samples: float = 1.0) -> None:
-        """One iteration; workers pass their local batch size ``num_samples``."""
+        """One iteration; workers pass their local batch size ``num_samples`` (a finite number
+        > 0, checked on every rank before the step: TypeError / ValueError otherwise)."""
+        num_samples = sample_count(num_samples)
         t0 = time.perf_counter()
         i = self.steps % self.period
         if i == 0:
