@@ -54,7 +54,13 @@ class LayerChoice:
 
 
 def load_config(config: Mapping[str, Any] | str | os.PathLike[str]) -> dict[str, Any]:
-    """The config as a dict: a mapping as it is, or a path to a YAML (or JSON) file."""
+    """The config as a dict: a mapping as it is, or a path to a YAML (or JSON) file.
+
+    Raises:
+        ValueError: a path that is not a file, a file that is not valid YAML (naming the file,
+            line and column) or that does not hold a mapping.
+        TypeError: anything else than a mapping or a path.
+    """
     if isinstance(config, Mapping):
         return dict(config)
     if isinstance(config, (str, os.PathLike)):
@@ -68,13 +74,26 @@ def load_config(config: Mapping[str, Any] | str | os.PathLike[str]) -> dict[str,
                 "reading a YAML config needs pyyaml: pip install 'distconv[yaml]'"
             ) from exc
         with open(path, encoding="utf-8") as f:
-            data = yaml.safe_load(f)
+            try:
+                data = yaml.safe_load(f)
+            except yaml.YAMLError as exc:
+                raise ValueError(_yaml_error(path, exc)) from None
         if not isinstance(data, Mapping):
             raise ValueError(f"config file {path!r} must hold a mapping, got {type(data).__name__}")
         return dict(data)
     raise TypeError(
         f"config must be a dict or a path to a YAML file, got {type(config).__name__}"
     )
+
+
+def _yaml_error(path: str, exc: Exception) -> str:
+    """``config file 'x.yaml', line 3, column 5: <what the parser says>`` (lines from 1)."""
+    mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
+    where = f", line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+    context = getattr(exc, "context", None)
+    detail = f"{problem} ({context})" if context else problem
+    return f"config file {path!r}{where}: not valid YAML: {detail}"
 
 
 def _layout(grid: Any, where: str, world_size: int) -> Layout:

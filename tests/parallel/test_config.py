@@ -57,6 +57,15 @@ def test_yaml_configs_load(tmp_path) -> None:
         ParallelConfig(str(tmp_path / "missing.yaml"), world_size=4)
 
 
+def test_a_yaml_syntax_error_names_the_file_and_line(tmp_path) -> None:
+    path = tmp_path / "broken.yaml"
+    path.write_text("default:\n  grid: {N: 2, C: 2\n  algorithm: stationary-x\n")
+    where = r"broken\.yaml', line 3, column \d+: not valid YAML"
+    with pytest.raises(ValueError, match=where) as info:
+        ParallelConfig(str(path), world_size=4)
+    assert info.value.__cause__ is None and info.value.__suppress_context__
+
+
 class Dropper(nn.Module):
     def __init__(self) -> None:
         super().__init__()
