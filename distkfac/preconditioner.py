@@ -181,7 +181,8 @@ class KFAC:
             :mod:`distkfac.lowprec`). Default None.
         factor_sharding: layout of DistConv2d factors, ``'exact'`` or ``'block'`` (see
             :mod:`distkfac.sharded`), or a mapping from module name to layout (others
-            ``'exact'``). Default ``'exact'``.
+            ``'exact'``); every key must name a layer K-FAC registers (ValueError otherwise,
+            listing them). Default ``'exact'``.
         accumulation_steps: backward passes per ``step()`` (gradient accumulation, each
             micro-batch's loss divided by it): their factor contributions add up.  A further
             forward pass before ``step()`` starts the collection anew (a step that was
@@ -344,9 +345,11 @@ class KFAC:
                 self._forward_hook(layer, root, pending)))
         unknown = [n for n in self.skip_layers if n not in matched]
         if unknown:
+            self._detach_layers()
             names = [n for n, _ in self.model.named_modules() if n][:8]
             raise ValueError(f"skip_layers names {unknown}, which match no module name or class "
                              f"name of the model (module names: {names}...)")
+        self._check_sharding_names()
         if not self.layers and not self.exact_layers:
             warnings.warn("distkfac: no layer of the model can be preconditioned", stacklevel=3)
 
@@ -410,8 +413,24 @@ class KFAC:
             keys = [(exact, name)]
         attach(module, self._work_hook(keys, self._reducers[id(comm)]))
 
-    def remove_hooks(self) -> None:
-        """Detach from the model (the preconditioner stops collecting factors)."""
+    def _check_sharding_names(self) -> None:
+        """Every key of a ``factor_sharding`` mapping names a layer this preconditioner registered
+        (its module name); an unknown key would be ignored silently."""
+        if isinstance(self.factor_sharding, str):
+            return
+        known = list(dict.fromkeys(
+            [ly.name for ly in self.layers if not isinstance(ly.adapter, BiasShardAdapter)]
+            + [ly.name for ly in self.exact_layers]))
+        unknown = [k for k in self.factor_sharding if k not in known]
+        if unknown:
+            self._detach_layers()
+            shown = ", ".join(repr(n) for n in known[:8]) + (
+                f", ... ({len(known)} in all)" if len(known) > 8 else "")
+            raise ValueError(f"factor_sharding names {unknown}, which are not layers K-FAC "
+                             f"preconditions; keys must be module names of registered layers: "
+                             f"{shown or 'none'}")
+
+    def _detach_layers(self) -> None:
         for layer in self.layers:
             for h in layer.handles:
                 h.remove()
@@ -419,6 +438,10 @@ class KFAC:
         for m in self.model.modules():
             if isinstance(m, DistConv2d):
                 m.work_hook = None
+
+    def remove_hooks(self) -> None:
+        """Detach from the model (the preconditioner stops collecting factors)."""
+        self._detach_layers()
         self._root_hook.remove()
 
     def _count_micro_batch(self, module: nn.Module, args: Any) -> None:
