@@ -132,6 +132,31 @@ def test_good_inputs_still_pass():
     assert torch.equal(gather(X, D2, GRID, torch.Size([1, 1])), X)
 
 
+def _wait_forever(comm, never):
+    if comm.rank < comm.size - 1:
+        return comm.rank  # the others finish; the last waits where no communicator reaches it
+    never.wait()
+
+
+@pytest.mark.parametrize("size", [1, 2])
+def test_run_threads_raises_within_its_timeout_when_ranks_block_outside_the_communicator(size):
+    """Threads cannot be killed: the blocked ranks are named and left behind as daemons."""
+    import threading
+    import time
+
+    from distconv.comm import CommTimeoutError
+
+    never = threading.Event()
+    begin = time.monotonic()
+    try:
+        with pytest.raises(CommTimeoutError, match=rf"rank\(s\) {size - 1} of {size} still "
+                                                   r"running with no communication"):
+            run_threads(_wait_forever, size, never, timeout=0.5)
+        assert time.monotonic() - begin < 0.5 + 1.0
+    finally:
+        never.set()
+
+
 def _sample_only_conv(comm, given):
     grid = ProcessorGrid({"N": 2}, comm=comm)
     conv = DistConv2d(2, 2, 3, grid=grid, algorithm="stationary-x", init_seed=0)

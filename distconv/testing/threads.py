@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import os
+import sys
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
+import distconv.comm
 from distconv.comm.base import check_timeout
 from distconv.comm.errors import CommTimeoutError
 from distconv.comm.threads import ThreadCommunicator, ThreadGroup
@@ -24,10 +27,17 @@ def run_threads(fn: Callable[..., Any], size: int, *args: Any, timeout: float = 
     communication errors it caused; lowest rank first) is raised, its message prefixed with
     its rank, chained to the original with its traceback.
 
-    A rank still running ``timeout`` seconds after another rank failed (one that loops or
-    sleeps outside any collective, so no communicator timeout can reach it) is abandoned (the
-    threads are daemons) and :class:`~distconv.comm.CommTimeoutError` names it, instead of the
-    run waiting for it forever.
+    ``run_threads`` never waits forever, whatever the ranks do. Threads cannot be killed, so a
+    rank that cannot be reached is abandoned (the threads are daemons, left behind) and
+    :class:`~distconv.comm.CommTimeoutError` names the ranks still running:
+
+    * ``timeout`` seconds after another rank failed (a rank that loops or sleeps outside any
+      collective, so no communicator timeout can reach it);
+    * when the world has been silent for ``timeout`` seconds: no rank was inside a
+      communicator call (those end within their own timeouts), started one or finished, e.g.
+      every running rank waits on an event, a lock or a ``torch.compile`` that never returns.
+      So ``timeout`` is also the longest all ranks may compute without communicating; raise
+      it for long local work.
 
     The ranks are threads of one process and share torch's global random generator: after
     ``torch.manual_seed(0)`` on every rank, ``torch.randn`` draws interleaved numbers from one
@@ -61,7 +71,7 @@ def run_threads(fn: Callable[..., Any], size: int, *args: Any, timeout: float = 
     ]
     for t in threads:
         t.start()
-    _join(threads, group, timeout)
+    _join(threads, group, comms, timeout)
     bad = pick_error(errors)
     if bad is not None:
         exc = errors[bad]
@@ -73,20 +83,58 @@ def run_threads(fn: Callable[..., Any], size: int, *args: Any, timeout: float = 
     return results
 
 
-def _join(threads: list[threading.Thread], group: ThreadGroup, timeout: float) -> None:
-    """Join every rank; once one has failed, give the others ``timeout`` seconds more."""
+def _join(threads: list[threading.Thread], group: ThreadGroup,
+          comms: list[ThreadCommunicator], timeout: float) -> None:
+    """Join every rank; once one has failed, give the others ``timeout`` seconds more; raise
+    when the world stays silent (no rank inside or starting a communicator call, none
+    finishing) for ``timeout`` seconds."""
     deadline = None
+    seen: tuple[int, int] | None = None
+    quiet_since = time.monotonic()
     while True:
         alive = [t for t in threads if t.is_alive()]
         if not alive:
             return
+        now = time.monotonic()
+        ranks = ", ".join(t.name.removeprefix("distconv-rank") for t in alive)
         if deadline is None and group.failed is not None:
-            deadline = time.monotonic() + timeout
-        if deadline is not None and time.monotonic() > deadline:
-            ranks = ", ".join(t.name.removeprefix("distconv-rank") for t in alive)
+            deadline = now + timeout
+        if deadline is not None and now > deadline:
             raise CommTimeoutError(
                 f"run_threads: rank(s) {ranks} of {len(threads)} still running {timeout} s after "
                 f"{group.failed}; a rank that waits outside the communicator (a loop, a sleep, "
                 "a lock) ignores its timeout"
             )
+        activity = (len(alive), _calls(comms))
+        if activity != seen or _in_communicator(alive):
+            seen, quiet_since = activity, now
+        elif deadline is None and now - quiet_since > timeout:
+            reason = (f"run_threads: rank(s) {ranks} of {len(threads)} still running with no "
+                      f"communication from any rank for {timeout} s")
+            group.abort(reason, timed_out=True)  # a rank that wakes up fails at its next call
+            raise CommTimeoutError(
+                f"{reason}; they wait outside the communicator (an event, a lock, a loop, a "
+                "torch.compile that never returns on thread ranks) where no communicator "
+                "timeout reaches them, and are left behind as daemon threads"
+            )
         alive[0].join(0.05)
+
+
+def _calls(comms: list[ThreadCommunicator]) -> int:
+    """Communicator calls the world has started (sub-communicators add to their parent's)."""
+    return sum(sum(c.stats.snapshot()["calls"].values()) for c in comms)
+
+
+_COMM_DIR = os.path.dirname(os.path.abspath(distconv.comm.__file__)) + os.sep
+
+
+def _in_communicator(threads: list[threading.Thread]) -> bool:
+    """Whether one of ``threads`` is inside a ``distconv.comm`` call (its own timeout ends it)."""
+    frames = sys._current_frames()
+    for t in threads:
+        frame = frames.get(t.ident) if t.ident is not None else None
+        while frame is not None:
+            if frame.f_code.co_filename.startswith(_COMM_DIR):
+                return True
+            frame = frame.f_back
+    return False
