@@ -3,7 +3,7 @@
 PY := .venv/bin/python
 STAMP := .venv/.installed
 
-.PHONY: demo test venv
+.PHONY: demo test venv gpu-check
 venv: $(STAMP)
 
 $(STAMP): pyproject.toml constraints.txt
@@ -17,3 +17,8 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+# The CUDA exactness subset and the DistConv2d / split-conv timings on one GPU (no venv needed:
+# any python3 with torch; writes benchmarks/results/gpu/).
+gpu-check:
+	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} python3 benchmarks/gpu_check.py

@@ -469,6 +469,9 @@ def exchange_exact(work: list[tuple[ExactLayer, str]], owners: list[int], comm,
     returns the damped inverse of a full ``(d, d)`` factor."""
     size, me = comm.size, comm.rank
     tasks = [(ly, key, owner) for (ly, key), owner in zip(work, owners)]
+    # where the factors lie (every rank holds its row blocks of every task's factor)
+    device = next((ly.factors[key].device for ly, key, _ in tasks
+                   if ly.factors[key] is not None), torch.device("cpu"))
 
     def row_dim(ly: ExactLayer, key: str) -> str | None:
         return ly.geo.cdim if key == "A" else ly.geo.fdim
@@ -502,7 +505,7 @@ def exchange_exact(work: list[tuple[ExactLayer, str]], owners: list[int], comm,
                 send[owner].append(ly.factors[key].reshape(-1))
             if owner == me and src != me:
                 recv_numel[src] += n
-    empty = torch.empty(0, dtype=dtype)
+    empty = torch.empty(0, dtype=dtype, device=device)
     got = comm.alltoall([torch.cat(s) if s else empty for s in send],
                         recv_shapes=[(n,) for n in recv_numel], meta="kfac exact factors")
     offsets = [0] * size
@@ -510,7 +513,7 @@ def exchange_exact(work: list[tuple[ExactLayer, str]], owners: list[int], comm,
     for ly, key, owner in tasks:
         if owner != me:
             continue
-        full = torch.empty(ly.side[key], ly.side[key], dtype=dtype)
+        full = torch.empty(ly.side[key], ly.side[key], dtype=dtype, device=device)
         for block, src in sources(ly, key, owner).items():
             rows = rows_of(ly, key, block)
             n = len(rows) * ly.side[key]

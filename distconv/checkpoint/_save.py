@@ -244,11 +244,12 @@ def _metadata(items: Items) -> dict[str, Any]:
 
 def _allgather_json(comm: Communicator, record: dict[str, Any], what: str) -> list[dict[str, Any]]:
     data = json.dumps(record).encode()
-    n = torch.tensor([len(data)], dtype=torch.int64)
+    device = getattr(comm, "_device", torch.device("cpu"))  # NCCL moves only CUDA tensors
+    n = torch.tensor([len(data)], dtype=torch.int64, device=device)
     sizes = [int(s.item()) for s in comm.allgather(n, meta=f"checkpoint.save: {what}")]
-    buf = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    buf = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
     parts = comm.allgather(buf, shapes=[(s,) for s in sizes], meta=f"checkpoint.save: {what}")
-    return [json.loads(p.numpy().tobytes()) for p in parts]
+    return [json.loads(p.cpu().numpy().tobytes()) for p in parts]
 
 
 def _index(

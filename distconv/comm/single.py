@@ -18,6 +18,9 @@ class SingleCommunicator(Communicator):
     def __init__(self, *, timeout: float = 60.0, parent: Communicator | None = None) -> None:
         super().__init__(rank=0, size=1, timeout=timeout, parent=parent)
 
+    def _check_device(self, t: torch.Tensor, name: str) -> None:
+        """Any device: one rank's collectives are copies, made where the tensor lies."""
+
     def _allreduce(self, t: torch.Tensor, op: str) -> Work:
         return Work.completed(t.clone())
 

@@ -81,6 +81,11 @@ class ThreadCommunicator(Communicator):
         self._group = group
         self._seq = 0
 
+    def _check_device(self, t: torch.Tensor, name: str) -> None:
+        """Any device: the ranks are threads of one process, so several may share one GPU.
+        Every rank of a collective must pass tensors on the same device (the device is part
+        of each collective's signature, so a mismatch names every rank's device)."""
+
     # ---------------------------------------------------------------- core exchange
     def _fail(self, opname: str, what: str) -> str:
         return f"rank {self.rank}, backend 'threads', op {opname!r}: {what}"
@@ -112,15 +117,16 @@ class ThreadCommunicator(Communicator):
     # ---------------------------------------------------------------- operations
     def _allreduce(self, t: torch.Tensor, op: str) -> Work:
         sig = CallSignature(
-            f"allreduce(op={op}, dtype={t.dtype}, shape={tuple(t.shape)})",
-            f"allreduce|{op}|{t.dtype}|{tuple(t.shape)}",
+            f"allreduce(op={op}, dtype={t.dtype}, shape={tuple(t.shape)}, device={t.device})",
+            f"allreduce|{op}|{t.dtype}|{tuple(t.shape)}|{t.device}",
         )
         parts = self._exchange("allreduce", sig, t.clone())
         return Work.completed(reduce_in_order(parts, op, self.size))
 
     def _allgather(self, t: torch.Tensor, shapes: list[Shape], opname: str) -> Work:
         sig = CallSignature(
-            f"allgather(dtype={t.dtype}, shapes={shapes})", f"allgather|{t.dtype}|{shapes}"
+            f"allgather(dtype={t.dtype}, shapes={shapes}, device={t.device})",
+            f"allgather|{t.dtype}|{shapes}|{t.device}",
         )
         parts = self._exchange(opname, sig, t.clone())
         return Work.completed([p.clone() for p in parts])
@@ -128,8 +134,9 @@ class ThreadCommunicator(Communicator):
     def _reduce_scatter(self, chunks: list[torch.Tensor], op: str) -> Work:
         shapes = [tuple(c.shape) for c in chunks]
         sig = CallSignature(
-            f"reduce_scatter(op={op}, dtype={chunks[0].dtype}, shapes={shapes})",
-            f"reduce_scatter|{op}|{chunks[0].dtype}|{shapes}",
+            f"reduce_scatter(op={op}, dtype={chunks[0].dtype}, shapes={shapes}, "
+            f"device={chunks[0].device})",
+            f"reduce_scatter|{op}|{chunks[0].dtype}|{shapes}|{chunks[0].device}",
         )
         parts = self._exchange("reduce_scatter", sig, [c.clone() for c in chunks])
         return Work.completed(reduce_in_order([p[self.rank] for p in parts], op, self.size))
@@ -139,8 +146,8 @@ class ThreadCommunicator(Communicator):
         recvs = tuple(str(s) for s in recv_shapes)
         sig = CallSignature(
             f"alltoall(dtype={chunks[0].dtype}, send_shapes={list(sends)}, "
-            f"recv_shapes={list(recvs)})",
-            f"alltoall|{chunks[0].dtype}",
+            f"recv_shapes={list(recvs)}, device={chunks[0].device})",
+            f"alltoall|{chunks[0].dtype}|{chunks[0].device}",
             sends,
             recvs,
         )
@@ -149,8 +156,8 @@ class ThreadCommunicator(Communicator):
 
     def _broadcast(self, t: torch.Tensor, root: int) -> Work:
         sig = CallSignature(
-            f"broadcast(root={root}, dtype={t.dtype}, shape={tuple(t.shape)})",
-            f"broadcast|{root}|{t.dtype}|{tuple(t.shape)}",
+            f"broadcast(root={root}, dtype={t.dtype}, shape={tuple(t.shape)}, device={t.device})",
+            f"broadcast|{root}|{t.dtype}|{tuple(t.shape)}|{t.device}",
         )
         parts = self._exchange("broadcast", sig, t.clone() if self.rank == root else None)
         return Work.completed(parts[root].clone())

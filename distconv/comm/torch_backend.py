@@ -104,10 +104,16 @@ class TorchCommunicator(Communicator):
             self._device = torch.device("cuda", torch.cuda.current_device())
 
     def _check_device(self, t: torch.Tensor, name: str) -> None:
-        want = "cuda" if self._kind == "nccl" else "cpu"
-        if t.device.type != want:
+        if self._kind == "nccl":
+            if t.device != self._device:
+                raise ValueError(
+                    f"{name} is on device {t.device}; backend {self.backend!r} on rank "
+                    f"{self.rank} takes tensors on {self._device}, its one device (NCCL: one "
+                    "device per rank, the current CUDA device when the communicator was made)"
+                )
+        elif t.device.type != "cpu":
             raise ValueError(
-                f"{name} is on device {t.device}; backend {self.backend!r} takes {want} tensors"
+                f"{name} is on device {t.device}; backend {self.backend!r} takes cpu tensors"
             )
 
     # ---------------------------------------------------------------- error handling
@@ -253,8 +259,7 @@ class TorchCommunicator(Communicator):
         return self._issue("send", lambda: self._pg.send([buf], dst, tag), lambda: None)
 
     def _recv(self, shape: Shape, dtype: torch.dtype, src: int, tag: int) -> Work:
-        device = "cuda" if self._kind == "nccl" else "cpu"
-        out = torch.empty(shape, dtype=dtype, device=device)
+        out = torch.empty(shape, dtype=dtype, device=self._device)
         if out.numel() == 0:
             return Work.completed(out)
         buf = _flat_bytes(out)
