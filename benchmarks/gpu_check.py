@@ -785,9 +785,20 @@ def run_check(name: str, fn: Callable[[], dict], results: dict[str, Any]) -> Non
     log(f"    {status.upper()} ({res['seconds']} s){' - ' + detail if detail else ''}")
 
 
+def _git_commit() -> str | None:
+    import subprocess
+
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
+                              text=True, timeout=10).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
 def environment(device: torch.device) -> dict[str, Any]:
     env = {"torch": torch.__version__, "python": platform.python_version(),
-           "device": str(device), "date_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime())}
+           "device": str(device), "date_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
+           "commit": os.environ.get("GPU_CHECK_COMMIT") or _git_commit()}
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         env.update({"gpu": props.name, "gpu_memory_gib": round(props.total_memory / 2**30, 1),
@@ -806,6 +817,7 @@ def markdown(report: dict[str, Any]) -> str:
     lines = ["# GPU check", "",
              f"`{report['command']}` on {env.get('gpu', env['device'])} "
              f"(torch {env['torch']}, CUDA {env.get('cuda')}, cuDNN {env.get('cudnn')}), "
+             f"commit {(env.get('commit') or '?')[:10]}, "
              f"{env['date_utc']} UTC, {report['seconds']:.0f} s.", "",
              "## Exactness (thread ranks sharing the device; NCCL on a world of one)", "",
              "| check | status | max abs error | tolerance | data on | seconds |",
