@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from distconv.distribution import Dist, balanced_block
+from distconv.machines import resolve_machine
 from distconv.machines.base import Machine, group_of
 from distconv.perfmodel import ConvProblem, conv_cost, corner_coords
 from distconv.redistribute import plan_redistribution
@@ -107,14 +108,18 @@ def trace_network(model: torch.nn.Module, input_shape: Sequence[int]) -> Network
 
     Raises:
         NotImplementedError: a graph that is not a chain of convolutions and residual blocks.
+        ValueError: an ``input_shape`` the model cannot take (naming it and what the first
+            layer expects).
     """
     from torch.fx import symbolic_trace
-    from torch.fx.passes.shape_prop import ShapeProp
+
+    from distconv.parallel.shapes import check_input_shape, propagate_shapes
 
     if any(p.device.type != "meta" for p in model.parameters()):
         model = copy.deepcopy(model).to("meta")
     gm = symbolic_trace(model)
-    ShapeProp(gm).propagate(torch.empty(tuple(input_shape), device="meta"))
+    check_input_shape(gm, input_shape)
+    propagate_shapes(gm, input_shape)
     modules = dict(gm.named_modules())
     producer: dict[Any, Any] = {}  # fx node -> "input" | conv fx node | add fx node
     convs: dict[Any, ConvNode] = {}
@@ -446,7 +451,9 @@ def transition_bytes(src: Choice, dst: Choice, shape: Sequence[int], rank: int, 
 def transition_time(src: Choice, dst: Choice, shape: Sequence[int], machine: Machine, *,
                     itemsize: int = 4) -> tuple[float, int]:
     """``(seconds, bytes)`` of that redistribution on its slowest rank (forward; the adjoint
-    moves the same bytes back)."""
+    moves the same bytes back). ``machine``: any form of
+    :func:`~distconv.machines.resolve_machine` (a flat machine is priced as one level)."""
+    machine = resolve_machine(machine, hierarchical=True)
     return _move_time((src.grid, src.output_dist), (dst.grid, dst.input_dist),
                       tuple(int(s) for s in shape), machine, itemsize)
 
@@ -470,7 +477,9 @@ def layer_cost(conv: ConvNode, choice: Choice, machine: Machine, *, itemsize: in
                optimizer_slots: int = 1, activation_factor: int = 3) -> LayerCost:
     """:func:`~distconv.perfmodel.conv_cost` of the layer, and its memory per rank: weight shard
     times (parameter + gradient + ``optimizer_slots``), plus the stored local input of the local
-    convolution and ``activation_factor`` copies of the local output (conv, BN, ReLU)."""
+    convolution and ``activation_factor`` copies of the local output (conv, BN, ReLU).
+    ``machine``: any form of :func:`~distconv.machines.resolve_machine`."""
+    machine = resolve_machine(machine, hierarchical=True)
     ranks = "all" if choice.size <= _ALL_RANKS else "corners"
     cost = conv_cost(conv.problem, choice.extents, choice.conv_algorithm, machine,
                      itemsize=itemsize, ranks=ranks)
@@ -768,7 +777,9 @@ def plan_network(
         model: a module (traced by :func:`trace_network` on ``input_shape``) or a traced Network.
         input_shape: the global input ``(batch, channels, height, width)``.
         world_size: ranks P; every layer's grid has P positions.
-        machine: a :class:`~distconv.machines.Machine` (or a flat ``perfmodel.Machine``).
+        machine: a :class:`~distconv.machines.Machine`, a flat ``perfmodel.Machine`` (priced as
+            one level), a factory such as ``distconv.machines.lassen`` or a name such as
+            ``"lassen"`` (:func:`~distconv.machines.resolve_machine`; TypeError otherwise).
         memory_limit: bytes per rank; default ``machine.memory``.
         max_model: the most ranks a layer's C×F×H×W dims may span. Default 16.
         max_sample: the largest N extent (the paper's number of N rows); default the batch.
@@ -782,6 +793,7 @@ def plan_network(
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"plan_network: world_size must be an int >= 1, got {world_size!r}")
+    machine = resolve_machine(machine, hierarchical=True)
     bad = [a for a in algorithms if a not in ALGORITHMS]
     if bad or not algorithms:
         raise ValueError(f"plan_network: algorithms must be among {ALGORITHMS}, got {algorithms}")
@@ -913,7 +925,9 @@ def predict(model: torch.nn.Module | Network, config: Mapping[str, Any],
             input_shape: Sequence[int] | None = None, *, world_size: int, machine: Machine,
             itemsize: int = 4, optimizer_slots: int = 1, activation_factor: int = 3) -> Plan:
     """The planner's cost model applied to a given ``parallelize`` config (``auto`` is not
-    resolved here): the same timeline, redistributions and memory as :func:`plan_network`."""
+    resolved here): the same timeline, redistributions and memory as :func:`plan_network`;
+    ``machine`` as there."""
+    machine = resolve_machine(machine, hierarchical=True)
     net = model if isinstance(model, Network) else trace_network(model, input_shape or ())
     fixed = _config_choices(net, config, world_size)
     m = _Model(net, world_size, machine, max_model=world_size, algorithms=ALGORITHMS,

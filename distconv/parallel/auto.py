@@ -12,13 +12,13 @@ import copy
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-import torch
 import torch.fx as fx
 from torch import nn
-from torch.fx.passes.shape_prop import ShapeProp
 
+from distconv.machines import resolve_machine
 from distconv.parallel.config import LayerChoice, ParallelConfig
-from distconv.perfmodel import ConvProblem, Machine, conv_cost
+from distconv.parallel.shapes import propagate_shapes
+from distconv.perfmodel import ConvProblem, conv_cost
 
 __all__ = ["AutoChoice", "resolve_auto"]
 
@@ -60,12 +60,18 @@ def _options(problem: ConvProblem, choice: LayerChoice, world_size: int) -> list
 
 
 def resolve_auto(gm: fx.GraphModule, config: ParallelConfig, input_shape: Sequence[int],
-                 machine: Machine, *, itemsize: int = 4
+                 machine: Any, *, itemsize: int = 4
                  ) -> tuple[ParallelConfig, dict[str, AutoChoice]]:
-    """A config in which every ``auto`` convolution has its own exact entry, and the decisions."""
+    """A config in which every ``auto`` convolution has its own exact entry, and the decisions.
+
+    ``machine``: any form :func:`distconv.machines.resolve_machine` takes (a flat or a
+    hierarchical machine, a factory such as ``distconv.machines.lassen``, a name such as
+    ``"lassen"``); anything else is a TypeError. An ``input_shape`` the model cannot take is a
+    ValueError naming it (:func:`distconv.parallel.shapes.propagate_shapes`)."""
+    machine = resolve_machine(machine)
     meta = copy.deepcopy(gm).to("meta")
     shapes: dict[str, tuple[int, ...]] = {}
-    ShapeProp(meta).propagate(torch.empty(tuple(input_shape), device="meta"))
+    propagate_shapes(meta, input_shape)
     for node in meta.graph.nodes:
         if node.op == "call_module" and isinstance(meta.get_submodule(node.target), nn.Conv2d):
             shapes[str(node.target)] = tuple(node.args[0].meta["tensor_meta"].shape)

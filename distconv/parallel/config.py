@@ -112,7 +112,7 @@ def _layout(grid: Any, where: str, world_size: int) -> Layout:
     if size != world_size:
         raise ValueError(
             f"{where}: grid {dict(pairs)} has {size} positions but the world has {world_size} "
-            "ranks; the extents must multiply to the world size"
+            f"ranks (world_size={world_size}); the extents must multiply to the world size"
         )
     return tuple(pairs)
 

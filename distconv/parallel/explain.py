@@ -13,14 +13,16 @@ import copy
 import itertools
 import json
 import math
+import numbers
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Sequence, Union
 
 import torch
 import torch.fx as fx
 from torch import nn
-from torch.fx.passes.shape_prop import ShapeProp, TensorMetadata
+from torch.fx.passes.shape_prop import TensorMetadata
 
+from distconv import machines
 from distconv.comm.base import allreduce_bytes
 from distconv.nn.grad_sync import plan_buckets
 from distconv.parallel.config import ParallelConfig
@@ -30,24 +32,45 @@ from distconv.parallel.graph import Step, analyse, trace
 from distconv.parallel.placement import (
     Layout, Placement, conversion_bytes, layout_str, paper_grid, repartition_bytes,
 )
-from distconv.perfmodel import ConvProblem, Machine, conv_cost, conv_traffic
+from distconv.parallel.shapes import check_input_shape, propagate_shapes
+from distconv.perfmodel import ConvProblem, conv_cost, conv_traffic
+from distconv.perfmodel import Machine as FlatMachine
 
 __all__ = ["CommStep", "Explanation", "LayerReport", "explain"]
+
+#: A flat :class:`distconv.perfmodel.Machine` or a hierarchical :class:`distconv.machines.Machine`.
+Machine = Union[FlatMachine, machines.Machine]
+_COLLECTIVES = ("allgather", "reduce_scatter", "allreduce", "alltoall")
 
 
 @dataclass
 class CommStep:
-    """One collective of a layer: phase, description, op and the bytes each rank receives."""
+    """One collective of a layer: phase, description, op and the bytes each rank receives;
+    ``layout`` and ``dims`` say which ranks it runs among (the segments over ``dims`` of the
+    grid ``layout``; no dims: the whole grid; no layout: ``peers`` consecutive ranks)."""
 
     phase: str
     what: str
     op: str
     bytes: dict[int, int]  # rank -> bytes it receives (the evaluated ranks)
     peers: int = 1
+    layout: Layout | None = None
+    dims: tuple[str, ...] = ()
 
     def seconds(self, machine: Machine) -> float:
-        steps = 2 * (self.peers - 1) if self.op == "allreduce" else max(self.peers - 1, 1)
-        return steps * machine.alpha + max(self.bytes.values()) * machine.beta
+        """Predicted seconds on the slowest rank: a flat machine prices ``alpha`` per message
+        step and ``beta`` per byte; a hierarchical one prices on the level the ranks span."""
+        nbytes = max(self.bytes.values())
+        if not isinstance(machine, machines.Machine):
+            steps = 2 * (self.peers - 1) if self.op == "allreduce" else max(self.peers - 1, 1)
+            return steps * machine.alpha + nbytes * machine.beta
+        dims = self.dims or tuple(d for d, _ in self.layout or ())
+        if self.op in _COLLECTIVES:
+            return machine.collective_time(self.op, self.peers, nbytes, layout=self.layout,
+                                           dims=dims)
+        group = (machines.group_of(self.layout, dims) if self.layout is not None
+                 else list(range(self.peers)))
+        return machine.link_time(group, nbytes, max(self.peers - 1, 1)) if nbytes else 0.0
 
 
 @dataclass
@@ -167,7 +190,7 @@ def _summary(label: str, e: Explanation) -> str:
 
 
 def explain(model: nn.Module, config: Any, input_shape: Sequence[int], *,
-            world_size: int | None = None, machine: Machine | None = None,
+            world_size: int | None = None, machine: Any = None,
             optimizer_states: int = 1, itemsize: int | None = None,
             bucket_bytes: int = 25 << 20) -> Explanation:
     """The plan :func:`distconv.parallelize` makes for ``model`` under ``config``, on paper.
@@ -178,39 +201,88 @@ def explain(model: nn.Module, config: Any, input_shape: Sequence[int], *,
 
     Args:
         model, config: as for :func:`distconv.parallelize`.
-        input_shape: the global input shape.
-        world_size: ranks to plan for. Default: the product of the config's default grid.
-        machine: a :class:`~distconv.perfmodel.Machine` (e.g. from ``calibrate``) for predicted
-            times. Default None (bytes and memory only; ``auto`` layers then choose with the
-            default ``Machine()``).
-        optimizer_states: optimizer state tensors per parameter (SGD momentum 1, Adam 2).
-            Default 1.
-        itemsize: bytes per element. Default: the model's parameter dtype.
+        input_shape: the global input shape, samples first: a sequence of ints >= 1 that the
+            model's first layer takes (its number of dims and channels).
+        world_size: ranks to plan for, an int >= 1. Default: the product of the config's
+            default grid.
+        machine: for predicted times: a flat :class:`~distconv.perfmodel.Machine` (e.g. from
+            ``perfmodel.calibrate``), a hierarchical :class:`distconv.machines.Machine` (each
+            collective priced on the level its ranks span), a factory such as
+            ``distconv.machines.lassen`` or a name such as ``"lassen"``
+            (:func:`distconv.machines.resolve_machine`). Default None (bytes and memory only;
+            ``auto`` layers then choose with the default flat ``Machine()``).
+        optimizer_states: optimizer state tensors per parameter, an int >= 0 (SGD 0, SGD with
+            momentum 1, Adam 2). Default 1.
+        itemsize: bytes per element, an int >= 1. Default: the model's parameter dtype.
+        bucket_bytes: gradient allreduce bucket size, an int >= 1 (as ``parallelize``).
+            Default 25 MiB.
+
+    Raises:
+        TypeError: a model that is not an ``nn.Module``, an option of the wrong type (naming
+            it, the value and what is allowed), or a ``machine`` of none of the forms above.
+        ValueError: an option out of range, an unknown machine name, a config that does not fit
+            the model or ``world_size``, or an ``input_shape`` the model cannot take (naming it
+            and what the first layer expects).
     """
-    input_shape = tuple(int(s) for s in input_shape)
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {model!r} of type "
+                        f"{type(model).__name__}")
+    input_shape = _check_shape(input_shape)
     if world_size is None:
         default = dict(config).get("default", {}) if isinstance(config, dict) else {}
         world_size = math.prod(dict(default.get("grid", {"N": 1})).values())
+    else:
+        _check_int("world_size", world_size, 1)
+    optimizer_states = _check_int("optimizer_states", optimizer_states, 0)
+    bucket_bytes = _check_int("bucket_bytes", bucket_bytes, 1)
+    if machine is not None:
+        machine = machines.resolve_machine(machine)
     cfg = ParallelConfig(config, world_size=world_size)
     if itemsize is None:
         p = next(model.parameters(), None)
         itemsize = p.element_size() if p is not None else 4
+    else:
+        itemsize = _check_int("itemsize", itemsize, 1)
     return _explain(model, cfg, input_shape, machine, optimizer_states, itemsize, bucket_bytes,
                     baseline=True)
+
+
+def _check_int(name: str, value: Any, low: int) -> int:
+    """``value`` as an int >= ``low`` (numpy ints too; not bools, not floats)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int >= {low}, got {value!r} of type "
+                        f"{type(value).__name__}")
+    if value < low:
+        raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+    return int(value)
+
+
+def _check_shape(shape: Any) -> tuple[int, ...]:
+    """``input_shape`` as a tuple of ints >= 1 (a list, tuple or ``torch.Size``)."""
+    if isinstance(shape, (str, bytes)) or not isinstance(shape, Sequence) or not shape:
+        raise TypeError(f"input_shape must be a non-empty sequence of ints (the global input "
+                        f"shape, samples first), got {shape!r}")
+    if any(isinstance(s, bool) or not isinstance(s, numbers.Integral) for s in shape):
+        raise TypeError(f"input_shape must hold ints, got {tuple(shape)!r}")
+    if any(s < 1 for s in shape):
+        raise ValueError(f"input_shape must hold sizes >= 1, got {tuple(shape)!r}")
+    return tuple(int(s) for s in shape)
 
 
 def _explain(model: nn.Module, cfg: ParallelConfig, shape: tuple[int, ...],
              machine: Machine | None, optimizer_states: int, itemsize: int,
              bucket_bytes: int, baseline: bool) -> Explanation:
     gm = trace(model)
+    check_input_shape(gm, shape)
     decisions: dict[str, Any] = {}
     if cfg.has_auto():
         from distconv.parallel.auto import resolve_auto
 
-        cfg, decisions = resolve_auto(gm, cfg, shape, machine or Machine(), itemsize=itemsize)
+        cfg, decisions = resolve_auto(gm, cfg, shape, machine or FlatMachine(),
+                                      itemsize=itemsize)
     analysis = analyse(gm, cfg, input_ndim=len(shape))
     meta = copy.deepcopy(gm).to("meta")
-    ShapeProp(meta).propagate(torch.empty(shape, device="meta"))
+    propagate_shapes(meta, shape)
     shapes = {n.name: tuple(n.meta["tensor_meta"].shape) for n in meta.graph.nodes
               if isinstance(n.meta.get("tensor_meta"), TensorMetadata)}
     modules = dict(gm.named_modules())
@@ -364,7 +436,8 @@ def _gradient_buckets(gm: fx.GraphModule, analysis: Any, P: int, ranks: list[int
         for i in range(len(per_rank[ranks[0]])):
             report.steps.append(CommStep("backward", f"gradient bucket {i} over {where} "
                                          f"({len(names)} parameters in the group)", "allreduce",
-                                         {r: b[i] for r, b in per_rank.items()}, size))
+                                         {r: b[i] for r, b in per_rank.items()}, size,
+                                         layout, tuple(dims) if layout is not None else ()))
     return report if report.steps else None
 
 
@@ -396,7 +469,8 @@ def _conv(report: LayerReport, step: Step, conv: nn.Conv2d, x_shape: tuple[int, 
         for key in names:
             report.steps.append(CommStep(phase, key, first.ops[key],
                                          {r: getattr(t, phase).get(key, 0)
-                                          for r, t in traffic.items()}, first.peers[key]))
+                                          for r, t in traffic.items()}, first.peers[key],
+                                         spec.layout, first.dims[key]))
     if machine is not None:
         cost = conv_cost(problem, spec.layout, spec.algorithm, machine, **{
             k: v for k, v in kw.items() if k != "input_grad"})
@@ -458,9 +532,9 @@ def _batchnorm(report: LayerReport, step: Step, bn: nn.BatchNorm2d, x_shape: tup
     report.dists["w"] = Placement(p.layout, _param_dist(p)).dist.format("w")
     if s > 1:
         report.steps.append(CommStep("forward", f"statistics allgather over {'×'.join(seg)}",
-                                     "allgather", fwd, s))
+                                     "allgather", fwd, s, p.layout, tuple(seg)))
         report.steps.append(CommStep("backward", f"Σdy, Σdy·x̂ allreduce over {'×'.join(seg)}",
-                                     "allreduce", bwd, s))
+                                     "allreduce", bwd, s, p.layout, tuple(seg)))
 
 
 def _param_dist(p: Placement) -> Any:
@@ -501,10 +575,10 @@ def _pool(report: LayerReport, step: Step, module: nn.Module | None, x_shape: tu
         if splits[i]:
             peers = plans[i].parts
             report.steps.append(CommStep("forward", f"halo exchange {dim}", "alltoall",
-                                         rows["forward"][i], peers))
+                                         rows["forward"][i], peers, p.layout, splits[i]))
             if grad_in:
                 report.steps.append(CommStep("backward", f"halo accumulate {dim}", "alltoall",
-                                             rows["backward"][i], peers))
+                                             rows["backward"][i], peers, p.layout, splits[i]))
 
 
 def _block_index(dims: Sequence[str], ext: dict[str, int], coords: dict[str, int]) -> int:
