@@ -13,6 +13,7 @@ from __future__ import annotations
 from distconv.checkpoint import consolidate, load, load_global_state_dict, save
 from distconv.distribution import Dist, balanced_block, nested_block
 from distconv.grid import ProcessorGrid
+from distconv.nn.clip import clip_grad_norm_
 from distconv.parallel import ParallelModel, parallelize
 from distconv.parallel.explain import explain
 from distconv.redistribute import (
@@ -20,7 +21,8 @@ from distconv.redistribute import (
 )
 
 __all__ = [
-    "Dist", "ParallelModel", "ProcessorGrid", "balanced_block", "consolidate", "explain",
+    "Dist", "ParallelModel", "ProcessorGrid", "balanced_block", "clip_grad_norm_", "consolidate",
+    "explain",
     "gather", "load", "load_global_state_dict", "nested_block", "parallelize",
     "plan_redistribution", "redistribute", "repartition", "save", "scatter",
 ]

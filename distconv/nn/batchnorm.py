@@ -12,8 +12,9 @@ from distconv.grid import ProcessorGrid
 from distconv.nn._activation import (
     check_activation_dist, check_grid, resolve_shape, show, split_dims,
 )
+from distconv.nn.clip import register_parameter_specs
 from distconv.nn.grad_sync import GradSync
-from distconv.nn.sharding import ShardSpec
+from distconv.nn.sharding import ShardSpec, keep_requires_grad
 from distconv.redistribute import gather
 
 __all__ = ["DistBatchNorm2d"]
@@ -21,9 +22,14 @@ __all__ = ["DistBatchNorm2d"]
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
-class DistBatchNorm2d(nn.Module):
+class DistBatchNorm2d(nn.BatchNorm2d):
     r"""``nn.BatchNorm2d`` on a distributed activation, with the semantics of ``nn.SyncBatchNorm``
     over the whole global batch.
+
+    It is an ``nn.BatchNorm2d`` for ``isinstance``, so the idioms written for one process hold
+    (``if isinstance(m, nn.BatchNorm2d): m.eval()`` freezes its statistics; parameter groups that
+    exclude norms find it); its parameters and buffers are this rank's shards, and its
+    ``forward`` takes the global input shape as a second, optional argument.
 
     The input ``x`` and output ``y`` are distributed as ``input_dist`` (e.g. ``x[o,o_C,o,o]``,
     ``x[o,o_{F×C},o,o]``, ``x[o,*,o,o]``); any grid dims may appear in any entry. The grid dims of
@@ -90,7 +96,7 @@ class DistBatchNorm2d(nn.Module):
         grid: ProcessorGrid,
         input_dist: Dist,
     ) -> None:
-        super().__init__()
+        nn.Module.__init__(self)  # nn.BatchNorm2d's own init would allocate the global state
         if isinstance(num_features, bool) or not isinstance(num_features, int) or num_features < 1:
             raise ValueError(f"num_features must be a positive int, got {num_features!r}")
         if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0:
@@ -112,6 +118,7 @@ class DistBatchNorm2d(nn.Module):
         where = f"DistBatchNorm2d({num_features}) over {'×'.join(redundant)}"
         self.grad_sync = GradSync(grid.subcomm(redundant), where=where) if redundant else None
         self._make_state(device, dtype)
+        register_parameter_specs(self, grid.comm)  # for distconv.clip_grad_norm_
 
     # ------------------------------------------------------------------ state
     def _make_state(self, device: Any, dtype: torch.dtype | None) -> None:
@@ -201,6 +208,7 @@ class DistBatchNorm2d(nn.Module):
             None if layer.bias is None else layer.bias.detach(),
             layer.running_mean, layer.running_var, layer.num_batches_tracked,
         )
+        keep_requires_grad(out, layer, ("weight", "bias"))
         return out.train(layer.training)
 
     def _gather(self, t: torch.Tensor | None) -> torch.Tensor | None:

@@ -17,8 +17,9 @@ from distconv.comm.base import agree_on_value, get_debug
 from distconv.distribution import Dist, Entry, as_shape
 from distconv.grid import ProcessorGrid
 from distconv.halo import halo_exchange
+from distconv.nn.clip import register_parameter_specs
 from distconv.nn.grad_sync import GradSync
-from distconv.nn.sharding import ShardSpec
+from distconv.nn.sharding import ShardSpec, keep_requires_grad
 from distconv.perfmodel import ConvProblem, conv_traffic
 from distconv.redistribute import gather, plan_redistribution, redistribute
 
@@ -396,6 +397,7 @@ class DistConv2d(nn.Module):
             self.grad_sync.register(self.weight)
             if self.bias is not None:
                 self.grad_sync.register(self.bias)
+        register_parameter_specs(self, self.grid.comm)  # for distconv.clip_grad_norm_
 
     @property
     def weight_shape(self) -> tuple[int, int, int, int]:
@@ -469,6 +471,7 @@ class DistConv2d(nn.Module):
         layer.load_global_parameters(
             conv.weight.detach(), None if conv.bias is None else conv.bias.detach()
         )
+        keep_requires_grad(layer, conv, ("weight", "bias"))
         return layer
 
     def _shard_specs(self) -> dict[str, ShardSpec]:

@@ -106,7 +106,9 @@ class BucketedGradSync:
     into buckets of about ``bucket_bytes``; a bucket's flat allreduce is started asynchronously
     from the gradient hook of its last member to become ready, and every bucket is finished by an
     autograd engine callback before ``loss.backward()`` returns. A parameter a backward pass does
-    not reach contributes zeros (every rank flushes the same buckets, so none waits on a peer).
+    not reach contributes zeros (every rank flushes the same buckets, so none waits on a peer),
+    and a flag per parameter travels in its bucket: a parameter that no rank reached keeps its
+    ``.grad`` as it was (``None`` stays ``None``, as on one process, so an optimizer skips it).
     Gradients accumulate over backward passes as in PyTorch (each pass's contribution is reduced
     once).
 
@@ -157,10 +159,12 @@ class BucketedGradSync:
 
     def _launch(self, b: int) -> None:
         grads = self._grads[b]
+        params = self.buckets[b]
+        reached = [1.0 if id(p) in grads else 0.0 for p in params]
         flat = torch.cat([
             grads[id(p)].reshape(-1) if id(p) in grads else p.new_zeros(p.numel())
-            for p in self.buckets[b]
-        ])
+            for p in params
+        ] + [params[0].new_tensor(reached)])
         self._works[b] = self.comm.allreduce(
             flat, async_op=True, meta=f"gradient bucket {b} {self.where}")
         self._next = b + 1
@@ -173,15 +177,24 @@ class BucketedGradSync:
             self._launch(self._next)
         for b, params in enumerate(self.buckets):
             total = self._works[b].wait()
+            flags = total[total.numel() - len(params):]
             offset = 0
-            for p in params:
+            for i, p in enumerate(params):
                 part = total[offset:offset + p.numel()].view_as(p)
                 offset += p.numel()
+                if not flags[i] > 0:  # no rank's backward reached it
+                    continue
                 if self._first.get(id(p), p.grad is None) or p.grad is None:
                     p.grad = part.clone()
                 else:
                     p.grad.add_(part)
         self._reset()
+
+    def detach(self) -> None:
+        """Stop synchronising (remove the gradient hooks), e.g. to rebuild the buckets."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
 
     def __repr__(self) -> str:
         sizes = [sum(p.numel() for p in b) for b in self.buckets]
@@ -198,6 +211,10 @@ class GradSyncGroup:
     def finish(self) -> None:
         for sync in self.syncs:
             sync.finish()
+
+    def detach(self) -> None:
+        for sync in self.syncs:
+            sync.detach()
 
     def __repr__(self) -> str:
         return "GradSyncGroup(" + ", ".join(map(repr, self.syncs)) + ")"

@@ -211,8 +211,9 @@ def _prod(grid: ProcessorGrid, dims: Sequence[str]) -> int:
     return out
 
 
-class DistMaxPool2d(_DistPool2d):
+class DistMaxPool2d(_DistPool2d, nn.MaxPool2d):
     """``nn.MaxPool2d`` on a distributed activation: ``x[...] -> y[...]`` with the same Dist.
+    (An ``nn.MaxPool2d`` for ``isinstance``.)
 
     Spatial dims blocked over grid dims gather the input rows their output block reads by halo
     exchange and pad with -inf, so every window sees exactly the values it sees on one process
@@ -248,7 +249,7 @@ class DistMaxPool2d(_DistPool2d):
         grid: ProcessorGrid,
         input_dist: Dist,
     ) -> None:
-        super().__init__()
+        nn.Module.__init__(self)  # the torch class's init takes its own arguments
         self.return_indices, self.ceil_mode = bool(return_indices), bool(ceil_mode)
         self._setup(grid, input_dist, kernel_size, stride, padding, dilation)
         if self.return_indices and any(self._split):
@@ -294,8 +295,9 @@ class DistMaxPool2d(_DistPool2d):
         )
 
 
-class DistAvgPool2d(_DistPool2d):
+class DistAvgPool2d(_DistPool2d, nn.AvgPool2d):
     """``nn.AvgPool2d`` on a distributed activation: ``x[...] -> y[...]`` with the same Dist.
+    (An ``nn.AvgPool2d`` for ``isinstance``.)
 
     Spatial dims blocked over grid dims gather their windows' rows by halo exchange and pad with
     zeros; each window's sum is divided by PyTorch's divisor for that window, computed from its
@@ -326,7 +328,7 @@ class DistAvgPool2d(_DistPool2d):
         grid: ProcessorGrid,
         input_dist: Dist,
     ) -> None:
-        super().__init__()
+        nn.Module.__init__(self)  # the torch class's init takes its own arguments
         self.ceil_mode, self.count_include_pad = bool(ceil_mode), bool(count_include_pad)
         if divisor_override is not None and (
             isinstance(divisor_override, bool) or not isinstance(divisor_override, int)
@@ -387,8 +389,9 @@ class DistAvgPool2d(_DistPool2d):
 
 
 # --------------------------------------------------------------------------- global pooling
-class DistAdaptiveAvgPool2d(nn.Module):
+class DistAdaptiveAvgPool2d(nn.AdaptiveAvgPool2d):
     r"""``nn.AdaptiveAvgPool2d((1, 1))`` (global average pooling) on a distributed activation.
+    (An ``nn.AdaptiveAvgPool2d`` for ``isinstance``.)
 
     With x's spatial dims blocked over grid dims P (those of its H and W entries)::
 
@@ -413,7 +416,7 @@ class DistAdaptiveAvgPool2d(nn.Module):
         self, output_size: int | tuple[int, int] = (1, 1), *, grid: ProcessorGrid,
         input_dist: Dist,
     ) -> None:
-        super().__init__()
+        nn.Module.__init__(self)  # the torch class's init takes its own arguments
         if output_size not in (1, (1, 1), [1, 1]) or isinstance(output_size, bool):
             raise NotImplementedError(
                 f"DistAdaptiveAvgPool2d: only output_size=(1, 1) (global average pooling) is "

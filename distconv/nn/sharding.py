@@ -19,7 +19,7 @@ from distconv.distribution import Dist
 if TYPE_CHECKING:
     from distconv.grid import ProcessorGrid
 
-__all__ = ["ShardSpec", "shard_specs"]
+__all__ = ["ShardSpec", "keep_requires_grad", "shard_specs"]
 
 
 @dataclass(frozen=True)
@@ -69,3 +69,12 @@ def shard_specs(model: nn.Module) -> dict[str, ShardSpec]:
                 spec = ShardSpec(None, Dist.replicated(t.dim()), tuple(t.shape))
             specs[key] = spec
     return specs
+
+
+def keep_requires_grad(new: nn.Module, old: nn.Module, names: tuple[str, ...]) -> None:
+    """Give ``new``'s shards of ``old``'s parameters ``old``'s ``requires_grad`` (a frozen layer
+    stays frozen when it is sharded)."""
+    for name in names:
+        src, dst = getattr(old, name, None), getattr(new, name, None)
+        if isinstance(src, nn.Parameter) and isinstance(dst, nn.Parameter):
+            dst.requires_grad_(src.requires_grad)

@@ -430,7 +430,8 @@ def _gradient_buckets(gm: fx.GraphModule, analysis: Any, P: int, ranks: list[int
                 sizes = [math.prod(specs[n].dist.local_shape(specs[n].global_shape, g))
                          for n in names]
                 sub = _segment_rank(layout, dims, g.coords)
-            per_rank[r] = [allreduce_bytes(sum(sizes[i] for i in b), sub, size, isz)
+            # each bucket carries one reached-flag per parameter (BucketedGradSync)
+            per_rank[r] = [allreduce_bytes(sum(sizes[i] for i in b) + len(b), sub, size, isz)
                            for b in plan_buckets([n * isz for n in sizes], bucket_bytes)]
         where = "every rank" if layout is None else f"{'×'.join(dims)} of {layout_str(layout)}"
         for i in range(len(per_rank[ranks[0]])):

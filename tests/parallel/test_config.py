@@ -170,7 +170,21 @@ def test_bucketed_sync_sums_every_pass_and_unused_parameters() -> None:
         # d/dW sum(W x + b) = x per row; ranks' x are 1 and 2, two passes: 2 * (1 + 2) = 6
         assert torch.equal(w, torch.full((2, 3), 6.0, dtype=torch.float64))
         assert torch.equal(b, torch.full((2,), 4.0, dtype=torch.float64))
-        assert torch.equal(u, torch.zeros(2, dtype=torch.float64))
+        assert u is None  # no rank reached it: None, as on one process (optimizers skip it)
+
+
+def test_bucketed_sync_completes_a_parameter_only_some_ranks_reach() -> None:
+    def run(comm):
+        p = nn.Parameter(torch.zeros(2, dtype=torch.float64))
+        q = nn.Parameter(torch.zeros(2, dtype=torch.float64))
+        BucketedGradSync(comm, [p, q], bucket_bytes=1 << 20)
+        loss = 3.0 * p.sum() + (q.sum() if comm.rank == 1 else 0.0)
+        loss.backward()
+        return p.grad.clone(), q.grad
+
+    for p_grad, q_grad in run_threads(run, 2):
+        assert torch.equal(p_grad, torch.full((2,), 6.0, dtype=torch.float64))  # 3 + 3
+        assert torch.equal(q_grad, torch.ones(2, dtype=torch.float64))  # rank 1's 1, on both
 
 
 def test_user_loop_trains_several_steps_exactly() -> None:
