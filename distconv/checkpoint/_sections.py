@@ -81,7 +81,9 @@ class ModuleSection(Section):
         return True
 
     def restore(self, state: Any, *, strict: bool) -> None:
-        self.obj.load_state_dict(state, strict=strict)
+        # this rank's blocks, as torch loads them (a ParallelModel's own load_state_dict reads an
+        # untagged dict as global tensors)
+        nn.Module.load_state_dict(self.obj, state, strict=strict)
 
 
 class OptimizerSection(Section):

@@ -208,11 +208,15 @@ class _Analyser:
 
     def visit_module(self, node: fx.Node, m: nn.Module) -> Step:
         name = str(node.target)
+        if isinstance(m, _distributed_modules()):
+            self.fail(node, f"module {name!r} is already a distributed layer "
+                      f"({type(m).__name__}); parallelize takes the plain single-process model "
+                      "and converts its layers itself", TypeError)
         if isinstance(m, nn.Conv2d):
             return self.visit_conv(node, m, name)
         if isinstance(m, nn.Linear):
             return self.visit_linear(node, name)
-        if isinstance(m, nn.BatchNorm2d):
+        if isinstance(m, (nn.BatchNorm2d, nn.SyncBatchNorm)):  # both: global-batch statistics
             step = self.keep(node, "batchnorm")
             step.layer = LayerSpec("batchnorm", name, step.out.layout, input=step.out)
             return step
@@ -227,8 +231,8 @@ class _Analyser:
         if isinstance(m, POINTWISE_MODULES):
             return self.keep(node, "pointwise")
         self.fail(node, f"module type {type(m).__name__} is not supported; supported: Conv2d, "
-                  "Linear, BatchNorm2d, MaxPool2d, AvgPool2d, AdaptiveAvgPool2d, Dropout, "
-                  "Flatten and pointwise activations")
+                  "Linear, BatchNorm2d (and SyncBatchNorm), MaxPool2d, AvgPool2d, "
+                  "AdaptiveAvgPool2d, Dropout, Flatten and pointwise activations")
         raise AssertionError
 
     def visit_conv(self, node: fx.Node, m: nn.Conv2d, name: str) -> Step:
@@ -408,6 +412,16 @@ class _Analyser:
         entries[dim] = None
         target = Placement(first.layout, Dist(tuple(entries)))
         return Step(node, "pointwise", target, {a: target for a in args})
+
+
+def _distributed_modules() -> tuple[type, ...]:
+    from distconv.nn import (
+        DistAdaptiveAvgPool2d, DistAvgPool2d, DistBatchNorm2d, DistConv2d, DistMaxPool2d,
+        Redistribute,
+    )
+
+    return (DistConv2d, DistBatchNorm2d, DistMaxPool2d, DistAvgPool2d, DistAdaptiveAvgPool2d,
+            Redistribute)
 
 
 def _shape_len(args: tuple[Any, ...]) -> int:

@@ -26,7 +26,8 @@ from __future__ import annotations
 
 import copy
 import hashlib
-from typing import Any, Sequence
+import re
+from typing import Any, Mapping, Sequence
 
 import torch
 import torch.fx as fx
@@ -36,8 +37,10 @@ from torch.fx.passes.shape_prop import ShapeProp
 from distconv.comm import get_debug
 from distconv.distribution import balanced_block
 from distconv.grid import ProcessorGrid
+from distconv.nn import clip as _clip
 from distconv.nn.conv import DistConv2d
 from distconv.nn.grad_sync import BucketedGradSync, GradSync, GradSyncGroup
+from distconv.nn.clip import register_parameter_specs
 from distconv.nn.sharding import ShardSpec, shard_specs
 from distconv.parallel.config import ParallelConfig
 from distconv.parallel.graph import Analysis, LayerSpec, Step, analyse, trace
@@ -48,6 +51,7 @@ __all__ = ["LOSS_REDUCTIONS", "ParallelModel"]
 
 LOSS_REDUCTIONS = ("mean", "sum")
 _SHAPED_KINDS = frozenset({"conv", "batchnorm", "pool", "adaptive"})
+_TAG = "distconv_shards"  # state-dict metadata: whose shards, on which layout
 
 
 class _Exit(torch.autograd.Function):
@@ -118,12 +122,17 @@ class ParallelModel(nn.Module):
         self._grids: dict[Layout, ProcessorGrid] = {}
         self._function_modules: dict[str, nn.Module] = {}
         self.data_grid = self.grid(cfg.data)
+        ties = _tied_parameters(gm)
+        built: dict[str, Step] = {}
         for step in analysis.steps:  # every layout a value lives on, in graph order
             for placement in [step.out, *step.needs.values()]:
                 if placement is not None:
                     self.grid(placement.layout)
             if step.layer is not None:
-                self._build(gm, step)
+                self._build(gm, step, built)
+        self._layers = {t: gm.get_submodule(t) for t, s in built.items()
+                        if s.layer is not None and s.layer.kind in _SHAPED_KINDS}
+        _retie(gm, ties)
         for name, child in gm.named_children():
             self.add_module(name, child)
         for name, value in list(gm.named_parameters(recurse=False)):
@@ -134,7 +143,11 @@ class ParallelModel(nn.Module):
         # head, whose output is the model's, from a replicated layer inside the model.
         object.__setattr__(self, "_gm", gm)
         self._plans: dict[tuple[int, ...], dict[str, tuple[int, ...]]] = {}
+        self.bucket_bytes = bucket_bytes
+        self._params = list(self.parameters())
+        self._trainable = tuple(p.requires_grad for p in self._params)
         self.grad_sync = self._fuse_gradient_syncs(bucket_bytes)
+        register_parameter_specs(self, comm)
 
     # ------------------------------------------------------------------ construction
     def _resolve_auto(self, gm: fx.GraphModule, cfg: ParallelConfig,
@@ -170,6 +183,16 @@ class ParallelModel(nn.Module):
             syncs.append(BucketedGradSync(comm, params, bucket_bytes=bucket_bytes, where=where))
         return GradSyncGroup(syncs) if syncs else None
 
+    def _rebuild_gradient_syncs(self) -> None:
+        """Parameters were frozen or unfrozen since the buckets were made: rebuild them, so a
+        frozen parameter gets no gradient and no allreduce and an unfrozen one is reduced (every
+        rank runs the same freezing code, so every rank rebuilds the same buckets)."""
+        if self.grad_sync is not None:
+            self.grad_sync.detach()
+        self._params = list(self.parameters())
+        self._trainable = tuple(p.requires_grad for p in self._params)
+        self.grad_sync = self._fuse_gradient_syncs(self.bucket_bytes)
+
     def grid(self, layout: Layout) -> ProcessorGrid:
         """The one grid of ``layout`` (created collectively on first use, shared by layers)."""
         g = self._grids.get(layout)
@@ -177,12 +200,24 @@ class ParallelModel(nn.Module):
             g = self._grids[layout] = ProcessorGrid(dict(layout), comm=self.comm)
         return g
 
-    def _build(self, gm: fx.GraphModule, step: Step) -> None:
+    def _build(self, gm: fx.GraphModule, step: Step, built: dict[str, Step]) -> None:
         spec = step.layer
         assert spec is not None
+        node = step.node
+        if node.op == "call_module":
+            target = str(node.target)
+            first = built.setdefault(target, step)
+            if first is not step:
+                if first.layer == spec:
+                    return  # called again in the same layout: one layer, both uses exact
+                raise ValueError(
+                    f"parallelize: module {target!r} is called twice (nodes {first.node.name!r} "
+                    f"and {node.name!r}) with its input in different layouts "
+                    f"({_show_input(first.layer)} and {_show_input(spec)}), and one module "
+                    "holds one layout. Give the second call its own module (copy.deepcopy, "
+                    "untied) or make both inputs arrive in the same distribution")
         if spec.kind in ("linear", "local", "mean"):
             return
-        node = step.node
         if node.op == "call_module":
             module = gm.get_submodule(str(node.target))
         else:  # functional adaptive pooling: run as its module
@@ -193,8 +228,9 @@ class ParallelModel(nn.Module):
         except (ValueError, TypeError, NotImplementedError) as exc:
             where = f" ({spec.source})" if spec.source else ""
             raise type(exc)(f"parallelize: layer {spec.name!r}{where}: {exc}") from exc
-        if node.op == "call_module":
-            _set_submodule(gm, str(node.target), new)
+        if node.op == "call_module":  # every name the module is registered under
+            for path in [n for n, m in gm.named_modules(remove_duplicate=False) if m is module]:
+                _set_submodule(gm, path, new)
         else:
             self._function_modules[node.name] = new
 
@@ -220,6 +256,13 @@ class ParallelModel(nn.Module):
         complete on every rank (``[o_N,*,...]``)."""
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"input must be a torch.Tensor, got {type(x).__name__}")
+        if _compiling():
+            raise NotImplementedError(
+                "torch.compile of a ParallelModel is not supported: its collectives and global "
+                "shapes are planned eagerly. Run the parallel model eagerly (torch.compile the "
+                "plain model for single-process runs)")
+        if self._trainable != tuple(p.requires_grad for p in self._params):
+            self._rebuild_gradient_syncs()
         shape = self._agree_batch(x)
         shapes = self._shapes(shape, x.dtype)
         env: dict[fx.Node, Any] = {}
@@ -256,6 +299,11 @@ class ParallelModel(nn.Module):
         if node.op == "call_module":
             module = self.get_submodule(str(node.target))
             if distributed:
+                if module is not self._layers[node.target]:
+                    raise TypeError(
+                        f"module {node.target!r} was replaced after parallelize (now "
+                        f"{type(module).__name__}): the parallel model runs the layer it built. "
+                        "Convert or replace layers in the plain model before parallelize")
                 return module(args[0], shapes[node.args[0].name])
             return module(*args, **kwargs)
         if node.op == "call_function":
@@ -329,6 +377,16 @@ class ParallelModel(nn.Module):
                     f"{layout_str(self.data_grid.layout)} but hold different samples; every rank "
                     "of one N block must see the same samples (distconv.data.GridSampler)")
             first.setdefault(n, r)
+        if x.numel() == 0:
+            return
+        for n, r in first.items():
+            for m, q in first.items():
+                if m > n and torch.equal(digests[r], digests[q]):
+                    raise ValueError(
+                        f"sample blocks N={n} (rank {r}) and N={m} (rank {q}) of the data grid "
+                        f"{layout_str(self.data_grid.layout)} hold identical samples: is every "
+                        "rank given the whole global batch? Each N block takes its own block of "
+                        "it (distconv.data.GridSampler, or distconv.scatter of the batch)")
 
     def _shapes(self, shape: tuple[int, ...], dtype: torch.dtype) -> dict[str, tuple[int, ...]]:
         """Every node's global shape for a global input shape (meta-device trace, cached)."""
@@ -337,11 +395,83 @@ class ParallelModel(nn.Module):
         if cached is None:
             meta: fx.GraphModule = self._meta
             meta.to(dtype)
-            ShapeProp(meta).propagate(torch.empty(shape, dtype=dtype, device="meta"))
+            try:
+                ShapeProp(meta).propagate(torch.empty(shape, dtype=dtype, device="meta"))
+            except Exception as exc:  # shape propagation names the failing node in its text
+                raise ValueError(_shape_message(meta, shape, exc)) from None
             cached = {n.name: tuple(n.meta["tensor_meta"].shape) for n in meta.graph.nodes
                       if isinstance(n.meta.get("tensor_meta"), fx.passes.shape_prop.TensorMetadata)}
+            _check_broadcasts(self._analysis, cached)
             self._plans[key] = cached
         return cached
+
+    # ------------------------------------------------------------------ state dicts
+    def _shard_tag(self) -> dict[str, Any]:
+        tag = getattr(self, "_tag", None)
+        if tag is None:
+            where = sorted((k, None if s.grid is None else s.grid.layout, s.dist.format(),
+                            s.global_shape) for k, s in shard_specs(self).items())
+            digest = hashlib.sha256(repr(where).encode()).hexdigest()[:16]
+            tag = {"rank": self.comm.rank, "world_size": self.comm.size, "layout": digest}
+            object.__setattr__(self, "_tag", tag)
+        return dict(tag)
+
+    def state_dict(self, *args: Any, destination: Any = None, prefix: str = "",
+                   keep_vars: bool = False) -> Any:
+        """This rank's shards under the single-process keys (what optimizers and
+        :func:`distconv.save` work with), tagged with the rank and layout that hold them: it loads
+        back only on the same rank and layout (:meth:`load_state_dict`). For the global tensors
+        use :meth:`gather_state_dict` (collective); to save and reshard use
+        :func:`distconv.save` / :func:`distconv.load`."""
+        sd = super().state_dict(*args, destination=destination, prefix=prefix,
+                                keep_vars=keep_vars)
+        meta = getattr(sd, "_metadata", None)
+        if meta is not None:
+            meta.setdefault(prefix[:-1], {})[_TAG] = self._shard_tag()
+        return sd
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True,
+                        assign: bool = False) -> Any:
+        """Load either this rank's own shards (a :meth:`state_dict` of this rank and layout,
+        also after ``torch.save``/``torch.load``) or a plain single-process state dict (global
+        tensors: every rank copies its blocks, as :func:`distconv.load_global_state_dict`).
+
+        Raises:
+            ValueError: shards of another rank or layout (use :func:`distconv.save` /
+                :func:`distconv.load`, which reshard), or a tensor whose shape is neither its
+                global shape nor, with the tag, its local one; missing or unknown keys when
+                ``strict``.
+        """
+        if not isinstance(state_dict, Mapping):
+            raise TypeError(f"state_dict must be a mapping, got {type(state_dict).__name__}")
+        meta = getattr(state_dict, "_metadata", None) or {}
+        tag = meta.get("", {}).get(_TAG)
+        if tag is not None:
+            mine = self._shard_tag()
+            if tag != mine:
+                raise ValueError(
+                    f"state_dict holds the shards of rank {tag['rank']} of {tag['world_size']} "
+                    f"(layout {tag['layout']}); this is rank {mine['rank']} of "
+                    f"{mine['world_size']} (layout {mine['layout']}). Shards load only where "
+                    "they were taken: save and resume with distconv.save / distconv.load "
+                    "(they reshard onto any layout), or load a plain single-process state dict")
+            return super().load_state_dict(state_dict, strict=strict, assign=assign)
+        if assign:
+            raise ValueError("assign=True takes this rank's own shards (pmodel.state_dict()); a "
+                             "plain single-process state dict is sharded by copying its blocks")
+        from distconv.checkpoint import load_global_state_dict
+
+        load_global_state_dict(self, state_dict, strict=strict)
+        keys = set(shard_specs(self))
+        return nn.modules.module._IncompatibleKeys(
+            sorted(keys - set(state_dict)), sorted(set(state_dict) - keys))
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
+                        error_if_nonfinite: bool = False) -> torch.Tensor:
+        """:func:`distconv.clip_grad_norm_` of this model's parameters (collective): the norm of
+        the global gradient, every shard counted once; returns it."""
+        return _clip.clip_grad_norm_(self, max_norm, norm_type, error_if_nonfinite,
+                                     comm=self.comm)
 
     # ------------------------------------------------------------------ gathering
     def gather_state_dict(self) -> dict[str, torch.Tensor]:
@@ -417,3 +547,103 @@ def _get_attr(root: nn.Module, target: str) -> Any:
     for part in target.split("."):
         obj = getattr(obj, part)
     return obj
+
+
+def _compiling() -> bool:
+    compiler = getattr(torch, "compiler", None)
+    check = getattr(compiler, "is_compiling", None)
+    return bool(check()) if check is not None else False
+
+
+def _show_input(spec: LayerSpec | None) -> str:
+    return "-" if spec is None or spec.input is None else spec.input.format("x")
+
+
+def _tied_parameters(gm: nn.Module) -> list[list[tuple[str, str]]]:
+    """(module, attribute) pairs of every parameter object that more than one module holds."""
+    owners: dict[int, list[tuple[str, str]]] = {}
+    for mname, m in gm.named_modules(remove_duplicate=False):
+        for pname, p in m._parameters.items():
+            if p is not None and (mname, pname) not in owners.get(id(p), []):
+                owners.setdefault(id(p), []).append((mname, pname))
+    return [group for group in owners.values() if len(group) > 1]
+
+
+def _retie(gm: nn.Module, ties: list[list[tuple[str, str]]]) -> None:
+    """Make each parameter the original model shared one parameter again: its holders' shards
+    are one ``Parameter`` (gradients of every use add up in it) when they lie alike, else the
+    model is refused by name."""
+    for group in ties:
+        held = []
+        for mname, pname in group:
+            module = gm.get_submodule(mname)
+            spec = shard_specs(module)[pname]
+            where = (None if spec.grid is None else spec.grid.layout, spec.dist,
+                     spec.global_shape)
+            held.append((f"{mname}.{pname}" if mname else pname, module, pname, where))
+        name0, module0, pname0, where0 = held[0]
+        shared = getattr(module0, pname0)
+        for name, module, pname, where in held[1:]:
+            if getattr(module, pname) is shared:
+                continue
+            if where != where0:
+                raise ValueError(
+                    f"parallelize: {name0!r} and {name!r} are one shared parameter, but their "
+                    f"layers shard it differently ({_show_where(where0)} and "
+                    f"{_show_where(where)}). Give both layers the same grid and algorithm in the "
+                    "config (one entry matching both), or untie the parameter")
+            setattr(module, pname, shared)
+
+
+def _show_where(where: tuple[Any, Any, Any]) -> str:
+    layout, dist, shape = where
+    on = "every rank" if layout is None else layout_str(layout)
+    return f"{dist.format('w')} of {tuple(shape)} on {on}"
+
+
+def _first_layer(gm: fx.GraphModule) -> str:
+    """What the model's first shaped layer expects of the input, in words ('' if none)."""
+    modules = dict(gm.named_modules())
+    for node in gm.graph.nodes:
+        if node.op != "call_module":
+            continue
+        m = modules.get(str(node.target))
+        if isinstance(m, nn.Conv2d):
+            return f"its first layer {node.target!r} (Conv2d) takes (N, {m.in_channels}, H, W)"
+        if isinstance(m, nn.Linear):
+            return f"its first layer {node.target!r} (Linear) takes (N, {m.in_features})"
+        if isinstance(m, nn.BatchNorm2d):
+            return (f"its first layer {node.target!r} (BatchNorm2d) takes "
+                    f"(N, {m.num_features}, H, W)")
+    return ""
+
+
+def _shape_message(gm: fx.GraphModule, shape: tuple[int, ...], exc: Exception) -> str:
+    cause = exc.__cause__ or exc
+    found = re.search(r"node=%?(\w+)", str(exc))
+    where = f" (node {found.group(1)!r} fails)" if found else ""
+    text = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
+    first = _first_layer(gm)
+    return (f"input: the global input shape {shape} does not fit the model{where}: {text}"
+            + (f"; {first}" if first else ""))
+
+
+def _check_broadcasts(analysis: Analysis, shapes: dict[str, tuple[int, ...]]) -> None:
+    """Refuse, by node, an elementwise op that broadcasts an operand over a dim its placement
+    splits (its blocks of a size-1 dim are not the values every rank needs)."""
+    for step in analysis.steps:
+        if step.kind != "pointwise" or len(step.needs) < 2 or step.node.name not in shapes:
+            continue
+        out = shapes[step.node.name]
+        for arg, need in step.needs.items():
+            got = shapes.get(arg.name)
+            if got is None or len(got) != len(out):
+                continue
+            for d, (a, o) in enumerate(zip(got, out)):
+                if a != o and need.dist.grid_dims_of(d) and step.node.target is not torch.cat:
+                    raise NotImplementedError(
+                        f"parallelize: node {step.node.name!r} broadcasts {arg.name!r} of shape "
+                        f"{got} against {out} over dim {d}, which its operands' meeting layout "
+                        f"{need.format('x')} splits: broadcasting across a split dim is not "
+                        "supported yet. Keep that dim whole there (e.g. a config that runs this "
+                        "part sample-parallel), or expand the smaller operand explicitly")
