@@ -19,6 +19,8 @@ from distconv import (
 )
 from distconv.comm import CollectiveMismatchError, SingleCommunicator, init, set_debug
 from distconv.launch import launch
+from distconv.parallel import ParallelConfig, load_config
+from distconv.parallel.explain import explain
 from distconv.nn import DistConv2d
 from distconv.testing import WorkerPool, run_threads
 
@@ -34,6 +36,89 @@ def _conv(**kw):
 
 def _rank_fn(comm):
     return comm.rank
+
+
+def _fosi_step(**kw):
+    from distkfac.hybrid import FOSI
+
+    opt = FOSI(nn.Linear(3, 2).parameters(), lambda ps: torch.optim.SGD(ps, lr=0.1), k=1)
+    opt.step(**kw)
+
+
+def _fosi_estimate(**kw):
+    from distkfac.hybrid import FOSI
+
+    lin = nn.Linear(3, 2)
+    opt = FOSI(lin.parameters(), lambda ps: torch.optim.SGD(ps, lr=0.1), k=1)
+    opt.estimate(lambda: lin(torch.ones(4, 3)).pow(2).sum(), **kw)
+
+
+def _dho2_step(**kw):
+    from distkfac.hybrid import DHO2
+
+    opt = DHO2(nn.Linear(3, 2).parameters(), lambda ps: torch.optim.SGD(ps, lr=0.1), comm=ONE,
+               k=1)
+    opt.step(**kw)
+
+
+def _mr_dho2_rank(comm, num_samples):
+    from distkfac.hybrid import MRDHO2
+
+    lin = nn.Linear(3, 2)
+    opt = MRDHO2(lin.parameters(), lambda ps: torch.optim.SGD(ps, lr=0.1), comm=comm, k=1,
+                 ese_closure=lambda: lin(torch.ones(2, 3)).pow(2).sum())
+    opt.step(num_samples=num_samples)
+
+
+def _kfac(**kw):
+    import distkfac
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    return distkfac.KFAC(model, comm=ONE, **kw)
+
+
+def _net():
+    return nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.Flatten(),
+                         nn.Linear(4 * 8 * 8, 2))
+
+
+_CFG = {"default": {"grid": {"N": 2}, "algorithm": "sample"}}
+_AUTO = {"default": {"grid": {"N": 2}, "algorithm": "auto"},
+         "layers": [{"match": "3", "grid": {"N": 2}, "algorithm": "sample"}]}
+
+
+def _explain(shape=(2, 3, 8, 8), config=None, **kw):
+    return explain(_net(), _CFG if config is None else config, shape, **kw)
+
+
+def _plan(shape=(2, 3, 8, 8), **kw):
+    from distconv.planner import plan_network
+
+    return plan_network(nn.Sequential(nn.Conv2d(3, 4, 3, padding=1)), shape, world_size=2,
+                        **{"machine": "lassen", **kw})
+
+
+def _predict(**kw):
+    from distconv.planner import predict
+
+    return predict(nn.Sequential(nn.Conv2d(3, 4, 3, padding=1)), _CFG, (2, 3, 8, 8),
+                   world_size=2, **kw)
+
+
+def _broken_yaml():
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "broken.yaml")
+        with open(path, "w", encoding="utf-8") as f:
+            f.write("default:\n  grid: {N: 2\n  algorithm: sample\n")
+        ParallelConfig(path, world_size=2)
+
+
+def _resolve(machine):
+    from distconv.machines import resolve_machine
+
+    return resolve_machine(machine)
 
 
 # (id, call, exception type, substrings the message must contain: the argument and the value)
@@ -109,6 +194,103 @@ CATALOG = [
      ["timeout", "nan"]),
     ("launch-timeout-nan", lambda: launch(_rank_fn, 1, backend="single", timeout=math.nan),
      ValueError, ["timeout", "nan"]),
+    # hybrid-order optimizers: the sample count weights the gradient (0 or < 0 gave NaN/Inf)
+    ("fosi-num-samples-zero", lambda: _fosi_step(num_samples=0), ValueError,
+     ["num_samples", "got 0", "> 0"]),
+    ("fosi-num-samples-negative", lambda: _fosi_step(num_samples=-3), ValueError,
+     ["num_samples", "-3"]),
+    ("fosi-num-samples-nan", lambda: _fosi_step(num_samples=math.nan), ValueError,
+     ["num_samples", "nan"]),
+    ("fosi-num-samples-inf", lambda: _fosi_step(num_samples=math.inf), ValueError,
+     ["num_samples", "inf"]),
+    ("fosi-num-samples-bool", lambda: _fosi_step(num_samples=True), TypeError,
+     ["num_samples", "True"]),
+    ("fosi-num-samples-str", lambda: _fosi_step(num_samples="8"), TypeError,
+     ["num_samples", "'8'"]),
+    ("fosi-num-samples-tensor", lambda: _fosi_step(num_samples=torch.tensor(8)), TypeError,
+     ["num_samples", "tensor(8)"]),
+    ("fosi-estimate-num-samples-negative", lambda: _fosi_estimate(num_samples=-1.0), ValueError,
+     ["num_samples", "-1.0"]),
+    ("dho2-num-samples-zero", lambda: _dho2_step(num_samples=0), ValueError,
+     ["num_samples", "got 0"]),
+    ("dho2-num-samples-negative", lambda: _dho2_step(num_samples=-2.5), ValueError,
+     ["num_samples", "-2.5"]),
+    ("mr-dho2-num-samples-zero", lambda: run_threads(_mr_dho2_rank, 2, 0, timeout=10),
+     ValueError, ["num_samples", "got 0"]),
+    ("mr-dho2-num-samples-none", lambda: run_threads(_mr_dho2_rank, 2, None, timeout=10),
+     TypeError, ["num_samples", "None"]),
+    # K-FAC factor sharding: a key naming no layer was ignored
+    ("kfac-sharding-unknown-layer", lambda: _kfac(factor_sharding={"unknown_layer": "exact"}),
+     ValueError, ["factor_sharding", "unknown_layer", "'0', '2'"]),
+    ("kfac-sharding-mixed-keys", lambda: _kfac(factor_sharding={"0": "exact", "fc": "block"}),
+     ValueError, ["factor_sharding", "['fc']"]),
+    ("kfac-sharding-bad-layout", lambda: _kfac(factor_sharding={"0": "rows"}), ValueError,
+     ["factor_sharding", "'rows'", "exact"]),
+    ("kfac-sharding-int", lambda: _kfac(factor_sharding=3), TypeError,
+     ["factor_sharding", "3"]),
+    # explain's options
+    ("explain-model-str", lambda: explain("net", _CFG, (2, 3, 8, 8)), TypeError,
+     ["model", "'net'"]),
+    ("explain-optimizer-states-negative", lambda: _explain(optimizer_states=-1), ValueError,
+     ["optimizer_states", "-1", ">= 0"]),
+    ("explain-optimizer-states-float", lambda: _explain(optimizer_states=1.5), TypeError,
+     ["optimizer_states", "1.5"]),
+    ("explain-optimizer-states-bool", lambda: _explain(optimizer_states=True), TypeError,
+     ["optimizer_states", "True"]),
+    ("explain-itemsize-zero", lambda: _explain(itemsize=0), ValueError, ["itemsize", "0"]),
+    ("explain-itemsize-float", lambda: _explain(itemsize=4.0), TypeError, ["itemsize", "4.0"]),
+    ("explain-bucket-bytes-negative", lambda: _explain(bucket_bytes=-1), ValueError,
+     ["bucket_bytes", "-1"]),
+    ("explain-bucket-bytes-str", lambda: _explain(bucket_bytes="25MB"), TypeError,
+     ["bucket_bytes", "'25MB'"]),
+    ("explain-world-size-zero", lambda: _explain(world_size=0), ValueError,
+     ["world_size", "0"]),
+    ("explain-world-size-str", lambda: _explain(world_size="2"), TypeError,
+     ["world_size", "'2'"]),
+    ("explain-world-size-contradicts-grid", lambda: _explain(world_size=4), ValueError,
+     ["world_size=4", "{'N': 2}"]),
+    # explain's machine: a flat or hierarchical machine, a factory or a known name
+    ("explain-machine-int", lambda: _explain(machine=3), TypeError,
+     ["machine", "3", "lassen", "factory"]),
+    ("explain-machine-dict", lambda: _explain(machine={"alpha": 1e-6}), TypeError,
+     ["machine", "{'alpha': 1e-06}"]),
+    ("explain-machine-unknown-name", lambda: _explain(machine="frontier"), ValueError,
+     ["machine", "'frontier'", "lassen"]),
+    ("explain-machine-factory-returns-junk", lambda: _explain(machine=lambda: 5), TypeError,
+     ["machine", "returned 5"]),
+    ("explain-machine-factory-needs-args", lambda: _explain(machine=lambda n: n), TypeError,
+     ["machine", "no arguments"]),
+    ("resolve-machine-none", lambda: _resolve(None), TypeError, ["machine", "None"]),
+    # explain's input shape
+    ("explain-shape-3-dims", lambda: _explain((3, 8, 8)), ValueError,
+     ["input_shape", "(3, 8, 8)", "4-dim", "3 channels"]),
+    ("explain-shape-5-dims", lambda: _explain((2, 3, 8, 8, 1)), ValueError,
+     ["input_shape", "(2, 3, 8, 8, 1)", "4-dim"]),
+    ("explain-shape-channels", lambda: _explain((2, 5, 8, 8)), ValueError,
+     ["input_shape", "(2, 5, 8, 8)", "3 channels"]),
+    ("explain-shape-later-layer", lambda: _explain((2, 3, 10, 10)), ValueError,
+     ["input_shape", "(2, 3, 10, 10)", "3 channels", "'3' (Linear)"]),
+    ("explain-auto-shape-later-layer", lambda: _explain((2, 3, 10, 10), _AUTO), ValueError,
+     ["input_shape", "(2, 3, 10, 10)", "'3' (Linear)"]),
+    ("explain-shape-float", lambda: _explain((2, 3.0, 8, 8)), TypeError,
+     ["input_shape", "(2, 3.0, 8, 8)"]),
+    ("explain-shape-negative", lambda: _explain((2, -3, 8, 8)), ValueError,
+     ["input_shape", "(2, -3, 8, 8)"]),
+    ("explain-shape-str", lambda: _explain("2,3,8,8"), TypeError,
+     ["input_shape", "'2,3,8,8'"]),
+    # the planner's machine and input shape
+    ("plan-network-machine-int", lambda: _plan(machine=3), TypeError, ["machine", "3"]),
+    ("plan-network-machine-unknown-name", lambda: _plan(machine="frontier"), ValueError,
+     ["machine", "'frontier'"]),
+    ("plan-network-shape-channels", lambda: _plan((2, 5, 8, 8)), ValueError,
+     ["input_shape", "(2, 5, 8, 8)", "3 channels"]),
+    ("predict-machine-none", lambda: _predict(machine=None), TypeError, ["machine", "None"]),
+    # configs
+    ("config-yaml-syntax", _broken_yaml, ValueError, ["config file", "broken.yaml", "line 3"]),
+    ("config-world-size-contradicts-grid",
+     lambda: ParallelConfig({"default": {"grid": {"N": 2}}}, world_size=4), ValueError,
+     ["world_size=4", "'N': 2"]),
+    ("config-int", lambda: load_config(5), TypeError, ["config", "int"]),
 ]
 
 
