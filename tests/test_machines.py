@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 
 import pytest
@@ -145,3 +146,58 @@ def test_roofline_by_hand() -> None:
     assert roof(small) == pytest.approx((16 + 16 + 16) * 4 / 1e9 * 4 + 1e-3)
     assert LASSEN.local_conv(pb) == pytest.approx(
         max(pb.flops() / LASSEN.flop_rate, 576 / 900e9) / (64 / 163840) + 10e-6)
+
+
+def test_resolve_machine_takes_a_machine_a_factory_or_a_known_name() -> None:
+    from distconv.machines import lassen, resolve_machine
+    from distconv.perfmodel import Machine as Flat
+
+    assert resolve_machine(TOY) is TOY
+    assert resolve_machine(lassen) == resolve_machine("lassen") == resolve_machine("Lassen")
+    assert resolve_machine(lassen) == lassen()
+    flat = Flat(3e-6, 2e-9, 1e10)
+    assert resolve_machine(flat) is flat
+    one_level = resolve_machine(flat, hierarchical=True)
+    assert isinstance(one_level, Machine) and one_level.memory == math.inf
+    for op, peers, nbytes in [("allgather", 4, 1000), ("allreduce", 8, 123), ("alltoall", 2, 7)]:
+        assert one_level.collective_time(op, peers, nbytes) == pytest.approx(
+            flat.collective_time(op, peers, nbytes))
+    pb = ConvProblem(2, 4, 4, 8, 8, 3, padding=1)
+    assert one_level.local_conv(pb) == flat.local_conv(pb)
+    with pytest.raises(TypeError, match=r"machine must be .* got 3 of type int"):
+        resolve_machine(3)
+    with pytest.raises(ValueError, match=r"machine='frontier' is not a known machine name"):
+        resolve_machine("frontier")
+
+
+def test_explain_prices_each_collective_on_the_level_its_ranks_span() -> None:
+    """{N: 2, C: 2}: C varies fastest, so the reduce-scatter over C stays in a socket (ranks 0,
+    1) and the gradient allreduce over N crosses the node's shared bus (ranks 0, 2)."""
+    import torch.nn as nn
+
+    from distconv.parallel.explain import explain
+
+    config = {"default": {"grid": {"N": 2, "C": 2}, "algorithm": "stationary-x"}}
+    plan = explain(nn.Sequential(nn.Conv2d(4, 4, 3, padding=1)), config, (4, 4, 8, 8),
+                   machine=TOY)
+    steps = {s.what.split(" (")[0]: s for lay in plan.layers for s in lay.steps}
+    rs = steps["reduce-scatter y over C"]
+    assert rs.seconds(TOY) == pytest.approx(1 * 1e-6 + max(rs.bytes.values()) / 100.0)
+    grad = next(s for w, s in steps.items() if w.startswith("gradient bucket") and "N of" in w)
+    # ring allreduce among 2: 2 steps; two rings share each socket's bus: 2 flows
+    assert grad.seconds(TOY) == pytest.approx(2 * 2e-6 + max(grad.bytes.values()) * 2 / 50.0)
+    assert plan.seconds() == pytest.approx(sum(
+        lay.compute_seconds + sum(s.seconds(TOY) for s in lay.steps) for lay in plan.layers))
+
+
+def test_explain_takes_the_lassen_factory_and_name() -> None:
+    import torch.nn as nn
+
+    from distconv.machines import lassen
+    from distconv.parallel.explain import explain
+
+    model = nn.Sequential(nn.Conv2d(4, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3))
+    config = {"default": {"grid": {"N": 2, "F": 2}, "algorithm": "stationary-y"}}
+    seconds = {explain(model, config, (4, 4, 8, 8), machine=m).seconds()
+               for m in (lassen(), lassen, "lassen")}
+    assert len(seconds) == 1 and next(iter(seconds)) > 0
