@@ -15,6 +15,8 @@ from typing import Any, Callable
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 import torch.nn.functional as F
 from torch import nn
 
@@ -24,7 +26,8 @@ from distconv.data import sample_block
 from distconv.nn import DistAdaptiveAvgPool2d, DistAvgPool2d, DistBatchNorm2d, DistMaxPool2d
 from distconv.parallel import parallelize
 from distconv.testing import run_threads
-from tests.parallel.cases import RESNET_CONFIG, TOL, resnet_case, seeded
+from tests.parallel.cases import RESNET_CONFIG, TOL, _gathered_grads, resnet_case, seeded
+from tests.parallel.test_parallelize import network_cases
 
 STEPS = 2
 Loop = Callable[..., dict]
@@ -244,6 +247,28 @@ def test_clip_really_clips_and_counts_every_shard_once() -> None:
     assert (ref["norms"] > 1e-2).all()
     for got in run_threads(parallel, 4, "clip-2"):
         assert torch.allclose(got["norms"], ref["norms"], rtol=1e-12, atol=0)
+
+
+def _clip_step(comm: Any, model: nn.Module, config: Any, x: torch.Tensor, y: torch.Tensor,
+               norm_type: float) -> dict[str, Any]:
+    pmodel = parallelize(copy.deepcopy(model), config, comm=comm)
+    rows = sample_block(x.shape[0], pmodel.data_grid)
+    F.cross_entropy(pmodel(x[rows]), y[rows]).backward()
+    total = distconv.clip_grad_norm_(pmodel.parameters(), 1e-3, norm_type=norm_type)
+    return {"total": total, "grads": _gathered_grads(pmodel)}
+
+
+@settings(max_examples=8, suppress_health_check=[HealthCheck.too_slow], deadline=None)
+@given(network_cases(), st.sampled_from([2.0, 1.0, 3.0, float("inf")]))
+def test_clip_on_random_grids_and_networks_equals_torch(case: tuple, norm_type: float) -> None:
+    p, model, config, x, y = case
+    ref = copy.deepcopy(model)
+    F.cross_entropy(ref(x), y).backward()
+    total = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e-3, norm_type=norm_type)
+    for got in run_threads(_clip_step, p, model, config, x, y, norm_type):
+        assert abs(got["total"].item() - total.item()) <= 1e-12 * total.item(), (config, got)
+        for k, q in ref.named_parameters():
+            assert (got["grads"][k] - q.grad).abs().max() < TOL, (config, k)
 
 
 def test_frozen_parameters_get_no_gradient() -> None:
