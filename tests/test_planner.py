@@ -200,3 +200,19 @@ def test_residual_operands_meet_where_the_executor_joins_them() -> None:
     for a, b in itertools.product(options, options):
         pa, pb = Placement(a.grid, a.output_dist), Placement(b.grid, b.output_dist)
         assert model.meet(a, b, True) == (_cheaper_meeting(pa, pb) == pa), (a, b)
+
+
+def test_planner_takes_a_flat_machine_a_factory_or_a_name(tiny) -> None:  # noqa: ANN001
+    """A flat ``perfmodel.Machine`` is the one-level machine that prices alike (it crashed the
+    planner, which prices transitions by link); ``lassen`` and ``"lassen"`` are ``lassen()``."""
+    from distconv.machines import lassen
+    from distconv.perfmodel import Machine as Flat
+
+    flat = plan_network(tiny, world_size=4, machine=Flat(1e-6, 1e-30, 1e9))
+    one_level = plan_network(tiny, world_size=4, machine=_flat(1e-6, 1e30, 1e9))
+    assert flat.step_time == pytest.approx(one_level.step_time)
+    assert flat.config() == one_level.config()
+    by = [plan_network(tiny, world_size=4, machine=m) for m in (lassen(), lassen, "lassen")]
+    assert len({(p.step_time, str(p.config())) for p in by}) == 1
+    with pytest.raises(TypeError, match="machine must be"):
+        plan_network(tiny, world_size=4, machine=None)
