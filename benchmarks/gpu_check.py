@@ -124,6 +124,23 @@ class DeviceAudit:
         return {"comm_bytes_by_device": dict(self.bytes), "comm_tensors_by_device": dict(self.calls)}
 
 
+def _rank_backward_here(comm: Any, fn: Callable[..., Any], *args: Any) -> Any:
+    with torch.autograd.set_multithreading_enabled(False):
+        return fn(comm, *args)
+
+
+def run_ranks(fn: Callable[..., Any], size: int, *args: Any, timeout: float = 20.0) -> list:
+    """``run_threads`` with each rank's backward on the rank's own thread.
+
+    Autograd runs the backward of CUDA tensors on one worker thread per device, shared by every
+    thread of the process: thread ranks on one GPU whose backward passes hold collectives
+    (halo and redistribution adjoints, gradient allreduces) would all queue on that one thread,
+    the first to enter a collective waiting forever for the others. With multithreaded backward
+    off (thread-local), each rank's backward runs on its own thread, as on CPU.
+    """
+    return run_threads(_rank_backward_here, size, fn, *args, timeout=timeout)
+
+
 def devices_of(tensors: Any) -> list[str]:
     """The distinct device types of the tensors in a (nested) structure."""
     found: set[str] = set()
@@ -219,7 +236,7 @@ def check_conv(device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
     for case in CONV_CASES:
         ref = conv_reference(case, dtype, device)
         size = math.prod(case[1].values())
-        ranks = run_threads(conv_rank, size, case, ref, tol, timeout=60.0)
+        ranks = run_ranks(conv_rank, size, case, ref, tol)
         err = {k: max(r["errors"][k] for r in ranks) for k in ranks[0]["errors"]}
         case_ok = all(r["ok"] for r in ranks)
         ok &= case_ok
@@ -302,7 +319,7 @@ def resnet_rank(comm: Any, model: nn.Module, batches: list) -> dict[str, Any]:
 def check_resnet(device: torch.device) -> dict[str, Any]:
     model, batches = resnet_case(device)
     ref = resnet_reference(model, batches)
-    ranks = run_threads(resnet_rank, 4, model, batches, timeout=120.0)
+    ranks = run_ranks(resnet_rank, 4, model, batches)
     err = {"out": 0.0, "grads": 0.0, "state": 0.0}
     for got in ranks:
         rows = got["rows"]
@@ -395,8 +412,7 @@ def check_kfac(device: torch.device) -> dict[str, Any]:
     for grid_dims, algorithm, conv_kw in KFAC_CASES:
         ref = kfac_single(conv_kw, device, steps)
         size = math.prod(grid_dims.values())
-        ranks = run_threads(kfac_rank, size, grid_dims, algorithm, conv_kw, device, steps,
-                            timeout=60.0)
+        ranks = run_ranks(kfac_rank, size, grid_dims, algorithm, conv_kw, device, steps)
         werr = max(max_err(r["wg"], ref.weight.grad) for r in ranks)
         berr = 0.0 if ref.bias is None else max(max_err(r["bg"], ref.bias.grad) for r in ranks)
         case_ok = all(within(r["wg"], ref.weight.grad, KFAC_TOL) and (
@@ -510,7 +526,7 @@ def check_checkpoint(device: torch.device) -> dict[str, Any]:
     dst_layout = ({"C": 2, "F": 2}, "stationary-w")
     with tempfile.TemporaryDirectory() as tmp:
         p1, p2 = str(Path(tmp) / "from_device"), str(Path(tmp) / "from_cpu")
-        saved = run_threads(ckpt_save_rank, 4, src_layout, p1, device, timeout=60.0)
+        saved = run_ranks(ckpt_save_rank, 4, src_layout, p1, device)
         expected = saved[0]["state"]
         # 1. on CPU, one process: a plain model and optimizer
         cpu = torch.device("cpu")
@@ -525,7 +541,7 @@ def check_checkpoint(device: torch.device) -> dict[str, Any]:
                                    if k.startswith("model/")}, consolidated)
         # 2. saved from CPU, loaded back onto the device on another layout
         distconv.save(model, p2, optimizer=opt, extra=extra, comm=SingleCommunicator())
-        loaded = run_threads(ckpt_load_rank, 4, dst_layout, p2, device, timeout=60.0)
+        loaded = run_ranks(ckpt_load_rank, 4, dst_layout, p2, device)
         bad_back = [f"rank {r}: {m}" for r, got in enumerate(loaded)
                     for m in compare_states(expected, got["state"])]
         bad_extra = [] if all(g["extra"] == {"epoch": 3} and g["lr"] == 0.1 for g in loaded) \
