@@ -10,6 +10,7 @@ declarative per-layer config, trained exactly by an ordinary data-parallel loop)
 """
 from __future__ import annotations
 
+from distconv import machines
 from distconv.checkpoint import consolidate, load, load_global_state_dict, save
 from distconv.distribution import Dist, balanced_block, nested_block
 from distconv.grid import ProcessorGrid
@@ -22,8 +23,7 @@ from distconv.redistribute import (
 
 __all__ = [
     "Dist", "ParallelModel", "ProcessorGrid", "balanced_block", "clip_grad_norm_", "consolidate",
-    "explain",
-    "gather", "load", "load_global_state_dict", "nested_block", "parallelize",
-    "plan_redistribution", "redistribute", "repartition", "save", "scatter",
+    "explain", "gather", "load", "load_global_state_dict", "machines", "nested_block",
+    "parallelize", "plan_redistribution", "redistribute", "repartition", "save", "scatter",
 ]
 __version__ = "0.1.0"

@@ -9,6 +9,7 @@ parallel). The reference is the same loop on one process with torch alone.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import io
 from typing import Any, Callable
@@ -135,6 +136,20 @@ def loop_accumulate(model, batches, clip) -> dict:
     return {}
 
 
+def loop_no_sync(model, batches, clip) -> dict:
+    """DDP's accumulation recipe: the first micro-batch's backward inside ``no_sync``."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for step in range(len(batches) // 2):
+        (x0, y0), (x1, y1) = batches[2 * step:2 * step + 2]
+        no_sync = getattr(model, "no_sync", contextlib.nullcontext)
+        with no_sync():
+            (F.cross_entropy(model(x0), y0) / 2).backward()
+        (F.cross_entropy(model(x1), y1) / 2).backward()
+        opt.step()
+        opt.zero_grad()
+    return {}
+
+
 def loop_param_groups(model, batches, clip) -> dict:
     """No weight decay for norms and biases, found by type and by name; a step LR schedule."""
     norms = {id(p) for m in model.modules() if isinstance(m, nn.BatchNorm2d)
@@ -176,9 +191,13 @@ LOOPS: dict[str, tuple[Loop, Callable[[nn.Module], None] | None, dict]] = {
     "bn-eval": (loop_bn_eval, None, {}),
     "submodule-eval": (loop_submodule_eval, None, {}),
     "accumulate": (loop_accumulate, None, {}),
+    "no-sync": (loop_no_sync, None, {}),
     "param-groups": (loop_param_groups, None, {}),
     "double": (loop_double, None, {}),
 }
+
+
+MICRO = ("accumulate", "no-sync")  # loops that take micro-batches
 
 
 # ----------------------------------------------------------------------------- the two sides
@@ -197,7 +216,7 @@ def reference(idiom: str) -> dict[str, Any]:
     loop, _, kw = LOOPS[idiom]
     model, x, y = _case(idiom)
     model = copy.deepcopy(model)
-    out = loop(model, _batches(x, y, idiom == "accumulate"), torch.nn.utils.clip_grad_norm_,
+    out = loop(model, _batches(x, y, idiom in MICRO), torch.nn.utils.clip_grad_norm_,
                **kw)
     out["state"] = {k: v.detach().clone() for k, v in model.double().state_dict().items()}
     out["global"] = x.shape[0]
@@ -209,7 +228,7 @@ def parallel(comm: Any, idiom: str) -> dict[str, Any]:
     model, x, y = _case(idiom)
     pmodel = parallelize(copy.deepcopy(model), RESNET_CONFIG, comm=comm)
     batches = []
-    for bx, by in _batches(x, y, idiom == "accumulate"):  # each rank its block of each batch
+    for bx, by in _batches(x, y, idiom in MICRO):  # each rank its block of each batch
         rows = sample_block(bx.shape[0], pmodel.data_grid)
         batches.append((bx[rows], by[rows]))
     out = loop(pmodel, batches, distconv.clip_grad_norm_, **kw)
@@ -280,7 +299,7 @@ def test_frozen_parameters_get_no_gradient() -> None:
 
 @pytest.mark.gloo
 def test_idioms_on_gloo(gloo4) -> None:
-    for idiom in ("clip-2", "clip-inf", "frozen", "bn-eval"):
+    for idiom in ("clip-2", "clip-inf", "frozen", "bn-eval", "no-sync"):
         ref = reference(idiom)
         for got in gloo4.run(parallel, idiom):
             _compare(ref, got)
@@ -288,7 +307,7 @@ def test_idioms_on_gloo(gloo4) -> None:
 
 @pytest.mark.mpi
 def test_idioms_on_mpi(mpi4) -> None:
-    for idiom in ("clip-2", "clip-1", "frozen", "bn-eval"):
+    for idiom in ("clip-2", "clip-1", "frozen", "bn-eval", "no-sync"):
         ref = reference(idiom)
         for got in mpi4.run(parallel, idiom):
             _compare(ref, got)

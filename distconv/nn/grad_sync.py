@@ -131,6 +131,8 @@ class BucketedGradSync:
         layout = plan_buckets([p.numel() * p.element_size() for p in unique], bucket_bytes)
         self.buckets: list[list[nn.Parameter]] = [[unique[i] for i in b] for b in layout]
         self._bucket_of = {id(p): i for i, b in enumerate(self.buckets) for p in b}
+        self.enabled = True
+        self._carry = False  # local gradients of unsynchronised passes wait in .grad
         self._reset()
         self._handles = [p.register_hook(self._hook(p)) for p in unique]
 
@@ -143,23 +145,40 @@ class BucketedGradSync:
 
     def _hook(self, param: nn.Parameter) -> Any:
         def hook(grad: torch.Tensor) -> torch.Tensor:
+            if not self.enabled:  # accumulate locally; the next synchronised pass reduces it
+                self._carry = True
+                return grad
             b = self._bucket_of[id(param)]
+            if self._carry and param.grad is not None:  # reduce what waited, replace .grad
+                self._first[id(param)] = True
+                self._grads[b][id(param)] = grad + param.grad
+                self._start(b)
+                return grad
             first = param.grad is None
             self._first[id(param)] = first
             self._grads[b][id(param)] = grad
-            if not self._queued:
-                self._queued = True
-                torch.autograd.Variable._execution_engine.queue_callback(self.finish)
-            while (self._next < len(self.buckets)
-                   and len(self._grads[self._next]) == len(self.buckets[self._next])):
-                self._launch(self._next)
+            self._start(b)
             return grad if first else torch.zeros_like(grad)
 
         return hook
 
+    def _start(self, b: int) -> None:
+        """Queue the end-of-backward callback once; launch the buckets that are complete."""
+        if not self._queued:
+            self._queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self.finish)
+        while (self._next < len(self.buckets)
+               and len(self._grads[self._next]) == len(self.buckets[self._next])):
+            self._launch(self._next)
+
     def _launch(self, b: int) -> None:
         grads = self._grads[b]
         params = self.buckets[b]
+        if self._carry:  # parameters this pass missed but earlier unsynchronised passes reached
+            for p in params:
+                if id(p) not in grads and p.grad is not None:
+                    grads[id(p)] = p.grad
+                    self._first[id(p)] = True
         reached = [1.0 if id(p) in grads else 0.0 for p in params]
         flat = torch.cat([
             grads[id(p)].reshape(-1) if id(p) in grads else p.new_zeros(p.numel())
@@ -188,6 +207,7 @@ class BucketedGradSync:
                     p.grad = part.clone()
                 else:
                     p.grad.add_(part)
+        self._carry = False
         self._reset()
 
     def detach(self) -> None:

@@ -24,15 +24,14 @@ The contract (what makes a user's ordinary data-parallel loop exact)::
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
-import re
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 import torch.fx as fx
 from torch import nn
-from torch.fx.passes.shape_prop import ShapeProp
 
 from distconv.comm import get_debug
 from distconv.distribution import balanced_block
@@ -44,6 +43,7 @@ from distconv.nn.clip import register_parameter_specs
 from distconv.nn.sharding import ShardSpec, shard_specs
 from distconv.parallel.config import ParallelConfig
 from distconv.parallel.graph import Analysis, LayerSpec, Step, analyse, trace
+from distconv.parallel.shapes import propagate_shapes
 from distconv.parallel.placement import Layout, Placement, convert, layout_str
 from distconv.redistribute import gather
 
@@ -100,6 +100,10 @@ class ParallelModel(nn.Module):
             config, world_size=comm.size)
         if cfg.world_size != comm.size:
             raise ValueError(f"config is for {cfg.world_size} ranks but comm has {comm.size}")
+        if machine is not None:
+            from distconv.machines import resolve_machine
+
+            machine = resolve_machine(machine)
         # fx patches nn.Module.__call__ process-wide while it traces: no rank of a thread world
         # may run a module meanwhile, so every rank traces inside the same pair of barriers.
         comm.barrier(meta="parallelize: before tracing")
@@ -395,10 +399,7 @@ class ParallelModel(nn.Module):
         if cached is None:
             meta: fx.GraphModule = self._meta
             meta.to(dtype)
-            try:
-                ShapeProp(meta).propagate(torch.empty(shape, dtype=dtype, device="meta"))
-            except Exception as exc:  # shape propagation names the failing node in its text
-                raise ValueError(_shape_message(meta, shape, exc)) from None
+            propagate_shapes(meta, shape, dtype=dtype, argument="the input's global shape")
             cached = {n.name: tuple(n.meta["tensor_meta"].shape) for n in meta.graph.nodes
                       if isinstance(n.meta.get("tensor_meta"), fx.passes.shape_prop.TensorMetadata)}
             _check_broadcasts(self._analysis, cached)
@@ -465,6 +466,27 @@ class ParallelModel(nn.Module):
         keys = set(shard_specs(self))
         return nn.modules.module._IncompatibleKeys(
             sorted(keys - set(state_dict)), sorted(set(state_dict) - keys))
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """DDP's ``no_sync``: backward passes inside the block complete no parameter gradients
+        (each rank accumulates its own part in ``.grad``); the first backward pass after it
+        reduces everything accumulated, so gradient accumulation costs one set of allreduces::
+
+            with pmodel.no_sync():
+                F.cross_entropy(pmodel(x0), y0).backward()
+            F.cross_entropy(pmodel(x1), y1).backward()   # gradients of both, complete
+
+        The layers' own collectives (halos, redistributions, statistics) still run: they carry
+        activations, not gradients. Step the optimizer only after a synchronised pass."""
+        syncs = [] if self.grad_sync is None else self.grad_sync.syncs
+        for sync in syncs:
+            sync.enabled = False
+        try:
+            yield
+        finally:
+            for sync in syncs:
+                sync.enabled = True
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
                         error_if_nonfinite: bool = False) -> torch.Tensor:
@@ -599,33 +621,6 @@ def _show_where(where: tuple[Any, Any, Any]) -> str:
     layout, dist, shape = where
     on = "every rank" if layout is None else layout_str(layout)
     return f"{dist.format('w')} of {tuple(shape)} on {on}"
-
-
-def _first_layer(gm: fx.GraphModule) -> str:
-    """What the model's first shaped layer expects of the input, in words ('' if none)."""
-    modules = dict(gm.named_modules())
-    for node in gm.graph.nodes:
-        if node.op != "call_module":
-            continue
-        m = modules.get(str(node.target))
-        if isinstance(m, nn.Conv2d):
-            return f"its first layer {node.target!r} (Conv2d) takes (N, {m.in_channels}, H, W)"
-        if isinstance(m, nn.Linear):
-            return f"its first layer {node.target!r} (Linear) takes (N, {m.in_features})"
-        if isinstance(m, nn.BatchNorm2d):
-            return (f"its first layer {node.target!r} (BatchNorm2d) takes "
-                    f"(N, {m.num_features}, H, W)")
-    return ""
-
-
-def _shape_message(gm: fx.GraphModule, shape: tuple[int, ...], exc: Exception) -> str:
-    cause = exc.__cause__ or exc
-    found = re.search(r"node=%?(\w+)", str(exc))
-    where = f" (node {found.group(1)!r} fails)" if found else ""
-    text = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
-    first = _first_layer(gm)
-    return (f"input: the global input shape {shape} does not fit the model{where}: {text}"
-            + (f"; {first}" if first else ""))
 
 
 def _check_broadcasts(analysis: Analysis, shapes: dict[str, tuple[int, ...]]) -> None:
