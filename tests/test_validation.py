@@ -19,6 +19,7 @@ from distconv import (
 )
 from distconv.comm import CollectiveMismatchError, SingleCommunicator, init, set_debug
 from distconv.launch import launch
+from distconv import clip_grad_norm_, parallelize
 from distconv.parallel import ParallelConfig, load_config
 from distconv.parallel.explain import explain
 from distconv.nn import DistConv2d
@@ -119,6 +120,32 @@ def _resolve(machine):
     from distconv.machines import resolve_machine
 
     return resolve_machine(machine)
+
+
+class _Tiny(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.conv(x).mean((2, 3)))
+
+
+def _pmodel(**kw):
+    return parallelize(_Tiny(), {"default": {"grid": {"N": 1}}}, comm=ONE, **kw)
+
+
+def _grad_param(value: float = 1.0) -> nn.Parameter:
+    p = nn.Parameter(torch.zeros(2))
+    p.grad = torch.full((2,), value)
+    return p
+
+
+def _load_plain_wrong_shape():
+    state = _Tiny().state_dict()
+    state["conv.weight"] = torch.zeros(4, 3, 5, 5)
+    _pmodel().load_state_dict(state)
 
 
 # (id, call, exception type, substrings the message must contain: the argument and the value)
@@ -291,6 +318,43 @@ CATALOG = [
      lambda: ParallelConfig({"default": {"grid": {"N": 2}}}, world_size=4), ValueError,
      ["world_size=4", "'N': 2"]),
     ("config-int", lambda: load_config(5), TypeError, ["config", "int"]),
+    # gradient clipping of sharded parameters
+    ("clip-max-norm-negative", lambda: clip_grad_norm_([_grad_param()], -1.0), ValueError,
+     ["max_norm", "-1.0"]),
+    ("clip-max-norm-str", lambda: clip_grad_norm_([_grad_param()], "1"), TypeError,
+     ["max_norm", "'1'"]),
+    ("clip-norm-type-zero", lambda: clip_grad_norm_([_grad_param()], 1.0, 0), ValueError,
+     ["norm_type", "0"]),
+    ("clip-norm-type-str", lambda: clip_grad_norm_([_grad_param()], 1.0, "2"), TypeError,
+     ["norm_type", "'2'"]),
+    ("clip-nonfinite-flag-str",
+     lambda: clip_grad_norm_([_grad_param()], 1.0, error_if_nonfinite="yes"), TypeError,
+     ["error_if_nonfinite", "'yes'"]),
+    ("clip-parameters-int", lambda: clip_grad_norm_(3, 1.0), TypeError, ["parameters", "int"]),
+    ("clip-parameters-of-str", lambda: clip_grad_norm_(["w"], 1.0), TypeError,
+     ["parameters[0]", "str"]),
+    ("clip-nonfinite-gradient",
+     lambda: clip_grad_norm_([_grad_param(math.inf)], 1.0, error_if_nonfinite=True),
+     RuntimeError, ["non-finite", "error_if_nonfinite"]),
+    # parallelize and the parallel model
+    ("parallelize-model-str", lambda: parallelize("resnet", {}, comm=ONE), TypeError,
+     ["model", "str"]),
+    ("parallelize-loss-reduction", lambda: _pmodel(loss_reduction="avg"), ValueError,
+     ["loss_reduction", "'avg'"]),
+    ("parallelize-bucket-bytes-zero", lambda: _pmodel(bucket_bytes=0), ValueError,
+     ["bucket_bytes", "0"]),
+    ("parallelize-input-shape-str", lambda: _pmodel(input_shape="2,3,8,8"), TypeError,
+     ["input_shape", "'2,3,8,8'"]),
+    ("parallelize-machine-int", lambda: _pmodel(machine=3), TypeError, ["machine", "3"]),
+    ("pmodel-input-list", lambda: _pmodel()([[0.0]]), TypeError, ["input", "list"]),
+    ("pmodel-input-channels", lambda: _pmodel()(torch.zeros(2, 5, 8, 8)), ValueError,
+     ["(2, 5, 8, 8)", "3 channels"]),
+    ("pmodel-load-state-dict-list", lambda: _pmodel().load_state_dict([1]), TypeError,
+     ["state_dict", "list"]),
+    ("pmodel-load-plain-wrong-shape", _load_plain_wrong_shape, ValueError,
+     ["conv.weight", "(4, 3, 5, 5)"]),
+    ("pmodel-clip-max-norm-negative", lambda: _pmodel().clip_grad_norm_(-2.0), ValueError,
+     ["max_norm", "-2.0"]),
 ]
 
 

@@ -118,10 +118,12 @@ def clip_grad_norm_(parameters: Any, max_norm: float, norm_type: float = 2.0,
     Distribution: each gradient is a block of its parameter's Dist (``w[o_F,o_C,*,*]``, ...);
     every block of the global gradient enters the norm exactly once, whichever ranks hold it.
     """
-    if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not max_norm >= 0:
+    for name, value in (("max_norm", max_norm), ("norm_type", norm_type)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"{name} must be a number, got {value!r} ({type(value).__name__})")
+    if not max_norm >= 0:
         raise ValueError(f"max_norm must be a non-negative number, got {max_norm!r}")
-    if isinstance(norm_type, bool) or not isinstance(norm_type, (int, float)) or not (
-            norm_type > 0):
+    if not norm_type > 0:
         raise ValueError(f"norm_type must be a positive number or inf, got {norm_type!r}")
     if not isinstance(error_if_nonfinite, bool):
         raise TypeError(f"error_if_nonfinite must be a bool, got {error_if_nonfinite!r}")

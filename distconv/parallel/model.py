@@ -34,7 +34,7 @@ import torch.fx as fx
 from torch import nn
 
 from distconv.comm import get_debug
-from distconv.distribution import balanced_block
+from distconv.distribution import as_shape, balanced_block
 from distconv.grid import ProcessorGrid
 from distconv.nn import clip as _clip
 from distconv.nn.conv import DistConv2d
@@ -96,6 +96,10 @@ class ParallelModel(nn.Module):
         if loss_reduction not in LOSS_REDUCTIONS:
             raise ValueError(
                 f"loss_reduction must be one of {LOSS_REDUCTIONS}, got {loss_reduction!r}")
+        if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1:
+            raise ValueError(f"bucket_bytes must be a positive int, got {bucket_bytes!r}")
+        if input_shape is not None:
+            input_shape = as_shape(input_shape, "input_shape")
         cfg = config if isinstance(config, ParallelConfig) else ParallelConfig(
             config, world_size=comm.size)
         if cfg.world_size != comm.size:
