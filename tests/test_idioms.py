@@ -26,6 +26,7 @@ from distconv.comm import SingleCommunicator, set_debug
 from distconv.data import sample_block
 from distconv.nn import DistAdaptiveAvgPool2d, DistAvgPool2d, DistBatchNorm2d, DistMaxPool2d
 from distconv.parallel import parallelize
+from distconv.parallel.explain import explain
 from distconv.testing import run_threads
 from tests.parallel.cases import RESNET_CONFIG, TOL, _gathered_grads, resnet_case, seeded
 from tests.parallel.test_parallelize import network_cases
@@ -536,6 +537,8 @@ def test_broadcasting_over_a_split_dim_is_refused_naming_the_node() -> None:
 
     for msg in run_threads(run, 2):
         assert "node 'mul'" in msg and "broadcasts" in msg, msg
+    with pytest.raises(NotImplementedError, match="node 'mul' broadcasts"):
+        explain(SE(), config, (2, 4, 8, 8))  # explain refuses what parallelize refuses
 
 
 def test_se_broadcast_on_sample_parallel_values_is_exact() -> None:

@@ -28,7 +28,7 @@ from distconv.nn.grad_sync import plan_buckets
 from distconv.parallel.config import ParallelConfig
 from distconv.distribution import Dist
 from distconv.nn.conv import conv_dists
-from distconv.parallel.graph import Step, analyse, trace
+from distconv.parallel.graph import Step, analyse, check_broadcasts, trace
 from distconv.parallel.placement import (
     Layout, Placement, conversion_bytes, layout_str, paper_grid, repartition_bytes,
 )
@@ -285,6 +285,7 @@ def _explain(model: nn.Module, cfg: ParallelConfig, shape: tuple[int, ...],
     propagate_shapes(meta, shape)
     shapes = {n.name: tuple(n.meta["tensor_meta"].shape) for n in meta.graph.nodes
               if isinstance(n.meta.get("tensor_meta"), TensorMetadata)}
+    check_broadcasts(analysis, shapes)  # what parallelize refuses, explain refuses
     modules = dict(gm.named_modules())
     P = cfg.world_size
     ranks = _evaluated_ranks(analysis, P)

@@ -42,7 +42,7 @@ from distconv.nn.conv import conv_dists
 from distconv.parallel.config import LayerChoice, ParallelConfig
 from distconv.parallel.placement import Layout, Placement, conversion_bytes, layout_str
 
-__all__ = ["Analysis", "LayerSpec", "Step", "analyse", "trace"]
+__all__ = ["Analysis", "LayerSpec", "Step", "analyse", "check_broadcasts", "trace"]
 
 
 POINTWISE_MODULES: tuple[type, ...] = (
@@ -458,3 +458,24 @@ def analyse(gm: fx.GraphModule, config: ParallelConfig, *, input_ndim: int | Non
 
 def describe_placement(p: Placement | None, name: str = "") -> str:
     return "-" if p is None else f"{p.dist.format(name)} on {layout_str(p.layout)}"
+
+
+def check_broadcasts(analysis: Analysis, shapes: dict[str, tuple[int, ...]]) -> None:
+    """Refuse, by node, an elementwise op that broadcasts an operand over a dim its placement
+    splits (its blocks of a size-1 dim are not the values every rank needs)."""
+    for step in analysis.steps:
+        if step.kind != "pointwise" or len(step.needs) < 2 or step.node.name not in shapes:
+            continue
+        out = shapes[step.node.name]
+        for arg, need in step.needs.items():
+            got = shapes.get(arg.name)
+            if got is None or len(got) != len(out):
+                continue
+            for d, (a, o) in enumerate(zip(got, out)):
+                if a != o and need.dist.grid_dims_of(d) and step.node.target is not torch.cat:
+                    raise NotImplementedError(
+                        f"parallelize: node {step.node.name!r} broadcasts {arg.name!r} of shape "
+                        f"{got} against {out} over dim {d}, which its operands' meeting layout "
+                        f"{need.format('x')} splits: broadcasting across a split dim is not "
+                        "supported yet. Keep that dim whole there (e.g. a config that runs this "
+                        "part sample-parallel), or expand the smaller operand explicitly")

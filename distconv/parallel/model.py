@@ -42,7 +42,9 @@ from distconv.nn.grad_sync import BucketedGradSync, GradSync, GradSyncGroup
 from distconv.nn.clip import register_parameter_specs
 from distconv.nn.sharding import ShardSpec, shard_specs
 from distconv.parallel.config import ParallelConfig
-from distconv.parallel.graph import Analysis, LayerSpec, Step, analyse, trace
+from distconv.parallel.graph import (
+    Analysis, LayerSpec, Step, analyse, check_broadcasts, trace,
+)
 from distconv.parallel.shapes import propagate_shapes
 from distconv.parallel.placement import Layout, Placement, convert, layout_str
 from distconv.redistribute import gather
@@ -406,7 +408,7 @@ class ParallelModel(nn.Module):
             propagate_shapes(meta, shape, dtype=dtype, argument="the input's global shape")
             cached = {n.name: tuple(n.meta["tensor_meta"].shape) for n in meta.graph.nodes
                       if isinstance(n.meta.get("tensor_meta"), fx.passes.shape_prop.TensorMetadata)}
-            _check_broadcasts(self._analysis, cached)
+            check_broadcasts(self._analysis, cached)
             self._plans[key] = cached
         return cached
 
@@ -625,24 +627,3 @@ def _show_where(where: tuple[Any, Any, Any]) -> str:
     layout, dist, shape = where
     on = "every rank" if layout is None else layout_str(layout)
     return f"{dist.format('w')} of {tuple(shape)} on {on}"
-
-
-def _check_broadcasts(analysis: Analysis, shapes: dict[str, tuple[int, ...]]) -> None:
-    """Refuse, by node, an elementwise op that broadcasts an operand over a dim its placement
-    splits (its blocks of a size-1 dim are not the values every rank needs)."""
-    for step in analysis.steps:
-        if step.kind != "pointwise" or len(step.needs) < 2 or step.node.name not in shapes:
-            continue
-        out = shapes[step.node.name]
-        for arg, need in step.needs.items():
-            got = shapes.get(arg.name)
-            if got is None or len(got) != len(out):
-                continue
-            for d, (a, o) in enumerate(zip(got, out)):
-                if a != o and need.dist.grid_dims_of(d) and step.node.target is not torch.cat:
-                    raise NotImplementedError(
-                        f"parallelize: node {step.node.name!r} broadcasts {arg.name!r} of shape "
-                        f"{got} against {out} over dim {d}, which its operands' meeting layout "
-                        f"{need.format('x')} splits: broadcasting across a split dim is not "
-                        "supported yet. Keep that dim whole there (e.g. a config that runs this "
-                        "part sample-parallel), or expand the smaller operand explicitly")
