@@ -562,6 +562,20 @@ def test_torch_compile_of_a_parallel_model_is_refused_at_once() -> None:
     with pytest.raises(Exception, match="torch.compile of a ParallelModel is not supported"):
         torch.compile(pmodel, backend="eager")(x)
 
+    def run(comm):  # thread ranks: refused at once too, not a hang
+        pm = parallelize(copy.deepcopy(model), {"default": {"grid": {"N": 2}}}, comm=comm)
+        rows = sample_block(x.shape[0], pm.data_grid)
+
+        @torch.compile(backend="eager")
+        def step(xs):  # the user's compiled step
+            return pm(xs).sum()
+
+        with pytest.raises(Exception, match="torch.compile of a ParallelModel"):
+            step(x[rows])
+        return True
+
+    assert run_threads(run, 2, timeout=60.0) == [True, True]
+
 
 def test_debug_mode_reports_the_global_batch_on_every_rank() -> None:
     model, x, _ = resnet_case()
