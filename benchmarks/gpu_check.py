@@ -570,6 +570,8 @@ def check_nccl(device: torch.device) -> dict[str, Any]:
 
     # on CPU (a dry run of this check's logic) the same program runs on gloo
     backend = "nccl" if device.type == "cuda" else "gloo"
+    if backend == "nccl" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
     if not dist.is_available() or (backend == "nccl" and not dist.is_nccl_available()):
         return {"skipped": f"this torch has no {backend}"}
     if dist.is_initialized():
@@ -716,68 +718,113 @@ def fwd_bwd(module: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor,
     return step
 
 
+def graphed(step: Callable[[], None], device: torch.device) -> Callable[[], None]:
+    """``step`` captured in a CUDA graph (after warm-up on a side stream); returns its replay.
+    Replays run the same kernels with no Python or launch overhead between them."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph.replay
+
+
+def bench_modes(device: torch.device, small: bool) -> list[tuple[str, int]]:
+    """(mode, batch) pairs: eager at N = 32 (a ResNet-50 batch per GPU; on an H100 these layers
+    are partly bound by the host's launch rate) and N = 128, and CUDA-graph replays at N = 32
+    (the kernels alone)."""
+    if small:
+        return [("eager", 2)]
+    return [("eager", 32), ("eager", 128), ("graph", 32)]
+
+
 def bench_dist_vs_cudnn(device: torch.device, dtype: torch.dtype, small: bool) -> list[dict]:
     rows = []
-    batch = 2 if small else 32
     repeats, inner, warmup = (5, 2, 2) if small else (30, 10, 10)
     grid = ProcessorGrid({"N": 1}, comm=SingleCommunicator())
     for name, c, f, hw, k, s in BENCH_SHAPES:
         if small:
             c, f, hw = max(c // 16, 2), max(f // 16, 2), min(hw, 14)
-        log(f"  [b] {name}: C={c} F={f} H=W={hw} k={k} N={batch}")
-        conv = nn.Conv2d(c, f, k, stride=s, padding=k // 2, bias=False).to(device, dtype)
-        layer = DistConv2d.from_conv2d(conv, grid=grid, algorithm="stationary-x")
-        x = torch.randn(batch, c, hw, hw, device=device, dtype=dtype, requires_grad=True)
-        g = torch.randn(conv(x).shape, device=device, dtype=dtype)
-        t = time_calls({"cudnn": fwd_bwd(conv, x, g, [conv.weight]),
-                        "distconv": fwd_bwd(layer, x, g, [layer.weight])},
-                       device, repeats, inner, warmup)
-        ratio = t["distconv"]["median_s"] / t["cudnn"]["median_s"]
-        rows.append({"layer": name, "N": batch, "C": c, "F": f, "HW": hw, "kernel": k,
-                     "stride": s, "cudnn_ms": 1e3 * t["cudnn"]["median_s"],
-                     "distconv_ms": 1e3 * t["distconv"]["median_s"],
-                     "cudnn_p10_p90_ms": [1e3 * t["cudnn"]["p10_s"], 1e3 * t["cudnn"]["p90_s"]],
-                     "distconv_p10_p90_ms": [1e3 * t["distconv"]["p10_s"],
-                                             1e3 * t["distconv"]["p90_s"]],
-                     "ratio": ratio, "within_1.05": ratio <= 1.05})
-        log(f"      cudnn {rows[-1]['cudnn_ms']:.3f} ms  distconv {rows[-1]['distconv_ms']:.3f} ms"
-            f"  ratio {ratio:.3f}")
+        for mode, batch in bench_modes(device, small):
+            row: dict[str, Any] = {"layer": name, "mode": mode, "N": batch, "C": c, "F": f,
+                                   "HW": hw, "kernel": k, "stride": s}
+            fns: dict[str, Callable[[], None]] = {}
+            try:
+                conv = nn.Conv2d(c, f, k, stride=s, padding=k // 2, bias=False).to(device, dtype)
+                layer = DistConv2d.from_conv2d(conv, grid=grid, algorithm="stationary-x")
+                x = torch.randn(batch, c, hw, hw, device=device, dtype=dtype, requires_grad=True)
+                g = torch.randn(conv(x).shape, device=device, dtype=dtype)
+                fns = {"cudnn": fwd_bwd(conv, x, g, [conv.weight]),
+                       "distconv": fwd_bwd(layer, x, g, [layer.weight])}
+                if mode == "graph":
+                    fns = {key: graphed(fn, device) for key, fn in fns.items()}
+                t = time_calls(fns, device, repeats, inner, warmup)
+                ratio = t["distconv"]["median_s"] / t["cudnn"]["median_s"]
+                row.update({
+                    "cudnn_ms": 1e3 * t["cudnn"]["median_s"],
+                    "distconv_ms": 1e3 * t["distconv"]["median_s"],
+                    "cudnn_p10_p90_ms": [1e3 * t["cudnn"]["p10_s"], 1e3 * t["cudnn"]["p90_s"]],
+                    "distconv_p10_p90_ms": [1e3 * t["distconv"]["p10_s"],
+                                            1e3 * t["distconv"]["p90_s"]],
+                    "ratio": ratio, "within_1.05": ratio <= 1.05})
+                log(f"  [b] {name} {mode} N={batch}: cudnn {row['cudnn_ms']:.3f} ms  distconv "
+                    f"{row['distconv_ms']:.3f} ms  ratio {ratio:.3f}")
+            except Exception as exc:  # record, go on
+                row["error"] = f"{type(exc).__name__}: {exc}"[:500]
+                log(f"  [b] {name} {mode} N={batch}: FAILED {row['error']}")
+            rows.append(row)
+            fns.clear()
     return rows
 
 
 def bench_split(device: torch.device, dtype: torch.dtype, small: bool) -> list[dict]:
     """Local conv fwd+bwd on a C/p (stationary-x) or F/p (stationary-y) block vs full / p."""
     rows = []
-    batch = 2 if small else 32
     repeats, inner, warmup = (5, 2, 2) if small else (25, 10, 10)
     shapes = {s[0]: s for s in BENCH_SHAPES}
+    modes = [("eager", 2)] if small else [("graph", 32), ("graph", 128)]
     for name in SPLIT_SHAPES:
         _, c, f, hw, k, s = shapes[name]
         if small:
             c, f, hw = max(c // 16, 8), max(f // 16, 8), min(hw, 14)
-        log(f"  [b] split {name}: C={c} F={f} H=W={hw} k={k} N={batch}")
-        fns, meta = {}, {}
-        for split in ("C", "F"):
-            for p in SPLITS:
-                ci, fo = (c // p, f) if split == "C" else (c, f // p)
-                w = torch.randn(fo, ci, k, k, device=device, dtype=dtype, requires_grad=True)
-                x = torch.randn(batch, ci, hw, hw, device=device, dtype=dtype,
-                                requires_grad=True)
-                y = F.conv2d(x, w, None, s, k // 2)
-                g = torch.randn(y.shape, device=device, dtype=dtype)
-                key = f"{split}/{p}"
-                fns[key] = fwd_bwd(lambda t, w=w: F.conv2d(t, w, None, s, k // 2), x, g, [w])
-                meta[key] = (split, p, ci, fo)
-        t = time_calls(fns, device, repeats, inner, warmup)
-        for key, (split, p, ci, fo) in meta.items():
-            full = t[f"{split}/1"]["median_s"]
-            local = t[key]["median_s"]
-            rows.append({"layer": name, "split": split, "p": p, "N": batch, "C_local": ci,
-                         "F_local": fo, "HW": hw, "kernel": k,
-                         "local_ms": 1e3 * local, "full_over_p_ms": 1e3 * full / p,
-                         "ratio": local / (full / p)})
-        line = "  ".join(f"{r['split']}/{r['p']}: {r['ratio']:.2f}" for r in rows[-2 * len(SPLITS):])
-        log(f"      local / (full/p): {line}")
+        for mode, batch in modes:
+            fns: dict[str, Callable[[], None]] = {}
+            meta: dict[str, tuple] = {}
+            try:
+                for split in ("C", "F"):
+                    for p in SPLITS:
+                        ci, fo = (c // p, f) if split == "C" else (c, f // p)
+                        w = torch.randn(fo, ci, k, k, device=device, dtype=dtype,
+                                        requires_grad=True)
+                        x = torch.randn(batch, ci, hw, hw, device=device, dtype=dtype,
+                                        requires_grad=True)
+                        y = F.conv2d(x, w, None, s, k // 2)
+                        g = torch.randn(y.shape, device=device, dtype=dtype)
+                        key = f"{split}/{p}"
+                        fn = fwd_bwd(lambda t, w=w: F.conv2d(t, w, None, s, k // 2), x, g, [w])
+                        fns[key] = graphed(fn, device) if mode == "graph" else fn
+                        meta[key] = (split, p, ci, fo)
+                t = time_calls(fns, device, repeats, inner, warmup)
+            except Exception as exc:  # record, go on
+                err = f"{type(exc).__name__}: {exc}"[:500]
+                rows.append({"layer": name, "mode": mode, "N": batch, "error": err})
+                log(f"  [b] split {name} {mode} N={batch}: FAILED {err}")
+                continue
+            for key, (split, p, ci, fo) in meta.items():
+                full = t[f"{split}/1"]["median_s"]
+                local = t[key]["median_s"]
+                rows.append({"layer": name, "mode": mode, "split": split, "p": p, "N": batch,
+                             "C_local": ci, "F_local": fo, "HW": hw, "kernel": k,
+                             "local_ms": 1e3 * local, "full_over_p_ms": 1e3 * full / p,
+                             "ratio": local / (full / p)})
+            line = "  ".join(f"{r['split']}/{r['p']}: {r['ratio']:.2f}"
+                             for r in rows[-2 * len(SPLITS):])
+            log(f"  [b] split {name} {mode} N={batch} local / (full/p): {line}")
+            fns.clear()
     return rows
 
 
@@ -869,24 +916,35 @@ def markdown(report: dict[str, Any]) -> str:
     if b.get("dist_vs_cudnn"):
         lines += ["", f"## One-rank DistConv2d vs cuDNN nn.Conv2d, forward + backward "
                   f"({b['dtype']}, TF32 {b['tf32']}, cudnn.benchmark {b['cudnn_benchmark']})", "",
-                  "| layer | N | C | F | H=W | k | cuDNN ms | DistConv2d ms | ratio (target <= 1.05) |",
-                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+                  "eager: the user's loop (Python, autograd and launches included); graph: CUDA "
+                  "graph replays of the same step (the kernels alone). Target ratio <= 1.05.", "",
+                  "| layer | mode | N | C | F | H=W | k | cuDNN ms | DistConv2d ms | ratio |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
         for r in b["dist_vs_cudnn"]:
-            lines.append(f"| {r['layer']} | {r['N']} | {r['C']} | {r['F']} | {r['HW']} | "
-                         f"{r['kernel']} | {r['cudnn_ms']:.3f} | {r['distconv_ms']:.3f} | "
-                         f"{r['ratio']:.3f} |")
+            head = (f"| {r['layer']} | {r['mode']} | {r['N']} | {r['C']} | {r['F']} | {r['HW']} | "
+                    f"{r['kernel']} |")
+            if "error" in r:
+                lines.append(f"{head} failed: {r['error'][:120]} | | |")
+            else:
+                lines.append(f"{head} {r['cudnn_ms']:.3f} | {r['distconv_ms']:.3f} | "
+                             f"{r['ratio']:.3f} |")
     if b.get("split_scaling"):
         lines += ["", "## Local convolution when C or F is split p ways, forward + backward", "",
-                  "ratio = time of the conv on the C/p (or F/p) block / (full conv time / p); "
-                  "1.00 is linear scaling.", "",
-                  "| layer | split | " + " | ".join(f"p={p} ms (ratio)" for p in SPLITS) + " |",
-                  "| --- | --- | " + " | ".join("---" for _ in SPLITS) + " |"]
-        by = {}
+                  "ms of the conv a rank runs on its C/p (or F/p) block, and in brackets its ratio "
+                  "to (full conv time / p): 1.00 is linear scaling, 8.00 at p = 8 means no gain.",
+                  "",
+                  "| layer | mode | N | split | " + " | ".join(f"p={p}" for p in SPLITS) + " |",
+                  "| --- | --- | --- | --- | " + " | ".join("---" for _ in SPLITS) + " |"]
+        by: dict[tuple, dict[int, dict]] = {}
         for r in b["split_scaling"]:
-            by.setdefault((r["layer"], r["split"]), {})[r["p"]] = r
-        for (layer, split), ps in by.items():
+            if "error" in r:
+                lines.append(f"| {r['layer']} | {r['mode']} | {r['N']} | failed: "
+                             f"{r['error'][:120]} |" + " |" * len(SPLITS))
+                continue
+            by.setdefault((r["layer"], r["mode"], r["N"], r["split"]), {})[r["p"]] = r
+        for (layer, mode, n, split), ps in by.items():
             cells = " | ".join(f"{ps[p]['local_ms']:.3f} ({ps[p]['ratio']:.2f})" for p in SPLITS)
-            lines.append(f"| {layer} | {split} | {cells} |")
+            lines.append(f"| {layer} | {mode} | {n} | {split} | {cells} |")
     lines += ["", "Tolerances: fp64 rtol 1e-10 / atol 1e-11 (K-FAC atol 1e-12), fp32 with TF32 "
               "off rtol 1e-4 / atol 1e-4, checkpoints bitwise. Timings: median of interleaved "
               "repeats, each a synchronized batch of calls.", ""]
