@@ -728,9 +728,27 @@ def graphed(step: Callable[[], None], device: torch.device) -> Callable[[], None
             step()
     torch.cuda.current_stream(device).wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    # thread_local: calls of other threads (a process group's watchdog) cannot void the capture
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
         step()
     return graph.replay
+
+
+def kernel_seconds(step: Callable[[], None], device: torch.device, iters: int = 20) -> float:
+    """Mean GPU kernel time of one ``step`` (the sum of its kernels' durations, from the
+    profiler): the measure when graph capture is unavailable."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(3):
+        step()
+    sync(device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            step()
+        sync(device)
+    cuda = torch.autograd.DeviceType.CUDA
+    total_us = sum(e.time_range.elapsed_us() for e in prof.events() if e.device_type == cuda)
+    return total_us * 1e-6 / iters
 
 
 def bench_modes(device: torch.device, small: bool) -> list[tuple[str, int]]:
@@ -786,29 +804,46 @@ def bench_split(device: torch.device, dtype: torch.dtype, small: bool) -> list[d
     rows = []
     repeats, inner, warmup = (5, 2, 2) if small else (25, 10, 10)
     shapes = {s[0]: s for s in BENCH_SHAPES}
-    modes = [("eager", 2)] if small else [("graph", 32), ("graph", 128)]
+    modes = [("eager", 2)] if small else [("graph", 32), ("graph", 128), ("kernels", 32)]
+    graphs_ok = True  # a failed capture can leave the generator in capture state: stop using them
     for name in SPLIT_SHAPES:
         _, c, f, hw, k, s = shapes[name]
         if small:
             c, f, hw = max(c // 16, 8), max(f // 16, 8), min(hw, 14)
         for mode, batch in modes:
+            if mode == "graph" and not graphs_ok:
+                mode = "kernels"
             fns: dict[str, Callable[[], None]] = {}
             meta: dict[str, tuple] = {}
             try:
                 for split in ("C", "F"):
                     for p in SPLITS:
                         ci, fo = (c // p, f) if split == "C" else (c, f // p)
-                        w = torch.randn(fo, ci, k, k, device=device, dtype=dtype,
-                                        requires_grad=True)
-                        x = torch.randn(batch, ci, hw, hw, device=device, dtype=dtype,
-                                        requires_grad=True)
-                        y = F.conv2d(x, w, None, s, k // 2)
-                        g = torch.randn(y.shape, device=device, dtype=dtype)
+                        # drawn on the host: the device's generator stays out of graph captures
+                        w = torch.randn(fo, ci, k, k, dtype=dtype).to(device).requires_grad_()
+                        x = torch.randn(batch, ci, hw, hw, dtype=dtype).to(device)
+                        x.requires_grad_()
+                        ho = (hw + 2 * (k // 2) - k) // s + 1
+                        g = torch.randn(batch, fo, ho, ho, dtype=dtype).to(device)
                         key = f"{split}/{p}"
                         fn = fwd_bwd(lambda t, w=w: F.conv2d(t, w, None, s, k // 2), x, g, [w])
-                        fns[key] = graphed(fn, device) if mode == "graph" else fn
+                        fns[key] = fn
                         meta[key] = (split, p, ci, fo)
-                t = time_calls(fns, device, repeats, inner, warmup)
+                if mode == "graph":
+                    try:
+                        replays = {key: graphed(fn, device) for key, fn in fns.items()}
+                    except Exception as exc:
+                        graphs_ok = False
+                        log(f"  [b] split {name}: graph capture failed ({type(exc).__name__}: "
+                            f"{str(exc)[:200]}); timing kernels through the profiler instead")
+                        mode = "kernels"
+                    else:
+                        t = time_calls(replays, device, repeats, inner, warmup)
+                        replays.clear()
+                if mode == "kernels":
+                    t = {key: {"median_s": kernel_seconds(fn, device)} for key, fn in fns.items()}
+                elif mode == "eager":
+                    t = time_calls(fns, device, repeats, inner, warmup)
             except Exception as exc:  # record, go on
                 err = f"{type(exc).__name__}: {exc}"[:500]
                 rows.append({"layer": name, "mode": mode, "N": batch, "error": err})
@@ -985,23 +1020,28 @@ def main(argv: list[str] | None = None) -> int:
         ("nccl_world_of_one", lambda: check_nccl(device)),
     ]
     only = set(args.only.split(",")) if args.only else None
-    for name, fn in checks:
-        if only and name not in only:
-            continue
 
-        def audited(fn: Callable[[], dict] = fn) -> dict:
+    def run_checks(names: set[str]) -> None:
+        for name, fn in checks:
+            if name in names and (not only or name in only):
+                run_check(name, audited(fn), report["checks"])
+
+    def audited(fn: Callable[[], dict]) -> Callable[[], dict]:
+        def run() -> dict:
             with DeviceAudit() as audit:
                 res = fn()
             if audit.bytes:
                 res["audit"] = audit.summary()
-                if device.type == "cuda" and res.get("ok"):
-                    # activations and gradients through the communicator on the device; only
-                    # small metadata (shape agreement, seeds) on the host
-                    host = audit.bytes.get("cpu", 0)
-                    res["audit"]["host_share"] = host / max(1, sum(audit.bytes.values()))
+                # activations and gradients through the communicator on the device; only small
+                # metadata (shape agreement, seeds, checkpoint index records) on the host
+                host = audit.bytes.get("cpu", 0)
+                res["audit"]["host_share"] = host / max(1, sum(audit.bytes.values()))
             return res
 
-        run_check(name, audited, report["checks"])
+        return run
+
+    # NCCL last: its process group's threads must not run beside the timed CUDA graph captures
+    run_checks({name for name, _ in checks} - {"nccl_world_of_one"})
     torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
 
     if not args.skip_bench and not only:
@@ -1018,6 +1058,12 @@ def main(argv: list[str] | None = None) -> int:
                 report["bench"][key + "_error"] = f"{type(exc).__name__}: {exc}"[:2000]
                 log(f"    FAILED: {exc}")
 
+    torch.backends.cudnn.benchmark = False
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    run_checks({"nccl_world_of_one"})
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
+    report["checks"] = {name: report["checks"][name] for name, _ in checks
+                        if name in report["checks"]}
     report["seconds"] = time.perf_counter() - t_start
     report["summary"] = {k: v["status"] for k, v in report["checks"].items()}
     stem = "gpu_check" if device.type == "cuda" else "gpu_check_cpu"
