@@ -82,7 +82,7 @@ def loop_frozen(model, batches, clip) -> dict:
         F.cross_entropy(model(x), y).backward()
         opt.step()
         opt.zero_grad(set_to_none=False)
-    frozen = sorted(n for n, p in model.named_parameters() if not p.requires_grad)
+    frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
     return {"frozen_without_grad": all(p.grad is None for p in model.parameters()
                                        if not p.requires_grad), "frozen": frozen}
 
@@ -289,6 +289,15 @@ def test_clip_on_random_grids_and_networks_equals_torch(case: tuple, norm_type: 
         assert abs(got["total"].item() - total.item()) <= 1e-12 * total.item(), (config, got)
         for k, q in ref.named_parameters():
             assert (got["grads"][k] - q.grad).abs().max() < TOL, (config, k)
+
+
+def test_parameters_and_state_dict_keep_the_models_order() -> None:
+    """Optimizers (and their state dicts) address parameters by position."""
+    model = resnet_case()[0]
+    pmodel = parallelize(copy.deepcopy(model), {"default": {"grid": {"N": 1}}},
+                         comm=SingleCommunicator())
+    assert [n for n, _ in pmodel.named_parameters()] == [n for n, _ in model.named_parameters()]
+    assert list(pmodel.state_dict()) == list(model.state_dict())
 
 
 def test_frozen_parameters_get_no_gradient() -> None:

@@ -118,13 +118,28 @@ def trace(model: nn.Module) -> fx.GraphModule:
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     try:
         with _TRACE_LOCK:
-            return fx.symbolic_trace(model)
+            gm = fx.symbolic_trace(model)
     except Exception as exc:  # fx raises TraceError, TypeError, ... with the construct's text
         raise UntraceableModelError(
             f"parallelize: torch.fx cannot trace {type(model).__name__}: {exc}. Data-dependent "
             "control flow cannot be captured; rewrite it, or convert layer by layer with "
             "DistConv2d.from_conv2d and Redistribute"
         ) from exc
+    _order_like(gm, model)  # fx registers modules in call order; users expect theirs
+    return gm
+
+
+def _order_like(module: nn.Module, original: nn.Module) -> None:
+    """Register ``module``'s submodules in the order ``original`` defines them (recursively), so
+    that ``parameters()`` and ``state_dict()`` list the shards in the single-process model's
+    order: optimizers and their state dicts address parameters by position."""
+    rank = {name: i for i, name in enumerate(original._modules)}
+    names = sorted(module._modules, key=lambda n: rank.get(n, len(rank)))
+    module._modules = {n: module._modules[n] for n in names}
+    for n in names:
+        child, twin = module._modules[n], original._modules.get(n)
+        if child is not None and twin is not None and child is not twin and child._modules:
+            _order_like(child, twin)
 
 
 def _sample_dist(ndim: int) -> Dist:

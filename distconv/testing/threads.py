@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import os
-import sys
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
-import distconv.comm
 from distconv.comm.base import check_timeout
 from distconv.comm.errors import CommTimeoutError
 from distconv.comm.threads import ThreadCommunicator, ThreadGroup
@@ -106,7 +103,7 @@ def _join(threads: list[threading.Thread], group: ThreadGroup,
                 "a lock) ignores its timeout"
             )
         activity = (len(alive), _calls(comms))
-        if activity != seen or _in_communicator(alive):
+        if activity != seen or _in_communicator(group):
             seen, quiet_since = activity, now
         elif deadline is None and now - quiet_since > timeout:
             reason = (f"run_threads: rank(s) {ranks} of {len(threads)} still running with no "
@@ -125,16 +122,12 @@ def _calls(comms: list[ThreadCommunicator]) -> int:
     return sum(sum(c.stats.snapshot()["calls"].values()) for c in comms)
 
 
-_COMM_DIR = os.path.dirname(os.path.abspath(distconv.comm.__file__)) + os.sep
-
-
-def _in_communicator(threads: list[threading.Thread]) -> bool:
-    """Whether one of ``threads`` is inside a ``distconv.comm`` call (its own timeout ends it)."""
-    frames = sys._current_frames()
-    for t in threads:
-        frame = frames.get(t.ident) if t.ident is not None else None
-        while frame is not None:
-            if frame.f_code.co_filename.startswith(_COMM_DIR):
-                return True
-            frame = frame.f_back
-    return False
+def _in_communicator(group: ThreadGroup) -> bool:
+    """Whether a rank waits in a collective of ``group`` or a sub-group (its own timeout ends
+    it). Read from the barriers, never from other threads' frames, which may be torn down while
+    they are read."""
+    if group.barrier.n_waiting:
+        return True
+    with group.lock:
+        children = list(group.children.values())
+    return any(_in_communicator(c) for c in children)
