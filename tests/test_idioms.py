@@ -307,20 +307,21 @@ def test_frozen_parameters_get_no_gradient() -> None:
         assert got["frozen"] == ref["frozen"] and got["frozen_without_grad"]
 
 
+def _on_world(pool: Any, idioms: tuple[str, ...]) -> None:
+    for idiom in idioms:
+        ref = reference(idiom)
+        for got in pool.run(parallel, idiom):
+            _compare(ref, got)
+
+
 @pytest.mark.gloo
 def test_idioms_on_gloo(gloo4) -> None:
-    for idiom in ("clip-2", "clip-inf", "frozen", "bn-eval", "no-sync"):
-        ref = reference(idiom)
-        for got in gloo4.run(parallel, idiom):
-            _compare(ref, got)
+    _on_world(gloo4, ("clip-2", "clip-inf", "frozen", "bn-eval", "no-sync"))
 
 
 @pytest.mark.mpi
 def test_idioms_on_mpi(mpi4) -> None:
-    for idiom in ("clip-2", "clip-1", "frozen", "bn-eval", "no-sync"):
-        ref = reference(idiom)
-        for got in mpi4.run(parallel, idiom):
-            _compare(ref, got)
+    _on_world(mpi4, ("clip-2", "clip-1", "frozen", "bn-eval", "no-sync"))
 
 
 # ----------------------------------------------------------------------------- shared modules

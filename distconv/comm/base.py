@@ -397,6 +397,12 @@ class Communicator(abc.ABC):
         self.closed = False
 
     @property
+    def device(self) -> torch.device:
+        """Where this communicator's small control tensors (shapes, seeds, digests) live: the
+        one device an NCCL communicator moves, else the CPU."""
+        return getattr(self, "_device", None) or torch.device("cpu")
+
+    @property
     def rank(self) -> int:
         return self._rank
 

@@ -423,6 +423,7 @@ class DistConv2d(nn.Module):
         seed = torch.randint(0, 2**62, (1,), dtype=torch.int64) if self.grid.rank == 0 else (
             torch.zeros(1, dtype=torch.int64)
         )
+        seed = seed.to(self.grid.comm.device)
         if self.grid.size > 1:
             seed = self.grid.comm.broadcast(seed, root=0, meta="DistConv2d init seed")
         return int(seed.item())
@@ -534,7 +535,8 @@ class DistConv2d(nn.Module):
         roles = [self.roles[r] for r in ("sample_dim", "H", "W")]
         split = [d for d in roles if self._ext(d) > 1]
         segment = next(g for g in self.grid.segments(split) if self.grid.rank in g)
-        local = torch.tensor([x.shape[0], x.shape[2], x.shape[3]], dtype=torch.int64)
+        local = torch.tensor([x.shape[0], x.shape[2], x.shape[3]], dtype=torch.int64,
+                             device=self._shape_comm.device)
         sizes = self._shape_comm.allgather(local, meta="DistConv2d global shape agreement")
         total = [0, 0, 0]
         for rank, s in zip(segment, sizes):

@@ -340,7 +340,7 @@ class ParallelModel(nn.Module):
         """The global input shape, from one small allgather of every rank's local shape."""
         if x.dim() == 0:
             raise ValueError("input must have a sample dim, got a 0-d tensor")
-        local = torch.tensor(list(x.shape), dtype=torch.int64)
+        local = torch.tensor(list(x.shape), dtype=torch.int64, device=self.comm.device)
         shapes = ([local] if self.comm.size == 1 else
                   self.comm.allgather(local, meta="ParallelModel entry: local input shapes"))
         grid = self.data_grid
@@ -376,7 +376,8 @@ class ParallelModel(nn.Module):
     def _check_replicas(self, x: torch.Tensor) -> None:
         """Debug mode: ranks of one sample block must hold the same samples, bit for bit."""
         data = x.detach().contiguous().cpu().numpy().tobytes()
-        digest = torch.tensor(list(hashlib.sha256(data).digest()[:8]), dtype=torch.int64)
+        digest = torch.tensor(list(hashlib.sha256(data).digest()[:8]), dtype=torch.int64,
+                              device=self.comm.device)
         digests = self.comm.allgather(digest, meta="ParallelModel entry: sample digests")
         first: dict[int, int] = {}
         for r, d in enumerate(digests):
@@ -517,7 +518,8 @@ class ParallelModel(nn.Module):
     def gather_module(self) -> nn.Module:
         """The plain single-process model with the global parameters and buffers (collective)."""
         state = self.gather_state_dict()
-        model = copy.deepcopy(self._template).to_empty(device="cpu")
+        device = next((t.device for t in state.values()), torch.device("cpu"))
+        model = copy.deepcopy(self._template).to_empty(device=device)
         missing = set(model.state_dict()) - set(state)
         if missing:
             raise NotImplementedError(

@@ -7,6 +7,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from distconv.comm.base import check_timeout
 from distconv.comm.errors import CommTimeoutError
 from distconv.comm.threads import ThreadCommunicator, ThreadGroup
@@ -54,7 +56,11 @@ def run_threads(fn: Callable[..., Any], size: int, *args: Any, timeout: float = 
 
     def target(r: int) -> None:
         try:
-            results[r] = fn(comms[r], *args, **kw)
+            # autograd runs a device's backward work on one worker thread: thread ranks whose
+            # backward holds collectives would wait on each other there (CUDA), so each rank
+            # runs its own backward
+            with torch.autograd.set_multithreading_enabled(False):
+                results[r] = fn(comms[r], *args, **kw)
         except BaseException as exc:
             errors[r] = exc
             group.abort(
