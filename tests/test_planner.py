@@ -143,7 +143,7 @@ def test_transition_bytes_equal_the_redistribution_plans(world: int) -> None:
 
 def test_explain_counts_the_redistribution_into_each_layer_exactly(tiny) -> None:  # noqa: ANN001
     plan = plan_network(tiny, world_size=4, machine=_flat(1e-5, 1e7, 1e12))
-    from distconv.parallel.graph import _cheaper_meeting
+    from distconv.ops.elementwise import meeting as _cheaper_meeting
     from distconv.parallel.placement import Placement
 
     chosen = {lp.conv.name: lp.choice for lp in plan.layers}
@@ -188,7 +188,7 @@ def test_branches_other_than_residual_adds_are_not_implemented() -> None:
 def test_residual_operands_meet_where_the_executor_joins_them() -> None:
     # The executor's rule (distconv.parallel): the placement the other operand reaches with
     # fewer bytes on a nominal shape, ties to the first operand.
-    from distconv.parallel.graph import _cheaper_meeting
+    from distconv.ops.elementwise import meeting as _cheaper_meeting
     from distconv.parallel.placement import Placement
     from distconv.planner import _Model
 

@@ -14,10 +14,9 @@ import itertools
 import json
 import math
 import numbers
-from dataclasses import dataclass, field
-from typing import Any, Sequence, Union
+from dataclasses import dataclass
+from typing import Any, Sequence
 
-import torch
 import torch.fx as fx
 from torch import nn
 from torch.fx.passes.shape_prop import TensorMetadata
@@ -27,67 +26,19 @@ from distconv.comm.base import allreduce_bytes
 from distconv.nn.grad_sync import plan_buckets
 from distconv.parallel.config import ParallelConfig
 from distconv.distribution import Dist
-from distconv.nn.conv import conv_dists
+from distconv.ops import PriceContext
+from distconv.ops.pricing import (
+    CommStep, LayerReport, Machine, largest_block, segment_rank,
+)
 from distconv.parallel.graph import Step, analyse, check_broadcasts, trace
 from distconv.parallel.placement import (
-    Layout, Placement, conversion_bytes, layout_str, paper_grid, repartition_bytes,
+    Placement, conversion_bytes, layout_str, paper_grid, repartition_bytes,
 )
 from distconv.parallel.shapes import check_input_shape, propagate_shapes
-from distconv.perfmodel import ConvProblem, conv_cost, conv_traffic
 from distconv.perfmodel import Machine as FlatMachine
 
 __all__ = ["CommStep", "Explanation", "LayerReport", "explain"]
 
-#: A flat :class:`distconv.perfmodel.Machine` or a hierarchical :class:`distconv.machines.Machine`.
-Machine = Union[FlatMachine, machines.Machine]
-_COLLECTIVES = ("allgather", "reduce_scatter", "allreduce", "alltoall")
-
-
-@dataclass
-class CommStep:
-    """One collective of a layer: phase, description, op and the bytes each rank receives;
-    ``layout`` and ``dims`` say which ranks it runs among (the segments over ``dims`` of the
-    grid ``layout``; no dims: the whole grid; no layout: ``peers`` consecutive ranks)."""
-
-    phase: str
-    what: str
-    op: str
-    bytes: dict[int, int]  # rank -> bytes it receives (the evaluated ranks)
-    peers: int = 1
-    layout: Layout | None = None
-    dims: tuple[str, ...] = ()
-
-    def seconds(self, machine: Machine) -> float:
-        """Predicted seconds on the slowest rank: a flat machine prices ``alpha`` per message
-        step and ``beta`` per byte; a hierarchical one prices on the level the ranks span."""
-        nbytes = max(self.bytes.values())
-        if not isinstance(machine, machines.Machine):
-            steps = 2 * (self.peers - 1) if self.op == "allreduce" else max(self.peers - 1, 1)
-            return steps * machine.alpha + nbytes * machine.beta
-        dims = self.dims or tuple(d for d, _ in self.layout or ())
-        if self.op in _COLLECTIVES:
-            return machine.collective_time(self.op, self.peers, nbytes, layout=self.layout,
-                                           dims=dims)
-        group = (machines.group_of(self.layout, dims) if self.layout is not None
-                 else list(range(self.peers)))
-        return machine.link_time(group, nbytes, max(self.peers - 1, 1)) if nbytes else 0.0
-
-
-@dataclass
-class LayerReport:
-    name: str
-    kind: str
-    grid: str
-    algorithm: str
-    dists: dict[str, str]
-    steps: list[CommStep] = field(default_factory=list)
-    param_elements: int = 0
-    activation_elements: int = 0
-    compute_seconds: float = 0.0
-    note: str = ""
-
-    def bytes(self, phase: str, rank: int) -> int:
-        return sum(s.bytes[rank] for s in self.steps if s.phase == phase)
 
 
 @dataclass
@@ -375,18 +326,12 @@ def _layer(step: Step, modules: dict[str, nn.Module], shapes: dict[str, tuple[in
     dists = {"y": out.format("y")} if out is not None else {}
     report = LayerReport(name, step.kind, grid, spec.algorithm if spec else "-", dists)
     if out is not None and node.name in shapes:
-        report.activation_elements = _largest_block(out, shapes[node.name])
-    if step.kind == "conv":
-        _conv(report, step, modules[node.target], shapes[node.args[0].name], isz, ranks,
-              grad_in, machine)
-    elif step.kind == "batchnorm":
-        _batchnorm(report, step, modules[node.target], shapes[node.args[0].name], isz, ranks)
-    elif step.kind == "pool" and spec is not None and spec.kind == "pool":
-        _pool(report, step, modules.get(str(node.target)), shapes[node.args[0].name], isz,
-              ranks, grad_in)
-    elif step.kind == "linear":
-        report.param_elements = sum(p.numel() for p in modules[node.target].parameters())
-        report.dists["w"] = "w[*,*]"
+        report.activation_elements = largest_block(out, shapes[node.name])
+    if step.handler is not None and node.args and isinstance(node.args[0], fx.Node) and (
+            node.args[0].name in shapes):
+        module = modules.get(str(node.target)) if node.op == "call_module" else None
+        ctx = PriceContext(shapes[node.args[0].name], isz, ranks, grad_in, machine)
+        step.handler.price(report, step, module, ctx)
     return report
 
 
@@ -403,14 +348,8 @@ def _gradient_buckets(gm: fx.GraphModule, analysis: Any, P: int, ranks: list[int
     for name, p in params.items():
         owner, _, leaf = name.rpartition(".")
         step = owners.get(owner)
-        dist = None
-        if step is not None and step.kind == "conv":
-            conv = gm.get_submodule(owner)
-            ext = dict(step.layer.layout)
-            grouped = conv.groups > 1 and ext.get("C", 1) * ext.get("F", 1) > 1
-            dist = conv_dists(step.layer.algorithm, dict(step.layer.roles), grouped)[leaf]
-        elif step is not None and step.kind == "batchnorm":
-            dist = _param_dist(step.out)
+        dists = None if step is None else step.handler.param_dists(step, gm.get_submodule(owner))
+        dist = None if dists is None else dists[leaf]
         if dist is None:
             specs[name] = ShardSpec(None, Dist.replicated(p.dim()), tuple(p.shape))
         else:
@@ -430,7 +369,7 @@ def _gradient_buckets(gm: fx.GraphModule, analysis: Any, P: int, ranks: list[int
                 g = paper_grid(layout, r)
                 sizes = [math.prod(specs[n].dist.local_shape(specs[n].global_shape, g))
                          for n in names]
-                sub = _segment_rank(layout, dims, g.coords)
+                sub = segment_rank(layout, dims, g.coords)
             # each bucket carries one reached-flag per parameter (BucketedGradSync)
             per_rank[r] = [allreduce_bytes(sum(sizes[i] for i in b) + len(b), sub, size, isz)
                            for b in plan_buckets([n * isz for n in sizes], bucket_bytes)]
@@ -441,42 +380,6 @@ def _gradient_buckets(gm: fx.GraphModule, analysis: Any, P: int, ranks: list[int
                                          {r: b[i] for r, b in per_rank.items()}, size,
                                          layout, tuple(dims) if layout is not None else ()))
     return report if report.steps else None
-
-
-def _conv(report: LayerReport, step: Step, conv: nn.Conv2d, x_shape: tuple[int, ...],
-          isz: int, ranks: list[int], grad_in: bool, machine: Machine | None) -> None:
-    spec = step.layer
-    assert spec is not None
-    roles = dict(spec.roles)
-    problem = ConvProblem(x_shape[0], conv.in_channels, conv.out_channels, x_shape[2], x_shape[3],
-                          conv.kernel_size, conv.stride, conv.padding, conv.dilation, conv.groups,
-                          conv.bias is not None, conv.padding_mode)
-    kw = dict(itemsize=isz, input_grad=grad_in, channel_dim=roles["C"], filter_dim=roles["F"],
-              sample_dim=roles["N"], spatial_dims=(roles["H"], roles["W"]))
-    ext = dict(spec.layout)
-    grouped = conv.groups > 1 and ext.get("C", 1) * ext.get("F", 1) > 1
-    d = conv_dists(spec.algorithm, roles, grouped)
-    report.dists = {"x": Placement(spec.layout, d["input"]).dist.format("x"),
-                    "w": Placement(spec.layout, d["weight"]).dist.format("w"),
-                    "y": Placement(spec.layout, d["output"]).dist.format("y")}
-    w_shape = (conv.out_channels, conv.in_channels // conv.groups, *conv.kernel_size)
-    traffic = {r: conv_traffic(problem, spec.layout, spec.algorithm,
-                               paper_grid(spec.layout, r).coords, **kw) for r in ranks}
-    first = traffic[ranks[0]]
-    report.param_elements = _largest_block(Placement(spec.layout, d["weight"]), w_shape) + (
-        _largest_block(Placement(spec.layout, d["bias"]), (conv.out_channels,))
-        if conv.bias is not None else 0)
-    for phase in ("forward", "backward"):
-        names = [k for k in getattr(first, phase) if not k.startswith("allreduce dL/d")]
-        for key in names:
-            report.steps.append(CommStep(phase, key, first.ops[key],
-                                         {r: getattr(t, phase).get(key, 0)
-                                          for r, t in traffic.items()}, first.peers[key],
-                                         spec.layout, first.dims[key]))
-    if machine is not None:
-        cost = conv_cost(problem, spec.layout, spec.algorithm, machine, **{
-            k: v for k, v in kw.items() if k != "input_grad"})
-        report.compute_seconds = sum(v for k, v in cost.steps.items() if k.startswith("local"))
 
 
 ALL_RANKS = 64  # worlds up to this size are evaluated rank by rank
@@ -501,95 +404,3 @@ def _evaluated_ranks(analysis: Any, P: int) -> list[int]:
                 r = r * e + c
             ranks.add(r)
     return sorted(ranks)
-
-
-def _largest_block(p: Placement, shape: Sequence[int]) -> int:
-    """Elements of the largest local block: balanced blocks put the larger parts first, so rank
-    0 (coordinate 0 on every grid dim) holds it."""
-    return math.prod(p.dist.local_shape(tuple(shape), paper_grid(p.layout, 0)))
-
-
-def _segment_rank(layout: Layout, dims: Sequence[str], coords: dict[str, int]) -> int:
-    r = 0
-    for name, e in layout:
-        if name in dims:
-            r = r * e + coords.get(name, 0)
-    return r
-
-
-def _batchnorm(report: LayerReport, step: Step, bn: nn.BatchNorm2d, x_shape: tuple[int, ...],
-               isz: int, ranks: list[int]) -> None:
-    p = step.out
-    ext = dict(p.layout)
-    seg = [g for i in (0, 2, 3) for g in p.dist.grid_dims_of(i)]
-    s = math.prod(ext[g] for g in seg)
-    fwd, bwd, params = {}, {}, 0
-    for r in ranks:
-        g = paper_grid(p.layout, r)
-        c = p.dist.local_shape(x_shape, g)[1]
-        params = max(params, 2 * c if bn.affine else 0)
-        fwd[r] = (s - 1) * (1 + 2 * c) * isz
-        bwd[r] = allreduce_bytes(2 * c, _segment_rank(p.layout, seg, g.coords), s, isz)
-    report.param_elements = params
-    report.dists["w"] = Placement(p.layout, _param_dist(p)).dist.format("w")
-    if s > 1:
-        report.steps.append(CommStep("forward", f"statistics allgather over {'×'.join(seg)}",
-                                     "allgather", fwd, s, p.layout, tuple(seg)))
-        report.steps.append(CommStep("backward", f"Σdy, Σdy·x̂ allreduce over {'×'.join(seg)}",
-                                     "allreduce", bwd, s, p.layout, tuple(seg)))
-
-
-def _param_dist(p: Placement) -> Any:
-    from distconv.distribution import Dist
-
-    return Dist((p.dist.entries[1],))
-
-
-def _pool(report: LayerReport, step: Step, module: nn.Module | None, x_shape: tuple[int, ...],
-          isz: int, ranks: list[int], grad_in: bool) -> None:
-    from distconv.nn.pool import _NestedHaloPlan, pool_dim
-
-    p = step.out
-    if module is None or not isinstance(module, (nn.MaxPool2d, nn.AvgPool2d)):
-        return
-    k = _pair(module.kernel_size)
-    st = _pair(module.stride if module.stride else module.kernel_size)
-    pad = _pair(module.padding)
-    dil = _pair(getattr(module, "dilation", 1))
-    ext = dict(p.layout)
-    splits = [tuple(g for g in p.dist.grid_dims_of(i) if ext.get(g, 1) > 1) for i in (2, 3)]
-    plans = [_NestedHaloPlan(pool_dim(x_shape[2 + i], k[i], st[i], pad[i], dil[i],
-                                      module.ceil_mode), max(1, math.prod(ext[g] for g in s)),
-                             extents=tuple(ext[g] for g in s)) for i, s in enumerate(splits)]
-    rows: dict[str, list[dict[int, int]]] = {ph: [{r: 0 for r in ranks}, {r: 0 for r in ranks}]
-                                             for ph in ("forward", "backward")}
-    for r in ranks:
-        g = paper_grid(p.layout, r)
-        n, c, h, w = p.dist.local_shape(x_shape, g)
-        idx = [_block_index(s, ext, g.coords) for s in splits]
-        lo, hi = plans[0].needed[idx[0]]
-        widths = (w, hi - lo)
-        for i in range(2):
-            if splits[i]:
-                rows["forward"][i][r] = plans[i].halo_rows_received(idx[i]) * n * c * widths[i] * isz
-                rows["backward"][i][r] = plans[i].halo_rows_sent(idx[i]) * n * c * widths[i] * isz
-    for i, dim in enumerate("HW"):
-        if splits[i]:
-            peers = plans[i].parts
-            report.steps.append(CommStep("forward", f"halo exchange {dim}", "alltoall",
-                                         rows["forward"][i], peers, p.layout, splits[i]))
-            if grad_in:
-                report.steps.append(CommStep("backward", f"halo accumulate {dim}", "alltoall",
-                                             rows["backward"][i], peers, p.layout, splits[i]))
-
-
-def _block_index(dims: Sequence[str], ext: dict[str, int], coords: dict[str, int]) -> int:
-    """Linear index of the nested block over ``dims`` (major first)."""
-    i = 0
-    for d in dims:
-        i = i * ext[d] + coords.get(d, 0)
-    return i
-
-
-def _pair(v: Any) -> tuple[int, int]:
-    return (v, v) if isinstance(v, int) else (int(v[0]), int(v[1]))

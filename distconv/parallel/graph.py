@@ -26,45 +26,20 @@ Rules, per node:
 
 from __future__ import annotations
 
-import math
-import operator
 import threading
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.fx as fx
-import torch.nn.functional as F
 from torch import nn
 
+from distconv import ops
 from distconv.distribution import Dist
-from distconv.nn.conv import conv_dists
-from distconv.parallel.config import LayerChoice, ParallelConfig
-from distconv.parallel.placement import Layout, Placement, conversion_bytes, layout_str
+from distconv.parallel.config import ParallelConfig
+from distconv.parallel.placement import Layout, Placement, layout_str
 
 __all__ = ["Analysis", "LayerSpec", "Step", "analyse", "check_broadcasts", "trace"]
-
-
-POINTWISE_MODULES: tuple[type, ...] = (
-    nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.GELU, nn.SiLU, nn.Sigmoid, nn.Tanh, nn.ELU, nn.Hardswish,
-    nn.Hardsigmoid, nn.Mish, nn.Softplus, nn.Identity, nn.PReLU,
-)
-POINTWISE_FUNCTIONS: frozenset[Any] = frozenset({
-    F.relu, torch.relu, F.relu6, F.gelu, F.silu, F.leaky_relu, F.elu, F.hardswish, F.mish,
-    torch.sigmoid, torch.tanh, F.sigmoid, F.tanh, torch.clamp, torch.abs, operator.neg,
-    torch.neg, F.softplus,
-})
-POINTWISE_METHODS = frozenset({
-    "relu", "relu_", "sigmoid", "tanh", "clamp", "abs", "neg", "contiguous", "float", "double",
-    "half", "bfloat16", "clone", "detach",
-})
-BINARY = frozenset({operator.add, operator.iadd, operator.sub, operator.isub, operator.mul,
-                    operator.imul, operator.truediv, operator.itruediv, torch.add, torch.sub,
-                    torch.mul, torch.div})
-BINARY_METHODS = frozenset({"add", "add_", "sub", "sub_", "mul", "mul_", "div", "div_"})
-SIZE_METHODS = frozenset({"size", "dim"})
-RESHAPE_METHODS = frozenset({"view", "reshape"})
-FLATTENS = frozenset({torch.flatten})
 
 
 @dataclass(frozen=True)
@@ -89,6 +64,7 @@ class Step:
     out: Placement | None
     needs: dict[fx.Node, Placement] = field(default_factory=dict)
     layer: LayerSpec | None = None
+    handler: Any = None  # the op handler that placed it (distconv.ops)
 
 
 @dataclass
@@ -142,7 +118,7 @@ def _order_like(module: nn.Module, original: nn.Module) -> None:
             _order_like(child, twin)
 
 
-def _sample_dist(ndim: int) -> Dist:
+def sample_dist(ndim: int) -> Dist:
     return Dist(("N",) + (None,) * (ndim - 1))
 
 
@@ -156,7 +132,7 @@ class _Analyser:
         self.out: dict[fx.Node, Placement | None] = {}
 
     # ---------------------------------------------------------------- helpers
-    def fail(self, node: fx.Node, what: str, exc: type[Exception] = NotImplementedError):
+    def fail(self, node: fx.Node, what: str, exc: type[Exception] = ops.Unsupported):
         raise exc(f"parallelize: node {node.name!r} ({node.op} {_target(node)}): {what}")
 
     def placement(self, node: Any) -> Placement:
@@ -181,16 +157,12 @@ class _Analyser:
     def visit(self, node: fx.Node) -> Step:
         if node.op == "placeholder":
             ndim = self.input_ndim or self._ndim_from_users(node)
-            return Step(node, "input", Placement(self.config.data, _sample_dist(ndim)))
+            return Step(node, "input", Placement(self.config.data, sample_dist(ndim)))
         if node.op == "output":
             return self.visit_output(node)
         if node.op == "get_attr":
             return Step(node, "constant", None)
-        if node.op == "call_module":
-            return self.visit_module(node, self.modules[node.target])
-        if node.op == "call_function":
-            return self.visit_function(node, node.target)
-        return self.visit_method(node, node.target)
+        return self.visit_call(node)
 
     def _ndim_from_users(self, node: fx.Node) -> int:
         for user in node.users:
@@ -208,7 +180,7 @@ class _Analyser:
     def visit_output(self, node: fx.Node) -> Step:
         needs = {}
         for arg in self.tensor_args(node):
-            needs[arg] = Placement(self.config.data, _sample_dist(self.placement(arg).ndim))
+            needs[arg] = Placement(self.config.data, sample_dist(self.placement(arg).ndim))
         if not needs:
             self.fail(node, "the model returns no tensor")
         return Step(node, "output", None, needs)
@@ -221,212 +193,28 @@ class _Analyser:
         p = self.placement(args[0]).settled()
         return Step(node, kind, p, {args[0]: p})
 
-    def visit_module(self, node: fx.Node, m: nn.Module) -> Step:
-        name = str(node.target)
-        if isinstance(m, _distributed_modules()):
-            self.fail(node, f"module {name!r} is already a distributed layer "
-                      f"({type(m).__name__}); parallelize takes the plain single-process model "
-                      "and converts its layers itself", TypeError)
-        if isinstance(m, nn.Conv2d):
-            return self.visit_conv(node, m, name)
-        if isinstance(m, nn.Linear):
-            return self.visit_linear(node, name)
-        if isinstance(m, (nn.BatchNorm2d, nn.SyncBatchNorm)):  # both: global-batch statistics
-            step = self.keep(node, "batchnorm")
-            step.layer = LayerSpec("batchnorm", name, step.out.layout, input=step.out)
-            return step
-        if isinstance(m, (nn.MaxPool2d, nn.AvgPool2d)):
-            return self.visit_pool(node, name)
-        if isinstance(m, nn.AdaptiveAvgPool2d):
-            return self.visit_adaptive(node, name, m.output_size)
-        if isinstance(m, nn.Dropout):
-            return self.visit_dropout(node, m.p)
-        if isinstance(m, nn.Flatten):
-            return self.visit_flatten(node, m.start_dim, m.end_dim)
-        if isinstance(m, POINTWISE_MODULES):
-            return self.keep(node, "pointwise")
-        self.fail(node, f"module type {type(m).__name__} is not supported; supported: Conv2d, "
-                  "Linear, BatchNorm2d (and SyncBatchNorm), MaxPool2d, AvgPool2d, "
-                  "AdaptiveAvgPool2d, Dropout, Flatten and pointwise activations")
-        raise AssertionError
-
-    def visit_conv(self, node: fx.Node, m: nn.Conv2d, name: str) -> Step:
-        choice = self.config.choice(name)
-        if choice.algorithm == "auto":
-            self.fail(node, "algorithm 'auto' must be resolved before placement (pass "
-                      "input_shape= to parallelize)", ValueError)
-        algorithm = choice.algorithm
-        if algorithm in ("sample", "spatial"):
-            algorithm = "stationary-x"
-        roles = {"N": "N", "C": "C", "F": "F", "H": "H", "W": "W"}
-        ext = dict(choice.layout)
-        grouped = m.groups > 1 and ext.get("C", 1) * ext.get("F", 1) > 1
-        args = self.tensor_args(node)
-        if algorithm == "stationary-w" and args:
-            src = self.placement(args[0])
-            if src.layout == choice.layout and src.dist.entries[1] == ("F", "C"):
-                roles["C"], roles["F"] = "F", "C"
-        dists = conv_dists(algorithm, roles, grouped)
-        need = Placement(choice.layout, dists["input"])
-        spec = LayerSpec("conv", name, choice.layout, algorithm,
-                         tuple(sorted(roles.items())), need, choice.source)
-        out = Placement(choice.layout, dists["output"])
-        return Step(node, "conv", out, {args[0]: need}, spec)
-
-    def visit_linear(self, node: fx.Node, name: str) -> Step:
-        choice = self.config.choice(name)
-        if choice.algorithm not in ("sample", "auto") and choice.source != "default":
-            self.fail(node, f"{choice.source} asks for {choice.algorithm}, but Linear layers "
-                      "run sample-parallel; give them algorithm 'sample'", ValueError)
-        if choice.algorithm != "sample" or choice.layout is None:
-            choice = LayerChoice(self.config.data, "sample", "data")
-        args = self.tensor_args(node)
-        need = Placement(choice.layout, _sample_dist(self.placement(args[0]).ndim))
-        return Step(node, "linear", need, {args[0]: need},
-                    LayerSpec("linear", name, choice.layout, "sample", input=need,
-                              source=choice.source))
-
-    def visit_pool(self, node: fx.Node, name: str) -> Step:
-        step = self.keep(node, "pool")
-        split = any(step.out.dist.entries[i] is not None for i in (2, 3))
-        step.layer = LayerSpec("pool" if split else "local", name, step.out.layout,
-                               input=step.out)
+    def visit_call(self, node: fx.Node) -> Step:
+        """A module, function or method call: its handler's placement (the registry's)."""
+        module = self.modules[node.target] if node.op == "call_module" else None
+        if module is not None and isinstance(module, _distributed_modules()):
+            self.fail(node, f"module {str(node.target)!r} is already a distributed layer "
+                      f"({type(module).__name__}); parallelize takes the plain single-process "
+                      "model and converts its layers itself", TypeError)
+        handler = ops.handler_for(node, module)
+        if handler is None:
+            what = {"call_module": f"module type {type(module).__name__}",
+                    "call_function": "this function",
+                    "call_method": f"tensor method .{node.target}()"}[node.op]
+            self.fail(node, f"{what} is not supported by parallelize; supported: "
+                      f"{ops.supported(node.op)}")
+        step = handler.place(self, node, module)
+        step.handler = handler
         return step
-
-    def visit_adaptive(self, node: fx.Node, name: str, size: Any) -> Step:
-        step = self.keep(node, "pool")
-        p = step.out
-        spatial = [g for i in (2, 3) for g in p.dist.grid_dims_of(i)]
-        if not spatial:
-            step.layer = LayerSpec("local", name, p.layout, input=p)
-            return step
-        sizes = (size, size) if not isinstance(size, (tuple, list)) else tuple(size)
-        if sizes != (1, 1):
-            self.fail(node, f"AdaptiveAvgPool2d({size}) over rows/columns split on {spatial} is "
-                      "not implemented; only (1, 1) is, or keep H and W whole before it")
-        entries = p.dist.entries[:2] + (None, None)
-        step.out = Placement(p.layout, Dist(entries, frozenset(spatial)))
-        step.layer = LayerSpec("adaptive", name, p.layout, input=p)
-        return step
-
-    def visit_mean(self, node: fx.Node) -> Step:
-        """``x.mean(dims)`` over spatial dims: a local sum over the global count, a pending sum
-        over the grid dims that split those dims (as global average pooling)."""
-        args = self.tensor_args(node)
-        p = self.placement(args[0]).settled()
-        dims = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else None)
-        keep = bool(node.kwargs.get("keepdim", node.args[2] if len(node.args) > 2 else False))
-        dims = (dims,) if isinstance(dims, int) else tuple(dims or ())
-        dims = tuple(sorted(d % p.ndim for d in dims))
-        if not dims or 0 in dims or node.kwargs.get("dtype") is not None:
-            self.fail(node, "mean is supported over non-sample dims (e.g. x.mean((2, 3)))")
-        split = [g for d in dims for g in p.dist.grid_dims_of(d)]
-        entries = [None if i in dims else e for i, e in enumerate(p.dist.entries)]
-        if not keep:
-            entries = [e for i, e in enumerate(entries) if i not in dims]
-        out = Placement(p.layout, Dist(tuple(entries), frozenset(split)))
-        return Step(node, "mean", out, {args[0]: p},
-                    LayerSpec("mean", node.name, p.layout, input=p))
-
-    def visit_dropout(self, node: fx.Node, p: float) -> Step:
-        step = self.keep(node, "dropout")
-        model_dims = step.out.dist.used() - set(step.out.dist.grid_dims_of(0))
-        if p > 0 and model_dims:
-            self.fail(node, f"dropout (p={p}) on a value split over model-parallel grid dims "
-                      f"{sorted(model_dims)}: its masks would not match one process. Put dropout "
-                      "where activations are sample-parallel (e.g. before the head) or use p=0")
-        return step
-
-    def visit_flatten(self, node: fx.Node, start: int, end: int) -> Step:
-        args = self.tensor_args(node)
-        p = self.placement(args[0])
-        ndim = p.ndim
-        start, end = start % ndim, end % ndim
-        if start != 1 or end != ndim - 1:
-            self.fail(node, f"flatten(start_dim={start}, end_dim={end}) is not supported; only "
-                      "flattening every dim after the samples (start_dim=1) is")
-        return self.to_samples(node, args[0], 2)
 
     def to_samples(self, node: fx.Node, arg: fx.Node, out_ndim: int) -> Step:
-        """Every dim but the samples replicated (flatten, view, reshape act on local rows)."""
-        p = self.placement(arg)
-        need = Placement(p.layout, Dist((p.dist.entries[0],) + (None,) * (p.ndim - 1)))
-        out = Placement(p.layout, Dist((p.dist.entries[0],) + (None,) * (out_ndim - 1)))
-        return Step(node, "reshape", out, {arg: need})
+        from distconv.ops.shape import to_samples
 
-    def visit_function(self, node: fx.Node, fn: Any) -> Step:
-        if fn in BINARY:
-            return self.visit_binary(node)
-        if fn in POINTWISE_FUNCTIONS:
-            return self.keep(node, "pointwise")
-        if fn is F.dropout:
-            p = node.kwargs.get("p", node.args[1] if len(node.args) > 1 else 0.5)
-            return self.visit_dropout(node, float(p))
-        if fn in FLATTENS:
-            start = node.kwargs.get("start_dim", node.args[1] if len(node.args) > 1 else 0)
-            end = node.kwargs.get("end_dim", node.args[2] if len(node.args) > 2 else -1)
-            return self.visit_flatten(node, start, end)
-        if fn is torch.cat:
-            return self.visit_cat(node)
-        if fn is torch.reshape:
-            return self.to_samples(node, node.args[0], _shape_len(node.args[1:]))
-        if fn is F.adaptive_avg_pool2d:
-            return self.visit_adaptive(node, node.name, node.args[1] if len(node.args) > 1
-                                       else node.kwargs["output_size"])
-        if fn is torch.mean:
-            return self.visit_mean(node)
-        if fn is getattr:
-            return Step(node, "meta", None)
-        self.fail(node, "this function is not supported by parallelize; supported: elementwise "
-                  "activations, +, -, *, /, torch.cat, torch.flatten, reshape/view, dropout")
-        raise AssertionError
-
-    def visit_method(self, node: fx.Node, name: Any) -> Step:
-        if name in POINTWISE_METHODS:
-            return self.keep(node, "pointwise")
-        if name in BINARY_METHODS:
-            return self.visit_binary(node)
-        if name in SIZE_METHODS:
-            return Step(node, "meta", None)
-        if name in RESHAPE_METHODS:
-            return self.to_samples(node, node.args[0], _shape_len(node.args[1:]))
-        if name == "mean":
-            return self.visit_mean(node)
-        if name == "flatten":
-            start = node.kwargs.get("start_dim", node.args[1] if len(node.args) > 1 else 0)
-            end = node.kwargs.get("end_dim", node.args[2] if len(node.args) > 2 else -1)
-            return self.visit_flatten(node, start, end)
-        self.fail(node, f"tensor method .{name}() is not supported by parallelize")
-        raise AssertionError
-
-    def visit_binary(self, node: fx.Node) -> Step:
-        args = self.tensor_args(node)
-        for a in fx.node.map_aggregate(node.args, lambda a: a):
-            if isinstance(a, fx.Node) and self.out.get(a) is None and a.op == "get_attr":
-                self.fail(node, "an elementwise op between an activation and a model tensor "
-                          "(get_attr) is not supported: its broadcast over split dims is unplanned")
-        if len(args) == 1:
-            return self.keep(node, "pointwise")
-        if len(args) != 2:
-            self.fail(node, f"expected two tensor operands, got {len(args)}")
-        a, b = (self.placement(x).settled() for x in args)
-        if a.ndim != b.ndim:
-            self.fail(node, "operands with different numbers of dims (broadcasting across "
-                      "distributed dims) are not supported")
-        target = _cheaper_meeting(a, b)
-        return Step(node, "pointwise", target, {args[0]: target, args[1]: target})
-
-    def visit_cat(self, node: fx.Node) -> Step:
-        args = self.tensor_args(node)
-        dim = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else 0)
-        first = self.placement(args[0]).settled()
-        dim = dim % first.ndim
-        if dim == 0:
-            self.fail(node, "concatenating along the sample dim is not supported")
-        entries = list(first.dist.entries)
-        entries[dim] = None
-        target = Placement(first.layout, Dist(tuple(entries)))
-        return Step(node, "pointwise", target, {a: target for a in args})
+        return to_samples(self, node, arg, out_ndim)
 
 
 def _distributed_modules() -> tuple[type, ...]:
@@ -439,27 +227,9 @@ def _distributed_modules() -> tuple[type, ...]:
             Redistribute)
 
 
-def _shape_len(args: tuple[Any, ...]) -> int:
-    if len(args) == 1 and isinstance(args[0], (tuple, list)):
-        return len(args[0])
-    return len(args)
-
-
 def _target(node: fx.Node) -> str:
     t = node.target
     return getattr(t, "__name__", None) or str(t)
-
-
-def _cheaper_meeting(a: Placement, b: Placement) -> Placement:
-    """The operand placement the other reaches with fewer bytes in total (ties: ``a``), counted by
-    the planner on a nominal shape whose every dim each extent divides."""
-    if a == b:
-        return a
-    size = math.prod(e for _, e in a.layout)
-    shape = (2 * size,) * a.ndim
-    cost_to_a = sum(conversion_bytes(b, a, shape, 1, r) for r in range(size))
-    cost_to_b = sum(conversion_bytes(a, b, shape, 1, r) for r in range(size))
-    return b if cost_to_b < cost_to_a else a
 
 
 def analyse(gm: fx.GraphModule, config: ParallelConfig, *, input_ndim: int | None = None

@@ -37,7 +37,6 @@ from distconv.comm import get_debug
 from distconv.distribution import as_shape, balanced_block
 from distconv.grid import ProcessorGrid
 from distconv.nn import clip as _clip
-from distconv.nn.conv import DistConv2d
 from distconv.nn.grad_sync import BucketedGradSync, GradSync, GradSyncGroup
 from distconv.nn.clip import register_parameter_specs
 from distconv.nn.sharding import ShardSpec, shard_specs
@@ -226,39 +225,19 @@ class ParallelModel(nn.Module):
                     f"({_show_input(first.layer)} and {_show_input(spec)}), and one module "
                     "holds one layout. Give the second call its own module (copy.deepcopy, "
                     "untied) or make both inputs arrive in the same distribution")
-        if spec.kind in ("linear", "local", "mean"):
-            return
-        if node.op == "call_module":
-            module = gm.get_submodule(str(node.target))
-        else:  # functional adaptive pooling: run as its module
-            module = nn.AdaptiveAvgPool2d(node.args[1] if len(node.args) > 1
-                                          else node.kwargs["output_size"])
+        module = gm.get_submodule(str(node.target)) if node.op == "call_module" else None
         try:
-            new = self._convert(module, spec)
+            new = step.handler.build(module, node, step, self.grid(spec.layout))
         except (ValueError, TypeError, NotImplementedError) as exc:
             where = f" ({spec.source})" if spec.source else ""
             raise type(exc)(f"parallelize: layer {spec.name!r}{where}: {exc}") from exc
+        if new is None:
+            return  # runs as traced, on local blocks
         if node.op == "call_module":  # every name the module is registered under
             for path in [n for n, m in gm.named_modules(remove_duplicate=False) if m is module]:
                 _set_submodule(gm, path, new)
         else:
             self._function_modules[node.name] = new
-
-    def _convert(self, module: nn.Module, spec: LayerSpec) -> nn.Module:
-        grid = self.grid(spec.layout)
-        if spec.kind == "conv":
-            roles = dict(spec.roles)
-            return DistConv2d.from_conv2d(
-                module, grid=grid, algorithm=spec.algorithm, channel_dim=roles["C"],
-                filter_dim=roles["F"], sample_dim=roles["N"],
-                spatial_dims=(roles["H"], roles["W"]))
-        assert spec.input is not None
-        from distconv.nn import batchnorm, pool
-
-        if spec.kind == "batchnorm":
-            return batchnorm.DistBatchNorm2d.from_batchnorm2d(
-                module, grid=grid, input_dist=spec.input.dist)
-        return pool.from_module(module, grid=grid, input_dist=spec.input.dist)
 
     # ------------------------------------------------------------------ forward
     def forward(self, x: torch.Tensor) -> Any:

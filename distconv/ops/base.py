@@ -1,0 +1,135 @@
+"""The op-handler protocol: what one op family states about itself, as math only.
+
+A handler binds every call form of its ops (a module type, an ``F.*`` or ``torch.*`` function, a
+tensor method) and answers, for one traced node:
+
+* :meth:`Handler.place` -- where the node's value lives and what its inputs must be converted to
+  (a :class:`~distconv.parallel.graph.Step`), or :class:`Unsupported` naming the node, its
+  target, why, and what would work;
+* :meth:`Handler.build` -- the executable layer (from :mod:`distconv.nn`) when the op runs as a
+  distributed layer;
+* :meth:`Handler.price` -- the collectives it runs, with the exact bytes every rank receives, and
+  its parameter elements per rank (what :func:`distconv.explain` reports);
+* :meth:`Handler.param_dists` -- the Dist of each of its parameters (gradient completion);
+* :meth:`Handler.samples` -- calls that the conformance test runs under every option.
+
+The one walker over a traced graph (:mod:`distconv.parallel.graph`) asks the registry
+(:mod:`distconv.ops`) for each node's handler; ``parallelize`` builds, ``explain`` prices.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+import torch.fx as fx
+from torch import nn
+
+if TYPE_CHECKING:
+    from distconv.parallel.graph import Step
+
+__all__ = ["SAMPLE_GRIDS", "Handler", "PriceContext", "Sample", "SampleNet", "Unsupported"]
+
+
+class Unsupported(NotImplementedError):
+    """A node no handler can run: names the node, its target, why, and what would work."""
+
+
+@dataclass(frozen=True)
+class Sample:
+    """A small model that exercises a handler, with the configs (options) to run it under.
+
+    ``make()`` returns the plain model; ``shape`` is the global input shape; ``configs`` are
+    ``(world size, config)`` pairs, each an option the handler takes.
+    """
+
+    name: str
+    make: Callable[[], nn.Module]
+    shape: tuple[int, ...]
+    configs: tuple[tuple[int, dict], ...]
+
+
+class SampleNet(nn.Module):
+    """A conformance sample: a 1x1 stem convolution (placed by the config, so the layer under
+    test meets every distribution the options give), the layer, a global mean and a head."""
+
+    def __init__(self, layer: nn.Module, channels: int, out_channels: int | None = None) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(channels, channels, 1)
+        self.layer = layer
+        self.head = nn.Linear(out_channels or channels, 3)
+
+    def forward(self, x: Any) -> Any:
+        return self.head(self.layer(self.stem(x)).mean((2, 3)))
+
+
+#: the options every layer sample runs under: sample, spatial (H), stationary-x, -y, -w
+SAMPLE_GRIDS: tuple[tuple[int, dict], ...] = (
+    (2, {"default": {"grid": {"N": 2}, "algorithm": "sample"}}),
+    (2, {"default": {"grid": {"N": 1, "H": 2}, "algorithm": "spatial"},
+         "data": {"N": 1, "H": 2}}),
+    (4, {"default": {"grid": {"N": 2, "C": 2}, "algorithm": "stationary-x"}}),
+    (4, {"default": {"grid": {"N": 2, "F": 2}, "algorithm": "stationary-y"}}),
+    (4, {"default": {"grid": {"C": 2, "F": 2}, "algorithm": "stationary-w"}}),
+)
+
+
+@dataclass
+class PriceContext:
+    """What pricing a node needs: its input's global shape, the item size, the evaluated ranks,
+    whether a gradient flows back into the input, and the machine (None: bytes only)."""
+
+    in_shape: tuple[int, ...]
+    itemsize: int
+    ranks: list[int]
+    grad_in: bool
+    machine: Any = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class Handler:
+    """One op family. Subclasses set the forms they bind and override what they state."""
+
+    #: module types, functions and tensor-method names this handler binds
+    modules: tuple[type, ...] = ()
+    functions: frozenset[Any] = frozenset()
+    methods: frozenset[str] = frozenset()
+    #: the node kind the executor and explain read (``"conv"``, ``"pointwise"``, ...)
+    kind: str = ""
+
+    def binds(self, node: fx.Node, module: nn.Module | None) -> bool:
+        if node.op == "call_module":
+            return isinstance(module, self.modules)
+        if node.op == "call_function":
+            return node.target in self.functions
+        if node.op == "call_method":
+            return node.target in self.methods
+        return False
+
+    def place(self, an: Any, node: fx.Node, module: nn.Module | None) -> Step:
+        raise NotImplementedError
+
+    def build(self, module: nn.Module | None, node: fx.Node, step: Step, grid: Any) -> Any:
+        """The distributed layer for ``step`` (None: the node runs as traced)."""
+        return None
+
+    def price(self, report: Any, step: Step, module: nn.Module | None,
+              ctx: PriceContext) -> None:
+        """Append the node's collectives (bytes per evaluated rank) and parameter elements to
+        ``report`` (an explain ``LayerReport``)."""
+
+    def param_dists(self, step: Step, module: nn.Module) -> dict[str, Any] | None:
+        """Parameter name -> Dist on ``step.layer.layout`` (None: replicated everywhere)."""
+        return None
+
+    def samples(self) -> Sequence[Sample]:
+        return ()
+
+    def forms(self) -> list[str]:
+        """The call forms it binds, by name (for refusal messages and coverage tables)."""
+        names = [m.__name__ for m in self.modules]
+        names += [f"{getattr(f, '__module__', '') or ''}.{getattr(f, '__name__', str(f))}"
+                  .replace("torch.nn.functional.", "F.").replace("_operator.", "operator.")
+                  .lstrip(".") for f in self.functions]
+        names += [f".{m}()" for m in sorted(self.methods)]
+        return names

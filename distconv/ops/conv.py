@@ -1,0 +1,112 @@
+"""Convolutions: ``nn.Conv2d`` on its config entry's grid and algorithm (Dryden et al. §3).
+
+``sample`` and ``spatial`` are stationary-x with C = F = 1. The node takes ``x`` in the
+algorithm's input distribution and gives ``y`` in its output distribution; a stationary-w layer
+whose input arrives as ``x[o,o_{F×C},o,o]`` on its own grid swaps its channel/filter roles and
+takes it with no data movement. Bytes and time per rank are the §4 model's
+(:func:`distconv.perfmodel.conv_traffic`), which the communicators' counts equal.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from torch import nn
+
+from distconv.nn.conv import DistConv2d, conv_dists
+from distconv.ops.base import SAMPLE_GRIDS, Handler, PriceContext, Sample, SampleNet
+from distconv.ops.pricing import CommStep, largest_block
+from distconv.parallel.placement import Placement, paper_grid
+from distconv.perfmodel import ConvProblem, conv_cost, conv_traffic
+
+__all__ = ["ConvHandler"]
+
+
+def _dists(step: Any, conv: nn.Conv2d) -> dict[str, Any]:
+    spec = step.layer
+    ext = dict(spec.layout)
+    grouped = conv.groups > 1 and ext.get("C", 1) * ext.get("F", 1) > 1
+    return conv_dists(spec.algorithm, dict(spec.roles), grouped)
+
+
+class ConvHandler(Handler):
+    modules = (nn.Conv2d,)
+    kind = "conv"
+
+    def place(self, an: Any, node: Any, module: Any) -> Any:
+        from distconv.parallel.graph import LayerSpec, Step
+
+        name = str(node.target)
+        choice = an.config.choice(name)
+        if choice.algorithm == "auto":
+            an.fail(node, "algorithm 'auto' must be resolved before placement (pass "
+                    "input_shape= to parallelize)", ValueError)
+        algorithm = "stationary-x" if choice.algorithm in ("sample", "spatial") else (
+            choice.algorithm)
+        roles = {"N": "N", "C": "C", "F": "F", "H": "H", "W": "W"}
+        ext = dict(choice.layout)
+        grouped = module.groups > 1 and ext.get("C", 1) * ext.get("F", 1) > 1
+        args = an.tensor_args(node)
+        if algorithm == "stationary-w" and args:
+            src = an.placement(args[0])
+            if src.layout == choice.layout and src.dist.entries[1] == ("F", "C"):
+                roles["C"], roles["F"] = "F", "C"
+        dists = conv_dists(algorithm, roles, grouped)
+        need = Placement(choice.layout, dists["input"])
+        spec = LayerSpec("conv", name, choice.layout, algorithm,
+                         tuple(sorted(roles.items())), need, choice.source)
+        out = Placement(choice.layout, dists["output"])
+        return Step(node, "conv", out, {args[0]: need}, spec)
+
+    def build(self, module: Any, node: Any, step: Any, grid: Any) -> Any:
+        roles = dict(step.layer.roles)
+        return DistConv2d.from_conv2d(
+            module, grid=grid, algorithm=step.layer.algorithm, channel_dim=roles["C"],
+            filter_dim=roles["F"], sample_dim=roles["N"], spatial_dims=(roles["H"], roles["W"]))
+
+    def param_dists(self, step: Any, module: Any) -> dict[str, Any]:
+        d = _dists(step, module)
+        return {"weight": d["weight"], "bias": d["bias"]}
+
+    def price(self, report: Any, step: Any, conv: Any, ctx: PriceContext) -> None:
+        spec = step.layer
+        roles = dict(spec.roles)
+        x = ctx.in_shape
+        problem = ConvProblem(x[0], conv.in_channels, conv.out_channels, x[2], x[3],
+                              conv.kernel_size, conv.stride, conv.padding, conv.dilation,
+                              conv.groups, conv.bias is not None, conv.padding_mode)
+        kw = dict(itemsize=ctx.itemsize, input_grad=ctx.grad_in, channel_dim=roles["C"],
+                  filter_dim=roles["F"], sample_dim=roles["N"],
+                  spatial_dims=(roles["H"], roles["W"]))
+        d = _dists(step, conv)
+        report.dists = {"x": Placement(spec.layout, d["input"]).dist.format("x"),
+                        "w": Placement(spec.layout, d["weight"]).dist.format("w"),
+                        "y": Placement(spec.layout, d["output"]).dist.format("y")}
+        w_shape = (conv.out_channels, conv.in_channels // conv.groups, *conv.kernel_size)
+        traffic = {r: conv_traffic(problem, spec.layout, spec.algorithm,
+                                   paper_grid(spec.layout, r).coords, **kw) for r in ctx.ranks}
+        first = traffic[ctx.ranks[0]]
+        report.param_elements = largest_block(Placement(spec.layout, d["weight"]), w_shape) + (
+            largest_block(Placement(spec.layout, d["bias"]), (conv.out_channels,))
+            if conv.bias is not None else 0)
+        for phase in ("forward", "backward"):
+            names = [k for k in getattr(first, phase) if not k.startswith("allreduce dL/d")]
+            for key in names:
+                report.steps.append(CommStep(phase, key, first.ops[key],
+                                             {r: getattr(t, phase).get(key, 0)
+                                              for r, t in traffic.items()}, first.peers[key],
+                                             spec.layout, first.dims[key]))
+        if ctx.machine is not None:
+            cost = conv_cost(problem, spec.layout, spec.algorithm, ctx.machine, **{
+                k: v for k, v in kw.items() if k != "input_grad"})
+            report.compute_seconds = sum(v for k, v in cost.steps.items()
+                                         if k.startswith("local"))
+
+    def samples(self) -> Sequence[Sample]:
+        return (Sample("conv3x3", lambda: SampleNet(nn.Conv2d(4, 6, 3, padding=1), 4, 6),
+                       (5, 4, 7, 6), SAMPLE_GRIDS),
+                Sample("conv-strided-grouped",
+                       lambda: SampleNet(nn.Conv2d(4, 6, 3, stride=2, groups=2, bias=False),
+                                         4, 6),
+                       (5, 4, 9, 8), SAMPLE_GRIDS[:4]))
+

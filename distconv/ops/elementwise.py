@@ -1,0 +1,150 @@
+"""Elementwise ops: pointwise layers and functions keep their input's (settled) placement;
+binary ops meet where the cheaper operand moves; ``torch.cat`` joins along a replicated dim;
+dropout runs only where its masks match one process's (sample-parallel values)."""
+
+from __future__ import annotations
+
+import math
+import operator
+from typing import Any, Sequence
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+from torch import nn
+
+from distconv.distribution import Dist
+from distconv.ops.base import SAMPLE_GRIDS, Handler, Sample, SampleNet
+from distconv.parallel.placement import Placement, conversion_bytes
+
+__all__ = ["BinaryHandler", "CatHandler", "DropoutHandler", "PointwiseHandler", "meeting"]
+
+
+class PointwiseHandler(Handler):
+    modules = (nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.GELU, nn.SiLU, nn.Sigmoid, nn.Tanh, nn.ELU,
+               nn.Hardswish, nn.Hardsigmoid, nn.Mish, nn.Softplus, nn.Identity, nn.PReLU)
+    functions = frozenset({
+        F.relu, torch.relu, F.relu6, F.gelu, F.silu, F.leaky_relu, F.elu, F.hardswish, F.mish,
+        torch.sigmoid, torch.tanh, F.sigmoid, F.tanh, torch.clamp, torch.abs, operator.neg,
+        torch.neg, F.softplus,
+    })
+    methods = frozenset({"relu", "relu_", "sigmoid", "tanh", "clamp", "abs", "neg", "contiguous",
+                         "float", "double", "half", "bfloat16", "clone", "detach"})
+    kind = "pointwise"
+
+    def place(self, an: Any, node: Any, module: Any) -> Any:
+        step = an.keep(node, "pointwise")
+        if isinstance(module, nn.PReLU) and module.num_parameters > 1 and (
+                step.out.dist.grid_dims_of(1)):
+            an.fail(node, f"PReLU with one weight per channel ({module.num_parameters}) on a "
+                    "channel-split value: every rank would apply the first channels' weights. "
+                    "Use PReLU() (one weight) there, or keep the channels whole before it")
+        return step
+
+    def samples(self) -> Sequence[Sample]:
+        return (Sample("relu", lambda: SampleNet(nn.ReLU(), 4), (5, 4, 7, 6), SAMPLE_GRIDS),)
+
+
+class DropoutHandler(Handler):
+    modules = (nn.Dropout,)
+    functions = frozenset({F.dropout})
+    kind = "dropout"
+
+    def place(self, an: Any, node: Any, module: Any) -> Any:
+        p = module.p if module is not None else float(
+            node.kwargs.get("p", node.args[1] if len(node.args) > 1 else 0.5))
+        step = an.keep(node, "dropout")
+        model_dims = step.out.dist.used() - set(step.out.dist.grid_dims_of(0))
+        if p > 0 and model_dims:
+            an.fail(node, f"dropout (p={p}) on a value split over model-parallel grid dims "
+                    f"{sorted(model_dims)}: its masks would not match one process. Put dropout "
+                    "where activations are sample-parallel (e.g. before the head) or use p=0")
+        return step
+
+    def samples(self) -> Sequence[Sample]:
+        return (Sample("dropout-p0", lambda: SampleNet(nn.Dropout(0.0), 4), (5, 4, 7, 6),
+                       SAMPLE_GRIDS),)
+
+
+class BinaryHandler(Handler):
+    functions = frozenset({operator.add, operator.iadd, operator.sub, operator.isub, operator.mul,
+                           operator.imul, operator.truediv, operator.itruediv, torch.add,
+                           torch.sub, torch.mul, torch.div})
+    methods = frozenset({"add", "add_", "sub", "sub_", "mul", "mul_", "div", "div_"})
+    kind = "pointwise"
+
+    def place(self, an: Any, node: Any, module: Any) -> Any:
+        from distconv.parallel.graph import Step
+
+        args = an.tensor_args(node)
+        for a in fx.node.map_aggregate(node.args, lambda a: a):
+            if isinstance(a, fx.Node) and an.out.get(a) is None and a.op == "get_attr":
+                an.fail(node, "an elementwise op between an activation and a model tensor "
+                        "(get_attr) is not supported: its broadcast over split dims is unplanned")
+        if len(args) == 1:
+            return an.keep(node, "pointwise")
+        if len(args) != 2:
+            an.fail(node, f"expected two tensor operands, got {len(args)}")
+        a, b = (an.placement(x).settled() for x in args)
+        if a.ndim != b.ndim:
+            an.fail(node, "operands with different numbers of dims (broadcasting across "
+                    "distributed dims) are not supported")
+        target = meeting(a, b)
+        return Step(node, "pointwise", target, {args[0]: target, args[1]: target})
+
+    def samples(self) -> Sequence[Sample]:
+        return (Sample("residual-add", lambda: SampleNet(_Residual(), 4), (5, 4, 7, 6),
+                       SAMPLE_GRIDS),)
+
+
+class CatHandler(Handler):
+    functions = frozenset({torch.cat})
+    kind = "pointwise"
+
+    def place(self, an: Any, node: Any, module: Any) -> Any:
+        from distconv.parallel.graph import Step
+
+        args = an.tensor_args(node)
+        dim = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else 0)
+        first = an.placement(args[0]).settled()
+        dim = dim % first.ndim
+        if dim == 0:
+            an.fail(node, "concatenating along the sample dim is not supported")
+        entries = list(first.dist.entries)
+        entries[dim] = None
+        target = Placement(first.layout, Dist(tuple(entries)))
+        return Step(node, "pointwise", target, {a: target for a in args})
+
+    def samples(self) -> Sequence[Sample]:
+        return (Sample("cat-channels", lambda: SampleNet(_Cat(), 4, 8), (5, 4, 7, 6),
+                       SAMPLE_GRIDS),)
+
+
+def meeting(a: Placement, b: Placement) -> Placement:
+    """Where two operands meet: the placement the other reaches with fewer bytes in total (ties:
+    ``a``), counted on a nominal shape whose every dim each extent divides."""
+    if a == b:
+        return a
+    size = math.prod(e for _, e in a.layout)
+    shape = (2 * size,) * a.ndim
+    cost_to_a = sum(conversion_bytes(b, a, shape, 1, r) for r in range(size))
+    cost_to_b = sum(conversion_bytes(a, b, shape, 1, r) for r in range(size))
+    return b if cost_to_b < cost_to_a else a
+
+
+class _Residual(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(4, 4, 3, padding=1)
+
+    def forward(self, x: Any) -> Any:
+        return x + self.conv(x)
+
+
+class _Cat(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(4, 4, 3, padding=1)
+
+    def forward(self, x: Any) -> Any:
+        return torch.cat([x, self.conv(x)], 1)

@@ -1,0 +1,46 @@
+"""``Linear`` layers run sample-parallel (``[o_N,*]``) on their entry's grid, their weights
+replicated; the gradient completion (a bucketed allreduce) is the only traffic."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from torch import nn
+
+from distconv.ops.base import Handler, PriceContext, Sample, SampleNet
+from distconv.parallel.config import LayerChoice
+from distconv.parallel.placement import Placement
+
+__all__ = ["LinearHandler"]
+
+
+class LinearHandler(Handler):
+    modules = (nn.Linear,)
+    kind = "linear"
+
+    def place(self, an: Any, node: Any, module: Any) -> Any:
+        from distconv.parallel.graph import LayerSpec, Step, sample_dist
+
+        name = str(node.target)
+        choice = an.config.choice(name)
+        if choice.algorithm not in ("sample", "auto") and choice.source != "default":
+            an.fail(node, f"{choice.source} asks for {choice.algorithm}, but Linear layers "
+                    "run sample-parallel; give them algorithm 'sample'", ValueError)
+        if choice.algorithm != "sample" or choice.layout is None:
+            choice = LayerChoice(an.config.data, "sample", "data")
+        args = an.tensor_args(node)
+        need = Placement(choice.layout, sample_dist(an.placement(args[0]).ndim))
+        return Step(node, "linear", need, {args[0]: need},
+                    LayerSpec("linear", name, choice.layout, "sample", input=need,
+                              source=choice.source))
+
+    def price(self, report: Any, step: Any, module: Any, ctx: PriceContext) -> None:
+        report.param_elements = sum(p.numel() for p in module.parameters())
+        report.dists["w"] = "w[*,*]"
+
+    def samples(self) -> Sequence[Sample]:
+        return (Sample("linear-head", lambda: SampleNet(nn.Identity(), 4), (5, 4, 6, 6), (
+            (2, {"default": {"grid": {"N": 2}, "algorithm": "sample"}}),
+            (4, {"default": {"grid": {"N": 2, "C": 2}, "algorithm": "stationary-x"},
+                 "layers": [{"match": "head", "grid": {"N": 4}, "algorithm": "sample"}]}),
+        )),)

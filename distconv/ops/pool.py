@@ -1,0 +1,162 @@
+"""Pooling in its input's distribution: max and average pooling (halo exchanges over the split
+spatial dims), global average pooling (``AdaptiveAvgPool2d((1, 1))``,
+``F.adaptive_avg_pool2d``) and spatial means (``x.mean((2, 3))``), whose results over split
+rows/columns are pending sums over those grid dims."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from distconv.distribution import Dist
+from distconv.ops.base import SAMPLE_GRIDS, Handler, PriceContext, Sample, SampleNet
+from distconv.ops.pricing import CommStep, block_index, pair
+from distconv.parallel.placement import Placement, paper_grid
+
+__all__ = ["AdaptiveAvgPoolHandler", "MeanHandler", "PoolHandler"]
+
+
+class PoolHandler(Handler):
+    modules = (nn.MaxPool2d, nn.AvgPool2d)
+    kind = "pool"
+
+    def place(self, an: Any, node: Any, module: Any) -> Any:
+        from distconv.parallel.graph import LayerSpec
+
+        step = an.keep(node, "pool")
+        split = any(step.out.dist.entries[i] is not None for i in (2, 3))
+        step.layer = LayerSpec("pool" if split else "local", str(node.target), step.out.layout,
+                               input=step.out)
+        return step
+
+    def build(self, module: Any, node: Any, step: Any, grid: Any) -> Any:
+        if step.layer.kind != "pool":
+            return None  # rows and columns whole: the plain module runs on local blocks
+        from distconv.nn import pool
+
+        return pool.from_module(module, grid=grid, input_dist=step.layer.input.dist)
+
+    def price(self, report: Any, step: Any, module: Any, ctx: PriceContext) -> None:
+        from distconv.nn.pool import _NestedHaloPlan, pool_dim
+
+        if step.layer is None or step.layer.kind != "pool":
+            return
+        p, isz, ranks, x_shape = step.out, ctx.itemsize, ctx.ranks, ctx.in_shape
+        k = pair(module.kernel_size)
+        st = pair(module.stride if module.stride else module.kernel_size)
+        pad = pair(module.padding)
+        dil = pair(getattr(module, "dilation", 1))
+        ext = dict(p.layout)
+        splits = [tuple(g for g in p.dist.grid_dims_of(i) if ext.get(g, 1) > 1) for i in (2, 3)]
+        plans = [_NestedHaloPlan(pool_dim(x_shape[2 + i], k[i], st[i], pad[i], dil[i],
+                                          module.ceil_mode),
+                                 max(1, math.prod(ext[g] for g in s)),
+                                 extents=tuple(ext[g] for g in s)) for i, s in enumerate(splits)]
+        rows: dict[str, list[dict[int, int]]] = {
+            ph: [{r: 0 for r in ranks}, {r: 0 for r in ranks}] for ph in ("forward", "backward")}
+        for r in ranks:
+            g = paper_grid(p.layout, r)
+            n, c, h, w = p.dist.local_shape(x_shape, g)
+            idx = [block_index(s, ext, g.coords) for s in splits]
+            lo, hi = plans[0].needed[idx[0]]
+            widths = (w, hi - lo)
+            for i in range(2):
+                if splits[i]:
+                    rows["forward"][i][r] = (plans[i].halo_rows_received(idx[i]) * n * c
+                                             * widths[i] * isz)
+                    rows["backward"][i][r] = (plans[i].halo_rows_sent(idx[i]) * n * c
+                                              * widths[i] * isz)
+        for i, dim in enumerate("HW"):
+            if splits[i]:
+                peers = plans[i].parts
+                report.steps.append(CommStep("forward", f"halo exchange {dim}", "alltoall",
+                                             rows["forward"][i], peers, p.layout, splits[i]))
+                if ctx.grad_in:
+                    report.steps.append(CommStep("backward", f"halo accumulate {dim}",
+                                                 "alltoall", rows["backward"][i], peers,
+                                                 p.layout, splits[i]))
+
+    def samples(self) -> Sequence[Sample]:
+        return (Sample("maxpool", lambda: SampleNet(nn.MaxPool2d(3, 2, padding=1), 4),
+                       (5, 4, 9, 8), SAMPLE_GRIDS),
+                Sample("avgpool", lambda: SampleNet(nn.AvgPool2d(2, ceil_mode=True), 4),
+                       (5, 4, 9, 7), SAMPLE_GRIDS))
+
+
+class AdaptiveAvgPoolHandler(Handler):
+    modules = (nn.AdaptiveAvgPool2d,)
+    functions = frozenset({F.adaptive_avg_pool2d})
+    kind = "pool"
+
+    def place(self, an: Any, node: Any, module: Any) -> Any:
+        from distconv.parallel.graph import LayerSpec
+
+        if module is not None:
+            name, size = str(node.target), module.output_size
+        else:
+            name = node.name
+            size = node.args[1] if len(node.args) > 1 else node.kwargs["output_size"]
+        step = an.keep(node, "pool")
+        p = step.out
+        spatial = [g for i in (2, 3) for g in p.dist.grid_dims_of(i)]
+        if not spatial:
+            step.layer = LayerSpec("local", name, p.layout, input=p)
+            return step
+        sizes = (size, size) if not isinstance(size, (tuple, list)) else tuple(size)
+        if sizes != (1, 1):
+            an.fail(node, f"AdaptiveAvgPool2d({size}) over rows/columns split on {spatial} is "
+                    "not implemented; only (1, 1) is, or keep H and W whole before it")
+        entries = p.dist.entries[:2] + (None, None)
+        step.out = Placement(p.layout, Dist(entries, frozenset(spatial)))
+        step.layer = LayerSpec("adaptive", name, p.layout, input=p)
+        return step
+
+    def build(self, module: Any, node: Any, step: Any, grid: Any) -> Any:
+        if step.layer.kind != "adaptive":
+            return None
+        from distconv.nn import pool
+
+        if module is None:  # the functional form runs as its module
+            module = nn.AdaptiveAvgPool2d(node.args[1] if len(node.args) > 1
+                                          else node.kwargs["output_size"])
+        return pool.from_module(module, grid=grid, input_dist=step.layer.input.dist)
+
+    def samples(self) -> Sequence[Sample]:
+        return (Sample("adaptive-avgpool", lambda: SampleNet(nn.AdaptiveAvgPool2d(1), 4),
+                       (5, 4, 7, 6), SAMPLE_GRIDS),)
+
+
+class MeanHandler(Handler):
+    """``x.mean(dims)`` over non-sample dims: a local sum over the global count, a pending sum
+    over the grid dims that split those dims (as global average pooling)."""
+
+    functions = frozenset({torch.mean})
+    methods = frozenset({"mean"})
+    kind = "mean"
+
+    def place(self, an: Any, node: Any, module: Any) -> Any:
+        from distconv.parallel.graph import LayerSpec, Step
+
+        args = an.tensor_args(node)
+        p = an.placement(args[0]).settled()
+        dims = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else None)
+        keep = bool(node.kwargs.get("keepdim", node.args[2] if len(node.args) > 2 else False))
+        dims = (dims,) if isinstance(dims, int) else tuple(dims or ())
+        dims = tuple(sorted(d % p.ndim for d in dims))
+        if not dims or 0 in dims or node.kwargs.get("dtype") is not None:
+            an.fail(node, "mean is supported over non-sample dims (e.g. x.mean((2, 3)))")
+        split = [g for d in dims for g in p.dist.grid_dims_of(d)]
+        entries = [None if i in dims else e for i, e in enumerate(p.dist.entries)]
+        if not keep:
+            entries = [e for i, e in enumerate(entries) if i not in dims]
+        out = Placement(p.layout, Dist(tuple(entries), frozenset(split)))
+        return Step(node, "mean", out, {args[0]: p},
+                    LayerSpec("mean", node.name, p.layout, input=p))
+
+    def samples(self) -> Sequence[Sample]:
+        return (Sample("spatial-mean", lambda: SampleNet(nn.Identity(), 4), (5, 4, 7, 6),
+                       SAMPLE_GRIDS),)
