@@ -233,7 +233,8 @@ def _explain(model: nn.Module, cfg: ParallelConfig, shape: tuple[int, ...],
                                       itemsize=itemsize)
     analysis = analyse(gm, cfg, input_ndim=len(shape))
     meta = copy.deepcopy(gm).to("meta")
-    propagate_shapes(meta, shape)
+    dtype = next((p.dtype for p in gm.parameters() if p.is_floating_point()), None)
+    propagate_shapes(meta, shape, dtype=dtype)  # in the model's own dtype (a .double() model)
     shapes = {n.name: tuple(n.meta["tensor_meta"].shape) for n in meta.graph.nodes
               if isinstance(n.meta.get("tensor_meta"), TensorMetadata)}
     check_broadcasts(analysis, shapes)  # what parallelize refuses, explain refuses
