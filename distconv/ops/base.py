@@ -122,6 +122,14 @@ class Handler:
         """Parameter name -> Dist on ``step.layer.layout`` (None: replicated everywhere)."""
         return None
 
+    #: whether :meth:`run` computes the node's local block (else the traced call runs as is)
+    runs_locally = False
+
+    def run(self, node: fx.Node, args: Any, kwargs: Any, in_shape: tuple[int, ...]) -> Any:
+        """This rank's block of the node's value from its inputs' blocks (``in_shape``: the
+        first input's global shape)."""
+        raise NotImplementedError
+
     def samples(self) -> Sequence[Sample]:
         return ()
 

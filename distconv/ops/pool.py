@@ -137,6 +137,17 @@ class MeanHandler(Handler):
     functions = frozenset({torch.mean})
     methods = frozenset({"mean"})
     kind = "mean"
+    runs_locally = True
+
+    def run(self, node: Any, args: Any, kwargs: Any, in_shape: tuple[int, ...]) -> Any:
+        """The local part of ``x.mean(dims)``: a sum over the local block over the global count
+        (the blocks' parts add up to the mean: a pending sum over the grid dims that split
+        ``dims``)."""
+        dims = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else None)
+        keep = bool(node.kwargs.get("keepdim", node.args[2] if len(node.args) > 2 else False))
+        dims = (dims,) if isinstance(dims, int) else tuple(dims)
+        count = math.prod(in_shape[d % len(in_shape)] for d in dims)
+        return args[0].sum(dims, keepdim=keep) / count
 
     def place(self, an: Any, node: Any, module: Any) -> Any:
         from distconv.parallel.graph import LayerSpec, Step

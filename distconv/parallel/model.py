@@ -51,7 +51,6 @@ from distconv.redistribute import gather
 __all__ = ["LOSS_REDUCTIONS", "ParallelModel"]
 
 LOSS_REDUCTIONS = ("mean", "sum")
-_SHAPED_KINDS = frozenset({"conv", "batchnorm", "pool", "adaptive"})
 _TAG = "distconv_shards"  # state-dict metadata: whose shards, on which layout
 
 
@@ -130,6 +129,7 @@ class ParallelModel(nn.Module):
         self.global_batch_size: int | None = None
         self._grids: dict[Layout, ProcessorGrid] = {}
         self._function_modules: dict[str, nn.Module] = {}
+        self._layers: dict[str, nn.Module] = {}  # built distributed layers, by module target
         self.data_grid = self.grid(cfg.data)
         ties = _tied_parameters(gm)
         built: dict[str, Step] = {}
@@ -139,8 +139,6 @@ class ParallelModel(nn.Module):
                     self.grid(placement.layout)
             if step.layer is not None:
                 self._build(gm, step, built)
-        self._layers = {t: gm.get_submodule(t) for t, s in built.items()
-                        if s.layer is not None and s.layer.kind in _SHAPED_KINDS}
         _retie(gm, ties)
         for name, child in gm.named_children():
             self.add_module(name, child)
@@ -236,6 +234,7 @@ class ParallelModel(nn.Module):
         if node.op == "call_module":  # every name the module is registered under
             for path in [n for n, m in gm.named_modules(remove_duplicate=False) if m is module]:
                 _set_submodule(gm, path, new)
+            self._layers[str(node.target)] = new
         else:
             self._function_modules[node.name] = new
 
@@ -282,9 +281,9 @@ class ParallelModel(nn.Module):
 
     def _run(self, step: Step, args: Any, kwargs: Any, shapes: dict[str, tuple[int, ...]]) -> Any:
         node = step.node
-        if step.kind == "mean":
-            return _spatial_mean(node, args[0], shapes[node.args[0].name])
-        distributed = step.layer is not None and step.layer.kind in _SHAPED_KINDS
+        if step.handler is not None and step.handler.runs_locally:
+            return step.handler.run(node, args, kwargs, shapes[node.args[0].name])
+        distributed = node.target in self._layers if node.op == "call_module" else False
         if node.op == "call_module":
             module = self.get_submodule(str(node.target))
             if distributed:
@@ -532,18 +531,6 @@ def gradient_groups(specs: dict[str, ShardSpec], params: dict[str, Any]
             key = (spec.grid.layout, dims)
         groups.setdefault(key, []).append(name)
     return groups
-
-
-def _spatial_mean(node: fx.Node, x: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
-    """The local part of ``x.mean(dims)``: a sum over the local block over the global count (the
-    blocks' parts add up to the mean: a pending sum over the grid dims that split ``dims``)."""
-    dims = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else None)
-    keep = bool(node.kwargs.get("keepdim", node.args[2] if len(node.args) > 2 else False))
-    dims = (dims,) if isinstance(dims, int) else tuple(dims)
-    count = 1
-    for d in dims:
-        count *= shape[d % len(shape)]
-    return x.sum(dims, keepdim=keep) / count
 
 
 def _set_submodule(root: nn.Module, target: str, module: nn.Module) -> None:
