@@ -57,3 +57,31 @@ def test_sample_equals_one_process_and_its_price(handler: str, sample: ops.Sampl
         for k, p in ref.named_parameters():
             assert (got["grads"][k] - p.grad).abs().max() < TOL, (handler, config, k)
         assert got["counted"] == tuple(plan.rank_bytes(r).values()), (handler, config, r)
+
+
+class _Unsupported(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 8, 3, padding=1)
+        self.norm = torch.nn.GroupNorm(2, 8)
+        self.up = torch.nn.Upsample(scale_factor=2)
+        self.head = torch.nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.up(self.norm(self.conv(x)))
+        x = x * x.mean((2, 3), keepdim=True)
+        return self.head(x.mean((2, 3)))
+
+
+def test_explain_lists_every_unsupported_node_at_once() -> None:
+    config = {"default": {"grid": {"N": 1, "H": 2}, "algorithm": "spatial"},
+              "data": {"N": 1, "H": 2}}
+    with pytest.raises(ops.Unsupported, match="node 'norm'"):
+        explain(_Unsupported(), config, (2, 3, 8, 8))  # strict: the first, as parallelize
+    plan = explain(_Unsupported(), config, (2, 3, 8, 8), strict=False)
+    assert [n for n, _, _ in plan.unsupported] == ["norm", "up", "mul"]
+    reasons = dict((n, r) for n, _, r in plan.unsupported)
+    assert "GroupNorm is not supported" in reasons["norm"] and "BatchNorm2d" in reasons["norm"]
+    assert "broadcasts" in reasons["mul"]
+    assert "unsupported: 3 node(s)" in str(plan)
+    assert [u["node"] for u in plan.to_dict()["unsupported"]] == ["norm", "up", "mul"]

@@ -20,8 +20,22 @@ from distconv.parallel.placement import Placement, paper_grid
 __all__ = ["AdaptiveAvgPoolHandler", "MeanHandler", "PoolHandler"]
 
 
+def _as_module(node: Any) -> nn.Module:
+    """The pooling module a functional call (``F.max_pool2d(x, ...)``) stands for."""
+    from distconv.nn.pool import _FUNCTIONS
+
+    _, bind = _FUNCTIONS[node.target]
+    o = bind(*node.args[1:], **node.kwargs)
+    if "dilation" in o:
+        return nn.MaxPool2d(o["kernel_size"], o["stride"], o["padding"], o["dilation"],
+                            o["return_indices"], o["ceil_mode"])
+    return nn.AvgPool2d(o["kernel_size"], o["stride"], o["padding"], o["ceil_mode"],
+                        o["count_include_pad"], o["divisor_override"])
+
+
 class PoolHandler(Handler):
     modules = (nn.MaxPool2d, nn.AvgPool2d)
+    functions = frozenset({F.max_pool2d, torch.max_pool2d, F.avg_pool2d})
     kind = "pool"
 
     def place(self, an: Any, node: Any, module: Any) -> Any:
@@ -29,15 +43,19 @@ class PoolHandler(Handler):
 
         step = an.keep(node, "pool")
         split = any(step.out.dist.entries[i] is not None for i in (2, 3))
-        step.layer = LayerSpec("pool" if split else "local", str(node.target), step.out.layout,
+        name = str(node.target) if module is not None else node.name
+        step.layer = LayerSpec("pool" if split else "local", name, step.out.layout,
                                input=step.out)
         return step
 
     def build(self, module: Any, node: Any, step: Any, grid: Any) -> Any:
         if step.layer.kind != "pool":
-            return None  # rows and columns whole: the plain module runs on local blocks
+            return None  # rows and columns whole: the plain call runs on local blocks
         from distconv.nn import pool
 
+        if module is None:
+            return pool.from_function(node.target, node.args[1:], dict(node.kwargs), grid=grid,
+                                      input_dist=step.layer.input.dist)
         return pool.from_module(module, grid=grid, input_dist=step.layer.input.dist)
 
     def price(self, report: Any, step: Any, module: Any, ctx: PriceContext) -> None:
@@ -45,6 +63,8 @@ class PoolHandler(Handler):
 
         if step.layer is None or step.layer.kind != "pool":
             return
+        if module is None:
+            module = _as_module(step.node)
         p, isz, ranks, x_shape = step.out, ctx.itemsize, ctx.ranks, ctx.in_shape
         k = pair(module.kernel_size)
         st = pair(module.stride if module.stride else module.kernel_size)
@@ -84,7 +104,11 @@ class PoolHandler(Handler):
         return (Sample("maxpool", lambda: SampleNet(nn.MaxPool2d(3, 2, padding=1), 4),
                        (5, 4, 9, 8), SAMPLE_GRIDS),
                 Sample("avgpool", lambda: SampleNet(nn.AvgPool2d(2, ceil_mode=True), 4),
-                       (5, 4, 9, 7), SAMPLE_GRIDS))
+                       (5, 4, 9, 7), SAMPLE_GRIDS),
+                Sample("F.max_pool2d", lambda: SampleNet(_Functional(F.max_pool2d, 3, 2, 1), 4),
+                       (5, 4, 9, 8), SAMPLE_GRIDS),
+                Sample("F.avg_pool2d", lambda: SampleNet(_Functional(F.avg_pool2d, 2), 4),
+                       (5, 4, 8, 7), SAMPLE_GRIDS))
 
 
 class AdaptiveAvgPoolHandler(Handler):
@@ -171,3 +195,14 @@ class MeanHandler(Handler):
     def samples(self) -> Sequence[Sample]:
         return (Sample("spatial-mean", lambda: SampleNet(nn.Identity(), 4), (5, 4, 7, 6),
                        SAMPLE_GRIDS),)
+
+
+class _Functional(nn.Module):
+    """A functional pooling call, as a model writes it in ``forward``."""
+
+    def __init__(self, fn: Any, *args: Any) -> None:
+        super().__init__()
+        self.fn, self.args = fn, args
+
+    def forward(self, x: Any) -> Any:
+        return self.fn(x, *self.args)

@@ -14,7 +14,7 @@ import itertools
 import json
 import math
 import numbers
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import torch.fx as fx
@@ -53,6 +53,8 @@ class Explanation:
     layers: list[LayerReport]
     machine: Machine | None
     baseline: Explanation | None = None
+    #: ``strict=False``: the nodes parallelize cannot run, as (node, target, reason)
+    unsupported: list[tuple[str, str, str]] = field(default_factory=list)
 
     def rank_bytes(self, rank: int) -> dict[str, int]:
         """Bytes ``rank`` receives per step: forward and backward (the communicators' count)."""
@@ -102,6 +104,9 @@ class Explanation:
         }
         if self.baseline is not None:
             d["sample_parallel_totals"] = self.baseline.totals()
+        if self.unsupported:
+            d["unsupported"] = [{"node": n, "target": t, "reason": r}
+                                for n, t, r in self.unsupported]
         return d
 
     def to_json(self, **kw: Any) -> str:
@@ -123,6 +128,12 @@ class Explanation:
                 rows.append(f"{'':<24}{lay.note}")
             for s in lay.steps:
                 rows.append(f"{'':<24}{s.phase:<9} {s.what[:70]:<70} {max(s.bytes.values()):>12,}")
+        if self.unsupported:
+            rows.append(f"unsupported: {len(self.unsupported)} node(s) parallelize refuses "
+                        "(priced at nothing above)")
+            for node, target, reason in self.unsupported:
+                why = reason.split("): ", 1)[-1]
+                rows.append(f"  {node[:22]:<22} {target[:40]:<40} {why[:110]}")
         rows.append(_summary("this config", self))
         if self.baseline is not None:
             rows.append(_summary("sample parallel", self.baseline))
@@ -143,7 +154,7 @@ def _summary(label: str, e: Explanation) -> str:
 def explain(model: nn.Module, config: Any, input_shape: Sequence[int], *,
             world_size: int | None = None, machine: Any = None,
             optimizer_states: int = 1, itemsize: int | None = None,
-            bucket_bytes: int = 25 << 20) -> Explanation:
+            bucket_bytes: int = 25 << 20, strict: bool = True) -> Explanation:
     """The plan :func:`distconv.parallelize` makes for ``model`` under ``config``, on paper.
 
     Pure: traces the model and propagates ``input_shape`` (the global input) on the meta device;
@@ -167,6 +178,10 @@ def explain(model: nn.Module, config: Any, input_shape: Sequence[int], *,
         itemsize: bytes per element, an int >= 1. Default: the model's parameter dtype.
         bucket_bytes: gradient allreduce bucket size, an int >= 1 (as ``parallelize``).
             Default 25 MiB.
+        strict: True (default): a node ``parallelize`` cannot run raises, naming it, as
+            ``parallelize`` does. False: every such node is listed at once in
+            :attr:`Explanation.unsupported` (a coverage table: ``print`` shows it) and the rest
+            is explained around them (those nodes are priced at nothing).
 
     Raises:
         TypeError: a model that is not an ``nn.Module``, an option of the wrong type (naming
@@ -194,8 +209,10 @@ def explain(model: nn.Module, config: Any, input_shape: Sequence[int], *,
         itemsize = p.element_size() if p is not None else 4
     else:
         itemsize = _check_int("itemsize", itemsize, 1)
+    if not isinstance(strict, bool):
+        raise TypeError(f"strict must be a bool, got {strict!r}")
     return _explain(model, cfg, input_shape, machine, optimizer_states, itemsize, bucket_bytes,
-                    baseline=True)
+                    baseline=True, strict=strict)
 
 
 def _check_int(name: str, value: Any, low: int) -> int:
@@ -222,7 +239,7 @@ def _check_shape(shape: Any) -> tuple[int, ...]:
 
 def _explain(model: nn.Module, cfg: ParallelConfig, shape: tuple[int, ...],
              machine: Machine | None, optimizer_states: int, itemsize: int,
-             bucket_bytes: int, baseline: bool) -> Explanation:
+             bucket_bytes: int, baseline: bool, strict: bool = True) -> Explanation:
     gm = trace(model)
     check_input_shape(gm, shape)
     decisions: dict[str, Any] = {}
@@ -231,13 +248,13 @@ def _explain(model: nn.Module, cfg: ParallelConfig, shape: tuple[int, ...],
 
         cfg, decisions = resolve_auto(gm, cfg, shape, machine or FlatMachine(),
                                       itemsize=itemsize)
-    analysis = analyse(gm, cfg, input_ndim=len(shape))
+    analysis = analyse(gm, cfg, input_ndim=len(shape), strict=strict)
     meta = copy.deepcopy(gm).to("meta")
     dtype = next((p.dtype for p in gm.parameters() if p.is_floating_point()), None)
     propagate_shapes(meta, shape, dtype=dtype)  # in the model's own dtype (a .double() model)
     shapes = {n.name: tuple(n.meta["tensor_meta"].shape) for n in meta.graph.nodes
               if isinstance(n.meta.get("tensor_meta"), TensorMetadata)}
-    check_broadcasts(analysis, shapes)  # what parallelize refuses, explain refuses
+    check_broadcasts(analysis, shapes, strict=strict)  # what parallelize refuses, explain too
     modules = dict(gm.named_modules())
     P = cfg.world_size
     ranks = _evaluated_ranks(analysis, P)
@@ -270,12 +287,13 @@ def _explain(model: nn.Module, cfg: ParallelConfig, shape: tuple[int, ...],
     sync = _gradient_buckets(gm, analysis, P, ranks, itemsize, bucket_bytes)
     if sync is not None:
         layers.append(sync)
-    result = Explanation(P, ranks, shape, itemsize, optimizer_states, layers, machine)
+    result = Explanation(P, ranks, shape, itemsize, optimizer_states, layers, machine,
+                         unsupported=list(analysis.unsupported))
     if baseline and P > 1:
         sample = ParallelConfig({"default": {"grid": {"N": P}, "algorithm": "sample"}},
                                 world_size=P)
         result.baseline = _explain(model, sample, shape, machine, optimizer_states, itemsize,
-                                   bucket_bytes, baseline=False)
+                                   bucket_bytes, baseline=False, strict=strict)
     return result
 
 

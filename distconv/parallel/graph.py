@@ -72,6 +72,8 @@ class Analysis:
     graph: fx.GraphModule
     steps: list[Step]
     data: Layout
+    #: with ``strict=False``: every node no handler runs, as (node, target, reason)
+    unsupported: list[tuple[str, str, str]] = field(default_factory=list)
 
     def step(self, node: fx.Node) -> Step:
         return self._by_node[node]
@@ -123,7 +125,10 @@ def sample_dist(ndim: int) -> Dist:
 
 
 class _Analyser:
-    def __init__(self, gm: fx.GraphModule, config: ParallelConfig, input_ndim: int | None):
+    def __init__(self, gm: fx.GraphModule, config: ParallelConfig, input_ndim: int | None,
+                 strict: bool = True):
+        self.strict = strict
+        self.unsupported: list[tuple[str, str, str]] = []
         self.gm, self.config = gm, config
         self.modules = dict(gm.named_modules())
         self.input_ndim = input_ndim
@@ -148,7 +153,7 @@ class _Analyser:
     # ---------------------------------------------------------------- per node
     def run(self) -> list[Step]:
         for node in self.gm.graph.nodes:
-            step = self.visit(node)
+            step = self.visit_or_record(node)
             self.out[node] = step.out
             self.ndim[node] = step.out.ndim if step.out is not None else None
             self.steps.append(step)
@@ -211,6 +216,21 @@ class _Analyser:
         step.handler = handler
         return step
 
+    def visit_or_record(self, node: fx.Node) -> Step:
+        """``visit``; with ``strict=False`` an unsupported node is recorded and its value is
+        taken to stay where its first input is, so the walk goes on to find the others."""
+        try:
+            return self.visit(node)
+        except ops.Unsupported as exc:
+            if self.strict:
+                raise
+            self.unsupported.append((node.name, f"{node.op} {_target(node)}", str(exc)))
+            args = self.tensor_args(node)
+            if not args:
+                return Step(node, "unsupported", None)
+            p = self.placement(args[0]).settled()
+            return Step(node, "unsupported", p, {args[0]: p})
+
     def to_samples(self, node: fx.Node, arg: fx.Node, out_ndim: int) -> Step:
         from distconv.ops.shape import to_samples
 
@@ -232,35 +252,47 @@ def _target(node: fx.Node) -> str:
     return getattr(t, "__name__", None) or str(t)
 
 
-def analyse(gm: fx.GraphModule, config: ParallelConfig, *, input_ndim: int | None = None
-            ) -> Analysis:
-    """Placements and layer specs for every node of the traced model (pure; no communication)."""
+def analyse(gm: fx.GraphModule, config: ParallelConfig, *, input_ndim: int | None = None,
+            strict: bool = True) -> Analysis:
+    """Placements and layer specs for every node of the traced model (pure; no communication).
+
+    ``strict`` (default): the first node no handler runs raises :class:`distconv.ops.Unsupported`
+    naming it; ``strict=False`` records every such node in ``Analysis.unsupported`` instead."""
     configurable = [n for n, m in gm.named_modules() if isinstance(m, (nn.Conv2d, nn.Linear))]
     config.check_matches(configurable)
-    steps = _Analyser(gm, config, input_ndim).run()
-    return Analysis(gm, steps, config.data)
+    walker = _Analyser(gm, config, input_ndim, strict)
+    steps = walker.run()
+    return Analysis(gm, steps, config.data, walker.unsupported)
 
 
 def describe_placement(p: Placement | None, name: str = "") -> str:
     return "-" if p is None else f"{p.dist.format(name)} on {layout_str(p.layout)}"
 
 
-def check_broadcasts(analysis: Analysis, shapes: dict[str, tuple[int, ...]]) -> None:
+def check_broadcasts(analysis: Analysis, shapes: dict[str, tuple[int, ...]], *,
+                     strict: bool = True) -> None:
     """Refuse, by node, an elementwise op that broadcasts an operand over a dim its placement
-    splits (its blocks of a size-1 dim are not the values every rank needs)."""
+    splits (its blocks of a size-1 dim are not the values every rank needs); with
+    ``strict=False`` record each such node in ``analysis.unsupported`` instead."""
     for step in analysis.steps:
         if step.kind != "pointwise" or len(step.needs) < 2 or step.node.name not in shapes:
             continue
         out = shapes[step.node.name]
         for arg, need in step.needs.items():
             got = shapes.get(arg.name)
-            if got is None or len(got) != len(out):
+            if got is None or len(got) != len(out) or step.node.target is torch.cat:
                 continue
-            for d, (a, o) in enumerate(zip(got, out)):
-                if a != o and need.dist.grid_dims_of(d) and step.node.target is not torch.cat:
-                    raise NotImplementedError(
-                        f"parallelize: node {step.node.name!r} broadcasts {arg.name!r} of shape "
-                        f"{got} against {out} over dim {d}, which its operands' meeting layout "
-                        f"{need.format('x')} splits: broadcasting across a split dim is not "
-                        "supported yet. Keep that dim whole there (e.g. a config that runs this "
-                        "part sample-parallel), or expand the smaller operand explicitly")
+            split = [d for d, (a, o) in enumerate(zip(got, out))
+                     if a != o and need.dist.grid_dims_of(d)]
+            if not split:
+                continue
+            exc = ops.Unsupported(
+                f"parallelize: node {step.node.name!r} broadcasts {arg.name!r} of shape {got} "
+                f"against {out} over dim {split[0]}, which its operands' meeting layout "
+                f"{need.format('x')} splits: broadcasting across a split dim is not supported "
+                "yet. Keep that dim whole there (e.g. a config that runs this part "
+                "sample-parallel), or expand the smaller operand explicitly")
+            if strict:
+                raise exc
+            analysis.unsupported.append((step.node.name, f"{step.node.op} "
+                                         f"{_target(step.node)}", str(exc)))
