@@ -107,18 +107,23 @@ def trace_network(model: torch.nn.Module, input_shape: Sequence[int]) -> Network
     """Trace ``model`` with ``torch.fx`` and propagate global shapes on the meta device.
 
     Raises:
-        NotImplementedError: a graph that is not a chain of convolutions and residual blocks.
+        distconv.ops.Unsupported: a node no op handler runs (the refusal ``parallelize`` and
+            ``explain`` give), or a graph that is not a chain of convolutions and residual
+            blocks.
         ValueError: an ``input_shape`` the model cannot take (naming it and what the first
             layer expects).
     """
-    from torch.fx import symbolic_trace
-
+    from distconv.parallel.config import ParallelConfig
+    from distconv.parallel.graph import analyse, trace
     from distconv.parallel.shapes import check_input_shape, propagate_shapes
 
     if any(p.device.type != "meta" for p in model.parameters()):
         model = copy.deepcopy(model).to("meta")
-    gm = symbolic_trace(model)
+    gm = trace(model)
     check_input_shape(gm, input_shape)
+    # what the planner plans, parallelize can run: every node has a handler in the registry
+    analyse(gm, ParallelConfig({"default": {"grid": {"N": 1}, "algorithm": "sample"}},
+                               world_size=1), input_ndim=len(tuple(input_shape)))
     propagate_shapes(gm, input_shape)
     modules = dict(gm.named_modules())
     producer: dict[Any, Any] = {}  # fx node -> "input" | conv fx node | add fx node

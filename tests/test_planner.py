@@ -216,3 +216,14 @@ def test_planner_takes_a_flat_machine_a_factory_or_a_name(tiny) -> None:  # noqa
     assert len({(p.step_time, str(p.config())) for p in by}) == 1
     with pytest.raises(TypeError, match="machine must be"):
         plan_network(tiny, world_size=4, machine=None)
+
+
+def test_planner_refuses_what_parallelize_refuses() -> None:
+    from torch import nn
+
+    from distconv.ops import Unsupported
+    from distconv.planner import plan_network
+
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.GroupNorm(2, 8), nn.Conv2d(8, 8, 3))
+    with pytest.raises(Unsupported, match="GroupNorm is not supported"):
+        plan_network(model, (4, 3, 16, 16), world_size=4, machine="lassen")
