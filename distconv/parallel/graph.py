@@ -5,23 +5,14 @@ The model is traced with ``torch.fx``; every node gets a kind (what runs there),
 must be converted to. Placements do not depend on the input shape, so parameters can be sharded
 at construction; shapes enter only when a step is planned (cached per global input shape).
 
-Rules, per node:
-
-* input: ``[o_N,*,...]`` on the data grid (each rank its samples, replicated over the rest);
-* ``Conv2d``: its config entry's grid and algorithm; it takes ``x`` in the algorithm's input
-  distribution and gives ``y`` in its output distribution (``sample`` and ``spatial`` are
-  stationary-x with C = F = 1). A stationary-w layer whose input arrives as ``x[o,o_{F×C},o,o]``
-  on its own grid swaps its channel/filter roles and takes it with no data movement;
-* batch norm, pooling, dropout and pointwise layers keep their input's placement (pending sums
-  completed first); ``AdaptiveAvgPool2d((1, 1))`` over split rows/columns leaves a pending sum
-  over them;
-* ``Linear``: sample-parallel, ``[o_N,*]`` on its entry's grid;
-* a residual add (and other binary elementwise ops): both operands meet in the placement of one
-  of them -- the one the other moves to with fewer bytes (the planner's count on a nominal shape
-  every extent divides); ties keep the first;
-* ``cat``: the concatenated dim replicated; ``flatten`` / ``view`` / ``reshape``: every dim but
-  the samples replicated;
-* output: ``[o_N,*,...]`` on the data grid, the samples the input came with.
+This is the one walk over the traced graph: the input, output and constants are placed here;
+every call node (module, function, method) goes to the op handler the registry
+(:mod:`distconv.ops`) binds it to, which states its placement rule -- convolutions take their
+config entry's algorithm; normalisation, pooling and pointwise ops keep their input's placement;
+``Linear`` runs sample-parallel; a residual add meets where fewer bytes move; ``cat`` joins along
+a replicated dim; ``flatten``/``view`` replicate every dim but the samples. ``parallelize``
+builds the analysis, ``explain`` prices it, and a node no handler runs is refused by name (or,
+``strict=False``, listed with the others).
 """
 
 from __future__ import annotations
