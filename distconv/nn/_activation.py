@@ -4,7 +4,7 @@ its global shape, the communicator of one of its entries, and printing it in the
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
@@ -85,6 +85,21 @@ def entry_comm(grid: ProcessorGrid, dims: Sequence[str]) -> Communicator | None:
     return grid.comm.split(groups)
 
 
+# (grid, dist, global shape) -> this rank's block shape: a layer checks its input every step
+_LOCAL_SHAPES: dict[tuple[Any, Any, tuple[int, ...]], tuple[int, ...]] = {}
+
+
+def local_shape(grid: ProcessorGrid, dist: Dist, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """``dist.local_shape(shape, grid)``, remembered (layers check their input every step)."""
+    key = (grid, dist, shape)
+    found = _LOCAL_SHAPES.get(key)
+    if found is None:
+        if len(_LOCAL_SHAPES) > 4096:
+            _LOCAL_SHAPES.clear()
+        found = _LOCAL_SHAPES[key] = dist.local_shape(shape, grid)
+    return found
+
+
 def resolve_shape(
     layer: str, grid: ProcessorGrid, dist: Dist, x: torch.Tensor,
     global_shape: Sequence[int] | None,
@@ -106,7 +121,7 @@ def resolve_shape(
         raise ValueError(
             f"{layer}: global_shape must be 4 non-negative ints (N, C, H, W), got {global_shape!r}"
         )
-    expected = dist.local_shape(shape, grid)
+    expected = local_shape(grid, dist, shape)
     if tuple(x.shape) != expected:
         raise ValueError(
             f"{layer}: rank {grid.rank} (coords {grid.coords}) got an input block of shape "

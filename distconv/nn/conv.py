@@ -17,6 +17,7 @@ from distconv.comm.base import agree_on_value, get_debug
 from distconv.distribution import Dist, Entry, as_shape
 from distconv.grid import ProcessorGrid
 from distconv.halo import halo_exchange
+from distconv.nn._activation import local_shape
 from distconv.nn.clip import register_parameter_specs
 from distconv.nn.grad_sync import GradSync
 from distconv.nn.sharding import ShardSpec, keep_requires_grad
@@ -563,7 +564,7 @@ class DistConv2d(nn.Module):
             )
         shape = self._global_shape(x, global_shape)
         geo = self._geometry(shape)
-        expected = self.input_dist.local_shape(shape, self.grid)
+        expected = local_shape(self.grid, self.input_dist, tuple(shape))
         if tuple(x.shape) != expected:
             raise ValueError(
                 f"rank {self.grid.rank} (coords {self.grid.coords}) got an input block of shape "
