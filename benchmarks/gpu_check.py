@@ -249,14 +249,7 @@ def check_conv(device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------- parallelized ResNet
-RESNET_CONFIG: dict[str, Any] = {"layers": [
-    {"match": "conv1", "grid": {"N": 2, "H": 2}, "algorithm": "spatial"},
-    {"match": "layer1.*", "grid": {"N": 2, "H": 2}, "algorithm": "spatial"},
-    {"match": "layer2.*", "grid": {"N": 2, "C": 2}, "algorithm": "stationary-x"},
-    {"match": "layer3.0.conv[12]", "grid": {"N": 2, "F": 2}, "algorithm": "stationary-y"},
-    {"match": "layer3.*", "grid": {"F": 2, "C": 2}, "algorithm": "stationary-w"},
-]}
-RESNET_SHAPE = (6, 3, 16, 16)
+from tests.parallel.cases import RESNET_CONFIG, RESNET_SHAPE  # noqa: E402  the tests' hybrid
 LR, MOMENTUM, STEPS = 0.1, 0.9, 2
 
 
