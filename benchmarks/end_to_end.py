@@ -22,6 +22,7 @@ Writes ``benchmarks/results/end_to_end.{json,md,png}``.
 
     .venv/bin/python benchmarks/end_to_end.py            # the full run (a few minutes)
     .venv/bin/python benchmarks/end_to_end.py --quick    # a smoke run
+    .venv/bin/python benchmarks/end_to_end.py --profile  # where a step's time goes, vs DDP
 """
 
 from __future__ import annotations
@@ -123,6 +124,100 @@ def measure(comm: Any, backend: str, per_rank: int, steps: int, warmup: int) -> 
     return {"times": slowest, "counted": [b.tolist() for b in bytes_]}
 
 
+# ---------------------------------------------------------------------------- --profile
+#: where a sample-parallel step's time goes: (category, object, attribute) wrapped by a timer
+def _probes() -> list[tuple[str, Any, str]]:
+    from distconv.nn import batchnorm
+    from distconv.nn.grad_sync import BucketedGradSync
+    from distconv.parallel import model as pm
+
+    return [
+        ("global-batch agreement", pm.ParallelModel, "_agree_batch"),
+        ("conversions (redistribute)", pm, "convert"),
+        ("ops (layers and their collectives)", pm.ParallelModel, "_run"),
+        ("BN statistics forward (moments + allgather)", batchnorm, "_moments"),
+        ("BN backward (sums + allreduce)", batchnorm._BatchNorm, "backward"),
+        ("gradient buckets: launch", BucketedGradSync, "_launch"),
+        ("gradient buckets: wait and write", BucketedGradSync, "finish"),
+        ("exit", pm.ParallelModel, "_exit"),
+    ]
+
+
+def _wrap(totals: dict[str, float], name: str, fn: Any) -> Any:
+    def timed(*args: Any, **kw: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kw)
+        finally:
+            totals[name] = totals.get(name, 0.0) + time.perf_counter() - t0
+
+    return staticmethod(timed) if isinstance(fn, staticmethod) else timed
+
+
+def profile(comm: Any, per_rank: int, steps: int) -> dict[str, Any]:
+    """Runs on every rank: where one training step of the sample-parallel model spends its time
+    (inclusive wall time per category; "ops" includes the BN statistics nested in it), next to
+    DDP's forward and backward on the same model, medians over ``steps`` after one warm-up."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.set_num_threads(1)
+    model = build_model()
+    ours = parallelize(model, sample_config(comm.size), comm=comm)
+    ddp = DistributedDataParallel(copy.deepcopy(model), broadcast_buffers=False)
+    gen = torch.Generator().manual_seed(1)
+    batch = per_rank * comm.size
+    x = torch.randn(batch, 3, SIZE, SIZE, generator=gen)
+    y = torch.randint(0, 10, (batch,), generator=gen)
+    totals: dict[str, float] = {}
+    saved = []
+    for name, owner, attr in _probes():
+        raw = owner.__dict__[attr] if isinstance(owner, type) else getattr(owner, attr)
+        saved.append((owner, attr, raw))
+        setattr(owner, attr, _wrap(totals, name, raw))
+    rows: dict[str, list[float]] = {}
+    try:
+        for step in range(steps + 1):
+            for side, m in (("ours", ours), ("ddp", ddp)):
+                rows_ = (slice(comm.rank * per_rank, (comm.rank + 1) * per_rank)
+                         if side == "ddp" else sample_block(batch, ours.data_grid))
+                comm.barrier()
+                totals.clear()
+                t0 = time.perf_counter()
+                out = m(x[rows_])
+                t1 = time.perf_counter()
+                F.cross_entropy(out, y[rows_]).backward()
+                t2 = time.perf_counter()
+                m.zero_grad()
+                if step == 0:
+                    continue
+                found = {f"{side}: forward": t1 - t0, f"{side}: backward": t2 - t1}
+                if side == "ours":
+                    found.update({f"ours: {k}": v for k, v in totals.items()})
+                for k, v in found.items():
+                    rows.setdefault(k, []).append(v)
+    finally:
+        for owner, attr, raw in saved:
+            setattr(owner, attr, raw)
+    return {k: statistics.median(v) * 1e3 for k, v in rows.items()}
+
+
+def run_profile(per_rank: int, steps: int) -> dict[str, Any]:
+    with WorkerPool("gloo", 2, timeout=120.0, task_timeout=1800.0) as pool:
+        per_rank_ms = pool.run(profile, per_rank, steps)
+    keys = list(per_rank_ms[0])
+    worst = {k: max(r.get(k, 0.0) for r in per_rank_ms) for k in keys}
+    lines = [f"profile: one training step, gloo, 2 ranks, {per_rank} sample(s) per rank, "
+             f"median of {steps} steps, the slower rank (ms; categories are inclusive, so "
+             "'ops' contains the BN statistics)", "", "| where | ms |", "|---|---|"]
+    lines += [f"| {k} | {v:.2f} |" for k, v in worst.items()]
+    text = "\n".join(lines)
+    print(text)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "end_to_end_profile.json").write_text(json.dumps(worst, indent=1))
+    (RESULTS / "end_to_end_profile.md").write_text(text + "\n")
+    return worst
+
+
 def memory(config: dict, p: int, batch: int) -> dict[str, Any]:
     model = build_model()
     plan = explain(model, config, (batch, 3, SIZE, SIZE), world_size=p)
@@ -221,7 +316,12 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="gloo, 2 ranks, 2 steps")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--profile", action="store_true",
+                        help="where a sample-parallel step's time goes, next to DDP (gloo, 2 ranks)")
     args = parser.parse_args()
+    if args.profile:
+        run_profile(1, args.steps)
+        return
     if args.quick:
         rows = run(["gloo"], [2], [1], 2, 1)
     else:
