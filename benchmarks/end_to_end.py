@@ -81,6 +81,9 @@ def _variants(comm: Any, model: torch.nn.Module, backend: str) -> dict[str, torc
         from torch.nn.parallel import DistributedDataParallel
 
         out["ddp"] = DistributedDataParallel(copy.deepcopy(model), broadcast_buffers=False)
+        local = dict(sample_config(p), default={**sample_config(p)["default"],
+                                                "statistics": "local"})
+        out["sample-local-bn"] = parallelize(model, local, comm=comm)
         out["sample-frozen-bn"] = parallelize(model, sample_config(p), comm=comm)
         out["ddp-frozen-bn"] = DistributedDataParallel(copy.deepcopy(model),
                                                        broadcast_buffers=False)
@@ -257,6 +260,8 @@ def run(backends: list[str], sizes: list[int], per_rank: list[int], steps: int,
                            "median_ms": {k: v * 1e3 for k, v in med.items()},
                            "speedup_hybrid": med["sample"] / med["hybrid"],
                            "sample_over_ddp": med["sample"] / med["ddp"] if "ddp" in med else None,
+                           "local_bn_sample_over_ddp": (
+                               med["sample-local-bn"] / med["ddp"] if "ddp" in med else None),
                            "frozen_bn_sample_over_ddp": (
                                med["sample-frozen-bn"] / med["ddp-frozen-bn"]
                                if "ddp" in med else None),
@@ -278,16 +283,19 @@ def _line(r: dict[str, Any]) -> str:
     mem = r["memory"]
     pgo = lambda k: (mem[k]["parameters"] + mem[k]["gradients"]  # noqa: E731
                      + mem[k]["optimizer_state"]) / 2**20
+    local = (f"{ms['sample-local-bn']:.1f} / {ms['ddp']:.1f} = "
+             f"{r['local_bn_sample_over_ddp']:.2f}" if r["local_bn_sample_over_ddp"] else "-")
     return (f"| {r['backend']} | {r['ranks']} | {r['per_rank']} | {ms['sample']:.1f} | "
-            f"{ms['hybrid']:.1f} | {ddp} | {r['speedup_hybrid']:.2f} | {ratio} | {frozen} | "
+            f"{ms['hybrid']:.1f} | {ddp} | {r['speedup_hybrid']:.2f} | {ratio} | {local} | "
+            f"{frozen} | "
             f"{pgo('sample'):.2f} | {pgo('hybrid'):.2f} | {r['model_parallel_share']:.3f} | "
             f"{'yes' if r['bytes_match'] else 'NO'} |")
 
 
 HEADER = ("| backend | ranks | samples/rank | sample ms | hybrid ms | DDP ms | sample/hybrid | "
-          "sample/DDP | BN frozen: sample / DDP ms | sample MiB | hybrid MiB | "
-          "mp-layer memory vs 1/(C×F) | bytes = explain |\n"
-          "|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "sample/DDP | local BN: sample / DDP ms | BN frozen: sample / DDP ms | sample MiB | "
+          "hybrid MiB | mp-layer memory vs 1/(C×F) | bytes = explain |\n"
+          "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 
 
 def plot(rows: list[dict[str, Any]], path: Path) -> None:

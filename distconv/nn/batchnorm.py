@@ -18,7 +18,9 @@ from distconv.nn.grad_sync import GradSync
 from distconv.nn.sharding import ShardSpec, keep_requires_grad
 from distconv.redistribute import gather
 
-__all__ = ["DistBatchNorm2d"]
+__all__ = ["STATISTICS", "DistBatchNorm2d"]
+
+STATISTICS = ("global", "local")
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
@@ -77,11 +79,18 @@ class DistBatchNorm2d(nn.BatchNorm2d):
         grid: the :class:`~distconv.grid.ProcessorGrid` over all ranks.
         input_dist: the Dist of the input (4 entries N, C, H, W, no pending dims); the output has
             the same Dist.
+        statistics: ``'global'`` (default): the statistics of the whole global batch, as above.
+            ``'local'``: each sample block's own statistics (the segment is the grid dims of the
+            H and W entries only), DDP's plain-BN semantics; the running statistics are sample
+            block 0's on every rank (as DDP's broadcast buffers make them), sent by one
+            asynchronous broadcast of the block's batch statistics per step and applied at the
+            next forward or ``state_dict``.
 
     Raises:
         TypeError: ``grid`` or ``input_dist`` of the wrong type.
-        ValueError: a bad ``num_features``, ``eps`` or ``momentum``, an ``input_dist`` without 4
-            entries, with pending dims or naming grid dims ``grid`` lacks.
+        ValueError: a bad ``num_features``, ``eps``, ``momentum`` or ``statistics``, an
+            ``input_dist`` without 4 entries, with pending dims or naming grid dims ``grid``
+            lacks.
     """
 
     def __init__(
@@ -96,6 +105,7 @@ class DistBatchNorm2d(nn.BatchNorm2d):
         *,
         grid: ProcessorGrid,
         input_dist: Dist,
+        statistics: str = "global",
     ) -> None:
         nn.Module.__init__(self)  # nn.BatchNorm2d's own init would allocate the global state
         if isinstance(num_features, bool) or not isinstance(num_features, int) or num_features < 1:
@@ -106,6 +116,9 @@ class DistBatchNorm2d(nn.BatchNorm2d):
             isinstance(momentum, bool) or not isinstance(momentum, (int, float))
         ):
             raise ValueError(f"momentum must be a number or None, got {momentum!r}")
+        if statistics not in STATISTICS:
+            raise ValueError(f"statistics must be one of {STATISTICS}, got {statistics!r}")
+        self.statistics = statistics
         self.num_features, self.eps, self.momentum = num_features, float(eps), momentum
         self.affine, self.track_running_stats = bool(affine), bool(track_running_stats)
         self.grid = check_grid("DistBatchNorm2d", grid)
@@ -113,8 +126,14 @@ class DistBatchNorm2d(nn.BatchNorm2d):
         self.output_dist = self.input_dist
         self.param_dist = Dist((self.input_dist.entries[1],))
         # Sub-communicators are created collectively, in the same order on every rank.
-        segment = [g for d in (0, 2, 3) for g in split_dims(grid, self.input_dist, d)]
+        over = (0, 2, 3) if statistics == "global" else (2, 3)
+        segment = [g for d in over for g in split_dims(grid, self.input_dist, d)]
         self._stats_comm = grid.subcomm(segment) if segment else None
+        # local statistics: the running statistics are sample block 0's (DDP's broadcast
+        # buffers), sent to the other sample blocks asynchronously, off the critical path
+        blocks = split_dims(grid, self.input_dist, 0) if statistics == "local" else []
+        self._block_comm = grid.subcomm(blocks) if blocks else None
+        self._pending: tuple[Any, torch.Tensor, float] | None = None
         redundant = [d for d in self.param_dist.redundant(grid) if grid.extent(d) > 1]
         where = f"DistBatchNorm2d({num_features}) over {'×'.join(redundant)}"
         self.grad_sync = GradSync(grid.subcomm(redundant), where=where) if redundant else None
@@ -189,7 +208,8 @@ class DistBatchNorm2d(nn.BatchNorm2d):
 
     @classmethod
     def from_batchnorm2d(
-        cls, layer: nn.BatchNorm2d, *, grid: ProcessorGrid, input_dist: Dist
+        cls, layer: nn.BatchNorm2d, *, grid: ProcessorGrid, input_dist: Dist,
+        statistics: str = "global",
     ) -> DistBatchNorm2d:
         """Shard an ``nn.BatchNorm2d`` (or ``nn.SyncBatchNorm``), the same on every rank: its
         settings, parameters, running statistics and training mode."""
@@ -202,7 +222,7 @@ class DistBatchNorm2d(nn.BatchNorm2d):
             layer.num_features, layer.eps, layer.momentum, layer.affine,
             layer.track_running_stats,
             None if ref is None else ref.device, None if ref is None else ref.dtype,
-            grid=grid, input_dist=input_dist,
+            grid=grid, input_dist=input_dist, statistics=statistics,
         )
         out.load_global_state(
             None if layer.weight is None else layer.weight.detach(),
@@ -259,6 +279,7 @@ class DistBatchNorm2d(nn.BatchNorm2d):
 
         ``global_shape`` may be left out only when ``input_dist`` splits nothing.
         """
+        self.settle()
         shape = resolve_shape("DistBatchNorm2d", self.grid, self.input_dist, x, global_shape)
         if shape[1] != self.num_features:
             raise ValueError(
@@ -279,7 +300,15 @@ class DistBatchNorm2d(nn.BatchNorm2d):
             self.num_batches_tracked.add_(1)
             factor = (1.0 / float(self.num_batches_tracked) if self.momentum is None
                       else float(self.momentum))
-        if self._stats_comm is None and x.numel() and self._same_dtype(x):
+        if self.statistics == "local":
+            count = x.shape[0] * shape[2] * shape[3]  # this sample block's values per channel
+            if self.training and count <= 1:
+                raise ValueError(
+                    f"DistBatchNorm2d: expected more than 1 value per channel of a sample block "
+                    f"when training with local statistics, got {x.shape[0]} sample(s) of "
+                    f"{shape[2]}x{shape[3]}")
+        if (self._stats_comm is None and self._block_comm is None and x.numel()
+                and self._same_dtype(x)):
             # every value of this rank's channels is local: torch's own kernel is exact (its
             # backward is linear in dy, so a pending-sum cotangent gives pending-sum gradients)
             return F.batch_norm(x, self.running_mean if self.track_running_stats else None,
@@ -291,9 +320,34 @@ class DistBatchNorm2d(nn.BatchNorm2d):
         if self.training and self.track_running_stats:
             with torch.no_grad():
                 unbiased = var * (count / (count - 1))
-                self.running_mean.copy_(factor * mean + (1 - factor) * self.running_mean)
-                self.running_var.copy_(factor * unbiased + (1 - factor) * self.running_var)
+                stats = torch.cat([mean, unbiased]).to(self.running_mean.dtype)
+                if self._block_comm is not None:
+                    work = self._block_comm.broadcast(
+                        stats, root=0, async_op=True,
+                        meta="DistBatchNorm2d running statistics of sample block 0")
+                    self._pending = (work, stats, factor)
+                else:
+                    self._update_running(stats, factor)
         return y
+
+    @torch.no_grad()
+    def _update_running(self, stats: torch.Tensor, factor: float) -> None:
+        c = self.running_mean.shape[0]
+        self.running_mean.copy_(factor * stats[:c] + (1 - factor) * self.running_mean)
+        self.running_var.copy_(factor * stats[c:] + (1 - factor) * self.running_var)
+
+    def settle(self) -> None:
+        """Apply sample block 0's statistics of the last step to the running statistics (local
+        statistics only; done by the next forward and by ``state_dict``). No new collective."""
+        if self._pending is not None:
+            work, stats, factor = self._pending
+            self._pending = None
+            result = work.wait()
+            self._update_running(result if isinstance(result, torch.Tensor) else stats, factor)
+
+    def _save_to_state_dict(self, destination: Any, prefix: str, keep_vars: bool) -> None:
+        self.settle()
+        super()._save_to_state_dict(destination, prefix, keep_vars)
 
     def _same_dtype(self, x: torch.Tensor) -> bool:
         state = self.weight if self.weight is not None else self.running_mean
@@ -322,7 +376,8 @@ class DistBatchNorm2d(nn.BatchNorm2d):
         return (
             f"{self.num_features}, eps={self.eps}, momentum={self.momentum}, "
             f"affine={self.affine}, track_running_stats={self.track_running_stats}, "
-            f"grid={dict(self.grid.layout)}, x={show(self.input_dist, 'x')}, "
+            f"statistics={self.statistics!r}, grid={dict(self.grid.layout)}, "
+            f"x={show(self.input_dist, 'x')}, "
             f"y={show(self.output_dist, 'y')}, w={show(self.param_dist, 'w')}"
         )
 

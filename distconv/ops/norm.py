@@ -29,12 +29,15 @@ class BatchNormHandler(Handler):
     def place(self, an: Any, node: Any, module: Any) -> Any:
         from distconv.parallel.graph import LayerSpec
 
+        name = str(node.target)
         step = an.keep(node, "batchnorm")
-        step.layer = LayerSpec("batchnorm", str(node.target), step.out.layout, input=step.out)
+        step.layer = LayerSpec("batchnorm", name, step.out.layout, input=step.out,
+                               statistics=an.config.statistics(name))
         return step
 
     def build(self, module: Any, node: Any, step: Any, grid: Any) -> Any:
-        return DistBatchNorm2d.from_batchnorm2d(module, grid=grid, input_dist=step.layer.input.dist)
+        return DistBatchNorm2d.from_batchnorm2d(module, grid=grid, input_dist=step.layer.input.dist,
+                                                statistics=step.layer.statistics)
 
     def param_dists(self, step: Any, module: Any) -> dict[str, Any]:
         d = Dist((step.out.dist.entries[1],))
@@ -43,9 +46,11 @@ class BatchNormHandler(Handler):
     def price(self, report: Any, step: Any, bn: Any, ctx: PriceContext) -> None:
         p = step.out
         ext = dict(p.layout)
-        seg = [g for i in (0, 2, 3) for g in p.dist.grid_dims_of(i)]
+        local = step.layer.statistics == "local"
+        seg = [g for i in ((2, 3) if local else (0, 2, 3)) for g in p.dist.grid_dims_of(i)]
+        blocks = list(p.dist.grid_dims_of(0)) if local and bn.track_running_stats else []
         s = math.prod(ext[g] for g in seg)
-        fwd, bwd, params = {}, {}, 0
+        fwd, bwd, running, params = {}, {}, {}, 0
         isz = ctx.itemsize
         for r in ctx.ranks:
             g = paper_grid(p.layout, r)
@@ -53,6 +58,8 @@ class BatchNormHandler(Handler):
             params = max(params, 2 * c if bn.affine else 0)
             fwd[r] = (s - 1) * (1 + 2 * c) * isz
             bwd[r] = allreduce_bytes(2 * c, segment_rank(p.layout, seg, g.coords), s, isz)
+            root = all(g.coords.get(d, 0) == 0 for d in blocks)
+            running[r] = 0 if root else 2 * c * isz
         report.param_elements = params
         report.dists["w"] = Placement(p.layout, Dist((p.dist.entries[1],))).dist.format("w")
         if s > 1:
@@ -61,7 +68,13 @@ class BatchNormHandler(Handler):
             report.steps.append(CommStep("backward",
                                          f"Σdy, Σdy·x̂ allreduce over {'×'.join(seg)}",
                                          "allreduce", bwd, s, p.layout, tuple(seg)))
+        if blocks:
+            report.steps.append(CommStep(
+                "forward", f"running statistics of sample block 0, broadcast over "
+                f"{'×'.join(blocks)} (asynchronous)", "broadcast", running,
+                math.prod(ext[g] for g in blocks), p.layout, tuple(blocks)))
 
     def samples(self) -> Sequence[Sample]:
         return (Sample("batchnorm", lambda: SampleNet(nn.BatchNorm2d(4), 4), (5, 4, 7, 6),
                        SAMPLE_GRIDS),)
+

@@ -14,6 +14,12 @@ A config is a dict (or a YAML file holding one)::
         grid: {N: 2, C: 2}
         algorithm: stationary-x
 
+BatchNorm statistics are chosen per entry with ``statistics``: ``global`` (default: the
+statistics of the whole global batch, one process's semantics) or ``local`` (each sample block's
+own statistics, reduced only over the ranks that split its rows and columns: DDP's plain-BN
+semantics). An entry may carry only ``match`` and ``statistics`` (e.g. ``{match: "*.bn*",
+statistics: local}``); it then applies to the BatchNorm layers it matches.
+
 Grids name dims among N (samples), C (channels), F (filters), H and W (rows, columns); their
 extents multiply to the world size. Algorithms: ``sample`` (grid ``{N: P}``), ``spatial`` (dims
 among N, H, W), ``stationary-x`` (C > 1, F = 1), ``stationary-y`` (F > 1, C = 1), ``stationary-w``
@@ -30,12 +36,14 @@ import os
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-__all__ = ["ALGORITHMS", "GRID_DIMS", "LayerChoice", "ParallelConfig", "load_config"]
+__all__ = ["ALGORITHMS", "GRID_DIMS", "STATISTICS", "LayerChoice", "ParallelConfig",
+           "load_config"]
 
 GRID_DIMS = ("N", "C", "F", "H", "W")
 ALGORITHMS = ("sample", "spatial", "stationary-x", "stationary-y", "stationary-w", "auto")
 _KEYS = frozenset({"default", "data", "layers"})
-_ENTRY_KEYS = frozenset({"match", "grid", "algorithm"})
+_ENTRY_KEYS = frozenset({"match", "grid", "algorithm", "statistics"})
+STATISTICS = ("global", "local")
 
 Layout = tuple[tuple[str, int], ...]
 
@@ -47,6 +55,7 @@ class LayerChoice:
     layout: Layout | None  # None: algorithm 'auto' with no grid given (every layout is a candidate)
     algorithm: str
     source: str
+    statistics: str | None = None  # BatchNorm statistics the entry asks for (None: not given)
 
     @property
     def grid(self) -> dict[str, int] | None:
@@ -182,35 +191,58 @@ class ParallelConfig:
         pattern = entry.get("match", "*")
         if needs_match and (not isinstance(pattern, str) or not pattern):
             raise ValueError(f"{where}: match must be a non-empty fnmatch pattern, got {pattern!r}")
+        statistics = entry.get("statistics")
+        if statistics is not None and statistics not in STATISTICS:
+            raise ValueError(f"{where}: statistics must be one of {STATISTICS}, got "
+                             f"{statistics!r}")
+        source = f"{where} ({pattern!r})" if needs_match else where
+        if needs_match and statistics is not None and not set(entry) - {"match", "statistics"}:
+            return pattern, LayerChoice(None, "", source, statistics)  # BatchNorm layers only
         algorithm = entry.get("algorithm", "sample")
         if "grid" not in entry:
             if algorithm != "auto":
                 raise ValueError(f"{where}: grid is required (e.g. {{N: 2, C: 2}}) unless the "
                                  "algorithm is 'auto'")
-            return pattern, LayerChoice(None, "auto", f"{where} ({pattern!r})" if needs_match
-                                        else where)
+            return pattern, LayerChoice(None, "auto", source, statistics)
         layout = _layout(entry["grid"], where, self.world_size)
         algorithm = _check_algorithm(layout, algorithm, where)
-        source = f"{where} ({pattern!r})" if needs_match else where
-        return pattern, LayerChoice(layout, algorithm, source)
+        return pattern, LayerChoice(layout, algorithm, source, statistics)
 
     def choice(self, name: str) -> LayerChoice:
         """The entry for the module named ``name``: the first matching layer entry, else the
         default."""
         for pattern, choice in self.layers:
-            if fnmatch.fnmatchcase(name, pattern):
+            if choice.algorithm and fnmatch.fnmatchcase(name, pattern):
                 return choice
         return self.default[1]
 
-    def check_matches(self, names: Sequence[str]) -> None:
-        """Raise if a layer entry's pattern matches none of ``names`` (the configurable modules)."""
+    def statistics(self, name: str) -> str:
+        """The BatchNorm statistics for the module named ``name``: those of the first matching
+        entry that states them, else the default's, else ``'global'``."""
+        for pattern, choice in self.layers:
+            if choice.statistics is not None and fnmatch.fnmatchcase(name, pattern):
+                return choice.statistics
+        return self.default[1].statistics or "global"
+
+    def check_matches(self, names: Sequence[str], norms: Sequence[str] = ()) -> None:
+        """Raise if a layer entry's pattern matches none of ``names`` (the configurable modules;
+        a statistics-only entry: none of ``norms``, the BatchNorm modules)."""
         for i, (pattern, choice) in enumerate(self.layers):
+            if not choice.algorithm:
+                if not any(fnmatch.fnmatchcase(n, pattern) for n in norms):
+                    raise ValueError(f"{choice.source}: the pattern matches no BatchNorm module "
+                                     "of the model (an entry with only statistics applies to "
+                                     "BatchNorm layers)")
+                continue
             if not any(fnmatch.fnmatchcase(n, pattern) for n in names):
                 shown = ", ".join(names[:8]) + (", ..." if len(names) > 8 else "")
                 raise ValueError(
                     f"{choice.source}: the pattern matches no Conv2d or Linear module of the "
                     f"model; configurable modules are: {shown}"
                 )
+
+    def has_local_statistics(self) -> bool:
+        return any(c.statistics == "local" for _, c in [self.default, *self.layers])
 
     def has_auto(self) -> bool:
         return any(c.algorithm == "auto" for _, c in [self.default, *self.layers])

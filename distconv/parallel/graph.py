@@ -44,6 +44,7 @@ class LayerSpec:
     roles: tuple[tuple[str, str], ...] = ()
     input: Placement | None = None
     source: str = ""
+    statistics: str = "global"  # BatchNorm: global-batch or per-sample-block statistics
 
 
 @dataclass
@@ -250,7 +251,8 @@ def analyse(gm: fx.GraphModule, config: ParallelConfig, *, input_ndim: int | Non
     ``strict`` (default): the first node no handler runs raises :class:`distconv.ops.Unsupported`
     naming it; ``strict=False`` records every such node in ``Analysis.unsupported`` instead."""
     configurable = [n for n, m in gm.named_modules() if isinstance(m, (nn.Conv2d, nn.Linear))]
-    config.check_matches(configurable)
+    norms = [n for n, m in gm.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    config.check_matches(configurable, norms)
     walker = _Analyser(gm, config, input_ndim, strict)
     steps = walker.run()
     return Analysis(gm, steps, config.data, walker.unsupported)

@@ -1,0 +1,150 @@
+"""BatchNorm statistics as the config chooses: ``global`` is one process's semantics (the whole
+suite checks it); ``local`` is DDP's plain BatchNorm: each sample block normalises by its own
+statistics, gradients are averaged over the blocks, and the running statistics are sample block
+0's (DDP's broadcast buffers). The reference here is that loop written out by hand on one
+process; on gloo it is torch's DistributedDataParallel itself."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from distconv.data import sample_block
+from distconv.parallel import parallelize
+from distconv.parallel.explain import explain
+from distconv.testing import run_threads
+from tests.parallel.cases import TOL, resnet_case
+
+STEPS = 2
+LOCAL = {"default": {"grid": {"N": 2}, "algorithm": "sample", "statistics": "local"}}
+#: local statistics under a hybrid: rows split in the stem (statistics reduced over H), channels
+#: split in the last stage; sample blocks over N everywhere
+HYBRID_LOCAL = {"default": {"grid": {"N": 2, "C": 2}, "algorithm": "stationary-x",
+                            "statistics": "local"},
+                "layers": [{"match": "conv1", "grid": {"N": 2, "H": 2}, "algorithm": "spatial"},
+                           {"match": "layer1.*", "grid": {"N": 2, "H": 2},
+                            "algorithm": "spatial"}]}
+
+
+def _batches(x: torch.Tensor, y: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    perm = torch.arange(x.shape[0] - 1, -1, -1)
+    return [(x, y), (x[perm], y[perm])]
+
+
+def ddp_reference(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, blocks: int
+                  ) -> dict[str, torch.Tensor]:
+    """DDP's step by hand: each block's mean loss on a replica whose buffers are block 0's,
+    gradients averaged over the blocks, SGD with momentum; the state of block 0's replica."""
+    model = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for bx, by in _batches(x, y):
+        grads: dict[str, torch.Tensor] = {}
+        for b in range(blocks):
+            rows = slice(b * bx.shape[0] // blocks, (b + 1) * bx.shape[0] // blocks)
+            replica = model if b == 0 else copy.deepcopy(model)  # block 0's buffers survive
+            replica.zero_grad()
+            F.cross_entropy(replica(bx[rows]), by[rows]).backward()
+            for k, p in replica.named_parameters():
+                grads[k] = grads.get(k, 0) + p.grad / blocks
+        for k, p in model.named_parameters():
+            p.grad = grads[k]
+        opt.step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def ours(comm: Any, model: torch.nn.Module, config: dict, x: torch.Tensor, y: torch.Tensor
+         ) -> dict[str, Any]:
+    pmodel = parallelize(copy.deepcopy(model), config, comm=comm)
+    opt = torch.optim.SGD(pmodel.parameters(), lr=0.1, momentum=0.9)
+    counted = []
+    for bx, by in _batches(x, y):
+        rows = sample_block(bx.shape[0], pmodel.data_grid)
+        b0 = comm.stats.total_bytes()
+        out = pmodel(bx[rows])
+        b1 = comm.stats.total_bytes()
+        F.cross_entropy(out, by[rows]).backward()
+        counted.append((b1 - b0, comm.stats.total_bytes() - b1))
+        opt.step()
+        opt.zero_grad()
+    return {"state": pmodel.gather_state_dict(), "counted": counted[0]}
+
+
+@pytest.mark.parametrize("world,config", [(2, LOCAL), (4, HYBRID_LOCAL)], ids=["sample", "hybrid"])
+def test_local_statistics_equal_ddp_by_hand(world: int, config: dict) -> None:
+    model, x, y = resnet_case(seed=9)
+    x, y = x[:6], y[:6]  # two sample blocks of 3
+    ref = ddp_reference(model, x, y, blocks=2)
+    plan = explain(model, config, tuple(x.shape), world_size=world, itemsize=8)
+    for r, got in enumerate(run_threads(ours, world, model, config, x, y)):
+        for k, v in ref.items():
+            assert (got["state"][k].double() - v.double()).abs().max() < TOL, (r, k)
+        assert got["counted"] == tuple(plan.rank_bytes(r).values()), r
+
+
+def test_local_statistics_move_fewer_bytes_than_global() -> None:
+    model, x, _ = resnet_case()
+    shape = tuple(x.shape)
+    glob = {"default": {"grid": {"N": 2}, "algorithm": "sample"}}
+    local = explain(model, LOCAL, shape, world_size=2).totals()
+    full = explain(model, glob, shape, world_size=2).totals()
+    assert local["max_bytes_backward"] < full["max_bytes_backward"]
+    assert local["max_bytes_forward"] < full["max_bytes_forward"]
+
+
+def test_statistics_option_is_checked_naming_the_entry() -> None:
+    from distconv.parallel.config import ParallelConfig
+
+    with pytest.raises(ValueError, match=r"default: statistics must be one of .*'batch'"):
+        ParallelConfig({"default": {"grid": {"N": 2}, "statistics": "batch"}}, world_size=2)
+    model = resnet_case()[0]
+    with pytest.raises(ValueError, match="matches no BatchNorm module"):
+        explain(model, {"default": {"grid": {"N": 2}},
+                        "layers": [{"match": "nothing*", "statistics": "local"}]},
+                (4, 3, 16, 16), world_size=2)
+
+
+def _ddp_and_ours(comm: Any, model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor
+                  ) -> dict[str, Any]:
+    """On a real gloo world: torch's DistributedDataParallel and the parallel model, same loop."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    ddp = DistributedDataParallel(copy.deepcopy(model))  # broadcast_buffers=True, as by default
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+    for bx, by in _batches(x, y):
+        rows = sample_block(bx.shape[0], ddp_grid(comm))
+        F.cross_entropy(ddp(bx[rows]), by[rows]).backward()
+        opt.step()
+        opt.zero_grad()
+    mine = ours(comm, model, LOCAL, x, y)["state"]
+    theirs = {k: v.detach().clone() for k, v in ddp.module.state_dict().items()}
+    return {"ours": mine, "ddp": theirs}
+
+
+def ddp_grid(comm: Any) -> Any:
+    from distconv.grid import ProcessorGrid
+
+    return ProcessorGrid({"N": comm.size}, comm=comm)
+
+
+@pytest.mark.gloo
+def test_local_statistics_equal_torch_ddp_on_gloo(gloo2) -> None:
+    model, x, y = resnet_case(seed=9)
+    x, y = x[:6], y[:6]
+    got = gloo2.run(_ddp_and_ours, model, x, y)
+    for k, v in got[0]["ddp"].items():  # rank 0's DDP state: block 0's running statistics
+        for r in got:
+            assert (r["ours"][k].double() - v.double()).abs().max() < TOL, k
+
+
+@pytest.mark.mpi
+def test_local_statistics_under_a_hybrid_on_mpi(mpi4) -> None:
+    model, x, y = resnet_case(seed=9)
+    x, y = x[:6], y[:6]
+    ref = ddp_reference(model, x, y, blocks=2)
+    for got in mpi4.run(ours, model, HYBRID_LOCAL, x, y):
+        for k, v in ref.items():
+            assert (got["state"][k].double() - v.double()).abs().max() < TOL, k
