@@ -23,6 +23,7 @@ Writes ``benchmarks/results/end_to_end.{json,md,png}``.
     .venv/bin/python benchmarks/end_to_end.py            # the full run (a few minutes)
     .venv/bin/python benchmarks/end_to_end.py --quick    # a smoke run
     .venv/bin/python benchmarks/end_to_end.py --profile  # where a step's time goes, vs DDP
+    .venv/bin/python benchmarks/end_to_end.py --one-process --steps 30  # overhead on one rank
 """
 
 from __future__ import annotations
@@ -221,6 +222,32 @@ def run_profile(per_rank: int, steps: int) -> dict[str, Any]:
     return worst
 
 
+def one_process(steps: int, batch: int = 16) -> dict[str, float]:
+    """A parallelized model on one process against the plain module: interleaved training steps
+    (forward and backward), medians, the ratio."""
+    from distconv.comm import SingleCommunicator
+
+    torch.set_num_threads(1)
+    model = build_model()
+    ours = parallelize(copy.deepcopy(model), sample_config(1), comm=SingleCommunicator())
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(batch, 3, SIZE, SIZE, generator=gen)
+    y = torch.randint(0, 10, (batch,), generator=gen)
+    times: dict[str, list[float]] = {"plain": [], "parallel": []}
+    for step in range(steps + 2):
+        for name, m in (("plain", model), ("parallel", ours)):
+            t0 = time.perf_counter()
+            F.cross_entropy(m(x), y).backward()
+            m.zero_grad()
+            if step >= 2:
+                times[name].append(time.perf_counter() - t0)
+    med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+    med["ratio"] = med["parallel"] / med["plain"]
+    print(f"one process, batch {batch}: plain {med['plain']:.2f} ms, parallel "
+          f"{med['parallel']:.2f} ms, ratio {med['ratio']:.3f} (target <= 1.03)")
+    return med
+
+
 def memory(config: dict, p: int, batch: int) -> dict[str, Any]:
     model = build_model()
     plan = explain(model, config, (batch, 3, SIZE, SIZE), world_size=p)
@@ -326,7 +353,12 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--profile", action="store_true",
                         help="where a sample-parallel step's time goes, next to DDP (gloo, 2 ranks)")
+    parser.add_argument("--one-process", action="store_true",
+                        help="a parallelized model on one process against the plain module")
     args = parser.parse_args()
+    if args.one_process:
+        one_process(args.steps)
+        return
     if args.profile:
         run_profile(1, args.steps)
         return
