@@ -16,6 +16,7 @@ import abc
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -55,9 +56,9 @@ class CostModel:
     def broadcast_s(self, nbytes: int) -> float:
         return self.alpha + self.beta * nbytes
 
-    def as_tensor(self) -> torch.Tensor:
+    def as_tensor(self, device: Any = None) -> torch.Tensor:
         return torch.tensor([self.c0, self.c2, self.c3, self.alpha, self.beta],
-                            dtype=torch.float64)
+                            dtype=torch.float64, device=device)
 
     @classmethod
     def from_tensor(cls, t: torch.Tensor) -> CostModel:
@@ -89,7 +90,8 @@ class CostModel:
         if comm is not None and comm.size > 1:
             btimes = []
             for nbytes in message_bytes:
-                buf = torch.zeros(nbytes // 4, dtype=torch.float32)
+                buf = torch.zeros(nbytes // 4, dtype=torch.float32,
+                                  device=getattr(comm, "device", None))
                 comm.barrier()
                 t0 = time.perf_counter()
                 for _ in range(repeats):
@@ -101,7 +103,8 @@ class CostModel:
                                   0, None)
         model = cls(float(c0), float(c2), float(c3), float(alpha), float(beta))
         if comm is not None and comm.size > 1:
-            model = cls.from_tensor(comm.broadcast(model.as_tensor(), root=0))
+            model = cls.from_tensor(comm.broadcast(
+                model.as_tensor(getattr(comm, "device", None)), root=0))
         return model
 
 

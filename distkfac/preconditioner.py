@@ -651,7 +651,8 @@ class KFAC:
 
         def moved(looks: list[int]) -> list[bool]:
             flags = torch.tensor([_relative_change(entries[i][1], entries[i][0].ref)
-                                  >= self.stale_threshold for i in looks], dtype=torch.float64)
+                                  >= self.stale_threshold for i in looks], dtype=torch.float64,
+                                 device=_device(comm))
             if comm is not None and comm.size > 1:
                 flags = comm.broadcast(flags, root=0, meta="kfac stale statistics")
             return [bool(v) for v in flags.tolist()]
@@ -673,9 +674,10 @@ class KFAC:
         def moved(looks: list[int]) -> list[bool]:
             local = torch.tensor([[float(torch.sum((entries[i][1] - entries[i][0].ref) ** 2)),
                                    float(torch.sum(entries[i][0].ref ** 2))]
-                                  for i in looks], dtype=torch.float64)
-            local = local / torch.tensor([holders[i] for i in looks],
-                                         dtype=torch.float64)[:, None]
+                                  for i in looks], dtype=torch.float64,
+                                 device=_device(self.comm))
+            local = local / torch.tensor([holders[i] for i in looks], dtype=torch.float64,
+                                         device=local.device)[:, None]
             parts = ([local] if self.comm is None or self.comm.size == 1 else
                      self.comm.allgather(local, meta="kfac stale statistics"))
             total = torch.zeros_like(local)
@@ -810,7 +812,8 @@ class KFAC:
             return sum(float((v * g).sum()) for _, g, v, _ in done)
         weights = [(self.comm.size if rep == 0 else rep) for rep, _, _, _ in done]
         local = sum(float((v * g).sum()) / w for w, (_, g, v, _) in zip(weights, done))
-        total = self.comm.allreduce(torch.tensor([local], dtype=torch.float64),
+        total = self.comm.allreduce(torch.tensor([local], dtype=torch.float64,
+                                                 device=_device(self.comm)),
                                     meta="kfac KL clip")
         return float(total[0])
 
@@ -1017,3 +1020,8 @@ class KFAC:
         s["skipped"] = sorted(self.skipped)
         body = ",\n".join(f"  {k}={v!r}" for k, v in s.items())
         return f"KFAC(\n{body},\n)"
+
+
+def _device(comm: Any) -> torch.device:
+    """Where control values travel: the communicator's device (NCCL's GPU), else the CPU."""
+    return getattr(comm, "device", None) or torch.device("cpu")

@@ -204,7 +204,8 @@ class MRDHO2:
         ``E[*, o_W] <- E[*, o_A]`` by one all-to-all; returns this rank's worker slice of E
         (empty on accelerators)."""
         kl = self.k + self.l
-        meta = torch.zeros(2 + kl, dtype=torch.float64)
+        meta = torch.zeros(2 + kl, dtype=torch.float64,
+                           device=getattr(self.comm, "device", None))
         if self._ese is not None and self.comm.rank == self.accelerators[0]:
             q = len(self._ese.eigenvalues)
             meta[0], meta[1] = q, self._ese.l
