@@ -603,3 +603,21 @@ def test_debug_mode_reports_the_global_batch_on_every_rank() -> None:
         set_debug(False)
     for msg in msgs:
         assert "identical samples" in msg and "GridSampler" in msg
+
+
+def _assign_run(comm: Any) -> dict[str, Any]:
+    model, x, y = resnet_case(seed=6)
+    pmodel = parallelize(copy.deepcopy(model), RESNET_CONFIG, comm=comm)
+    pmodel.load_state_dict(pmodel.state_dict(), assign=True)  # new Parameter objects
+    rows = sample_block(x.shape[0], pmodel.data_grid)
+    F.cross_entropy(pmodel(x[rows]), y[rows]).backward()
+    return {"grads": _gathered_grads(pmodel), "rows": rows}
+
+
+def test_parameters_replaced_by_assign_are_still_reduced() -> None:
+    model, x, y = resnet_case(seed=6)
+    ref = copy.deepcopy(model)
+    F.cross_entropy(ref(x), y).backward()
+    for got in run_threads(_assign_run, 4):
+        for k, p in ref.named_parameters():
+            assert (got["grads"][k] - p.grad).abs().max() < TOL, k

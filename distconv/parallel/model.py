@@ -151,8 +151,7 @@ class ParallelModel(nn.Module):
         object.__setattr__(self, "_gm", gm)
         self._plans: dict[tuple[int, ...], dict[str, tuple[int, ...]]] = {}
         self.bucket_bytes = bucket_bytes
-        self._params = list(self.parameters())
-        self._trainable = tuple(p.requires_grad for p in self._params)
+        self._trainable = _trainable(self)
         self.grad_sync = self._fuse_gradient_syncs(bucket_bytes)
         register_parameter_specs(self, comm)
 
@@ -191,14 +190,15 @@ class ParallelModel(nn.Module):
         return GradSyncGroup(syncs) if syncs else None
 
     def _rebuild_gradient_syncs(self) -> None:
-        """Parameters were frozen or unfrozen since the buckets were made: rebuild them, so a
-        frozen parameter gets no gradient and no allreduce and an unfrozen one is reduced (every
-        rank runs the same freezing code, so every rank rebuilds the same buckets)."""
+        """Parameters were frozen, unfrozen or replaced (``load_state_dict(assign=True)``) since
+        the buckets were made: rebuild them, so a frozen parameter gets no gradient and no
+        allreduce and an unfrozen or new one is reduced (every rank runs the same code, so every
+        rank rebuilds the same buckets)."""
         if self.grad_sync is not None:
             self.grad_sync.detach()
-        self._params = list(self.parameters())
-        self._trainable = tuple(p.requires_grad for p in self._params)
+        self._trainable = _trainable(self)
         self.grad_sync = self._fuse_gradient_syncs(self.bucket_bytes)
+        register_parameter_specs(self, self.comm)
 
     def grid(self, layout: Layout) -> ProcessorGrid:
         """The one grid of ``layout`` (created collectively on first use, shared by layers)."""
@@ -249,7 +249,7 @@ class ParallelModel(nn.Module):
                 "torch.compile of a ParallelModel is not supported: its collectives and global "
                 "shapes are planned eagerly. Run the parallel model eagerly (torch.compile the "
                 "plain model for single-process runs)")
-        if self._trainable != tuple(p.requires_grad for p in self._params):
+        if self._trainable != _trainable(self):
             self._rebuild_gradient_syncs()
         shape = self._agree_batch(x)
         shapes = self._shapes(shape, x.dtype)
@@ -543,6 +543,11 @@ def _get_attr(root: nn.Module, target: str) -> Any:
     for part in target.split("."):
         obj = getattr(obj, part)
     return obj
+
+
+def _trainable(model: nn.Module) -> tuple[tuple[int, bool], ...]:
+    """Which parameter objects the model holds and which of them train."""
+    return tuple((id(p), p.requires_grad) for p in model.parameters())
 
 
 def _compiling() -> bool:
