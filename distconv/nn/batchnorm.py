@@ -307,28 +307,42 @@ class DistBatchNorm2d(nn.BatchNorm2d):
                     f"DistBatchNorm2d: expected more than 1 value per channel of a sample block "
                     f"when training with local statistics, got {x.shape[0]} sample(s) of "
                     f"{shape[2]}x{shape[3]}")
-        if (self._stats_comm is None and self._block_comm is None and x.numel()
-                and self._same_dtype(x)):
-            # every value of this rank's channels is local: torch's own kernel is exact (its
-            # backward is linear in dy, so a pending-sum cotangent gives pending-sum gradients)
-            return F.batch_norm(x, self.running_mean if self.track_running_stats else None,
-                                self.running_var if self.track_running_stats else None,
-                                self.weight, self.bias, True, factor, self.eps)
+        running = self.training and self.track_running_stats
+        if self._stats_comm is None and x.numel() and self._same_dtype(x):
+            # every value of this rank's channels (of its sample block) is local: torch's own
+            # kernel is exact (its backward is linear in dy, so a pending-sum cotangent gives
+            # pending-sum gradients)
+            if self._block_comm is None:
+                return F.batch_norm(x, self.running_mean if self.track_running_stats else None,
+                                    self.running_var if self.track_running_stats else None,
+                                    self.weight, self.bias, True, factor, self.eps)
+            y = F.batch_norm(x, None, None, self.weight, self.bias, True, 0.0, self.eps)
+            if running:
+                with torch.no_grad():
+                    var, mean = torch.var_mean(x, dim=(0, 2, 3), correction=1)
+                    self._send_running(torch.cat([mean, var]), factor)
+            return y
         y, mean, var = _BatchNorm.apply(
             x, self.weight, self.bias, self._stats_comm, self.eps, count,
         )
-        if self.training and self.track_running_stats:
+        if running:
             with torch.no_grad():
-                unbiased = var * (count / (count - 1))
-                stats = torch.cat([mean, unbiased]).to(self.running_mean.dtype)
-                if self._block_comm is not None:
-                    work = self._block_comm.broadcast(
-                        stats, root=0, async_op=True,
-                        meta="DistBatchNorm2d running statistics of sample block 0")
-                    self._pending = (work, stats, factor)
-                else:
-                    self._update_running(stats, factor)
+                self._send_running(torch.cat([mean, var * (count / (count - 1))]), factor)
         return y
+
+    @torch.no_grad()
+    def _send_running(self, stats: torch.Tensor, factor: float) -> None:
+        """Update the running statistics with the batch's ``[mean, unbiased var]``: at once, or,
+        with local statistics over several sample blocks, with sample block 0's, broadcast
+        asynchronously and applied by :meth:`settle`."""
+        stats = stats.to(self.running_mean.dtype)
+        if self._block_comm is None:
+            self._update_running(stats, factor)
+            return
+        work = self._block_comm.broadcast(
+            stats, root=0, async_op=True,
+            meta="DistBatchNorm2d running statistics of sample block 0")
+        self._pending = (work, stats, factor)
 
     @torch.no_grad()
     def _update_running(self, stats: torch.Tensor, factor: float) -> None:
