@@ -204,7 +204,7 @@ class BucketedGradSync:
                 if not flags[i] > 0:  # no rank's backward reached it
                     continue
                 if self._first.get(id(p), p.grad is None) or p.grad is None:
-                    p.grad = part.clone()
+                    p.grad = part  # a view of this rank's own fresh sum: no copy per step
                 else:
                     p.grad.add_(part)
         self._carry = False
