@@ -18,7 +18,7 @@ from distconv.nn.grad_sync import GradSync
 from distconv.nn.sharding import ShardSpec, keep_requires_grad
 from distconv.redistribute import gather
 
-__all__ = ["STATISTICS", "DistBatchNorm2d"]
+__all__ = ["STATISTICS", "DistBatchNorm2d", "broadcast_running"]
 
 STATISTICS = ("global", "local")
 
@@ -133,7 +133,9 @@ class DistBatchNorm2d(nn.BatchNorm2d):
         # buffers), sent to the other sample blocks asynchronously, off the critical path
         blocks = split_dims(grid, self.input_dist, 0) if statistics == "local" else []
         self._block_comm = grid.subcomm(blocks) if blocks else None
-        self._pending: tuple[Any, torch.Tensor, float] | None = None
+        self._pending: tuple[RunningBroadcast, int, float] | None = None
+        #: set by a ParallelModel for one forward: the layers' broadcasts go out as one
+        self._collector: list[tuple[DistBatchNorm2d, torch.Tensor, float]] | None = None
         redundant = [d for d in self.param_dist.redundant(grid) if grid.extent(d) > 1]
         where = f"DistBatchNorm2d({num_features}) over {'×'.join(redundant)}"
         self.grad_sync = GradSync(grid.subcomm(redundant), where=where) if redundant else None
@@ -338,11 +340,10 @@ class DistBatchNorm2d(nn.BatchNorm2d):
         stats = stats.to(self.running_mean.dtype)
         if self._block_comm is None:
             self._update_running(stats, factor)
-            return
-        work = self._block_comm.broadcast(
-            stats, root=0, async_op=True,
-            meta="DistBatchNorm2d running statistics of sample block 0")
-        self._pending = (work, stats, factor)
+        elif self._collector is not None:
+            self._collector.append((self, stats, factor))
+        else:
+            broadcast_running([(self, stats, factor)])
 
     @torch.no_grad()
     def _update_running(self, stats: torch.Tensor, factor: float) -> None:
@@ -354,10 +355,10 @@ class DistBatchNorm2d(nn.BatchNorm2d):
         """Apply sample block 0's statistics of the last step to the running statistics (local
         statistics only; done by the next forward and by ``state_dict``). No new collective."""
         if self._pending is not None:
-            work, stats, factor = self._pending
+            shared, offset, factor = self._pending
             self._pending = None
-            result = work.wait()
-            self._update_running(result if isinstance(result, torch.Tensor) else stats, factor)
+            n = 2 * self.running_mean.shape[0]
+            self._update_running(shared.result()[offset:offset + n], factor)
 
     def _save_to_state_dict(self, destination: Any, prefix: str, keep_vars: bool) -> None:
         self.settle()
@@ -394,6 +395,37 @@ class DistBatchNorm2d(nn.BatchNorm2d):
             f"x={show(self.input_dist, 'x')}, "
             f"y={show(self.output_dist, 'y')}, w={show(self.param_dist, 'w')}"
         )
+
+
+class RunningBroadcast:
+    """One asynchronous broadcast of several layers' running statistics from sample block 0;
+    each layer takes its slice when it settles."""
+
+    def __init__(self, comm: Any, flat: torch.Tensor) -> None:
+        self._flat = flat
+        self._work = comm.broadcast(flat, root=0, async_op=True,
+                                    meta="DistBatchNorm2d running statistics of sample block 0")
+        self._result: torch.Tensor | None = None
+
+    def result(self) -> torch.Tensor:
+        if self._result is None:
+            got = self._work.wait()
+            self._result = got if isinstance(got, torch.Tensor) else self._flat
+        return self._result
+
+
+def broadcast_running(entries: list[tuple[DistBatchNorm2d, torch.Tensor, float]]) -> None:
+    """Send the local-statistics layers' batch statistics of sample block 0 to the other blocks:
+    one broadcast per communicator (in the order the layers ran, the same on every rank)."""
+    groups: dict[int, list[tuple[DistBatchNorm2d, torch.Tensor, float]]] = {}
+    for entry in entries:
+        groups.setdefault(id(entry[0]._block_comm), []).append(entry)
+    for group in groups.values():
+        shared = RunningBroadcast(group[0][0]._block_comm, torch.cat([e[1] for e in group]))
+        offset = 0
+        for layer, stats, factor in group:
+            layer._pending = (shared, offset, factor)
+            offset += stats.numel()
 
 
 def _moments(x: torch.Tensor, comm: Any, count: int) -> tuple[torch.Tensor, torch.Tensor]:

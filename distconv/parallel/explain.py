@@ -284,6 +284,9 @@ def _explain(model: nn.Module, cfg: ParallelConfig, shape: tuple[int, ...],
                             needs_grad.get(a.name, False))
         if report.steps or report.kind not in ("meta", "constant", "pointwise", "reshape"):
             layers.append(report)
+    running = _coalesced_running(layers)
+    if running is not None:
+        layers.append(running)
     sync = _gradient_buckets(gm, analysis, P, ranks, itemsize, bucket_bytes)
     if sync is not None:
         layers.append(sync)
@@ -352,6 +355,30 @@ def _layer(step: Step, modules: dict[str, nn.Module], shapes: dict[str, tuple[in
         ctx = PriceContext(shapes[node.args[0].name], isz, ranks, grad_in, machine)
         step.handler.price(report, step, module, ctx)
     return report
+
+
+def _coalesced_running(layers: list[LayerReport]) -> LayerReport | None:
+    """The local-statistics layers' running-statistics broadcasts, as the parallel model sends
+    them: one per grid and step, after the forward (each layer prices its own share)."""
+    merged: dict[tuple, CommStep] = {}
+    for lay in layers:
+        keep = []
+        for st in lay.steps:
+            if st.op != "broadcast" or not st.what.startswith("running statistics"):
+                keep.append(st)
+                continue
+            key = (st.layout, st.dims)
+            if key not in merged:
+                merged[key] = CommStep("forward", "running statistics of sample block 0: one "
+                                       f"broadcast over {'×'.join(st.dims)} (asynchronous)",
+                                       "broadcast", dict.fromkeys(st.bytes, 0), st.peers,
+                                       st.layout, st.dims)
+            for r, b in st.bytes.items():
+                merged[key].bytes[r] += b
+        lay.steps = keep
+    if not merged:
+        return None
+    return LayerReport("(running statistics)", "bn-sync", "-", "-", {}, list(merged.values()))
 
 
 def _gradient_buckets(gm: fx.GraphModule, analysis: Any, P: int, ranks: list[int], isz: int,

@@ -38,6 +38,7 @@ from distconv.distribution import as_shape, balanced_block
 from distconv.grid import ProcessorGrid
 from distconv.nn import clip as _clip
 from distconv.nn.grad_sync import BucketedGradSync, GradSync, GradSyncGroup
+from distconv.nn.batchnorm import DistBatchNorm2d, broadcast_running
 from distconv.nn.clip import register_parameter_specs
 from distconv.nn.sharding import ShardSpec, shard_specs
 from distconv.parallel.config import ParallelConfig
@@ -151,6 +152,8 @@ class ParallelModel(nn.Module):
         object.__setattr__(self, "_gm", gm)
         self._plans: dict[tuple[int, ...], dict[str, tuple[int, ...]]] = {}
         self.bucket_bytes = bucket_bytes
+        self._local_norms = [m for m in self.modules() if isinstance(m, DistBatchNorm2d)
+                             and m._block_comm is not None]
         self._trainable = _trainable(self)
         self.grad_sync = self._fuse_gradient_syncs(bucket_bytes)
         register_parameter_specs(self, comm)
@@ -252,7 +255,22 @@ class ParallelModel(nn.Module):
         if self._trainable != _trainable(self):
             self._rebuild_gradient_syncs()
         shape = self._agree_batch(x)
-        shapes = self._shapes(shape, x.dtype)
+        if not self._local_norms:
+            return self._interpret(x, self._shapes(shape, x.dtype))
+        collected: list[Any] = []  # local-statistics layers: one running-statistics broadcast
+        for m in self._local_norms:
+            m._collector = collected
+        try:
+            out = self._interpret(x, self._shapes(shape, x.dtype))
+        finally:
+            for m in self._local_norms:
+                m._collector = None
+        if collected:  # only after a whole forward: every rank sends the same layers
+            broadcast_running(collected)
+        return out
+
+    def _interpret(self, x: torch.Tensor, shapes: dict[str, tuple[int, ...]]) -> Any:
+        """Run the analysed graph on this rank's blocks."""
         env: dict[fx.Node, Any] = {}
         converted: dict[tuple[fx.Node, Placement], torch.Tensor] = {}
         analysis: Analysis = self._analysis
