@@ -249,7 +249,9 @@ def check_conv(device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------- parallelized ResNet
-from tests.parallel.cases import RESNET_CONFIG, RESNET_SHAPE  # noqa: E402  the tests' hybrid
+from tests.parallel.cases import (  # noqa: E402  the tests' hybrid and gathering
+    RESNET_CONFIG, RESNET_SHAPE, _gathered_grads,
+)
 LR, MOMENTUM, STEPS = 0.1, 0.9, 2
 
 
@@ -280,16 +282,6 @@ def resnet_reference(model: nn.Module, batches: list) -> dict[str, Any]:
         grads.append({k: p.grad.clone() for k, p in model.named_parameters()})
         opt.step()
     return {"outs": outs, "grads": grads, "state": copy.deepcopy(model.state_dict())}
-
-
-def _gathered_grads(pmodel: nn.Module) -> dict[str, torch.Tensor]:
-    specs = shard_specs(pmodel)
-    out = {}
-    for k, p in pmodel.named_parameters():
-        s = specs[k]
-        out[k] = p.grad.clone() if s.grid is None else gather(p.grad, s.dist, s.grid,
-                                                              s.global_shape)
-    return out
 
 
 def resnet_rank(comm: Any, model: nn.Module, batches: list) -> dict[str, Any]:
