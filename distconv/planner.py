@@ -30,7 +30,6 @@ import math
 import operator
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -38,6 +37,7 @@ import torch
 from distconv.distribution import Dist, balanced_block
 from distconv.machines import resolve_machine
 from distconv.machines.base import Machine, group_of
+from distconv.parallel.placement import paper_grid
 from distconv.perfmodel import ConvProblem, conv_cost, corner_coords
 from distconv.redistribute import plan_redistribution
 
@@ -323,11 +323,7 @@ def _valid(pb: ConvProblem, ch: Choice, ho: int, wo: int) -> Choice | None:
 
 
 # ============================================================================ transitions
-def _fake_grid(layout: tuple[tuple[str, int], ...], rank: int) -> Any:
-    from distconv.grid import ProcessorGrid
-
-    size = math.prod(e for _, e in layout)
-    return ProcessorGrid(dict(layout), comm=SimpleNamespace(rank=rank, size=size, backend="none"))
+_fake_grid = paper_grid  # a grid value with no communicator: for counting only
 
 
 def _ranks(layouts: Sequence[tuple[tuple[str, int], ...]], size: int) -> list[int]:
