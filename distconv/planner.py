@@ -820,7 +820,27 @@ def plan_network(
     plan = _make_plan(m, pick, ev, net.input_shape[0], notes)
     _runner_ups(m, plan, pick, ev["step"], limit)
     plan.notes.append(f"allreduce weight in the DP: {lam}")
+    if not isinstance(model, Network):
+        _check_runs(model, plan.config(), world_size, len(input_shape))
     return plan
+
+
+def _check_runs(model: torch.nn.Module, config: Mapping[str, Any], world_size: int,
+                ndim: int) -> None:
+    """What the planner plans, ``parallelize`` can run: the plan's config analysed as
+    ``parallelize`` analyses it (its refusal, naming the node, if not)."""
+    from distconv.ops import Unsupported
+    from distconv.parallel.config import ParallelConfig
+    from distconv.parallel.graph import analyse, trace
+
+    if any(p.device.type != "meta" for p in model.parameters()):
+        model = copy.deepcopy(model).to("meta")
+    try:
+        analyse(trace(model), ParallelConfig(config, world_size=world_size), input_ndim=ndim)
+    except Unsupported as exc:
+        raise Unsupported(f"plan_network: the best plan puts a layer where parallelize cannot "
+                          f"run it ({exc}); the planner prices convolutions only, so keep that "
+                          "part sample-parallel with a config by hand, or use explain") from exc
 
 
 def _best(m: _Model, mu: float) -> tuple[dict[str, Choice], dict[str, Any], float]:

@@ -81,7 +81,8 @@ def test_explain_lists_every_unsupported_node_at_once() -> None:
     plan = explain(_Unsupported(), config, (2, 3, 8, 8), strict=False)
     assert [n for n, _, _ in plan.unsupported] == ["norm", "up", "mul"]
     reasons = dict((n, r) for n, _, r in plan.unsupported)
-    assert "GroupNorm is not supported" in reasons["norm"] and "BatchNorm2d" in reasons["norm"]
+    assert "GroupNorm needs (C, H, W)" in reasons["norm"] and "H over H" in reasons["norm"]
+    assert "Upsample is not supported" in reasons["up"] and "GroupNorm" in reasons["up"]
     assert "broadcasts" in reasons["mul"]
     assert "unsupported: 3 node(s)" in str(plan)
     assert [u["node"] for u in plan.to_dict()["unsupported"]] == ["norm", "up", "mul"]

@@ -15,7 +15,9 @@ from distconv.ops.base import Handler, PriceContext, Sample, Unsupported
 from distconv.ops.conv import ConvHandler
 from distconv.ops.elementwise import BinaryHandler, CatHandler, DropoutHandler, PointwiseHandler
 from distconv.ops.linear import LinearHandler
-from distconv.ops.norm import BatchNormHandler
+from distconv.ops.norm import (
+    BatchNormHandler, GroupNormHandler, InstanceNormHandler, LayerNormHandler,
+)
 from distconv.ops.pool import AdaptiveAvgPoolHandler, MeanHandler, PoolHandler
 from distconv.ops.shape import FlattenHandler, MetaHandler, ReshapeHandler
 
@@ -24,7 +26,8 @@ __all__ = ["REGISTRY", "Handler", "PriceContext", "Sample", "Unsupported", "hand
 
 #: Every op family, in matching order (the first that binds a node handles it).
 REGISTRY: tuple[Handler, ...] = (
-    ConvHandler(), LinearHandler(), BatchNormHandler(), PoolHandler(), AdaptiveAvgPoolHandler(),
+    ConvHandler(), LinearHandler(), BatchNormHandler(), GroupNormHandler(), LayerNormHandler(),
+    InstanceNormHandler(), PoolHandler(), AdaptiveAvgPoolHandler(),
     MeanHandler(), DropoutHandler(), FlattenHandler(), ReshapeHandler(), PointwiseHandler(),
     BinaryHandler(), CatHandler(), MetaHandler(),
 )

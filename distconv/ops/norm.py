@@ -19,7 +19,7 @@ from distconv.ops.base import SAMPLE_GRIDS, Handler, PriceContext, Sample, Sampl
 from distconv.ops.pricing import CommStep, segment_rank
 from distconv.parallel.placement import Placement, paper_grid
 
-__all__ = ["BatchNormHandler"]
+__all__ = ["BatchNormHandler", "GroupNormHandler", "InstanceNormHandler", "LayerNormHandler"]
 
 
 class BatchNormHandler(Handler):
@@ -78,3 +78,81 @@ class BatchNormHandler(Handler):
         return (Sample("batchnorm", lambda: SampleNet(nn.BatchNorm2d(4), 4), (5, 4, 7, 6),
                        SAMPLE_GRIDS),)
 
+
+
+class _LocalNorm(Handler):
+    """A normalisation whose statistics stay within one sample: it runs as the plain module on
+    local blocks, exactly, wherever its input keeps whole the dims it reduces over (and, with
+    per-channel affine weights, the channels); elsewhere it is refused by name."""
+
+    kind = "norm"
+    #: tensor dims (of N, C, H, W) the statistics reduce over
+    reduces: tuple[int, ...] = ()
+
+    def whole(self, module: Any) -> tuple[int, ...]:
+        """The dims a rank must hold whole: those reduced over (and more for some settings)."""
+        return self.reduces
+
+    def place(self, an: Any, node: Any, module: Any) -> Any:
+        step = an.keep(node, "norm")
+        dist = step.out.dist
+        split = {d: dist.grid_dims_of(d) for d in self.whole(module) if dist.grid_dims_of(d)}
+        if split:
+            names = ", ".join(f"{'NCHW'[d]} over {'×'.join(g)}" for d, g in split.items())
+            an.fail(node, f"{type(module).__name__} needs {_dims(self.whole(module))} of its "
+                    f"input whole on each rank, but the input splits {names}: its statistics "
+                    "or weights would be partial. Keep those dims whole before it (e.g. sample "
+                    "parallelism there); reductions over split dims are not implemented yet")
+        return step
+
+    def price(self, report: Any, step: Any, module: Any, ctx: PriceContext) -> None:
+        report.param_elements = sum(p.numel() for p in module.parameters())
+
+
+def _dims(dims: tuple[int, ...]) -> str:
+    return "(" + ", ".join("NCHW"[d] for d in dims) + ")"
+
+
+class GroupNormHandler(_LocalNorm):
+    modules = (nn.GroupNorm,)
+    reduces = (1, 2, 3)  # each group's channels, rows and columns
+
+    def samples(self) -> Sequence[Sample]:
+        return (Sample("groupnorm", lambda: SampleNet(nn.GroupNorm(2, 4), 4), (5, 4, 7, 6),
+                       SAMPLE_GRIDS[:1]),)
+
+
+class LayerNormHandler(_LocalNorm):
+    """``nn.LayerNorm`` over the trailing dims of an activation (e.g. ``(C, H, W)``)."""
+
+    modules = (nn.LayerNorm,)
+
+    def place(self, an: Any, node: Any, module: Any) -> Any:
+        ndim = an.placement(an.tensor_args(node)[0]).ndim
+        k = len(module.normalized_shape)
+        self_reduces = tuple(range(ndim - k, ndim))
+        step = an.keep(node, "norm")
+        split = [g for d in self_reduces for g in step.out.dist.grid_dims_of(d)]
+        if split:
+            an.fail(node, f"LayerNorm over the last {k} dims, but its input splits them over "
+                    f"{sorted(split)}: its statistics would be partial. Keep them whole before "
+                    "it (e.g. sample parallelism there)")
+        return step
+
+    def samples(self) -> Sequence[Sample]:
+        return (Sample("layernorm-chw", lambda: SampleNet(nn.LayerNorm((4, 7, 6)), 4),
+                       (5, 4, 7, 6), SAMPLE_GRIDS[:1]),)
+
+
+class InstanceNormHandler(_LocalNorm):
+    modules = (nn.InstanceNorm2d,)
+    reduces = (2, 3)  # rows and columns of each sample and channel
+
+    def whole(self, module: Any) -> tuple[int, ...]:
+        # per-channel weights need the channels; running statistics average over the samples
+        return ((0,) if module.track_running_stats else ()) + (
+            (1,) if module.affine or module.track_running_stats else ()) + self.reduces
+
+    def samples(self) -> Sequence[Sample]:
+        return (Sample("instancenorm", lambda: SampleNet(nn.InstanceNorm2d(4), 4), (5, 4, 7, 6),
+                       SAMPLE_GRIDS[:1] + SAMPLE_GRIDS[2:]),)
