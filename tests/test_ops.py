@@ -13,11 +13,9 @@ import torch
 import torch.nn.functional as F
 
 from distconv import ops
-from distconv.data import sample_block
-from distconv.parallel import parallelize
 from distconv.parallel.explain import explain
 from distconv.testing import run_threads
-from tests.parallel.cases import TOL, _gathered_grads, seeded
+from tests.parallel.cases import TOL, counted_step, seeded
 
 CASES = [(type(h).__name__, sample, world, config)
          for h in ops.REGISTRY for sample in h.samples() for world, config in sample.configs]
@@ -26,18 +24,6 @@ CASES = [(type(h).__name__, sample, world, config)
 def test_every_handler_has_samples() -> None:
     missing = [type(h).__name__ for h in ops.REGISTRY if not h.samples()]
     assert not missing, f"handlers without conformance samples: {missing}"
-
-
-def _run(comm: Any, model: Any, config: dict, x: torch.Tensor, y: torch.Tensor) -> dict:
-    pmodel = parallelize(copy.deepcopy(model), config, comm=comm)
-    rows = sample_block(x.shape[0], pmodel.data_grid)
-    b0 = comm.stats.total_bytes()
-    out = pmodel(x[rows])
-    b1 = comm.stats.total_bytes()
-    F.cross_entropy(out, y[rows]).backward()
-    b2 = comm.stats.total_bytes()
-    return {"rows": rows, "out": out.detach(), "grads": _gathered_grads(pmodel),
-            "counted": (b1 - b0, b2 - b1)}
 
 
 @pytest.mark.parametrize("handler,sample,world,config", CASES,
@@ -52,7 +38,7 @@ def test_sample_equals_one_process_and_its_price(handler: str, sample: ops.Sampl
     out = ref(x)
     F.cross_entropy(out, y).backward()
     plan = explain(model, config, sample.shape, world_size=world, itemsize=8)
-    for r, got in enumerate(run_threads(_run, world, model, config, x, y)):
+    for r, got in enumerate(run_threads(counted_step, world, model, config, x, y)):
         assert (got["out"] - out.detach()[got["rows"]]).abs().max() < TOL, (handler, config)
         for k, p in ref.named_parameters():
             assert (got["grads"][k] - p.grad).abs().max() < TOL, (handler, config, k)
@@ -86,3 +72,17 @@ def test_explain_lists_every_unsupported_node_at_once() -> None:
     assert "broadcasts" in reasons["mul"]
     assert "unsupported: 3 node(s)" in str(plan)
     assert [u["node"] for u in plan.to_dict()["unsupported"]] == ["norm", "up", "mul"]
+
+
+@pytest.mark.parametrize("norm,words", [
+    (torch.nn.LayerNorm((4, 7, 6)), "LayerNorm needs (C, H, W)"),
+    (torch.nn.InstanceNorm2d(4, affine=True), "InstanceNorm2d needs (C, H, W)"),
+    (torch.nn.GroupNorm(2, 4), "GroupNorm needs (C, H, W)"),
+])
+def test_norms_over_split_dims_are_refused_naming_the_node(norm: Any, words: str) -> None:
+    from distconv.ops.base import SAMPLE_GRIDS, SampleNet
+
+    world, config = SAMPLE_GRIDS[1]  # rows split over H
+    with pytest.raises(ops.Unsupported, match=r"node 'layer'") as info:
+        explain(SampleNet(norm, 4), config, (5, 4, 7, 6), world_size=world)
+    assert words in str(info.value) and "H over H" in str(info.value)

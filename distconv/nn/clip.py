@@ -20,6 +20,7 @@ import torch
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
+from distconv.distribution import Dist
 from distconv.nn.sharding import ShardSpec, shard_specs
 
 __all__ = ["clip_grad_norm_", "register_parameter_specs"]
@@ -68,7 +69,7 @@ def _entries(parameters: Any, comm: Any) -> tuple[list[tuple[torch.Tensor, Shard
             seen.add(id(p))
             spec, owner = _SPECS.get(p, (None, None))
             if spec is None:
-                spec = ShardSpec(None, _replicated(p.dim()), tuple(p.shape))
+                spec = ShardSpec(None, Dist.replicated(p.dim()), tuple(p.shape))
             found.append((p, spec, owner))
         owners = [o for _, _, o in found if o is not None]
         if comm is None and owners:
@@ -78,12 +79,6 @@ def _entries(parameters: Any, comm: Any) -> tuple[list[tuple[torch.Tensor, Shard
 
         comm = world()
     return [(p, s) for p, s, _ in found], comm
-
-
-def _replicated(ndim: int) -> Any:
-    from distconv.distribution import Dist
-
-    return Dist.replicated(ndim)
 
 
 def clip_grad_norm_(parameters: Any, max_norm: float, norm_type: float = 2.0,

@@ -19,7 +19,7 @@ The one walker over a traced graph (:mod:`distconv.parallel.graph`) asks the reg
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch.fx as fx
@@ -84,7 +84,6 @@ class PriceContext:
     ranks: list[int]
     grad_in: bool
     machine: Any = None
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 class Handler:
@@ -94,8 +93,6 @@ class Handler:
     modules: tuple[type, ...] = ()
     functions: frozenset[Any] = frozenset()
     methods: frozenset[str] = frozenset()
-    #: the node kind the executor and explain read (``"conv"``, ``"pointwise"``, ...)
-    kind: str = ""
 
     def binds(self, node: fx.Node, module: nn.Module | None) -> bool:
         if node.op == "call_module":

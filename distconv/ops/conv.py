@@ -31,7 +31,6 @@ def _dists(step: Any, conv: nn.Conv2d) -> dict[str, Any]:
 
 class ConvHandler(Handler):
     modules = (nn.Conv2d,)
-    kind = "conv"
 
     def place(self, an: Any, node: Any, module: Any) -> Any:
         from distconv.parallel.graph import LayerSpec, Step

@@ -30,7 +30,6 @@ class PointwiseHandler(Handler):
     })
     methods = frozenset({"relu", "relu_", "sigmoid", "tanh", "clamp", "abs", "neg", "contiguous",
                          "float", "double", "half", "bfloat16", "clone", "detach"})
-    kind = "pointwise"
 
     def place(self, an: Any, node: Any, module: Any) -> Any:
         step = an.keep(node, "pointwise")
@@ -48,7 +47,6 @@ class PointwiseHandler(Handler):
 class DropoutHandler(Handler):
     modules = (nn.Dropout,)
     functions = frozenset({F.dropout})
-    kind = "dropout"
 
     def place(self, an: Any, node: Any, module: Any) -> Any:
         p = module.p if module is not None else float(
@@ -71,7 +69,6 @@ class BinaryHandler(Handler):
                            operator.imul, operator.truediv, operator.itruediv, torch.add,
                            torch.sub, torch.mul, torch.div})
     methods = frozenset({"add", "add_", "sub", "sub_", "mul", "mul_", "div", "div_"})
-    kind = "pointwise"
 
     def place(self, an: Any, node: Any, module: Any) -> Any:
         from distconv.parallel.graph import Step
@@ -99,7 +96,6 @@ class BinaryHandler(Handler):
 
 class CatHandler(Handler):
     functions = frozenset({torch.cat})
-    kind = "pointwise"
 
     def place(self, an: Any, node: Any, module: Any) -> Any:
         from distconv.parallel.graph import Step

@@ -16,7 +16,6 @@ __all__ = ["LinearHandler"]
 
 class LinearHandler(Handler):
     modules = (nn.Linear,)
-    kind = "linear"
 
     def place(self, an: Any, node: Any, module: Any) -> Any:
         from distconv.parallel.graph import LayerSpec, Step, sample_dist

@@ -24,7 +24,6 @@ __all__ = ["BatchNormHandler", "GroupNormHandler", "InstanceNormHandler", "Layer
 
 class BatchNormHandler(Handler):
     modules = (nn.BatchNorm2d, nn.SyncBatchNorm)  # both: global-batch statistics
-    kind = "batchnorm"
 
     def place(self, an: Any, node: Any, module: Any) -> Any:
         from distconv.parallel.graph import LayerSpec
@@ -85,21 +84,21 @@ class _LocalNorm(Handler):
     local blocks, exactly, wherever its input keeps whole the dims it reduces over (and, with
     per-channel affine weights, the channels); elsewhere it is refused by name."""
 
-    kind = "norm"
     #: tensor dims (of N, C, H, W) the statistics reduce over
     reduces: tuple[int, ...] = ()
 
-    def whole(self, module: Any) -> tuple[int, ...]:
+    def whole(self, module: Any, ndim: int) -> tuple[int, ...]:
         """The dims a rank must hold whole: those reduced over (and more for some settings)."""
         return self.reduces
 
     def place(self, an: Any, node: Any, module: Any) -> Any:
         step = an.keep(node, "norm")
         dist = step.out.dist
-        split = {d: dist.grid_dims_of(d) for d in self.whole(module) if dist.grid_dims_of(d)}
+        whole = self.whole(module, dist.ndim)
+        split = {d: dist.grid_dims_of(d) for d in whole if dist.grid_dims_of(d)}
         if split:
             names = ", ".join(f"{'NCHW'[d]} over {'×'.join(g)}" for d, g in split.items())
-            an.fail(node, f"{type(module).__name__} needs {_dims(self.whole(module))} of its "
+            an.fail(node, f"{type(module).__name__} needs {_dims(whole)} of its "
                     f"input whole on each rank, but the input splits {names}: its statistics "
                     "or weights would be partial. Keep those dims whole before it (e.g. sample "
                     "parallelism there); reductions over split dims are not implemented yet")
@@ -127,17 +126,8 @@ class LayerNormHandler(_LocalNorm):
 
     modules = (nn.LayerNorm,)
 
-    def place(self, an: Any, node: Any, module: Any) -> Any:
-        ndim = an.placement(an.tensor_args(node)[0]).ndim
-        k = len(module.normalized_shape)
-        self_reduces = tuple(range(ndim - k, ndim))
-        step = an.keep(node, "norm")
-        split = [g for d in self_reduces for g in step.out.dist.grid_dims_of(d)]
-        if split:
-            an.fail(node, f"LayerNorm over the last {k} dims, but its input splits them over "
-                    f"{sorted(split)}: its statistics would be partial. Keep them whole before "
-                    "it (e.g. sample parallelism there)")
-        return step
+    def whole(self, module: Any, ndim: int) -> tuple[int, ...]:
+        return tuple(range(ndim - len(module.normalized_shape), ndim))
 
     def samples(self) -> Sequence[Sample]:
         return (Sample("layernorm-chw", lambda: SampleNet(nn.LayerNorm((4, 7, 6)), 4),
@@ -148,7 +138,7 @@ class InstanceNormHandler(_LocalNorm):
     modules = (nn.InstanceNorm2d,)
     reduces = (2, 3)  # rows and columns of each sample and channel
 
-    def whole(self, module: Any) -> tuple[int, ...]:
+    def whole(self, module: Any, ndim: int) -> tuple[int, ...]:
         # per-channel weights need the channels; running statistics average over the samples
         return ((0,) if module.track_running_stats else ()) + (
             (1,) if module.affine or module.track_running_stats else ()) + self.reduces

@@ -36,7 +36,6 @@ def _as_module(node: Any) -> nn.Module:
 class PoolHandler(Handler):
     modules = (nn.MaxPool2d, nn.AvgPool2d)
     functions = frozenset({F.max_pool2d, torch.max_pool2d, F.avg_pool2d})
-    kind = "pool"
 
     def place(self, an: Any, node: Any, module: Any) -> Any:
         from distconv.parallel.graph import LayerSpec
@@ -114,7 +113,6 @@ class PoolHandler(Handler):
 class AdaptiveAvgPoolHandler(Handler):
     modules = (nn.AdaptiveAvgPool2d,)
     functions = frozenset({F.adaptive_avg_pool2d})
-    kind = "pool"
 
     def place(self, an: Any, node: Any, module: Any) -> Any:
         from distconv.parallel.graph import LayerSpec
@@ -160,7 +158,6 @@ class MeanHandler(Handler):
 
     functions = frozenset({torch.mean})
     methods = frozenset({"mean"})
-    kind = "mean"
     runs_locally = True
 
     def run(self, node: Any, args: Any, kwargs: Any, in_shape: tuple[int, ...]) -> Any:

@@ -30,7 +30,6 @@ class FlattenHandler(Handler):
     modules = (nn.Flatten,)
     functions = frozenset({torch.flatten})
     methods = frozenset({"flatten"})
-    kind = "reshape"
 
     def place(self, an: Any, node: Any, module: Any) -> Any:
         if module is not None:
@@ -53,7 +52,6 @@ class FlattenHandler(Handler):
 class ReshapeHandler(Handler):
     functions = frozenset({torch.reshape})
     methods = frozenset({"view", "reshape"})
-    kind = "reshape"
 
     def place(self, an: Any, node: Any, module: Any) -> Any:
         rest = node.args[1:]
@@ -70,7 +68,6 @@ class MetaHandler(Handler):
 
     functions = frozenset({getattr})
     methods = frozenset({"size", "dim"})
-    kind = "meta"
 
     def place(self, an: Any, node: Any, module: Any) -> Any:
         from distconv.parallel.graph import Step

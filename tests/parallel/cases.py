@@ -114,18 +114,26 @@ def resnet_run(comm: Any, explained: list[tuple[int, int]] | None = None) -> dic
     thread rank runs a model would intercept its module calls."""
     model, x, y = resnet_case()
     ref = reference_step(model, x, y)
-    pmodel = parallelize(copy.deepcopy(model), RESNET_CONFIG, comm=comm)
+    got = counted_step(comm, model, RESNET_CONFIG, x, y)
+    explained = explained or resnet_bytes(comm.size)
+    return {
+        "out": (got["out"] - ref["out"][got["rows"]]).abs().max().item(),
+        "grads": max((got["grads"][k] - g).abs().max().item() for k, g in ref["grads"].items()),
+        "counted": got["counted"],
+        "explained": tuple(explained[comm.rank]),
+    }
+
+
+def counted_step(comm: Any, model: nn.Module, config: Any, x: torch.Tensor, y: torch.Tensor
+                 ) -> dict[str, Any]:
+    """One forward and backward of the user's loop on this rank's samples: its rows, output,
+    the gathered gradients and the bytes the communicator counted (forward, backward)."""
+    pmodel = parallelize(copy.deepcopy(model), config, comm=comm)
     rows = sample_block(x.shape[0], pmodel.data_grid)
     b0 = comm.stats.total_bytes()
     out = pmodel(x[rows])
     b1 = comm.stats.total_bytes()
     F.cross_entropy(out, y[rows]).backward()
     b2 = comm.stats.total_bytes()
-    grads = _gathered_grads(pmodel)
-    explained = explained or resnet_bytes(comm.size)
-    return {
-        "out": (out.detach() - ref["out"][rows]).abs().max().item(),
-        "grads": max((grads[k] - g).abs().max().item() for k, g in ref["grads"].items()),
-        "counted": (b1 - b0, b2 - b1),
-        "explained": tuple(explained[comm.rank]),
-    }
+    return {"rows": rows, "out": out.detach(), "grads": _gathered_grads(pmodel),
+            "counted": (b1 - b0, b2 - b1)}
