@@ -21,6 +21,11 @@ redistribution between consecutive choices exactly as the executor moves them
 ``lam`` in ``(0, 0.5, 1)``; every resulting plan is then timed on a two-stream timeline in which
 allreduces overlap the rest of backward, and the fastest kept. A per-rank memory limit (parameters,
 gradients, optimizer state, stored activations) is met by a Lagrange multiplier on memory.
+
+That search sees the convolutions and what moves between them; the plan it returns is then priced
+by the op handlers, as ``explain`` prices it (every layer's collectives, BatchNorm statistics,
+the gradient buckets, on the same two-stream timeline: :func:`distconv.ops.pricing.timeline`), so
+``Plan.step_time`` is the price ``explain`` gives the same config on the same machine.
 """
 
 from __future__ import annotations
@@ -89,6 +94,8 @@ class Network:
     units: tuple[Unit, ...]
     linears: tuple[tuple[str, int], ...]  # (name, parameters)
     out_shape: tuple[int, ...]
+    #: the traced model (on the meta device): what plans are priced on, by the op handlers
+    model: torch.nn.Module | None = field(default=None, compare=False, repr=False)
 
     @property
     def convs(self) -> list[ConvNode]:
@@ -124,7 +131,8 @@ def trace_network(model: torch.nn.Module, input_shape: Sequence[int]) -> Network
     # what the planner plans, parallelize can run: every node has a handler in the registry
     analyse(gm, ParallelConfig({"default": {"grid": {"N": 1}, "algorithm": "sample"}},
                                world_size=1), input_ndim=len(tuple(input_shape)))
-    propagate_shapes(gm, input_shape)
+    dtype = next((p.dtype for p in gm.parameters() if p.is_floating_point()), None)
+    propagate_shapes(gm, input_shape, dtype=dtype)  # in the model's own dtype
     modules = dict(gm.named_modules())
     producer: dict[Any, Any] = {}  # fx node -> "input" | conv fx node | add fx node
     convs: dict[Any, ConvNode] = {}
@@ -161,7 +169,7 @@ def trace_network(model: torch.nn.Module, input_shape: Sequence[int]) -> Network
     # the activation leaving the last unit, which the sample-parallel head reads
     out_shape = tuple(order[-1].meta["tensor_meta"].shape) if order else tuple(input_shape)
     return Network(tuple(input_shape), _units(order, convs, source, adds), tuple(linears),
-                   out_shape)
+                   out_shape, model)
 
 
 def _units(order, convs, source, adds) -> tuple[Unit, ...]:  # noqa: ANN001
@@ -534,10 +542,17 @@ class Plan:
     machine: Machine
     layers: list[LayerPlan]
     extra: float               # skips, entry and exit redistributions, head allreduce (seconds)
-    step_time: float
+    step_time: float           # the op handlers' price of the plan (explain's), see below
     forward_time: float
     memory: float
     notes: list[str] = field(default_factory=list)
+    #: the search's own estimate of the step (convolutions, redistributions, head allreduce)
+    search_time: float = math.nan
+    #: ``distconv.explain`` of :meth:`config` on the same machine: every layer's collectives and
+    #: compute, priced by the op handlers. ``step_time`` and ``forward_time`` are its timeline's,
+    #: so the planner and ``explain`` give one price for one plan. None for a network traced
+    #: without its model.
+    explanation: Any = None
 
     def config(self) -> dict[str, Any]:
         """The plan in the format of ``distconv.parallelize``: sample-parallel default and one
@@ -563,8 +578,10 @@ def explain(plan: Plan) -> str:
     critical path, gradient allreduce, redistribution into it), the bytes the slowest rank
     receives in that redistribution, and the runner-up with how much slower the step would be."""
     rows = [f"{plan.machine.name}, {plan.world_size} ranks, batch {plan.batch}: predicted step "
-            f"{plan.step_time * 1e3:.2f} ms (forward {plan.forward_time * 1e3:.2f} ms), "
+            f"{plan.step_time * 1e3:.2f} ms (forward {plan.forward_time * 1e3:.2f} ms; the "
+            f"search's estimate {plan.search_time * 1e3:.2f} ms), "
             f"{plan.memory / 2**30:.2f} GiB per rank",
+            "per layer, as the search sees it (runner-up deltas on its estimate):",
             f"{'layer':28s} {'choice':26s} {'fwd':>7s} {'bwd':>7s} {'allred':>7s} "
             f"{'redist':>7s} {'bytes in':>11s}  runner-up (step +ms)"]
     for lp in plan.layers:
@@ -591,6 +608,7 @@ class _Model:
                  activation_factor: int, fixed: Mapping[str, Choice] | None = None,
                  max_sample: int | None = None) -> None:
         self.net, self.P, self.machine, self.itemsize = net, world_size, machine, itemsize
+        self.optimizer_slots = optimizer_slots
         self.options = {c.name: [fixed[c.name]] if fixed else candidates(
             c.problem, world_size, max_model=max_model, max_sample=max_sample,
             algorithms=algorithms) for c in net.convs}
@@ -820,27 +838,7 @@ def plan_network(
     plan = _make_plan(m, pick, ev, net.input_shape[0], notes)
     _runner_ups(m, plan, pick, ev["step"], limit)
     plan.notes.append(f"allreduce weight in the DP: {lam}")
-    if not isinstance(model, Network):
-        _check_runs(model, plan.config(), world_size, len(input_shape))
     return plan
-
-
-def _check_runs(model: torch.nn.Module, config: Mapping[str, Any], world_size: int,
-                ndim: int) -> None:
-    """What the planner plans, ``parallelize`` can run: the plan's config analysed as
-    ``parallelize`` analyses it (its refusal, naming the node, if not)."""
-    from distconv.ops import Unsupported
-    from distconv.parallel.config import ParallelConfig
-    from distconv.parallel.graph import analyse, trace
-
-    if any(p.device.type != "meta" for p in model.parameters()):
-        model = copy.deepcopy(model).to("meta")
-    try:
-        analyse(trace(model), ParallelConfig(config, world_size=world_size), input_ndim=ndim)
-    except Unsupported as exc:
-        raise Unsupported(f"plan_network: the best plan puts a layer where parallelize cannot "
-                          f"run it ({exc}); the planner prices convolutions only, so keep that "
-                          "part sample-parallel with a config by hand, or use explain") from exc
 
 
 def _best(m: _Model, mu: float) -> tuple[dict[str, Choice], dict[str, Any], float]:
@@ -898,12 +896,39 @@ def _refine(m: _Model, pick: dict[str, Choice], ev: dict[str, Any], limit: float
 
 
 def _make_plan(m: _Model, pick: Mapping[str, Choice], ev: dict[str, Any], batch: int,
-               notes: list[str]) -> Plan:
+               notes: list[str], config: Mapping[str, Any] | None = None) -> Plan:
+    """The plan, priced by the op handlers: ``explain`` of ``config`` (default: the plan's) on
+    the same machine."""
     order = {c.name: i for i, c in enumerate(m.net.convs)}
     layers = sorted(ev["layers"], key=lambda t: order[t[0].name])
     lps = [LayerPlan(c, ch, m.costs[(c.name, ch)], t, b) for c, ch, t, b in layers]
-    return Plan(m.P, batch, m.machine, lps, ev["extra"], ev["step"], ev["forward"],
-                ev["memory"], notes)
+    plan = Plan(m.P, batch, m.machine, lps, ev["extra"], ev["step"], ev["forward"],
+                ev["memory"], notes, search_time=ev["step"])
+    if m.net.model is not None:
+        plan.explanation = price(m.net.model, config or plan.config(), m.net.input_shape,
+                                 world_size=m.P, machine=m.machine, itemsize=m.itemsize,
+                                 optimizer_states=m.optimizer_slots)
+        tl = plan.explanation.timeline()
+        plan.step_time, plan.forward_time = tl.step, tl.forward
+    return plan
+
+
+def price(model: torch.nn.Module, config: Mapping[str, Any], input_shape: Sequence[int], *,
+          world_size: int, machine: Machine, itemsize: int, optimizer_states: int) -> Any:
+    """``explain`` of ``config`` without its sample-parallel baseline, refusing with the planner's
+    name what ``parallelize`` cannot run."""
+    from distconv.ops import Unsupported
+    from distconv.parallel.config import ParallelConfig
+    from distconv.parallel.explain import _explain
+
+    try:
+        return _explain(model, ParallelConfig(config, world_size=world_size),
+                        tuple(input_shape), machine, optimizer_states, itemsize, 25 << 20,
+                        baseline=False)
+    except Unsupported as exc:
+        raise Unsupported(f"plan_network: the plan puts a layer where parallelize cannot run "
+                          f"it ({exc}); the planner chooses for convolutions only, so keep that "
+                          "part sample-parallel with a config by hand, or use explain") from exc
 
 
 def _runner_ups(m: _Model, plan: Plan, pick: Mapping[str, Choice], step: float,
@@ -945,9 +970,10 @@ def _config_choices(net: Network, config: Mapping[str, Any], world_size: int) ->
 def predict(model: torch.nn.Module | Network, config: Mapping[str, Any],
             input_shape: Sequence[int] | None = None, *, world_size: int, machine: Machine,
             itemsize: int = 4, optimizer_slots: int = 1, activation_factor: int = 3) -> Plan:
-    """The planner's cost model applied to a given ``parallelize`` config (``auto`` is not
-    resolved here): the same timeline, redistributions and memory as :func:`plan_network`;
-    ``machine`` as there."""
+    """A given ``parallelize`` config (``auto`` is not resolved here) as a :class:`Plan`: priced
+    as :func:`plan_network` prices its plans (``step_time`` is ``explain``'s timeline of the
+    config on ``machine``; the per-layer table and memory are the search's); ``machine`` as
+    there."""
     machine = resolve_machine(machine, hierarchical=True)
     net = model if isinstance(model, Network) else trace_network(model, input_shape or ())
     fixed = _config_choices(net, config, world_size)
@@ -955,4 +981,5 @@ def predict(model: torch.nn.Module | Network, config: Mapping[str, Any],
                itemsize=itemsize, optimizer_slots=optimizer_slots,
                activation_factor=activation_factor, fixed=fixed)
     ev = m.evaluate(fixed)
-    return _make_plan(m, fixed, ev, net.input_shape[0], ["prediction of a given config"])
+    return _make_plan(m, fixed, ev, net.input_shape[0], ["prediction of a given config"],
+                      config)

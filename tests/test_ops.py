@@ -38,11 +38,29 @@ def test_sample_equals_one_process_and_its_price(handler: str, sample: ops.Sampl
     out = ref(x)
     F.cross_entropy(out, y).backward()
     plan = explain(model, config, sample.shape, world_size=world, itemsize=8)
+    _planner_prices_alike(model, config, sample.shape, world)
     for r, got in enumerate(run_threads(counted_step, world, model, config, x, y)):
         assert (got["out"] - out.detach()[got["rows"]]).abs().max() < TOL, (handler, config)
         for k, p in ref.named_parameters():
             assert (got["grads"][k] - p.grad).abs().max() < TOL, (handler, config, k)
         assert got["counted"] == tuple(plan.rank_bytes(r).values()), (handler, config, r)
+
+
+def _planner_prices_alike(model: torch.nn.Module, config: dict, shape: tuple[int, ...],
+                          world: int) -> None:
+    """The planner prices the config as ``explain`` does, to the bit; it plans chains of
+    convolutions and residual adds only, and refuses another join by name."""
+    from distconv.perfmodel import Machine
+    from distconv.planner import predict
+
+    machine = Machine(alpha=1e-5, beta=1e-9, flop_rate=1e9)
+    try:
+        planned = predict(model, config, shape, world_size=world, machine=machine, itemsize=8)
+    except NotImplementedError as exc:
+        assert "joins several values" in str(exc)
+        return
+    priced = explain(model, config, shape, world_size=world, itemsize=8, machine=machine)
+    assert planned.step_time == priced.seconds() > 0
 
 
 class _Unsupported(torch.nn.Module):

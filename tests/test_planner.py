@@ -227,3 +227,47 @@ def test_planner_refuses_what_parallelize_refuses() -> None:
     model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.Upsample(scale_factor=2), nn.Conv2d(8, 8, 3))
     with pytest.raises(Unsupported, match="Upsample is not supported"):
         plan_network(model, (4, 3, 16, 16), world_size=4, machine="lassen")
+
+
+@pytest.mark.parametrize("machine", ["flat", "lassen"])
+def test_planner_and_explain_give_one_price_for_one_plan(tiny, machine) -> None:  # noqa: ANN001
+    """The planner's plan and a hand config, priced by ``predict``/``plan_network`` and by
+    ``explain`` on the same machine: the same seconds (one pricing, by the op handlers)."""
+    from distconv.machines import lassen
+    from distconv.parallel.explain import explain
+    from distconv.perfmodel import Machine as Flat
+    from distconv.planner import predict
+
+    m = Flat(1e-5, 1e-9, 1e10) if machine == "flat" else lassen()
+    plan = plan_network(tiny, world_size=4, machine=m)
+    hand = {"default": {"grid": {"N": 2, "C": 2}, "algorithm": "stationary-x"},
+            "layers": [{"match": "d*", "grid": {"N": 2, "F": 2}, "algorithm": "stationary-y"}]}
+    for config, planned in ((plan.config(), plan),
+                            (hand, predict(tiny, hand, world_size=4, machine=m))):
+        priced = explain(TinyResNet(), config, (8, 4, 8, 8), world_size=4, machine=m)
+        assert planned.step_time == priced.seconds() > 0
+        assert planned.forward_time == priced.timeline().forward
+        assert f"predicted step {planned.step_time * 1e3:.2f} ms" in planned.explain()
+
+
+def test_the_step_overlaps_gradient_allreduces_with_the_rest_of_backward() -> None:
+    """Two layers of 1 s forward and 2 s backward each; a 3 s gradient allreduce ready after the
+    second layer's backward hides 2 s behind the first's; one ready after the first layer's
+    backward (the last to run) hides nothing; a 1 s activation collective is on the path."""
+    from distconv.ops.pricing import CommStep, LayerReport, timeline
+    from distconv.perfmodel import Machine as Flat
+
+    machine = Flat(alpha=0.0, beta=1.0, flop_rate=1.0)  # seconds = bytes received
+
+    def layer(name: str) -> LayerReport:
+        return LayerReport(name, "conv", "-", "-", {}, forward_seconds=1.0, backward_seconds=2.0)
+
+    a, b = layer("a"), layer("b")
+    b.steps.append(CommStep("forward", "allgather x", "allgather", {0: 1}, 2))
+    grads = LayerReport("(gradients)", "grad-sync", "-", "-", {}, [
+        CommStep("backward", "bucket 0", "allreduce", {0: 3}, 2, after="b"),
+        CommStep("backward", "bucket 1", "allreduce", {0: 3}, 2, after="a")])
+    t = timeline([a, b, grads], machine)
+    # forward 1 + 1 + 1; backward b (2), a (2); bucket 0 runs 5..8, bucket 1 8..11
+    assert (t.forward, t.backward, t.gradients) == (3.0, 4.0, 6.0)
+    assert t.step == 11.0 and t.exposed == 4.0

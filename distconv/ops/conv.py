@@ -98,8 +98,10 @@ class ConvHandler(Handler):
         if ctx.machine is not None:
             cost = conv_cost(problem, spec.layout, spec.algorithm, ctx.machine, **{
                 k: v for k, v in kw.items() if k != "input_grad"})
-            report.compute_seconds = sum(v for k, v in cost.steps.items()
-                                         if k.startswith("local"))
+            report.forward_seconds = sum(v for k, v in cost.steps.items()
+                                         if k.startswith("local") and "forward" in k)
+            report.backward_seconds = sum(v for k, v in cost.steps.items()
+                                          if k.startswith("local") and "backward" in k)
 
     def samples(self) -> Sequence[Sample]:
         return (Sample("conv3x3", lambda: SampleNet(nn.Conv2d(4, 6, 3, padding=1), 4, 6),

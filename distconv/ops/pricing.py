@@ -12,8 +12,8 @@ from distconv import machines
 from distconv.parallel.placement import Layout, Placement, paper_grid
 from distconv.perfmodel import Machine as FlatMachine
 
-__all__ = ["CommStep", "LayerReport", "Machine", "block_index", "largest_block", "pair",
-           "segment_rank"]
+__all__ = ["CommStep", "LayerReport", "Machine", "Timeline", "block_index", "largest_block",
+           "pair", "segment_rank", "timeline"]
 
 #: A flat :class:`distconv.perfmodel.Machine` or a hierarchical :class:`distconv.machines.Machine`.
 Machine = Union[FlatMachine, machines.Machine]
@@ -33,14 +33,16 @@ class CommStep:
     peers: int = 1
     layout: Layout | None = None
     dims: tuple[str, ...] = ()
+    #: a gradient allreduce that may start once the backward of this layer (by report name) is
+    #: done: it overlaps the rest of backward (see :func:`timeline`); None: on the critical path
+    after: str | None = None
 
     def seconds(self, machine: Machine) -> float:
-        """Predicted seconds on the slowest rank: a flat machine prices ``alpha`` per message
-        step and ``beta`` per byte; a hierarchical one prices on the level the ranks span."""
+        """Predicted seconds on the slowest rank, on the machine level the ranks span (a flat
+        machine is priced as the one-level machine :func:`~distconv.machines.resolve_machine`
+        makes of it, as everywhere)."""
         nbytes = max(self.bytes.values())
-        if not isinstance(machine, machines.Machine):
-            steps = 2 * (self.peers - 1) if self.op == "allreduce" else max(self.peers - 1, 1)
-            return steps * machine.alpha + nbytes * machine.beta
+        machine = machines.resolve_machine(machine, hierarchical=True)
         dims = self.dims or tuple(d for d, _ in self.layout or ())
         if self.op in _COLLECTIVES:
             return machine.collective_time(self.op, self.peers, nbytes, layout=self.layout,
@@ -60,11 +62,61 @@ class LayerReport:
     steps: list[CommStep] = field(default_factory=list)
     param_elements: int = 0
     activation_elements: int = 0
-    compute_seconds: float = 0.0
+    forward_seconds: float = 0.0   # local compute, slowest rank
+    backward_seconds: float = 0.0
     note: str = ""
+
+    @property
+    def compute_seconds(self) -> float:
+        return self.forward_seconds + self.backward_seconds
 
     def bytes(self, phase: str, rank: int) -> int:
         return sum(s.bytes[rank] for s in self.steps if s.phase == phase)
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """One training step priced on a machine (seconds, slowest rank)."""
+
+    forward: float   # forward compute and collectives
+    backward: float  # backward compute and the collectives on its critical path
+    gradients: float  # the gradient allreduces, all together
+    step: float      # forward + backward, plus whatever of the gradient allreduces backward
+    #                  does not hide
+
+    @property
+    def exposed(self) -> float:
+        """Seconds of gradient allreduce that the backward pass does not hide."""
+        return self.step - self.forward - self.backward
+
+
+def timeline(layers: Sequence[LayerReport], machine: Machine) -> Timeline:
+    """The step of ``layers`` (in forward order) on ``machine``: the forward, then the backward in
+    reverse order on a compute stream; each gradient allreduce (a step with ``after``) goes on a
+    communication stream once the backward of its layer is done and the previous allreduce has
+    finished, as the gradient buckets run. Every other collective is on the critical path."""
+    def seconds(lay: LayerReport, phase: str, overlapped: bool) -> float:
+        return sum(s.seconds(machine) for s in lay.steps
+                   if s.phase == phase and (s.after is not None) == overlapped)
+
+    forward = sum(lay.forward_seconds + seconds(lay, "forward", False) for lay in layers)
+    compute = comm = forward
+    gradients = 0.0
+    waiting: dict[str | None, list[float]] = {}
+    for lay in layers:
+        for s in lay.steps:
+            if s.after is not None:
+                waiting.setdefault(s.after if any(x.name == s.after for x in layers) else None,
+                                   []).append(s.seconds(machine))
+    for lay in reversed(layers):
+        compute += lay.backward_seconds + seconds(lay, "backward", False)
+        for t in waiting.pop(lay.name, ()):
+            comm = max(comm, compute) + t
+            gradients += t
+    for t in waiting.pop(None, ()):  # no layer named: after the whole backward
+        comm = max(comm, compute) + t
+        gradients += t
+    return Timeline(forward, compute - forward, gradients, max(compute, comm))
 
 
 

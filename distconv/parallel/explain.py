@@ -28,7 +28,7 @@ from distconv.parallel.config import ParallelConfig
 from distconv.distribution import Dist
 from distconv.ops import PriceContext
 from distconv.ops.pricing import (
-    CommStep, LayerReport, Machine, largest_block, segment_rank,
+    CommStep, LayerReport, Machine, Timeline, largest_block, segment_rank, timeline,
 )
 from distconv.parallel.graph import Step, analyse, check_broadcasts, trace
 from distconv.parallel.placement import (
@@ -71,11 +71,16 @@ class Explanation:
                 "optimizer_state": params * self.optimizer_states,
                 "activations": sum(lay.activation_elements for lay in self.layers) * self.itemsize}
 
+    def timeline(self) -> Timeline | None:
+        """The step on :attr:`machine` (None without one): forward, backward, and the gradient
+        allreduces overlapped with backward as the buckets run (:func:`distconv.ops.pricing.
+        timeline`, the planner's pricing too)."""
+        return None if self.machine is None else timeline(self.layers, self.machine)
+
     def seconds(self) -> float | None:
-        if self.machine is None:
-            return None
-        return sum(lay.compute_seconds + sum(s.seconds(self.machine) for s in lay.steps)
-                   for lay in self.layers)
+        """Predicted seconds of one training step (:meth:`timeline`'s ``step``), or None."""
+        t = self.timeline()
+        return None if t is None else t.step
 
     def totals(self) -> dict[str, Any]:
         per_rank = [self.rank_bytes(r) for r in self.ranks]
@@ -146,8 +151,11 @@ def _summary(label: str, e: Explanation) -> str:
          f"{t['max_bytes_backward']:,} B; per rank parameters {m['parameters']:,} B, gradients "
          f"{m['gradients']:,} B, optimizer state {m['optimizer_state']:,} B, activations "
          f"{m['activations']:,} B")
-    if e.machine is not None:
-        s += f"; predicted {e.seconds() * 1e3:.3f} ms"
+    tl = e.timeline()
+    if tl is not None:
+        s += (f"; predicted step {tl.step * 1e3:.3f} ms (forward {tl.forward * 1e3:.3f}, "
+              f"backward {tl.backward * 1e3:.3f}, gradient allreduces {tl.gradients * 1e3:.3f} "
+              f"of which {tl.exposed * 1e3:.3f} not hidden by backward)")
     return s
 
 
@@ -202,7 +210,7 @@ def explain(model: nn.Module, config: Any, input_shape: Sequence[int], *,
     optimizer_states = _check_int("optimizer_states", optimizer_states, 0)
     bucket_bytes = _check_int("bucket_bytes", bucket_bytes, 1)
     if machine is not None:
-        machine = machines.resolve_machine(machine)
+        machine = machines.resolve_machine(machine, hierarchical=True)  # one pricing
     cfg = ParallelConfig(config, world_size=world_size)
     if itemsize is None:
         p = next(model.parameters(), None)
@@ -389,6 +397,8 @@ def _gradient_buckets(gm: fx.GraphModule, analysis: Any, P: int, ranks: list[int
 
     owners: dict[str, Step] = {str(s.node.target): s for s in analysis.steps
                                if s.layer is not None and s.node.op == "call_module"}
+    order = {str(s.node.target): i for i, s in enumerate(analysis.steps)
+             if s.node.op == "call_module"}
     params = dict(gm.named_parameters())
     specs: dict[str, ShardSpec] = {}
     for name, p in params.items():
@@ -403,6 +413,12 @@ def _gradient_buckets(gm: fx.GraphModule, analysis: Any, P: int, ranks: list[int
             specs[name] = ShardSpec(paper_grid(layout, 0), Placement(layout, dist).dist,
                                     tuple(p.shape))
     report = LayerReport("(gradients)", "grad-sync", "-", "-", {})
+    def ready_after(bucket: list[int], names: list[str]) -> str | None:
+        """The layer whose backward completes the bucket: its first owner in forward order."""
+        owned = [names[i].rpartition(".")[0] for i in bucket]
+        known = [o for o in owned if o in order]
+        return min(known, key=order.__getitem__) if len(known) == len(owned) else None
+
     for (layout, dims), names in gradient_groups(specs, params).items():
         if layout is None and P == 1:
             continue
@@ -417,14 +433,18 @@ def _gradient_buckets(gm: fx.GraphModule, analysis: Any, P: int, ranks: list[int
                          for n in names]
                 sub = segment_rank(layout, dims, g.coords)
             # each bucket carries one reached-flag per parameter (BucketedGradSync)
+            buckets = plan_buckets([n * isz for n in sizes], bucket_bytes)
             per_rank[r] = [allreduce_bytes(sum(sizes[i] for i in b) + len(b), sub, size, isz)
-                           for b in plan_buckets([n * isz for n in sizes], bucket_bytes)]
+                           for b in buckets]
+            if r == ranks[0]:
+                after = [ready_after(list(b), names) for b in buckets]
         where = "every rank" if layout is None else f"{'×'.join(dims)} of {layout_str(layout)}"
         for i in range(len(per_rank[ranks[0]])):
             report.steps.append(CommStep("backward", f"gradient bucket {i} over {where} "
                                          f"({len(names)} parameters in the group)", "allreduce",
                                          {r: b[i] for r, b in per_rank.items()}, size,
-                                         layout, tuple(dims) if layout is not None else ()))
+                                         layout, tuple(dims) if layout is not None else (),
+                                         after=after[i]))
     return report if report.steps else None
 
 
