@@ -191,11 +191,15 @@ def test_index_records_each_block_once_in_the_paper_notation(tmp_path: Path) -> 
     assert (w["dtype"], w["shape"], w["dist"]) == ("float64", [7, 5, 3, 3], "[*,o_C,*,*]")
     assert w["grid"] == [["N", 2], ["C", 2]]
     assert Dist.parse(w["dist"]) == Dist((None, "C", None, None))
-    # w[*,o_C] is replicated over N: only the ranks at N = 0 (ranks 0 and 1) write it
-    assert [(s["file"], s["box"]) for s in w["shards"]] == [
-        ("shard-00000-of-00004.safetensors", [[0, 7], [0, 3], [0, 3], [0, 3]]),
-        ("shard-00001-of-00004.safetensors", [[0, 7], [3, 5], [0, 3], [0, 3]]),
+    # w[*,o_C] is replicated over N: each o_C block is written once, by one of the two ranks
+    # that hold it (C = 0: ranks 0 and 2; C = 1: ranks 1 and 3)
+    assert [s["box"] for s in w["shards"]] == [
+        [[0, 7], [0, 3], [0, 3], [0, 3]], [[0, 7], [3, 5], [0, 3], [0, 3]],
     ]
+    assert w["shards"][0]["file"] in {"shard-00000-of-00004.safetensors",
+                                      "shard-00002-of-00004.safetensors"}
+    assert w["shards"][1]["file"] in {"shard-00001-of-00004.safetensors",
+                                      "shard-00003-of-00004.safetensors"}
     b = index["tensors"]["model/1.bias"]  # b[o_C] of the second layer, 6 over 2
     assert b["dist"] == "[o_C]" and [s["box"] for s in b["shards"]] == [[[0, 3]], [[3, 6]]]
     m = index["tensors"]["optimizer/state/0.weight/exp_avg"]  # shaped like its parameter
@@ -204,10 +208,11 @@ def test_index_records_each_block_once_in_the_paper_notation(tmp_path: Path) -> 
     assert (step["dist"], step["grid"], step["shape"], len(step["shards"])) == ("[]", None, [], 1)
     lin = index["tensors"]["model/3.weight"]  # replicated: written once
     assert (lin["dist"], lin["grid"], len(lin["shards"])) == ("[*,*]", None, 1)
-    # replicated tensors are spread over the ranks, not all written by rank 0
+    # replicated tensors are spread over the ranks, not all written by rank 0 (that the bytes
+    # are spread evenly is checked in test_checkpoint_fast.py)
     writers = {s["file"] for t in index["tensors"].values() for s in t["shards"]
                if t["grid"] is None}
-    assert len(writers) == 4
+    assert len(writers) > 1
 
 
 class CountingOpen:
@@ -532,22 +537,16 @@ def failing_save(comm: Any, path: str) -> str:
     return "no error"
 
 
-def test_failed_save_leaves_no_checkpoint(broken: Path, monkeypatch: Any) -> None:
-    import safetensors.torch as st
-
-    real = st.save_file
-
-    def save_file(tensors: Any, filename: str, metadata: Any = None) -> None:
-        if "shard-00002" in filename:
-            raise OSError("disk full")
-        real(tensors, filename, metadata=metadata)
-
-    monkeypatch.setattr(st, "save_file", save_file)  # the thread-ranks share the module
+def test_failed_save_leaves_no_checkpoint(broken: Path) -> None:
+    # rank 2's shard file cannot be put in place: its name is taken by a directory
+    taken = broken / "shard-00002-of-00004.safetensors"
+    taken.unlink(missing_ok=True)
+    (taken / "keep").mkdir(parents=True)
     errors = run_threads(failing_save, 4, str(broken), timeout=20.0)
-    assert errors[2] == "OSError: disk full"
+    assert errors[2].startswith("IsADirectoryError: "), errors[2]
     for r in (0, 1, 3):  # the others raise naming it, instead of waiting for rank 2
         assert errors[r] == ("CheckpointError: checkpoint.save could not write the shards: "
-                             "rank 2: OSError: disk full")
+                             f"rank 2: {errors[2]}")
     with pytest.raises(CheckpointError, match="no complete checkpoint"):
         load_single(broken)
 

@@ -1,7 +1,7 @@
 """Sharded checkpoints that reshard onto any grid, algorithm and world size.
 
-:func:`save` has every rank write only the blocks it holds (one replica of each) to its own
-safetensors file, and rank 0 write a JSON index last: each tensor's global shape, dtype,
+:func:`save` writes every block once, its bytes spread over the ranks that hold it (one
+safetensors file per rank), and rank 0 writes a JSON index last: each tensor's global shape, dtype,
 distribution in the paper's notation (``[*,o_C,*,*]``), grid layout, and each shard's file, key,
 index box and SHA-256 (the convention of sharded Hugging Face checkpoints). :func:`load` reads on
 each rank, lazily, only the boxes its current layout needs, so a job saved on
@@ -9,17 +9,18 @@ each rank, lazily, only the boxes its current layout needs, so a job saved on
 :func:`load_global_state_dict` slices a plain single-process ``state_dict`` into a parallel
 model; :func:`consolidate` turns any checkpoint back into one. Optimizer state and any
 :class:`Shardable` (e.g. K-FAC's) reshard the same way. JSON and safetensors only: nothing is
-ever unpickled.
+ever unpickled. ``save(..., async_save=True)`` copies the state to host memory, returns a
+:class:`SaveHandle` at once and writes in the background.
 """
 
 from __future__ import annotations
 
 from distconv.checkpoint._index import INDEX_NAME, CheckpointError
 from distconv.checkpoint._load import consolidate, load, load_global_state_dict
-from distconv.checkpoint._save import save
+from distconv.checkpoint._save import SaveHandle, save
 from distconv.checkpoint._sections import Shardable
 
 __all__ = [
     "INDEX_NAME", "CheckpointError", "Shardable", "consolidate", "load", "load_global_state_dict",
-    "save",
+    "SaveHandle", "save",
 ]

@@ -1,26 +1,33 @@
-"""``save``: every rank writes its own shards; rank 0 writes the index last."""
+"""``save``: every rank writes its share of the blocks; rank 0 writes the index last."""
 
 from __future__ import annotations
 
 import hashlib
 import json
 import os
+import secrets
 from pathlib import Path
 from typing import Any, Mapping
 
 import torch
 
-from distconv.checkpoint._index import (
-    FORMAT, INDEX_NAME, VERSION, Box, CheckpointError, TensorEntry, dtype_name,
-    as_path, shard_file_name, sync_dir, volume, write_atomic,
+from distconv.checkpoint._async import (
+    FAILED_NAME, SaveHandle, await_index, await_records, record_name, report, start,
+    wait_previous,
 )
+from distconv.checkpoint._index import (
+    FORMAT, INDEX_NAME, VERSION, CheckpointError, TensorEntry, as_path, check_flag, dtype_name,
+    shard_file_name, sync_dir, write_atomic,
+)
+from distconv.checkpoint._plan import Piece, assign, blocks_of
 from distconv.checkpoint._sections import Section, sections_for
+from distconv.checkpoint._shardfile import write_shard_file
 from distconv.checkpoint._tree import flatten
 from distconv.comm import Communicator
 from distconv.distribution import Dist
 from distconv.nn.sharding import ShardSpec
 
-__all__ = ["save"]
+__all__ = ["SaveHandle", "save"]
 
 #: Every tensor to save by full key (``section/flat key``): its local value and its spec.
 Items = dict[str, tuple[torch.Tensor, ShardSpec]]
@@ -34,19 +41,27 @@ def save(
     states: Mapping[str, Any] | None = None,
     extra: Any = None,
     comm: Communicator | None = None,
-) -> None:
+    async_save: bool = False,
+) -> SaveHandle | None:
     """Write a sharded checkpoint of ``model`` (and optionally more state) to directory ``path``.
 
-    Collective: every rank calls it with the same structure of state. Each rank writes only the
-    blocks it holds: a tensor ``t[D]`` with a :class:`~distconv.nn.sharding.ShardSpec` over grid
-    ``G`` is written by the ranks at coordinate 0 of the grid dims ``D`` is replicated over (e.g.
-    ``w[*,o_C]`` on ``{N:2, C:2}``: the two ranks with ``N = 0`` write one ``o_C`` block each); a
-    tensor replicated on every rank (``[*,...,*]``) is written once, by one rank (spread
-    round-robin over the ranks). Shards go to one safetensors file per rank; the JSON index
-    (global shape, dtype, Dist in the paper's notation, grid layout, each shard's file, key, index
-    box and SHA-256) is written by rank 0 after every rank's file is complete. Every file is
-    written under a temporary name and renamed; an older index at ``path`` is removed first, so
-    an interrupted save leaves no index and is never loaded as whole.
+    Collective: every rank calls it with the same structure of state. Every block of every tensor
+    is written exactly once, by the ranks that hold it (:mod:`distconv.checkpoint._plan`): a block
+    held by several ranks (``w[*,o_C]`` on ``{N:2, C:2}`` is held by both ranks of each ``C``
+    coordinate; every weight of a sample-parallel model and every tensor without a grid by all
+    ranks) goes whole to the least loaded of its holders, or, from 1 MiB, is cut into contiguous
+    row ranges, one per holder, so the bytes are spread evenly over the ranks. Each rank writes
+    one safetensors file (straight from the tensors' memory, SHA-256 computed alongside); the JSON
+    index (global shape, dtype, Dist in the paper's notation, grid layout, each shard's file, key,
+    index box and SHA-256) is written by rank 0 last, after every rank's file is durable
+    (written, ``fsync``'d and renamed). An older index at ``path`` is removed first, so an
+    interrupted save leaves no index and is never loaded as whole.
+
+    With ``async_save=True`` the agreement between the ranks and a copy of this rank's share of
+    the state into host memory (a snapshot: later optimizer steps do not change what is written)
+    happen before ``save`` returns a :class:`SaveHandle`; the files are written by a background
+    thread while training goes on, and the index still appears last. A save called while an
+    asynchronous one is in flight on the same communicator first waits for it.
 
     Args:
         model: an ``nn.Module`` (its ``state_dict()`` laid out by
@@ -65,48 +80,106 @@ def save(
             Default ``None``.
         comm: the communicator of all ranks. Default: the communicator of the first grid among
             the tensors' specs, else ``distconv.comm.world()``.
+        async_save: return as soon as the state is copied, and write in the background.
+            Default ``False`` (return when the checkpoint is complete).
+
+    Returns:
+        ``None``, or with ``async_save`` a :class:`SaveHandle`: ``wait()`` blocks until the
+        checkpoint is complete on every rank and raises the save's failure; ``done()`` polls. A
+        failure not seen through ``wait()`` is raised by the next ``save`` on every rank.
 
     Raises:
         ValueError: a local tensor that does not match its spec, or a pending sum (``Σ``).
         TypeError: state that is not tensors and plain values.
         CheckpointError (a ``ValueError``): on every other rank when one rank fails (naming it
-            and its error), or when the ranks disagree on the state (its structure, plain values,
-            dtypes, global shapes or distributions).
+            and its error), when the ranks disagree on the state (its structure, plain values,
+            dtypes, global shapes or distributions), or when the previous asynchronous save
+            failed.
     """
     path = as_path(path)
+    check_flag(async_save, "async_save")
     if comm is not None and not isinstance(comm, Communicator):
         raise TypeError(f"comm must be a distconv Communicator, got {type(comm).__name__}")
     got: dict[str, Any] = {}
 
-    def collect() -> None:
+    def collect() -> dict[str, Any]:
+        wait_previous(comm)
         if not got:
             got["trees"], got["items"] = _collect(sections_for(model, optimizer, states, extra))
         _check_grids(got["items"], comm)
+        # what every rank must agree on: the structure, plain values and tensor layouts
+        got["meta"] = _metadata(got["items"])
+        agreed = json.dumps([got["trees"], got["meta"]], sort_keys=True).encode()
+        got["pieces"] = _plan(got["items"], comm.size)
+        got["mine"] = _own(got["pieces"], got["items"], comm.rank, snapshot=async_save)
         if comm.rank == 0:
             _clear(path)
+        return {"meta": hashlib.sha256(agreed).hexdigest(), "token": secrets.token_hex(8)}
 
     if comm is None:  # the communicator comes from the state's grids: collect before agreeing
         got["trees"], got["items"] = _collect(sections_for(model, optimizer, states, extra))
         comm = _default_comm(got["items"])
     # Every phase ends with an exchange that also carries failures: a rank that fails raises its
     # own error and the others raise naming it, instead of waiting in the next collective.
-    _together(comm, "collect the state", collect)
-    trees, items = got["trees"], got["items"]
-    name = shard_file_name(comm.rank, comm.size)
-    # what every rank must agree on: the structure, plain values and tensor layouts of the state
-    agreed = json.dumps([trees, _metadata(items)], sort_keys=True).encode()
-    digest = hashlib.sha256(agreed).hexdigest()
-    records = _together(
-        comm, "write the shards", lambda: {**_write_own(items, comm, path / name), "meta": digest}
-    )
-    index = _index(trees, items, records, comm.size)
+    agreed = _together(comm, "collect the state", collect)
+    if len({r["meta"] for r in agreed}) > 1:
+        raise CheckpointError(
+            "checkpoint.save: the ranks disagree on the state to save (keys, plain values, "
+            "dtypes, global shapes or distributions differ); every rank must save the same "
+            "structure, and the same plain values (rank-specific values are not kept)"
+        )
+    job = _Job(path, comm.rank, comm.size, agreed[0]["token"], got)
+    if async_save:
+        timeout = float(getattr(comm, "timeout", 600.0))
+        handle = SaveHandle(path, comm.rank, sum(t.nbytes for _, t in job.mine),
+                            lambda: job.background(timeout))
+        return start(comm, handle)
+    records = _together(comm, "write the shards", job.write_own)
+    _together(comm, "write the index", lambda: job.finish(records) if comm.rank == 0 else None)
+    return None
 
-    def write_index() -> None:
-        if comm.rank == 0:
-            write_atomic(path / INDEX_NAME, json.dumps(index, indent=1).encode())
-            _remove_stale(path, set(index["files"]))
 
-    _together(comm, "write the index", write_index)
+class _Job:
+    """The file writing of one save on one rank, the same whether it runs now or later."""
+
+    def __init__(self, path: Path, rank: int, size: int, token: str, got: dict[str, Any]) -> None:
+        self.path, self.rank, self.size, self.token = path, rank, size, token
+        self.trees, self.meta, self.pieces = got["trees"], got["meta"], got["pieces"]
+        self.mine: list[tuple[str, torch.Tensor]] = got["mine"]
+
+    def write_own(self) -> dict[str, Any]:
+        if not self.mine:
+            return {"file": None}
+        name = shard_file_name(self.rank, self.size)
+        size, digests = write_shard_file(
+            self.path / name, self.mine, {"format": "pt", FORMAT: str(VERSION)}
+        )
+        return {"file": name, "size": size, "sha256": digests}
+
+    def finish(self, records: list[dict[str, Any]]) -> None:
+        """Rank 0, once every rank's file is durable: the index, then the stale files go."""
+        index = _index(self.trees, self.meta, self.pieces, records, self.size, self.token)
+        write_atomic(self.path / INDEX_NAME, json.dumps(index, indent=1).encode())
+        _remove_stale(self.path, set(index["files"]))
+
+    def background(self, timeout: float) -> None:
+        try:
+            record = self.write_own()
+            if self.rank == 0:
+                self.finish([record, *await_records(self.path, self.size, self.token, timeout)])
+                for r in range(1, self.size):
+                    (self.path / record_name(r)).unlink(missing_ok=True)
+                return
+        except Exception as exc:
+            failure = {"token": self.token, "error": f"{type(exc).__name__}: {exc}"}
+            try:
+                report(self.path, FAILED_NAME if self.rank == 0 else record_name(self.rank),
+                       failure)
+            except OSError:
+                pass  # the others then stop at their timeout
+            raise
+        report(self.path, record_name(self.rank), {**record, "token": self.token})
+        await_index(self.path, self.token, timeout)
 
 
 def _together(comm: Communicator, what: str, step: Any) -> list[dict[str, Any]]:
@@ -176,8 +249,8 @@ def _clear(path: Path) -> None:
     path.mkdir(parents=True, exist_ok=True)
     (path / INDEX_NAME).unlink(missing_ok=True)
     sync_dir(path)
-    for tmp in path.glob(".*.tmp"):
-        tmp.unlink(missing_ok=True)
+    for stale in [*path.glob(".*.tmp"), *path.glob(".rank-*.json"), path / FAILED_NAME]:
+        stale.unlink(missing_ok=True)
 
 
 def _remove_stale(path: Path, keep: set[str]) -> None:
@@ -186,46 +259,26 @@ def _remove_stale(path: Path, keep: set[str]) -> None:
             f.unlink(missing_ok=True)
 
 
-def _box(spec: ShardSpec, coords: Mapping[str, int] | None = None) -> Box:
-    if spec.grid is None:
-        return tuple((0, n) for n in spec.global_shape)
-    return tuple((s, s + n) for s, n in spec.dist.blocks(spec.global_shape, spec.grid, coords))
+def _plan(items: Items, size: int) -> list[Piece]:
+    blocks = [b for key, (t, spec) in items.items()
+              for b in blocks_of(key, spec, t.element_size(), size)]
+    return assign(blocks, size)
 
 
-def _writes(spec: ShardSpec, replicated_index: int, comm: Communicator) -> bool:
-    """Whether this rank writes ``spec``'s block: one replica of each block writes."""
-    if spec.grid is None or spec.is_replicated:
-        return replicated_index % comm.size == comm.rank
-    coords = spec.grid.coords
-    return all(coords[d] == 0 for d in spec.dist.redundant(spec.grid))
-
-
-def _write_own(items: Items, comm: Communicator, file: Path):
-    from safetensors.torch import save_file
-
-    tensors, shards, storages, replicated = {}, {}, set(), 0
-    for key, (t, spec) in items.items():
-        mine = _writes(spec, replicated, comm)
-        replicated += spec.grid is None or spec.is_replicated
-        box = _box(spec)
-        if not mine or volume(box) == 0:
+def _own(pieces: list[Piece], items: Items, rank: int, *, snapshot: bool
+         ) -> list[tuple[str, torch.Tensor]]:
+    """This rank's pieces as contiguous CPU tensors (copies when ``snapshot``)."""
+    out = []
+    for p in pieces:
+        if p.rank != rank:
             continue
-        t = t.detach().to("cpu").contiguous()
-        storage = t.untyped_storage().data_ptr()
-        if storage in storages and t.numel():  # safetensors refuses tensors that share memory
-            t = t.clone()
-        storages.add(storage)
-        tensors[key] = t
-        digest = hashlib.sha256(t.reshape(-1).view(torch.uint8).numpy()).hexdigest()
-        shards[key] = {"key": key, "box": [list(b) for b in box], "sha256": digest}
-    if not tensors:
-        return {"file": None, "shards": {}}
-    tmp = file.with_name(f".{file.name}.tmp")
-    save_file(tensors, str(tmp), metadata={"format": "pt", FORMAT: str(VERSION)})
-    with open(tmp, "rb+") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, file)
-    return {"file": file.name, "size": file.stat().st_size, "shards": shards}
+        t = items[p.key][0].detach()
+        if p.rows is not None:
+            t = t[p.rows[0]:p.rows[1]]
+        if snapshot or t.device.type != "cpu" or not t.is_contiguous():
+            t = torch.empty(t.shape, dtype=t.dtype).copy_(t)
+        out.append((p.key, t))
+    return out
 
 
 def _metadata(items: Items) -> dict[str, Any]:
@@ -253,25 +306,21 @@ def _allgather_json(comm: Communicator, record: dict[str, Any], what: str) -> li
 
 
 def _index(
-    trees: dict[str, Any], items: Items,
-    records: list[dict[str, Any]], size: int,
+    trees: dict[str, Any], meta: dict[str, Any], pieces: list[Piece],
+    records: list[dict[str, Any]], size: int, token: str,
 ) -> dict[str, Any]:
-    meta = _metadata(items)
-    digests = {r["meta"] for r in records}
-    if len(digests) > 1:
-        raise CheckpointError(
-            "checkpoint.save: the ranks disagree on the state to save (keys, plain values, "
-            "dtypes, global shapes or distributions differ); every rank must save the same "
-            "structure, and the same plain values (rank-specific values are not kept)"
-        )
     files = {r["file"]: {"size": r["size"]} for r in records if r["file"] is not None}
     tensors = {key: {**m, "shards": []} for key, m in meta.items()}
-    for r in records:
-        for key, shard in r["shards"].items():
-            tensors[key]["shards"].append({"file": r["file"], **shard})
+    for p in pieces:
+        record = records[p.rank]
+        tensors[p.key]["shards"].append({
+            "file": record["file"], "key": p.key, "box": [list(b) for b in p.box],
+            "sha256": record["sha256"][p.key],
+        })
     for key, raw in tensors.items():
+        raw["shards"].sort(key=lambda s: s["box"])
         TensorEntry.parse(key, raw, files)  # the shards tile every tensor exactly once
     return {
         "format": FORMAT, "version": VERSION, "world_size": size, "files": files,
-        "sections": trees, "tensors": tensors,
+        "sections": trees, "tensors": tensors, "token": token,
     }

@@ -1,0 +1,195 @@
+"""Writing a checkpoint in the background: :class:`SaveHandle` and the file-system rendezvous.
+
+Everything collective (agreeing on the state, the plan) is done before ``save`` returns; the
+background thread of each rank only touches files, because communicators are not safe to use from
+two threads at once. The ranks meet in the checkpoint directory instead:
+
+1. every rank writes its shard file (durable: written, ``fsync``'d, renamed);
+2. every rank other than 0 then writes a small record ``.rank-RRRRR.json`` (its file's size and
+   SHA-256s, or its error), tagged with the save's token;
+3. rank 0 waits for every record, writes the index last, then removes the records; on a failure
+   it writes ``.failed.json`` instead (and no index);
+4. every other rank waits until the index (or ``.failed.json``) of its save appears.
+
+So ``wait()`` returns on every rank only once the whole checkpoint is complete. A rank that
+stops making progress (no file in the directory grows or appears) for ``timeout`` seconds is
+reported by name.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from distconv.checkpoint._index import INDEX_NAME, CheckpointError, write_atomic
+
+__all__ = ["FAILED_NAME", "SaveHandle", "record_name", "start", "wait_previous"]
+
+FAILED_NAME = ".failed.json"
+
+#: the in-flight save of each communicator (thread ranks share a process, so not one per process)
+_PENDING: weakref.WeakKeyDictionary[Any, SaveHandle] = weakref.WeakKeyDictionary()
+_LOCK = threading.Lock()
+
+
+def record_name(rank: int) -> str:
+    return f".rank-{rank:05d}.json"
+
+
+class SaveHandle:
+    """An asynchronous :func:`~distconv.checkpoint.save` in flight on one rank.
+
+    ``wait()`` blocks until the checkpoint is complete on disk (its index written) and raises the
+    save's failure, if any; ``done()`` says whether it has finished (either way).
+    """
+
+    def __init__(self, path: Path, rank: int, nbytes: int, job: Callable[[], None]) -> None:
+        self.path, self.rank, self.nbytes = path, rank, nbytes
+        self._job = job
+        self._error: BaseException | None = None
+        self._reported = False
+        self._started = time.perf_counter()
+        self._seconds: float | None = None
+        self._thread = threading.Thread(
+            target=self._run, name=f"distconv-checkpoint-rank{rank}", daemon=False
+        )
+
+    def _run(self) -> None:
+        try:
+            self._job()
+        except BaseException as exc:  # kept for wait(): a background thread has no caller
+            self._error = exc
+        finally:
+            self._seconds = time.perf_counter() - self._started
+
+    def done(self) -> bool:
+        """Whether the save has finished, completed or failed (never blocks)."""
+        return not self._thread.is_alive()
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until the checkpoint is complete on every rank (its index written).
+
+        Args:
+            timeout: seconds to wait at most. Default ``None`` (no limit).
+
+        Raises:
+            TimeoutError: still writing after ``timeout`` seconds.
+            The save's failure (``OSError``, :class:`CheckpointError`, ...), once.
+        """
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            raise TimeoutError(
+                f"checkpoint save to {str(self.path)!r} (rank {self.rank}) still running after "
+                f"{timeout} s"
+            )
+        if self._error is not None and not self._reported:
+            self._reported = True
+            raise self._error
+
+    def __repr__(self) -> str:
+        if not self.done():
+            state = "writing"
+        elif self._error is not None:
+            state = f"failed: {type(self._error).__name__}: {self._error}"
+        else:
+            state = "complete"
+        took = "" if self._seconds is None else f", seconds={self._seconds:.3f}"
+        return (f"SaveHandle(path={str(self.path)!r}, rank={self.rank}, state={state!r}, "
+                f"bytes={self.nbytes}{took})")
+
+
+def start(comm: Any, handle: SaveHandle) -> SaveHandle:
+    with _LOCK:
+        _PENDING[comm] = handle
+    handle._thread.start()
+    return handle
+
+
+def wait_previous(comm: Any) -> None:
+    """Wait for ``comm``'s save still in flight, and raise its failure if nobody saw it yet."""
+    with _LOCK:
+        handle = _PENDING.pop(comm, None)
+    if handle is None:
+        return
+    handle._thread.join()
+    if handle._error is not None and not handle._reported:
+        handle._reported = True
+        raise CheckpointError(
+            f"the previous asynchronous save to {str(handle.path)!r} failed: "
+            f"{type(handle._error).__name__}: {handle._error}"
+        ) from handle._error
+
+
+def await_records(path: Path, size: int, token: str, timeout: float) -> list[dict[str, Any]]:
+    """Rank 0: the record of every rank from 1 to ``size - 1`` (raises naming a failed rank)."""
+    records: dict[int, dict[str, Any]] = {}
+
+    def check() -> bool:
+        for r in range(1, size):
+            if r not in records:
+                got = _read(path / record_name(r), token)
+                if got is not None:
+                    if "error" in got:
+                        raise CheckpointError(f"checkpoint.save could not write the shards: "
+                                              f"rank {r}: {got['error']}")
+                    records[r] = got
+        return len(records) == size - 1
+
+    _await(path, check, timeout, lambda: f"ranks {sorted(set(range(1, size)) - set(records))} "
+                                         "did not report their shards")
+    return [records[r] for r in range(1, size)]
+
+
+def await_index(path: Path, token: str, timeout: float) -> None:
+    """Ranks other than 0: until rank 0 has written the index of save ``token``."""
+
+    def check() -> bool:
+        failed = _read(path / FAILED_NAME, token)
+        if failed is not None:
+            raise CheckpointError(f"checkpoint.save could not complete {str(path)!r}: rank 0 "
+                                  f"reports {failed['error']}")
+        return (path / INDEX_NAME).is_file() and _read(path / INDEX_NAME, token) is not None
+
+    _await(path, check, timeout, lambda: "rank 0 did not write the index")
+
+
+def report(path: Path, name: str, record: dict[str, Any]) -> None:
+    write_atomic(path / name, json.dumps(record).encode())
+
+
+def _read(file: Path, token: str) -> dict[str, Any] | None:
+    """The JSON object in ``file`` if it exists and belongs to save ``token``."""
+    try:
+        got = json.loads(file.read_bytes())
+    except (OSError, ValueError):
+        return None
+    return got if isinstance(got, dict) and got.get("token") == token else None
+
+
+def _await(path: Path, check: Callable[[], bool], timeout: float,
+           what: Callable[[], str]) -> None:
+    """Poll ``check()`` until true; give up after ``timeout`` s in which no file changed."""
+    pause, seen, deadline = 0.0005, None, time.monotonic() + timeout
+    while not check():
+        now = time.monotonic()
+        progress = _progress(path)
+        if progress != seen:
+            seen, deadline = progress, now + timeout
+        elif now > deadline:
+            raise CheckpointError(
+                f"checkpoint.save of {str(path)!r}: {what()} within {timeout} s without progress"
+            )
+        time.sleep(pause)
+        pause = min(2 * pause, 0.02)
+
+
+def _progress(path: Path) -> tuple[tuple[str, int], ...]:
+    try:
+        return tuple(sorted((f.name, f.stat().st_size) for f in path.iterdir()))
+    except OSError:
+        return ()
