@@ -1,8 +1,8 @@
 """A whole-network planner: per convolution, the grid and algorithm that minimise the step time.
 
 The model is traced (:func:`trace_network`) into a chain of **units** -- a single convolution, or
-a residual block (a main branch of convolutions and a skip that is the identity or its own
-convolutions, joined by an add). Every convolution chooses a :class:`Choice` (grid layout and
+a block (a main branch of convolutions and a skip that is the identity or its own convolutions,
+joined by a residual add or by a channel concatenation). Every convolution chooses a :class:`Choice` (grid layout and
 algorithm; its x and y distributions follow, as in :class:`~distconv.nn.DistConv2d`):
 
 * ``sample``: grid ``{N: P}``;  ``spatial``: ``{N, H}`` or ``{N, H, W}``;
@@ -11,8 +11,9 @@ algorithm; its x and y distributions follow, as in :class:`~distconv.nn.DistConv
 with the model-parallel dims **last**, so channel groups sit inside a socket or node. Dynamic
 programming runs over the chain with the distribution of the activation between units as the
 state; inside a block, for every entry state, a chain DP over the main branch and the cheapest
-skip (its redistribution, or its convolutions) give the block's cost to every exit state. At an
-add the skip is redistributed to the main branch's distribution.
+skip (its redistribution, or its convolutions) give the block's cost to every exit state. The
+operands meet as the executor joins them: at an add where the other reaches with fewer bytes, at a
+cat in the first operand's layout with the channels whole.
 
 Costs (seconds, slowest rank): each layer's :func:`~distconv.perfmodel.conv_cost` on the machine,
 split into forward, backward on the critical path, and the gradient allreduce; the bytes of every
@@ -71,12 +72,17 @@ class ConvNode:
 
 @dataclass(frozen=True)
 class Block:
-    """A residual block: ``add(main(x), skip(x))``; ``skip`` is empty for the identity.
-    ``main_first``: the main branch is the add's first operand (which wins a tie)."""
+    """Two branches from one value, joined: ``add(main(x), skip(x))`` (a residual block) or
+    ``cat([main(x), skip(x)], 1)`` (``join="cat"``, e.g. a dense or U-Net-style skip); ``skip``
+    is empty for the identity. ``main_first``: the main branch is the join's first operand (which
+    wins a tie at an add, and whose placement a cat keeps). ``shapes``: the global shapes of the
+    (main, skip) operands of a cat."""
 
     main: tuple[ConvNode, ...]
     skip: tuple[ConvNode, ...]
     main_first: bool = True
+    join: str = "add"
+    shapes: tuple[tuple[int, ...], ...] = ()
 
     @property
     def convs(self) -> tuple[ConvNode, ...]:
@@ -137,7 +143,8 @@ def trace_network(model: torch.nn.Module, input_shape: Sequence[int]) -> Network
     producer: dict[Any, Any] = {}  # fx node -> "input" | conv fx node | add fx node
     convs: dict[Any, ConvNode] = {}
     source: dict[Any, Any] = {}    # conv fx node -> producer of its input
-    adds: dict[Any, tuple[Any, Any]] = {}
+    adds: dict[Any, tuple[Any, Any]] = {}  # joins: adds and channel concatenations
+    cats: dict[Any, tuple[tuple[int, ...], ...]] = {}  # concatenation -> its operands' shapes
     linears: list[tuple[str, int]] = []
     order: list[Any] = []
     for node in gm.graph.nodes:
@@ -155,6 +162,11 @@ def trace_network(model: torch.nn.Module, input_shape: Sequence[int]) -> Network
             adds[node] = (producer[args[0]], producer[args[1]])
             producer[node] = node
             order.append(node)
+        elif node.target is torch.cat and len(args) == 2 and _cat_dim(node) == 1:
+            adds[node] = (producer[args[0]], producer[args[1]])
+            cats[node] = tuple(tuple(a.meta["tensor_meta"].shape) for a in args)
+            producer[node] = node
+            order.append(node)
         elif node.op == "output" or not args:
             continue
         else:
@@ -163,16 +175,23 @@ def trace_network(model: torch.nn.Module, input_shape: Sequence[int]) -> Network
             elif len({producer[a] for a in args}) > 1:
                 raise NotImplementedError(
                     f"trace_network: {node.format_node()} joins several values; the planner "
-                    "handles chains of convolutions and residual adds only"
+                    "handles chains of convolutions joined by residual adds or by a channel "
+                    "concatenation of two branches only"
                 )
             producer[node] = producer[args[0]]
     # the activation leaving the last unit, which the sample-parallel head reads
     out_shape = tuple(order[-1].meta["tensor_meta"].shape) if order else tuple(input_shape)
-    return Network(tuple(input_shape), _units(order, convs, source, adds), tuple(linears),
-                   out_shape, model)
+    return Network(tuple(input_shape), _units(order, convs, source, adds, cats),
+                   tuple(linears), out_shape, model)
 
 
-def _units(order, convs, source, adds) -> tuple[Unit, ...]:  # noqa: ANN001
+def _cat_dim(node: Any) -> int:
+    dim = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else 0)
+    ndim = len(node.meta["tensor_meta"].shape)
+    return dim % ndim if isinstance(dim, int) else -1
+
+
+def _units(order, convs, source, adds, cats) -> tuple[Unit, ...]:  # noqa: ANN001
     def chain(p):  # noqa: ANN001, ANN202
         out = [p]
         while p in convs:
@@ -202,8 +221,10 @@ def _units(order, convs, source, adds) -> tuple[Unit, ...]:  # noqa: ANN001
                     f"trace_network: residual block ending at {node} starts at {entry}, not at "
                     f"the previous unit's output {frontier}; nested branches are not supported"
                 )
+            shapes = cats.get(node, ())
             units.append(Block(tuple(convs[c] for c in main), tuple(convs[c] for c in skip),
-                               main_first))
+                               main_first, "cat" if node in cats else "add",
+                               shapes if main_first else shapes[::-1]))
             frontier = node
         elif node not in in_block:
             if source[node] != frontier:
@@ -273,6 +294,19 @@ class Choice:
     def __str__(self) -> str:
         grid = "×".join(f"{n}{e}" for n, e in self.grid)
         return f"{self.algorithm} {grid}"
+
+
+@dataclass(frozen=True)
+class Value:
+    """Where an activation that no convolution produced lives between units (a concatenation's
+    output): a state of the search like a :class:`Choice`'s output."""
+
+    grid: tuple[tuple[str, int], ...]
+    output_dist: Dist
+
+    @property
+    def input_dist(self) -> Dist:
+        return self.output_dist
 
 
 def sample_choice(world_size: int) -> Choice:
@@ -658,7 +692,18 @@ class _Model:
         return self._meets[key]
 
     def join(self, main: Choice, skip: Choice, block: Block) -> tuple[float, int, Choice]:
-        """Forward seconds, bytes and the resulting distribution of the residual add."""
+        """Forward seconds, bytes and the resulting distribution of the join. A cat keeps its
+        first operand's placement with the channels whole and moves both operands there (the
+        executor's rule); an add meets as :meth:`meet` says."""
+        if block.join == "cat":
+            (first, s1), (second, s2) = ((main, block.shapes[0]), (skip, block.shapes[1]))[
+                ::1 if block.main_first else -1]
+            entries = list(first.output_dist.entries)
+            entries[1] = None
+            out = Value(first.grid, Dist(tuple(entries), frozenset(), ACT))
+            t1, b1 = self.move(first, out, s1, to_output=True)
+            t2, b2 = self.move(second, out, s2, to_output=True)
+            return t1 + t2, b1 + b2, out
         shape = block.main[-1].out_shape
         if self.meet(main, skip, block.main_first):
             return (*self.move(skip, main, shape, to_output=True), main)

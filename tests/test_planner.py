@@ -172,17 +172,44 @@ def test_bad_arguments_raise() -> None:
 
 
 class _Concat(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, dim: int = 1, ways: int = 2) -> None:
         super().__init__()
-        self.a, self.b = nn.Conv2d(2, 2, 1), nn.Conv2d(2, 2, 1)
+        self.dim, self.ways = dim, ways
+        self.a, self.b = nn.Conv2d(2, 2, 1), nn.Conv2d(2, 3 if dim == 1 else 2, 1)
+        self.c = nn.Conv2d(5 if dim == 1 else 2, 4, 3, padding=1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.cat([self.a(x), self.b(x)], 1)
+        parts = [self.a(x), self.b(x), x][:self.ways]
+        return self.c(torch.cat(parts, self.dim)) if self.ways == 2 else torch.cat(parts, 1)
 
 
-def test_branches_other_than_residual_adds_are_not_implemented() -> None:
+def test_a_channel_concatenation_of_two_branches_is_planned_as_the_executor_joins_it() -> None:
+    """cat([a(x), b(x)], 1): a block joined by a cat, whose output keeps the first operand's
+    placement with the channels whole; the plan runs and is priced as explain prices it."""
+    from distconv.parallel.explain import explain
+
+    net = trace_network(_Concat(), (4, 2, 6, 6))
+    block = net.units[0]
+    assert isinstance(block, Block) and block.join == "cat"
+    assert [c.name for c in block.main + block.skip] == ["a", "b"] and block.main_first
+    assert block.shapes == ((4, 2, 6, 6), (4, 3, 6, 6))
+    m = _flat(1e-5, 1e9, 1e9)
+    plan = plan_network(_Concat(), (4, 2, 6, 6), world_size=4, machine=m, max_model=4)
+    assert plan.step_time == explain(_Concat(), plan.config(), (4, 2, 6, 6), world_size=4,
+                                     machine=m).seconds()
+    # after the join, c reads the cat's output: where the executor puts it (first operand's
+    # layout, channels whole), so its input moves exactly as the executor moves it
+    pick = {lp.conv.name: lp.choice for lp in plan.layers}
+    first = pick["a"]
+    assert plan.layers[-1].conv.name == "c"
+    if pick["c"].grid == first.grid and pick["c"].input_dist.entries[1] is None:
+        assert plan.layers[-1].transition_bytes == 0
+
+
+@pytest.mark.parametrize("dim,ways", [(2, 2), (1, 3)])
+def test_other_joins_are_not_implemented(dim: int, ways: int) -> None:
     with pytest.raises(NotImplementedError, match="joins several values"):
-        trace_network(_Concat(), (2, 2, 4, 4))
+        trace_network(_Concat(dim, ways), (2, 2, 4, 4))
 
 
 def test_residual_operands_meet_where_the_executor_joins_them() -> None:
