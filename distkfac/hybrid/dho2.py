@@ -41,6 +41,11 @@ class DHO2(_HybridOrder):
     Communicator) or ``grid`` (a ``ProcessorGrid``: all its ranks), exactly one.  The base optimizer must be elementwise (one of ``ELEMENTWISE``).
 
     Memory: ``last_ese.basis_bytes`` is this rank's slice of D, ``8 * steps * b_r`` bytes.
+
+    Checkpoints (``distconv.save(..., states={"opt": opt})``): the slices are written as blocks
+    ``[o_P]`` of the global vectors and reshard onto any number of ranks (see
+    :meth:`~distkfac.hybrid.fosi.FOSI.state_dict`); on the same number the run continues
+    bitwise, on another from the same global state, its sums in another order.
     """
 
     def __init__(self, params: Iterable[torch.nn.Parameter], base: BaseFactory, *,

@@ -26,10 +26,12 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 from torch import Tensor
 
+from distconv.nn.sharding import ShardSpec
 from distkfac.hybrid.lanczos import ESEResult, ese, make_hvp
 from distkfac.hybrid.space import SlicedSpace, assign, flatten
 
@@ -38,6 +40,10 @@ __all__ = ["FOSI", "BaseFactory", "base_delta", "build_base", "newton_momentum",
            "world_of"]
 
 BaseFactory = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
+# the per-entry state of the elementwise base optimizers (torch's names): sliced like the
+# parameters in a checkpoint; any other state (e.g. Adam's ``step``) is replicated
+ELEMENTWISE_STATE = ("momentum_buffer", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "exp_inf",
+                     "square_avg", "grad_avg", "sum")
 ADAM_LIKE = (torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.NAdam,
              torch.optim.RAdam)
 
@@ -278,11 +284,79 @@ class _HybridOrder(torch.optim.Optimizer):
                                       "pass every parameter to the constructor")
         super().add_param_group(param_group)
 
-    def state_dict(self):
-        raise NotImplementedError(f"{type(self).__name__} does not save its state yet")
+    # ------------------------------------------------------------------ state
+    def shard_specs(self) -> dict[str, ShardSpec]:
+        """Where the tensors of :meth:`state_dict` lie, for checkpoints that reshard
+        (``distconv.save(model, path, states={"opt": opt})``): the velocity and the base
+        optimizer's elementwise state are ``x[o_P]`` of global shape ``(n,)``, the eigenvectors
+        ``E[*, o_P]`` of shape ``(k + l, n)`` (balanced blocks over the grid ``{P: size}``, see
+        :meth:`SlicedSpace.spec`); everything else is replicated."""
+        vector = self.space.spec()
+        specs = {"velocity": vector, "eigenvectors": self.space.spec(self.k + self.l)}
+        specs.update({f"base/state/0/{name}": vector for name in ELEMENTWISE_STATE})
+        return specs
 
-    def load_state_dict(self, state_dict) -> None:
-        raise NotImplementedError(f"{type(self).__name__} does not load a state yet")
+    def state_dict(self) -> dict[str, Any]:
+        """Everything a resumed run needs to continue bitwise as an uninterrupted one: the step
+        count, the velocity, the eigenpairs with their rates ``eta`` and scaling ``s``, and the
+        base optimizer's state (its ``state_dict()``, learning rates included).  The
+        eigenpairs are padded to ``k + l`` rows (``q`` of them valid), so the shapes do not
+        depend on what the last ESE found.  Tensors are this rank's blocks (see
+        :meth:`shard_specs`): saved through ``distconv.save`` they reshard onto any number of
+        ranks, where the global state is the same bit for bit (see :meth:`load_state_dict`)."""
+        q, kl = len(self.eigenvectors), self.k + self.l
+        vectors = self.eigenvectors.new_zeros(kl, self.space.local)
+        vectors[:q] = self.eigenvectors
+        values = torch.zeros(kl, dtype=torch.float64)
+        values[:q] = self.eigenvalues
+        eta = self.eta.new_zeros(kl)
+        eta[:q] = self.eta
+        return {"n": self.space.n, "steps": self.steps, "q": q, "scaling": self.scaling,
+                "velocity": self.velocity.clone(), "eigenvalues": values, "eta": eta,
+                "eigenvectors": vectors, "base": self.base.state_dict()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore a :meth:`state_dict`, saved on any number of ranks: each tensor must be this
+        rank's block (``distconv.load`` reads it so) or the whole global tensor (a state saved
+        on one process, loaded here by hand), which is sliced.  On the same number of ranks the
+        run continues bitwise as an uninterrupted one; on another, the global state is the
+        saved one bit for bit and the steps differ from the saved run's only in the order of
+        the floating-point sums of the reductions (as DHO2 differs from FOSI).
+
+        Raises:
+            ValueError: a state of another number of parameters or of another ``k + l``.
+        """
+        state = state_dict
+        n, kl = self.space.n, self.k + self.l
+        if state["n"] != n:
+            raise ValueError(f"the state is of {state['n']} parameters, this "
+                             f"{type(self).__name__} has {n}")
+        if len(state["eigenvalues"]) != kl:
+            raise ValueError(f"the state holds k + l = {len(state['eigenvalues'])} eigenpairs, "
+                             f"this {type(self).__name__} has k + l = {kl} (k={self.k}, "
+                             f"l={self.l})")
+        q = int(state["q"])
+        self.steps = int(state["steps"])
+        self.scaling = float(state["scaling"])
+        self.velocity = self._local(state["velocity"]).to(self.flat.dtype).clone()
+        self.eigenvalues = state["eigenvalues"][:q].clone()
+        self.eigenvectors = self._local(state["eigenvectors"])[:q].to(self.flat.dtype).clone()
+        self.eta = state["eta"][:q].to(self.flat.dtype).clone()
+        base = state["base"]
+        self.base.load_state_dict({**base, "state": {
+            i: {k: self._local(v) if isinstance(v, Tensor) and v.dim() == 1 else v
+                for k, v in s.items()} for i, s in base["state"].items()}})
+        self.last_ese = None
+
+    def _local(self, t: Tensor) -> Tensor:
+        """This rank's block of a sliced tensor given whole (``(n,)`` or ``(rows, n)``); a block
+        is returned as it is."""
+        if t.shape[-1] == self.space.n and self.space.local != self.space.n:
+            return t[..., self.space.start: self.space.start + self.space.local]
+        if t.shape[-1] != self.space.local:
+            raise ValueError(f"a sliced tensor of shape {tuple(t.shape)} is neither this "
+                             f"rank's block ({self.space.local} of {self.space.n}) nor whole")
+        return t
 
     def _settings(self) -> str:
         return (f"k={self.k}, l={self.l}, order={self.order}, ese_every={self.ese_every}, "
@@ -302,6 +376,10 @@ class FOSI(_HybridOrder):
         opt = FOSI(model.parameters(), lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9),
                    ese_closure=lambda: loss_fn(model(x_ese), y_ese), k=5)
         opt.zero_grad(); loss_fn(model(x), y).backward(); opt.step()
+
+    Checkpoints: ``distconv.save(model, path, states={"opt": opt})`` and the same in
+    ``distconv.load`` (``states=``, not ``optimizer=``: the state is more than a
+    ``torch.optim`` state); the resumed run continues bitwise (see :meth:`state_dict`).
 
     Args:
         params: the parameters (one floating dtype); their flattened concatenation is theta.

@@ -35,8 +35,11 @@ on the workers (an accelerator's copy is the last period's ``theta_0``).
 """
 from __future__ import annotations
 
+import json
+import math
 import time
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -87,6 +90,10 @@ class MRDHO2:
         k, l, order, alpha, seed: as in :class:`~distkfac.hybrid.fosi.FOSI`
             (defaults 5, 0, ``4 (k + l)``, 0.1, 0).
         lr_clip: upper clip of the scaling ``s`` of the complement (default 1.0: no scaling).
+
+    Checkpoints: ``distconv.save(..., states={"opt": opt})`` at any step (mid-period too);
+    :meth:`state_dict` is collective and its state whole, so it loads onto any world size and
+    fraction and, on the same ones, continues bitwise.
     """
 
     def __init__(self, params: Iterable[torch.nn.Parameter], base: BaseFactory, *,
@@ -234,6 +241,110 @@ class MRDHO2:
         e = torch.cat([p.view(q, -1) for p in parts[:nacc]], 1)
         return meta[2: 2 + q], l_, e
 
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        """Everything a resumed run needs, whole and the same on every rank.  **Collective**:
+        every rank calls it (``distconv.save`` does).
+
+        The two roles hold different things, in blocks over their own groups, so the state is
+        assembled whole: the workers allgather their blocks and the first worker broadcasts
+        the parameters ``theta`` (the trained ones live on the workers), the period's
+        ``theta_0`` and gradient sum ``G``, the base optimizer's state (elementwise entries of
+        length n) and the scaling ``s``; mid-period the accelerators allgather the eigenvector
+        blocks of the period's ESE and the first accelerator broadcasts them with their
+        eigenvalues.  Every tensor is replicated (n numbers each, as the parameters are), so it
+        loads onto any world size and accelerator fraction.  Eigenpairs are padded to
+        ``k + l`` rows, ``q`` of them valid."""
+        kl = self.k + self.l
+        worker_state: dict[str, Tensor] = {}
+        plain: dict[str, Any] = {}
+        if self.role == "worker":
+            worker_state = {"theta": flatten(self.params),
+                            "theta0": self.space.gather(self.theta0),
+                            "grad_sum": self.space.gather(self.grad_sum)}
+            for key, value in self.base.state_dict()["state"].get(0, {}).items():
+                if isinstance(value, Tensor):
+                    local = value.dim() == 1 and len(value) == self.space.local
+                    worker_state[f"base/{key}"] = self.space.gather(value) if local else value
+                else:
+                    plain[key] = value
+            plain = {"base": plain, "scaling": self.scaling}
+        tensors, plain = _share(self.comm, self.workers[0], worker_state, plain,
+                                "mr-dho2 state of the workers")
+        ese, info = None, None
+        if self.steps % self.period:  # mid-period: the accelerators' ESE is still to be used
+            found: dict[str, Tensor] = {}
+            if self.role == "accelerator":
+                res = self._ese
+                vecs = res.eigenvectors
+                if self.acc_space.distributed:
+                    vecs = torch.cat(self.acc_space.comm.allgather(
+                        vecs.contiguous(), shapes=[(len(vecs), b) for _, b in
+                                                   self.acc_space.blocks],
+                        meta="mr-dho2 state: eigenvectors"), 1)
+                found = {"eigenvalues": res.eigenvalues, "eigenvectors": vecs}
+                info = {"k": res.k, "l": res.l, "steps": res.steps}
+            got, info = _share(self.comm, self.accelerators[0], found, info,
+                               "mr-dho2 state of the accelerators")
+            q = len(got["eigenvalues"])
+            ese = {**info, "q": q, "eigenvalues": _pad(got["eigenvalues"], kl),
+                   "eigenvectors": _pad(got["eigenvectors"], kl)}
+        base_state = {key[len("base/"):]: t for key, t in tensors.items()
+                      if key.startswith("base/")}
+        base_state.update(plain["base"])
+        return {"n": self.n, "steps": self.steps, "period": self.period,
+                "q": len(self.eigenvalues), "eigenvalues": _pad(self.eigenvalues, kl),
+                "scaling": plain["scaling"], "theta": tensors["theta"],
+                "theta0": tensors["theta0"], "grad_sum": tensors["grad_sum"],
+                "base": {"state": {0: base_state} if base_state else {},
+                         "param_groups": self.base.state_dict()["param_groups"]},
+                "ese": ese}
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore a :meth:`state_dict` saved on any world size and accelerator fraction (not
+        collective): workers take their blocks of ``theta_0``, ``G`` and the base state and set
+        the parameters to the saved ``theta``; accelerators set them to ``theta_0`` (what they
+        hold during a period) and take their blocks of a pending ESE.  With the same world
+        size and fraction the run continues bitwise as an uninterrupted one; otherwise it
+        continues from the same global state, its reductions summed in another order.
+
+        Raises:
+            ValueError: a state of another number of parameters, period or ``k + l``.
+        """
+        state = state_dict
+        kl = self.k + self.l
+        for what, saved, mine in (("parameters", state["n"], self.n),
+                                  ("period", state["period"], self.period),
+                                  ("k + l", len(state["eigenvalues"]), kl)):
+            if saved != mine:
+                raise ValueError(f"the state has {what} {saved}, this MRDHO2 has {mine}")
+        self.steps = int(state["steps"])
+        self.scaling = float(state["scaling"])
+        self.eigenvalues = state["eigenvalues"][: int(state["q"])].clone()
+        dtype = self.flat.dtype
+        theta, theta0 = state["theta"].to(dtype), state["theta0"].to(dtype)
+        self._ese, self.last_ese = None, None
+        if self.role == "worker":
+            assign(self.params, theta)
+            self.flat.copy_(self.space.slice(theta))
+            self.theta0 = self.space.slice(theta0).clone()
+            self.grad_sum = self.space.slice(state["grad_sum"].to(dtype)).clone()
+            base = state["base"]
+            n, mine = self.n, lambda v: self.space.slice(v).clone()
+            self.base.load_state_dict({**base, "state": {
+                i: {k: mine(v) if isinstance(v, Tensor) and v.dim() == 1 and len(v) == n else v
+                    for k, v in st.items()} for i, st in base["state"].items()}})
+            return
+        assign(self.params, theta0)
+        ese = state["ese"]
+        if ese is not None:
+            q, sp = int(ese["q"]), self.acc_space
+            vecs = ese["eigenvectors"][:q, sp.start: sp.start + sp.local].clone()
+            self._ese = ESEResult(ese["eigenvalues"][:q].clone(), vecs, int(ese["k"]),
+                                  int(ese["l"]), int(ese["steps"]),
+                                  vecs.numel() * vecs.element_size(), 0.0)
+
     def __repr__(self) -> str:
         return (f"MRDHO2(n={self.n}, accelerator_fraction={self.accelerator_fraction}, "
                 f"accelerators={len(self.accelerators)}, "
@@ -241,6 +352,43 @@ class MRDHO2:
                 f"k={self.k}, l={self.l}, order={self.order}, alpha={self.alpha}, "
                 f"lr_clip={self.lr_clip}, seed={self.seed}, "
                 f"base={type(self.base).__name__}({self.base.defaults.get('lr')!r}))")
+
+
+def _pad(t: Tensor, rows: int) -> Tensor:
+    """``t`` with its first dim zero-padded to ``rows``."""
+    out = t.new_zeros(rows, *t.shape[1:])
+    out[: len(t)] = t
+    return out
+
+
+def _share(comm, root: int, tensors: dict[str, Tensor], plain: Any,
+           meta: str) -> tuple[dict[str, Tensor], Any]:
+    """Rank ``root``'s named ``tensors`` and ``plain`` values (JSON) on every rank, bit for bit:
+    one broadcast of two sizes, one of a JSON header (the values, each tensor's name, dtype and
+    shape) followed by the tensors' bytes.  Other ranks pass anything for both."""
+    device = getattr(comm, "device", None)
+    sizes = torch.zeros(2, dtype=torch.int64, device=device)
+    if comm.rank == root:
+        items = [(k, t.detach().cpu().contiguous()) for k, t in tensors.items()]
+        header = json.dumps({"plain": plain, "tensors": [
+            [k, str(t.dtype).removeprefix("torch."), list(t.shape)] for k, t in items]}).encode()
+        data = header + b"".join(t.reshape(-1).view(torch.uint8).numpy().tobytes()
+                                 for _, t in items)
+        sizes[0], sizes[1] = len(header), len(data)
+    sizes = comm.broadcast(sizes, root=root, meta=f"{meta}: sizes")
+    head, total = int(sizes[0]), int(sizes[1])
+    buf = (torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device) if comm.rank == root
+           else torch.empty(total, dtype=torch.uint8, device=device))
+    raw = comm.broadcast(buf, root=root, meta=meta).cpu().numpy().tobytes()
+    header = json.loads(raw[:head])
+    out, offset = {}, head
+    for name, dtype_name, shape in header["tensors"]:
+        dtype = getattr(torch, dtype_name)
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        out[name] = (torch.frombuffer(bytearray(raw[offset: offset + nbytes]), dtype=dtype)
+                     .reshape(shape).clone() if nbytes else torch.empty(shape, dtype=dtype))
+        offset += nbytes
+    return out, header["plain"]
 
 
 def _blocks(n: int, parts: int) -> list[tuple[int, int]]:

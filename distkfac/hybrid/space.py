@@ -10,6 +10,10 @@ is DHO2, with the same arithmetic on every entry:
 * ``gather(x_slice)`` is ``* <- o`` (an allgather);
 * ``reduce_mean(full, weight)`` is ``o <- Σ`` weighted by local sample counts (one reduce-scatter
   whose chunks carry the weight as a trailing entry, so uneven batches stay exact).
+
+For checkpoints, ``spec(rows)`` states a sliced vector (or a stack of ``rows`` of them) as a
+:class:`~distconv.nn.sharding.ShardSpec` on the one-dim grid ``{P: size}``: ``x[o_P]``, ``E[*, o_P]``,
+the balanced blocks above, so a saved state reshards onto any number of ranks.
 """
 from __future__ import annotations
 
@@ -18,7 +22,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from distconv.distribution import balanced_block
+from distconv.distribution import Dist, balanced_block
+from distconv.nn.sharding import ShardSpec
 
 __all__ = ["SlicedSpace", "flatten", "assign"]
 
@@ -49,10 +54,24 @@ class SlicedSpace:
         self.rank = 0 if comm is None else comm.rank
         self.blocks = [balanced_block(n, self.size, r) for r in range(self.size)]
         self.start, self.local = self.blocks[self.rank]
+        self._grid = None
 
     @property
     def distributed(self) -> bool:
         return self.size > 1
+
+    def spec(self, rows: int | None = None) -> ShardSpec:
+        """Where a sliced vector lies, ``x[o_P]`` of global shape ``(n,)``, or (``rows`` given) a
+        stack of them, ``E[*, o_P]`` of shape ``(rows, n)``, over the grid ``{P: size}`` of this
+        space's ranks; replicated (no grid) on one rank."""
+        shape = (self.n,) if rows is None else (rows, self.n)
+        if not self.distributed:
+            return ShardSpec(None, Dist.replicated(len(shape)), shape)
+        if self._grid is None:
+            from distconv.grid import ProcessorGrid
+
+            self._grid = ProcessorGrid({"P": self.size}, comm=self.comm)
+        return ShardSpec(self._grid, Dist(("P",) if rows is None else (None, "P")), shape)
 
     def slice(self, full: Tensor) -> Tensor:
         """This rank's block of a full vector (a view)."""
