@@ -26,14 +26,22 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from distconv.checkpoint._index import INDEX_NAME, CheckpointError, write_atomic
 
-__all__ = ["FAILED_NAME", "SaveHandle", "record_name", "start", "wait_previous"]
+__all__ = [
+    "FAILED_NAME", "SaveHandle", "await_index", "await_records", "record_name", "report",
+    "reusable", "start", "wait_previous",
+]
 
 FAILED_NAME = ".failed.json"
 
 #: the in-flight save of each communicator (thread ranks share a process, so not one per process)
 _PENDING: weakref.WeakKeyDictionary[Any, SaveHandle] = weakref.WeakKeyDictionary()
+#: the host copy of each model's last finished asynchronous save, for its next one (fresh pages
+#: cost several times the copy itself); it lives as long as the model
+_REUSE: weakref.WeakKeyDictionary[Any, dict[Any, torch.Tensor]] = weakref.WeakKeyDictionary()
 _LOCK = threading.Lock()
 
 
@@ -48,9 +56,12 @@ class SaveHandle:
     save's failure, if any; ``done()`` says whether it has finished (either way).
     """
 
-    def __init__(self, path: Path, rank: int, nbytes: int, job: Callable[[], None]) -> None:
-        self.path, self.rank, self.nbytes = path, rank, nbytes
-        self._job = job
+    def __init__(self, path: Path, rank: int, snapshot: list[tuple[str, torch.Tensor]],
+                 job: Callable[[], None], owner: Any) -> None:
+        self.path, self.rank = path, rank
+        self.nbytes = sum(t.nbytes for _, t in snapshot)
+        self._snapshot, self._job = snapshot, job
+        self._owner = _weak(owner)
         self._error: BaseException | None = None
         self._reported = False
         self._started = time.perf_counter()
@@ -111,18 +122,39 @@ def start(comm: Any, handle: SaveHandle) -> SaveHandle:
 
 
 def wait_previous(comm: Any) -> None:
-    """Wait for ``comm``'s save still in flight, and raise its failure if nobody saw it yet."""
+    """Wait for ``comm``'s save still in flight, and raise its failure if nobody saw it yet.
+    Its host copy is kept for :func:`reusable` (allocating fresh pages costs more than copying)."""
     with _LOCK:
         handle = _PENDING.pop(comm, None)
     if handle is None:
         return
     handle._thread.join()
+    owner = handle._owner() if handle._owner is not None else None
+    if owner is not None:
+        with _LOCK:
+            _REUSE[owner] = {(key, tuple(t.shape), t.dtype): t for key, t in handle._snapshot}
     if handle._error is not None and not handle._reported:
         handle._reported = True
         raise CheckpointError(
             f"the previous asynchronous save to {str(handle.path)!r} failed: "
             f"{type(handle._error).__name__}: {handle._error}"
         ) from handle._error
+
+
+def reusable(owner: Any) -> dict[tuple[str, tuple[int, ...], torch.dtype], torch.Tensor]:
+    """The host copy of the last finished asynchronous save of ``owner`` (the saved model), by
+    key, shape and dtype, handed out once."""
+    if _weak(owner) is None:
+        return {}
+    with _LOCK:
+        return _REUSE.pop(owner, {})
+
+
+def _weak(obj: Any) -> weakref.ref[Any] | None:
+    try:
+        return weakref.ref(obj)
+    except TypeError:  # an object without weak references keeps no copy
+        return None
 
 
 def await_records(path: Path, size: int, token: str, timeout: float) -> list[dict[str, Any]]:

@@ -12,7 +12,7 @@ from typing import Any, Mapping
 import torch
 
 from distconv.checkpoint._async import (
-    FAILED_NAME, SaveHandle, await_index, await_records, record_name, report, start,
+    FAILED_NAME, SaveHandle, await_index, await_records, record_name, report, reusable, start,
     wait_previous,
 )
 from distconv.checkpoint._index import (
@@ -61,7 +61,9 @@ def save(
     the state into host memory (a snapshot: later optimizer steps do not change what is written)
     happen before ``save`` returns a :class:`SaveHandle`; the files are written by a background
     thread while training goes on, and the index still appears last. A save called while an
-    asynchronous one is in flight on the same communicator first waits for it.
+    asynchronous one is in flight on the same communicator first waits for it. The host copy is
+    kept and reused by the next asynchronous save of the same ``model`` (fresh memory costs
+    several times the copy), so it costs one rank's share of the state for the model's life.
 
     Args:
         model: an ``nn.Module`` (its ``state_dict()`` laid out by
@@ -111,7 +113,8 @@ def save(
         got["meta"] = _metadata(got["items"])
         agreed = json.dumps([got["trees"], got["meta"]], sort_keys=True).encode()
         got["pieces"] = _plan(got["items"], comm.size)
-        got["mine"] = _own(got["pieces"], got["items"], comm.rank, snapshot=async_save)
+        got["mine"] = _own(got["pieces"], got["items"], comm.rank,
+                           snapshot=reusable(model) if async_save else None)
         if comm.rank == 0:
             _clear(path)
         return {"meta": hashlib.sha256(agreed).hexdigest(), "token": secrets.token_hex(8)}
@@ -131,8 +134,7 @@ def save(
     job = _Job(path, comm.rank, comm.size, agreed[0]["token"], got)
     if async_save:
         timeout = float(getattr(comm, "timeout", 600.0))
-        handle = SaveHandle(path, comm.rank, sum(t.nbytes for _, t in job.mine),
-                            lambda: job.background(timeout))
+        handle = SaveHandle(path, comm.rank, job.mine, lambda: job.background(timeout), model)
         return start(comm, handle)
     records = _together(comm, "write the shards", job.write_own)
     _together(comm, "write the index", lambda: job.finish(records) if comm.rank == 0 else None)
@@ -265,9 +267,10 @@ def _plan(items: Items, size: int) -> list[Piece]:
     return assign(blocks, size)
 
 
-def _own(pieces: list[Piece], items: Items, rank: int, *, snapshot: bool
-         ) -> list[tuple[str, torch.Tensor]]:
-    """This rank's pieces as contiguous CPU tensors (copies when ``snapshot``)."""
+def _own(pieces: list[Piece], items: Items, rank: int, *,
+         snapshot: dict[Any, torch.Tensor] | None) -> list[tuple[str, torch.Tensor]]:
+    """This rank's pieces as contiguous CPU tensors; copies (into the reusable buffers given,
+    where they fit) when ``snapshot`` is not None."""
     out = []
     for p in pieces:
         if p.rank != rank:
@@ -275,8 +278,9 @@ def _own(pieces: list[Piece], items: Items, rank: int, *, snapshot: bool
         t = items[p.key][0].detach()
         if p.rows is not None:
             t = t[p.rows[0]:p.rows[1]]
-        if snapshot or t.device.type != "cpu" or not t.is_contiguous():
-            t = torch.empty(t.shape, dtype=t.dtype).copy_(t)
+        if snapshot is not None or t.device.type != "cpu" or not t.is_contiguous():
+            buf = (snapshot or {}).pop((p.key, tuple(t.shape), t.dtype), None)
+            t = (torch.empty(t.shape, dtype=t.dtype) if buf is None else buf).copy_(t)
         out.append((p.key, t))
     return out
 
