@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from distconv import machines
 from distconv.checkpoint import consolidate, load, load_global_state_dict, save
+from distconv.data import rng_state, set_rng_state
 from distconv.distribution import Dist, balanced_block, nested_block
 from distconv.grid import ProcessorGrid
 from distconv.nn.clip import clip_grad_norm_
@@ -24,6 +25,7 @@ from distconv.redistribute import (
 __all__ = [
     "Dist", "ParallelModel", "ProcessorGrid", "balanced_block", "clip_grad_norm_", "consolidate",
     "explain", "gather", "load", "load_global_state_dict", "machines", "nested_block",
-    "parallelize", "plan_redistribution", "redistribute", "repartition", "save", "scatter",
+    "parallelize", "plan_redistribution", "redistribute", "repartition", "rng_state", "save",
+    "scatter", "set_rng_state",
 ]
 __version__ = "0.1.0"
