@@ -623,10 +623,3 @@ def test_parameters_replaced_by_assign_are_still_reduced() -> None:
             assert (got["grads"][k] - p.grad).abs().max() < TOL, k
 
 
-def test_autocast_is_refused_at_once() -> None:
-    model, x, _ = resnet_case()
-    pmodel = parallelize(model.float(), {"default": {"grid": {"N": 1}}},
-                         comm=SingleCommunicator())
-    with pytest.raises(NotImplementedError, match="torch.autocast around a ParallelModel"):
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            pmodel(x.float())

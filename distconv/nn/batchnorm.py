@@ -466,7 +466,8 @@ class _BatchNorm(torch.autograd.Function):
         ctx.comm, ctx.count = comm, count
         ctx.save_for_backward(x, weight, mean, invstd)
         ctx.mark_non_differentiable(mean, var)
-        return y.to(x.dtype), mean.to(x.dtype), var.to(x.dtype)
+        # the statistics stay in the precision they were computed in (float32 under autocast)
+        return y.to(x.dtype), mean, var
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor, *_: Any) -> tuple[torch.Tensor | None, ...]:

@@ -16,6 +16,7 @@ from distconv.conv_geometry import (
 from distconv.comm.base import agree_on_value, get_debug
 from distconv.distribution import Dist, Entry, as_shape
 from distconv.grid import ProcessorGrid
+from distconv.nn._amp import autocast_dtype
 from distconv.halo import halo_exchange
 from distconv.nn._activation import local_shape
 from distconv.nn.clip import register_parameter_specs
@@ -591,8 +592,8 @@ class DistConv2d(nn.Module):
             self.work_hook(self, x, (pw, pw, ph, ph), y, geo.y_shape)
         if self._reduce_y:
             y = redistribute(y, self.grid, self.partial_dist, self.output_dist, geo.y_shape)
-            if self.bias is not None:
-                y = y + self.bias.view(1, -1, 1, 1)
+            if self.bias is not None:  # in y's dtype, as autocast's conv adds it
+                y = y + self.bias.to(y.dtype).view(1, -1, 1, 1)
         return y
 
     def _check_input(self, x: object) -> None:
@@ -601,7 +602,7 @@ class DistConv2d(nn.Module):
                 f"DistConv2d.forward: x must be a torch.Tensor (this rank's block of the input), "
                 f"got {type(x).__name__}"
             )
-        if x.dtype != self.weight.dtype:
+        if x.dtype != self.weight.dtype and x.dtype != autocast_dtype(x.device.type):
             raise TypeError(
                 f"DistConv2d.forward: x has dtype {x.dtype} but the layer's weight is "
                 f"{self.weight.dtype}; convert one of them (e.g. x.to({self.weight.dtype}))"

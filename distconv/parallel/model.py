@@ -252,11 +252,6 @@ class ParallelModel(nn.Module):
                 "torch.compile of a ParallelModel is not supported: its collectives and global "
                 "shapes are planned eagerly. Run the parallel model eagerly (torch.compile the "
                 "plain model for single-process runs)")
-        if _autocasting(x.device.type):
-            raise NotImplementedError(
-                "torch.autocast around a ParallelModel is not supported yet: its distributed "
-                "layers would meet low-precision inputs with float32 weights. Train it in the "
-                "parameters' dtype (or convert the whole model with .to(dtype) before parallelize)")
         if self._trainable != _trainable(self):
             self._rebuild_gradient_syncs()
         shape = self._agree_batch(x)
@@ -571,13 +566,6 @@ def _get_attr(root: nn.Module, target: str) -> Any:
 def _trainable(model: nn.Module) -> tuple[tuple[int, bool], ...]:
     """Which parameter objects the model holds and which of them train."""
     return tuple((id(p), p.requires_grad) for p in model.parameters())
-
-
-def _autocasting(device_type: str) -> bool:
-    try:
-        return bool(torch.is_autocast_enabled(device_type))
-    except TypeError:  # torch before 2.4 takes no device type
-        return bool(torch.is_autocast_enabled() or torch.is_autocast_cpu_enabled())
 
 
 def _compiling() -> bool:
