@@ -661,6 +661,7 @@ class _Model:
         self._moves: dict[tuple, tuple[float, int]] = {}
         self._meets: dict[tuple, bool] = {}
         self.entry = sample_choice(world_size)
+        self.picks: list[dict[str, Choice]] = []  # the DP's plans of the last search
 
     def move(self, src: Choice, dst: Choice, shape: tuple[int, ...], *,
              to_output: bool = False) -> tuple[float, int]:
@@ -880,17 +881,35 @@ def plan_network(
         notes.append(f"memory limit {limit / 2**30:.2f} GiB per rank is binding")
     pick, ev, lam = best
     pick, ev = _refine(m, pick, ev, limit)
-    plan = _make_plan(m, pick, ev, net.input_shape[0], notes)
-    _runner_ups(m, plan, pick, ev["step"], limit)
-    plan.notes.append(f"allreduce weight in the DP: {lam}")
+    # the search's finalists, priced by the op handlers: the refined plan, the DP's plan at each
+    # allreduce weight, and pure sample parallelism; the cheapest that fits is the plan
+    finalists = [pick, *m.picks]
+    sample = sample_choice(world_size)
+    if all(sample in m.options[c.name] for c in net.convs):
+        finalists.append({c.name: sample for c in net.convs})
+    plans: dict[tuple, tuple[Plan, dict[str, Choice]]] = {}
+    for p in finalists:
+        key = tuple(p[c.name] for c in net.convs)
+        p_ev = m.evaluate(p)
+        if key in plans or p_ev["memory"] > limit:
+            continue
+        plans[key] = (_make_plan(m, p, p_ev, net.input_shape[0], list(notes)), p)
+        if m.net.model is None:
+            break  # no model to price on: the search's plan
+    plan, pick = min(plans.values(), key=lambda item: item[0].step_time)
+    _runner_ups(m, plan, pick, plan.search_time, limit)
+    plan.notes.append(f"allreduce weight in the DP: {lam}; {len(plans)} finalist plan(s) priced "
+                      "by the op handlers, the cheapest kept")
     return plan
 
 
 def _best(m: _Model, mu: float) -> tuple[dict[str, Choice], dict[str, Any], float]:
     tried = []
+    m.picks = []
     for lam in (0.0, 0.5, 1.0):
         pick = m.solve(lam, mu)
         ev = m.evaluate(pick)
+        m.picks.append(pick)
         tried.append((ev["step"] + mu * ev["memory"], lam, pick, ev))
     _, lam, pick, ev = min(tried, key=lambda t: t[0])
     return pick, ev, lam
