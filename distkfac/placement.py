@@ -116,6 +116,14 @@ class Placement(abc.ABC):
     @abc.abstractmethod
     def assign(self, tasks: Sequence[FactorTask], size: int) -> list[int]: ...
 
+    def state_dict(self) -> dict[str, Any]:
+        """What the policy has learned, for checkpoints (a resumed run then places as the
+        uninterrupted one does, without measuring again): nothing by default."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a :meth:`state_dict`."""
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
 
@@ -152,6 +160,17 @@ class LoadBalanced(Placement):
             owners[i] = r
             load[r] += cost
         return owners
+
+    def state_dict(self) -> dict[str, Any]:
+        """The cost model's coefficients (None before it is fitted)."""
+        m = self.cost_model
+        return {"cost_model": None if m is None else [m.c0, m.c2, m.c3, m.alpha, m.beta]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Take the saved cost model, if one was fitted (else keep this one)."""
+        saved = state.get("cost_model")
+        if saved is not None:
+            self.cost_model = CostModel(*(float(v) for v in saved))
 
     def __repr__(self) -> str:
         return f"LoadBalanced(cost_model={self.cost_model})"

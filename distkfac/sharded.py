@@ -68,6 +68,12 @@ blocks are of the damped inverse).  Checkpoints: the factors are the global ``(1
 ``(1, F_o, F_o)`` tensors with the Dists above, so they reshard onto any grid or onto one
 process (see :meth:`distkfac.KFAC.shard_specs`).
 
+Checkpoints of ``'block'``: each shard's blocks are diagonal blocks of the global factors, over
+contiguous index ranges (:class:`BlockLayout`).  They are saved stacked over the shards, and load
+onto any layout whose blocks lie inside the saved ones (the same C and F on any grid, a finer
+split, or blocks of whole factors saved under ``'exact'``), each a sub-block of a saved one;
+other layouts are refused, naming both.
+
 Grouped layers: K-FAC of a grouped convolution is block-diagonal by group, and a grouped
 DistConv2d split over C or F holds whole groups (``w[o_C, *]``), so each rank's factors are
 those of its groups (``(groups / p, d, d)``), exact in either layout with nothing moving but
@@ -85,7 +91,7 @@ from distconv.distribution import balanced_block
 from distkfac.layers import LayerAdapter, conv_input_cov
 from distkfac.lowprec import reduce_scatter
 
-__all__ = ["LAYOUTS", "ShardAdapter", "BiasShardAdapter", "ExactLayer", "precondition_exact",
+__all__ = ["LAYOUTS", "BlockLayout", "ShardAdapter", "BiasShardAdapter", "ExactLayer", "precondition_exact",
            "redundant_comm", "shard_geometry"]
 
 LAYOUTS = ("exact", "block")
@@ -131,6 +137,87 @@ class ShardGeometry:
     def bias_subblocks(self) -> list[tuple[int, int]]:
         """The bias shards of block f's filters over C (b[o_{F x C}]), offsets inside it."""
         return [balanced_block(self.f_blocks[self.f][1], self.C, i) for i in range(self.C)]
+
+
+class BlockLayout:
+    """The diagonal blocks of a DistConv2d's global factors that ``'block'`` keeps on a split of
+    C channel blocks and F filter blocks.
+
+    Indices are one process's: A is ``K x K`` (``K = C_i kh kw + b``, the im2col rows channel by
+    channel, the bias row last), G is ``F_o x F_o``.  Shard ``(f, c)`` keeps
+
+    * its ``"weight"`` block: A over the rows of channel block c (and the bias row when C = 1),
+      G over filter block f;
+    * with a bias and C > 1, its ``"bias"`` block: A over the bias row, G over the filters of
+      the bias shard c inside block f (``b[o_{F x C}]``).
+
+    Every block is a contiguous range of indices, so a block of one layout lies inside another
+    layout's block when its ranges do, and it is then that block's diagonal sub-block.  C = F = 1
+    is the whole factors (those of ``'exact'`` and of layers without a channel or filter split).
+    """
+
+    def __init__(self, ci: int, fo: int, k2: int, bias: bool, C: int, F: int) -> None:
+        self.ci, self.fo, self.k2, self.bias, self.C, self.F = ci, fo, k2, bias, C, F
+        self.K = ci * k2 + int(bias)
+
+    @classmethod
+    def of(cls, geo: ShardGeometry, *, whole: bool = False) -> BlockLayout:
+        """The layout of ``geo``'s split (``whole``: of the whole factors)."""
+        C, F = (1, 1) if whole else (geo.C, geo.F)
+        return cls(geo.ci, geo.fo, geo.k2, geo.bias, C, F)
+
+    @property
+    def key(self) -> str:
+        """How checkpoints name it: ``"C2xF1"``."""
+        return f"C{self.C}xF{self.F}"
+
+    @property
+    def parts(self) -> tuple[str, ...]:
+        return ("weight", "bias") if self.bias and self.C > 1 else ("weight",)
+
+    def ranges(self, part: str, f: int, c: int) -> dict[str, tuple[int, int]]:
+        """``{"A": (lo, hi), "G": (lo, hi)}`` of shard ``(f, c)``'s ``part`` block."""
+        flo, fn = balanced_block(self.fo, self.F, f)
+        if part == "bias":
+            slo, sn = balanced_block(fn, self.C, c)
+            return {"A": (self.K - 1, self.K), "G": (flo + slo, flo + slo + sn)}
+        clo, cn = balanced_block(self.ci, self.C, c)
+        hi = self.K if self.C == 1 else (clo + cn) * self.k2
+        return {"A": (clo * self.k2, hi), "G": (flo, flo + fn)}
+
+    def shards(self) -> list[tuple[int, int]]:
+        """``(f, c)`` of every shard."""
+        return [(f, c) for f in range(self.F) for c in range(self.C)]
+
+    def side(self, part: str, key: str) -> int:
+        """The largest block of ``key`` over the shards (what checkpoints pad to)."""
+        return max(hi - lo for f, c in self.shards()
+                   for lo, hi in [self.ranges(part, f, c)[key]])
+
+    def holder(self, key: str, lo: int, hi: int, *,
+               prefer: str = "weight") -> tuple[str, int, int, int] | None:
+        """``(part, f, c, start)`` of a block of this layout whose ``key`` range holds
+        ``[lo, hi)`` (``start``: where that range begins), None if none does; blocks of the
+        part ``prefer`` first (a bias block's G lies in its weight block's G too)."""
+        for part in sorted(self.parts, key=lambda p: p != prefer):
+            for f, c in self.shards():
+                a, b = self.ranges(part, f, c)[key]
+                if a <= lo and hi <= b:
+                    return part, f, c, a
+        return None
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, BlockLayout) and vars(self) == vars(other)
+
+    def __str__(self) -> str:
+        if self.C == self.F == 1:
+            return "whole factors (factor_sharding='exact', or no channel or filter split)"
+        return (f"factor_sharding='block' over C={self.C} channel blocks x F={self.F} filter "
+                "blocks")
+
+    def __repr__(self) -> str:
+        return (f"BlockLayout(ci={self.ci}, fo={self.fo}, k2={self.k2}, bias={self.bias}, "
+                f"C={self.C}, F={self.F})")
 
 
 def shard_geometry(m: nn.Module) -> ShardGeometry:

@@ -145,16 +145,22 @@ def test_exact_state_loads_onto_one_process_and_back(tmp_path):
         assert inv is None
 
 
-def test_block_state_is_refused_by_name(tmp_path):
-    def run(comm):
-        pm = parallelize(plain_model(), config({"C": 2}, "stationary-x"),
-                         comm=comm)
-        kfac = distkfac.KFAC(pm, factor_sharding="block")
-        with pytest.raises(NotImplementedError, match=r"layers \['0', '0.bias'\] under "
-                                                      r"factor_sharding='block'"):
+def test_block_state_loads_back_on_its_layout(tmp_path):
+    """'block' factors are saved stacked over the shards and each rank of the same layout gets
+    its own blocks back (resharding and refusals: tests/kfac/test_resume.py)."""
+    def run(comm, load):
+        pm = parallelize(plain_model(), config({"C": 2}, "stationary-x"), comm=comm)
+        kfac = distkfac.KFAC(pm, factor_sharding="block", **KW)
+        if load:
+            distconv.load(pm, str(tmp_path / "block"), states={"kfac": kfac})
+        else:
+            train(pm, kfac, 2, lambda t: _block(pm, t))
             distconv.save(pm, str(tmp_path / "block"), states={"kfac": kfac}, comm=comm)
+        return [(ly.name, ly.a.value, ly.g.value) for ly in kfac.layers]
 
-    run_threads(run, 2)
+    for saved, loaded in zip(run_threads(run, 2, False), run_threads(run, 2, True)):
+        for (name, a, g), (name2, a2, g2) in zip(saved, loaded):
+            assert name == name2 and torch.equal(a, a2) and torch.equal(g, g2)
 
 
 def _grouped() -> nn.Module:

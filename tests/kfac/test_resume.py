@@ -219,3 +219,172 @@ def _assert_same_tree(got, want, where="state"):
             _assert_same_tree(a, b, f"{where}/{i}")
     else:
         assert got == want, where
+
+
+# ---------------------------------------------------------------- K-FAC
+N, CI, HW = 6, 5, 4
+KFAC_STEPS = 6
+
+
+def _conv_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(CI, 6, 3, padding=1), nn.Tanh(), nn.Flatten(),
+                         nn.Linear(6 * HW * HW, 3)).double()
+
+
+CONV_MODEL = _conv_model()
+
+
+def batch(step: int):
+    g = torch.Generator().manual_seed(50 + step)
+    return (torch.randn(N, CI, HW, HW, generator=g, dtype=torch.float64),
+            torch.randint(0, 3, (N,), generator=g))
+
+
+def kfac_run(comm, grid, algorithm, *, until, save_at=None, path=None, load=None, **kw):
+    """SGD with K-FAC on a parallelized model (layer 0 on ``grid``) up to step ``until``;
+    ``load``: start from that checkpoint; ``save_at``: write one after that many steps.
+    Returns this rank's parameters and the preconditioner."""
+    import distkfac
+    from distconv.data import sample_block
+    from distconv.parallel import parallelize
+
+    pm = parallelize(copy.deepcopy(CONV_MODEL),
+                     {"layers": [{"match": "0", "grid": grid, "algorithm": algorithm}]},
+                     comm=comm)
+    kfac = distkfac.KFAC(pm, **{**dict(factor_dtype=torch.float64, inv_update_steps=2,
+                                       damping=1e-2, factor_sharding="block"), **kw})
+    opt = torch.optim.SGD(pm.parameters(), lr=0.1)
+    if load is not None:
+        distconv.load(pm, load, states={"kfac": kfac})
+    while kfac.steps < until:
+        x, y = batch(kfac.steps)
+        mine = sample_block(N, pm.data_grid)
+        opt.zero_grad()
+        F.cross_entropy(pm(x[mine]), y[mine]).backward()
+        kfac.step()
+        opt.step()
+        if kfac.steps == save_at:
+            distconv.save(pm, path, states={"kfac": kfac}, comm=comm)
+    return [p.detach().clone() for p in pm.parameters()], kfac
+
+
+def _size(grid):
+    out = 1
+    for e in grid.values():
+        out *= e
+    return out
+
+
+@pytest.mark.parametrize("grid, algorithm, kw", [
+    ({"C": 2, "F": 2}, "stationary-w", {}),
+    ({"N": 2, "C": 2}, "stationary-x", {"stale_threshold": 0.05, "factor_decay": 0.5,
+                                        "inv_update_steps": 1}),
+])
+def test_block_kfac_resumes_bitwise(tmp_path, grid, algorithm, kw):
+    """'block' K-FAC saved after 3 steps (a decomposition in use, each shard its own blocks,
+    its bias blocks apart; with stale statistics, their intervals), resumed for 3 more on the
+    same layout: every rank's parameters equal the uninterrupted run's bit for bit."""
+    path = str(tmp_path / "ckpt")
+    size = _size(grid)
+    whole = run_threads(kfac_run, size, grid, algorithm, until=KFAC_STEPS, save_at=3,
+                        path=path, **kw)
+    resumed = run_threads(kfac_run, size, grid, algorithm, until=KFAC_STEPS, load=path, **kw)
+    for (params, kfac), (params2, kfac2) in zip(whole, resumed):
+        assert kfac2.steps == KFAC_STEPS
+        for p, q in zip(params, params2):
+            assert torch.equal(p, q)
+        for ly, ly2 in zip(kfac.layers, kfac2.layers):
+            assert torch.equal(ly.a.value, ly2.a.value) and torch.equal(ly.g.value, ly2.g.value)
+    if kw:  # the schedule was running: some factor skipped a decomposition after the resume
+        assert any(k.stale_counts["skipped"] for _, k in resumed)
+
+
+def _blocks_of(kfac):
+    """{(layer name, "A" | "G"): (value, (lo, hi))} of this rank's block layers."""
+    from distkfac.sharded import BlockLayout
+
+    out = {}
+    for ly in kfac.layers:
+        ad = ly.adapter
+        if not hasattr(ad, "geo") or ad.geo.C * ad.geo.F == 1:
+            continue
+        part = "bias" if ly.name.endswith(".bias") else "weight"
+        ranges = BlockLayout.of(ad.geo).ranges(part, ad.geo.f, ad.geo.c)
+        for key, factor in (("A", ly.a), ("G", ly.g)):
+            out[(ly.name, key)] = (factor.value[0], ranges[key], ly.a_payload)
+    return out
+
+
+@pytest.mark.parametrize("saved_on, loaded_on", [
+    (({"C": 2}, "stationary-x"), ({"C": 4}, "stationary-x")),      # a finer channel split
+    (({"C": 2}, "stationary-x"), ({"N": 2, "C": 2}, "stationary-x")),  # the same blocks
+    (({"F": 2}, "stationary-y"), ({"C": 2, "F": 2}, "stationary-w")),  # G alike, A split
+])
+def test_block_state_reshards_where_the_saved_blocks_hold_the_new_ones(tmp_path, saved_on,
+                                                                       loaded_on):
+    """Loaded on another layout whose blocks lie inside the saved ones, every rank's factors
+    are the diagonal sub-blocks of the saved blocks, bit for bit (checked against the saved
+    global stack), and the decompositions are recomputed at the next step."""
+    from distkfac.sharded import BlockLayout
+
+    path = str(tmp_path / "ckpt")
+    run_threads(kfac_run, _size(saved_on[0]), *saved_on, until=3, save_at=3, path=path)
+    state = distconv.consolidate(path, section="kfac")
+    (entry,) = state["block"]["0"].values()
+    saved = BlockLayout(**entry["layout"])
+
+    def loaded(comm):
+        _, kfac = kfac_run(comm, *loaded_on, until=3, load=path)
+        return _blocks_of(kfac)
+
+    same = saved.key == "C{C}xF{F}".format(**{"C": 1, "F": 1, **loaded_on[0]})
+    for blocks in run_threads(loaded, _size(loaded_on[0])):
+        for (name, key), (value, (lo, hi), payload) in blocks.items():
+            assert (payload is not None) == same  # kept on the same blocks, else recomputed
+            part, f, c, start = saved.holder(
+                key, lo, hi, prefer="bias" if name.endswith(".bias") else "weight")
+            want = entry[part][key][f, c][lo - start: hi - start, lo - start: hi - start]
+            assert torch.equal(value, want), (name, key)
+    # and the run goes on from there
+    run_threads(kfac_run, _size(loaded_on[0]), *loaded_on, until=4, load=path)
+
+
+def test_exact_state_loads_as_block_diagonals(tmp_path):
+    """Whole factors (saved under 'exact') load into 'block' on any split: each block is the
+    diagonal block of the saved global factor."""
+    path = str(tmp_path / "ckpt")
+    run_threads(kfac_run, 2, {"C": 2}, "stationary-x", until=3, save_at=3, path=path,
+                factor_sharding="exact")
+    whole = distconv.consolidate(path, section="kfac")["factors"]["0"]
+
+    def loaded(comm):
+        _, kfac = kfac_run(comm, {"C": 3}, "stationary-x", until=3, load=path)
+        return _blocks_of(kfac)
+
+    for blocks in run_threads(loaded, 3):
+        for (name, key), (value, (lo, hi), _) in blocks.items():
+            assert torch.equal(value, whole[key]["value"][0, lo:hi, lo:hi]), (name, key)
+
+
+@pytest.mark.parametrize("loaded_on, factor_sharding, match", [
+    (({"C": 3}, "stationary-x"), "block",
+     r"K-FAC layer '0': the state holds its factors under factor_sharding='block' over C=2 "
+     r"channel blocks x F=1 filter blocks; this preconditioner keeps factor_sharding='block' "
+     r"over C=3 channel blocks x F=1 filter blocks, and the A block \[18:36\) of shard "
+     r"\(f=0, c=1\) lies in no saved block"),
+    (({"C": 3}, "stationary-x"), "exact",
+     r"K-FAC layer '0': the state holds its factors under factor_sharding='block' over C=2 "
+     r"channel blocks x F=1 filter blocks; this preconditioner keeps whole factors"),
+    (({"N": 2}, "sample"), "block",
+     r"K-FAC layer '0': the state holds its factors under factor_sharding='block' over C=2 .* "
+     r"keeps whole factors"),
+])
+def test_block_state_onto_a_layout_it_cannot_give_is_refused_naming_both(
+        tmp_path, loaded_on, factor_sharding, match):
+    path = str(tmp_path / "ckpt")
+    run_threads(kfac_run, 2, {"C": 2}, "stationary-x", until=2, save_at=2, path=path)
+    grid, algorithm = loaded_on
+    with pytest.raises(ValueError, match=match):
+        run_threads(kfac_run, _size(grid), grid, algorithm, until=2, load=path,
+                    factor_sharding=factor_sharding)
