@@ -388,3 +388,18 @@ def test_block_state_onto_a_layout_it_cannot_give_is_refused_naming_both(
     with pytest.raises(ValueError, match=match):
         run_threads(kfac_run, _size(grid), grid, algorithm, until=2, load=path,
                     factor_sharding=factor_sharding)
+
+
+@pytest.mark.parametrize("grid, algorithm", [({"C": 2}, "stationary-x"), ({"N": 2}, "sample")])
+def test_exact_and_whole_factor_kfac_resume_bitwise(tmp_path, grid, algorithm):
+    """'exact' row blocks and whole factors (sample parallelism, the Linear head): saved after
+    3 steps, between decompositions (the uninterrupted run reuses the damped inverses it
+    formed at the decomposition's second use), resumed for 3 more: bit for bit."""
+    path = str(tmp_path / "ckpt")
+    kw = dict(factor_sharding="exact")
+    whole = run_threads(kfac_run, 2, grid, algorithm, until=KFAC_STEPS, save_at=3, path=path,
+                        **kw)
+    resumed = run_threads(kfac_run, 2, grid, algorithm, until=KFAC_STEPS, load=path, **kw)
+    for (params, _), (params2, _) in zip(whole, resumed):
+        for p, q in zip(params, params2):
+            assert torch.equal(p, q)
