@@ -15,6 +15,7 @@ from distconv.nn._activation import (
 )
 from distconv.nn.clip import register_parameter_specs
 from distconv.nn.grad_sync import GradSync
+from distconv.nn.recompute import is_recomputing
 from distconv.nn.sharding import ShardSpec, keep_requires_grad
 from distconv.redistribute import gather
 
@@ -298,7 +299,10 @@ class DistBatchNorm2d(nn.BatchNorm2d):
                 f"global input shape {shape}"
             )
         factor = 0.0
-        if self.training and self.track_running_stats:
+        # a checkpoint's recomputation in backward normalises the same batch again: the running
+        # statistics were updated by the first forward
+        running = self.training and self.track_running_stats and not is_recomputing()
+        if running:
             self.num_batches_tracked.add_(1)
             factor = (1.0 / float(self.num_batches_tracked) if self.momentum is None
                       else float(self.momentum))
@@ -309,14 +313,13 @@ class DistBatchNorm2d(nn.BatchNorm2d):
                     f"DistBatchNorm2d: expected more than 1 value per channel of a sample block "
                     f"when training with local statistics, got {x.shape[0]} sample(s) of "
                     f"{shape[2]}x{shape[3]}")
-        running = self.training and self.track_running_stats
         if self._stats_comm is None and x.numel() and self._same_dtype(x):
             # every value of this rank's channels (of its sample block) is local: torch's own
             # kernel is exact (its backward is linear in dy, so a pending-sum cotangent gives
             # pending-sum gradients)
             if self._block_comm is None:
-                return F.batch_norm(x, self.running_mean if self.track_running_stats else None,
-                                    self.running_var if self.track_running_stats else None,
+                return F.batch_norm(x, self.running_mean if running else None,
+                                    self.running_var if running else None,
                                     self.weight, self.bias, True, factor, self.eps)
             y = F.batch_norm(x, None, None, self.weight, self.bias, True, 0.0, self.eps)
             if running:

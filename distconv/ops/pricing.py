@@ -65,6 +65,9 @@ class LayerReport:
     forward_seconds: float = 0.0   # local compute, slowest rank
     backward_seconds: float = 0.0
     note: str = ""
+    #: activation checkpointing: the segment the layer is recomputed with in backward (its
+    #: activations are held only then), or None
+    segment: int | None = None
 
     @property
     def compute_seconds(self) -> float:

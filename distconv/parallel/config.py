@@ -14,6 +14,12 @@ A config is a dict (or a YAML file holding one)::
         grid: {N: 2, C: 2}
         algorithm: stationary-x
 
+Activation checkpointing is chosen per entry with ``checkpoint: true``: the modules the entry
+matches, and everything inside them, keep no activations for backward but their inputs and run
+their forward again in backward (collectives included); consecutive such nodes form one segment.
+An entry may carry only ``match`` and ``checkpoint`` (e.g. ``{match: "layer2", checkpoint:
+true}``).
+
 BatchNorm statistics are chosen per entry with ``statistics``: ``global`` (default: the
 statistics of the whole global batch, one process's semantics) or ``local`` (each sample block's
 own statistics, reduced only over the ranks that split its rows and columns: DDP's plain-BN
@@ -42,7 +48,7 @@ __all__ = ["ALGORITHMS", "GRID_DIMS", "STATISTICS", "LayerChoice", "ParallelConf
 GRID_DIMS = ("N", "C", "F", "H", "W")
 ALGORITHMS = ("sample", "spatial", "stationary-x", "stationary-y", "stationary-w", "auto")
 _KEYS = frozenset({"default", "data", "layers"})
-_ENTRY_KEYS = frozenset({"match", "grid", "algorithm", "statistics"})
+_ENTRY_KEYS = frozenset({"match", "grid", "algorithm", "statistics", "checkpoint"})
 STATISTICS = ("global", "local")
 
 Layout = tuple[tuple[str, int], ...]
@@ -56,6 +62,7 @@ class LayerChoice:
     algorithm: str
     source: str
     statistics: str | None = None  # BatchNorm statistics the entry asks for (None: not given)
+    checkpoint: bool | None = None  # activation checkpointing the entry asks for (None: not given)
 
     @property
     def grid(self) -> dict[str, int] | None:
@@ -195,18 +202,23 @@ class ParallelConfig:
         if statistics is not None and statistics not in STATISTICS:
             raise ValueError(f"{where}: statistics must be one of {STATISTICS}, got "
                              f"{statistics!r}")
+        checkpoint = entry.get("checkpoint")
+        if checkpoint is not None and not isinstance(checkpoint, bool):
+            raise ValueError(f"{where}: checkpoint must be true or false, got {checkpoint!r}")
         source = f"{where} ({pattern!r})" if needs_match else where
-        if needs_match and statistics is not None and not set(entry) - {"match", "statistics"}:
-            return pattern, LayerChoice(None, "", source, statistics)  # BatchNorm layers only
+        if needs_match and set(entry) - {"match"} and not set(entry) - {
+                "match", "statistics", "checkpoint"}:
+            # BatchNorm statistics and/or activation checkpointing only: no layout of its own
+            return pattern, LayerChoice(None, "", source, statistics, checkpoint)
         algorithm = entry.get("algorithm", "sample")
         if "grid" not in entry:
             if algorithm != "auto":
                 raise ValueError(f"{where}: grid is required (e.g. {{N: 2, C: 2}}) unless the "
                                  "algorithm is 'auto'")
-            return pattern, LayerChoice(None, "auto", source, statistics)
+            return pattern, LayerChoice(None, "auto", source, statistics, checkpoint)
         layout = _layout(entry["grid"], where, self.world_size)
         algorithm = _check_algorithm(layout, algorithm, where)
-        return pattern, LayerChoice(layout, algorithm, source, statistics)
+        return pattern, LayerChoice(layout, algorithm, source, statistics, checkpoint)
 
     def choice(self, name: str) -> LayerChoice:
         """The entry for the module named ``name``: the first matching layer entry, else the
@@ -224,10 +236,30 @@ class ParallelConfig:
                 return choice.statistics
         return self.default[1].statistics or "global"
 
-    def check_matches(self, names: Sequence[str], norms: Sequence[str] = ()) -> None:
+    def checkpointed(self, path: str) -> bool:
+        """Whether the module at ``path`` (a qualified name; "" for the model itself) runs under
+        activation checkpointing: the first entry that states ``checkpoint`` and matches the
+        module or one of its parents decides, else the default's, else False."""
+        parts = path.split(".") if path else []
+        scopes = [".".join(parts[:i]) for i in range(len(parts), 0, -1)]
+        for pattern, choice in self.layers:
+            if choice.checkpoint is not None and any(
+                    fnmatch.fnmatchcase(s, pattern) for s in scopes):
+                return choice.checkpoint
+        return bool(self.default[1].checkpoint)
+
+    def check_matches(self, names: Sequence[str], norms: Sequence[str] = (),
+                      modules: Sequence[str] = ()) -> None:
         """Raise if a layer entry's pattern matches none of ``names`` (the configurable modules;
-        a statistics-only entry: none of ``norms``, the BatchNorm modules)."""
+        a statistics-only entry: none of ``norms``, the BatchNorm modules; a checkpoint-only
+        entry: none of ``modules``, every module)."""
         for i, (pattern, choice) in enumerate(self.layers):
+            if not choice.algorithm and choice.statistics is None:
+                if not any(fnmatch.fnmatchcase(n, pattern) for n in modules):
+                    raise ValueError(f"{choice.source}: the pattern matches no module of the "
+                                     "model (a checkpoint entry applies to the modules it "
+                                     "matches and everything inside them)")
+                continue
             if not choice.algorithm:
                 if not any(fnmatch.fnmatchcase(n, pattern) for n in norms):
                     raise ValueError(f"{choice.source}: the pattern matches no BatchNorm module "

@@ -65,11 +65,20 @@ class Explanation:
                 for ph in ("forward", "backward")}
 
     def memory(self) -> dict[str, int]:
-        """Bytes per rank (the largest rank): parameters, gradients, optimizer state, activations."""
+        """Bytes per rank (the largest rank): parameters, gradients, optimizer state, and the
+        activations kept for backward -- every layer's output block, except that the layers of a
+        checkpointed segment hold theirs only while it is recomputed (the largest segment)."""
         params = sum(layer.param_elements for layer in self.layers) * self.itemsize
+        segments: dict[int, int] = {}
+        kept = 0
+        for lay in self.layers:
+            if lay.segment is None:
+                kept += lay.activation_elements
+            else:
+                segments[lay.segment] = segments.get(lay.segment, 0) + lay.activation_elements
         return {"parameters": params, "gradients": params,
                 "optimizer_state": params * self.optimizer_states,
-                "activations": sum(lay.activation_elements for lay in self.layers) * self.itemsize}
+                "activations": (kept + max(segments.values(), default=0)) * self.itemsize}
 
     def timeline(self) -> Timeline | None:
         """The step on :attr:`machine` (None without one): forward, backward, and the gradient
@@ -274,7 +283,7 @@ def _explain(model: nn.Module, cfg: ParallelConfig, shape: tuple[int, ...],
         entry.steps.append(CommStep("forward", "agree on the global batch: allgather of local "
                                     "shapes", "allgather", {r: (P - 1) * len(shape) * 8 for r in ranks}, P))
     layers.append(entry)
-    done: set[tuple[str, Placement]] = set()  # the runtime converts a value once per placement
+    done: set[tuple[str, Placement, int | None]] = set()  # converted once per placement
     for step in analysis.steps[1:]:
         node = step.node
         args = [a for a in step.needs]
@@ -284,12 +293,27 @@ def _explain(model: nn.Module, cfg: ParallelConfig, shape: tuple[int, ...],
         report = _layer(step, modules, shapes, itemsize, P, ranks, grad_in, machine)
         if report.name in decisions:
             report.note = decisions[report.name].describe()
+        recomputed = [st for st in report.steps if st.phase == "forward"
+                      and not st.what.startswith("running statistics")]
         for a, need in step.needs.items():
             src = analysis.step(a).out
-            if src != need and (a.name, need) not in done:
-                done.add((a.name, need))
+            # a value converted inside its own checkpointed segment is converted there, apart
+            # from the conversions outside it (as the parallel model runs it)
+            inside = step.segment is not None and analysis.step(a).segment == step.segment
+            key = (a.name, need, step.segment if inside else None)
+            if src != need and key not in done:
+                done.add(key)
                 _conversion(report, a.name, src, need, shapes[a.name], itemsize, P, ranks,
                             needs_grad.get(a.name, False))
+                if inside:
+                    recomputed.append(report.steps[0])
+        if step.segment is not None:  # the forward again in backward, collectives included
+            report.segment = step.segment
+            report.backward_seconds += report.forward_seconds
+            report.steps += [CommStep("backward", "recompute: " + st.what, st.op, st.bytes,
+                                      st.peers, st.layout, st.dims) for st in recomputed]
+            note = f"checkpointed (segment {step.segment}): recomputed in backward"
+            report.note = f"{report.note}; {note}" if report.note else note
         if report.steps or report.kind not in ("meta", "constant", "pointwise", "reshape"):
             layers.append(report)
     running = _coalesced_running(layers)

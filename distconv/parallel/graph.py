@@ -57,6 +57,9 @@ class Step:
     needs: dict[fx.Node, Placement] = field(default_factory=dict)
     layer: LayerSpec | None = None
     handler: Any = None  # the op handler that placed it (distconv.ops)
+    #: activation checkpointing: the index of the run of consecutive checkpointed steps this one
+    #: belongs to (recomputed together in backward); None: its activations are kept
+    segment: int | None = None
 
 
 @dataclass
@@ -252,10 +255,37 @@ def analyse(gm: fx.GraphModule, config: ParallelConfig, *, input_ndim: int | Non
     naming it; ``strict=False`` records every such node in ``Analysis.unsupported`` instead."""
     configurable = [n for n, m in gm.named_modules() if isinstance(m, (nn.Conv2d, nn.Linear))]
     norms = [n for n, m in gm.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
-    config.check_matches(configurable, norms)
+    config.check_matches(configurable, norms, [n for n, _ in gm.named_modules() if n])
     walker = _Analyser(gm, config, input_ndim, strict)
     steps = walker.run()
+    _segments(steps, config)
     return Analysis(gm, steps, config.data, walker.unsupported)
+
+
+def module_path(node: fx.Node) -> str:
+    """The qualified name of the module a node runs in: a module call's own, else the innermost
+    module whose forward called it ("" at the top level)."""
+    if node.op == "call_module":
+        return str(node.target)
+    stack = node.meta.get("nn_module_stack") or {}
+    return str(list(stack.values())[-1][0]) if stack else ""
+
+
+def _segments(steps: list[Step], config: ParallelConfig) -> None:
+    """Number the runs of consecutive call steps that the config checkpoints (constants inside a
+    run belong to it)."""
+    segment, current = -1, None
+    for step in steps:
+        op = step.node.op
+        if op.startswith("call_") and config.checkpointed(module_path(step.node)):
+            if current is None:
+                segment += 1
+                current = segment
+            step.segment = current
+        elif op == "get_attr" and current is not None:
+            step.segment = current
+        else:
+            current = None
 
 
 def describe_placement(p: Placement | None, name: str = "") -> str:

@@ -31,6 +31,7 @@ from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 import torch.fx as fx
+import torch.utils.checkpoint
 from torch import nn
 
 from distconv.comm import get_debug
@@ -41,6 +42,7 @@ from distconv.nn.grad_sync import BucketedGradSync, GradSync, GradSyncGroup
 from distconv.nn.batchnorm import DistBatchNorm2d, broadcast_running
 from distconv.nn.clip import register_parameter_specs
 from distconv.nn.sharding import ShardSpec, shard_specs
+from distconv.nn.recompute import recompute_context
 from distconv.parallel.config import ParallelConfig
 from distconv.parallel.graph import (
     Analysis, LayerSpec, Step, analyse, check_broadcasts, trace,
@@ -274,10 +276,16 @@ class ParallelModel(nn.Module):
         env: dict[fx.Node, Any] = {}
         converted: dict[tuple[fx.Node, Placement], torch.Tensor] = {}
         analysis: Analysis = self._analysis
+        done: int | None = None  # the last checkpointed segment run
         for step in analysis.steps:
             node = step.node
             if step.kind == "input":
                 env[node] = x
+                continue
+            if step.segment is not None:
+                if step.segment != done:
+                    self._run_segment(step.segment, env, converted, shapes)
+                    done = step.segment
                 continue
 
             def arg(a: fx.Node, step: Step = step) -> Any:
@@ -296,6 +304,53 @@ class ParallelModel(nn.Module):
                 return fx.node.map_aggregate(args[0], self._exit)
             env[node] = self._run(step, args, kwargs, shapes)
         raise AssertionError("the traced graph has no output")
+
+    def _run_segment(self, segment: int, env: dict[fx.Node, Any],
+                     converted: dict[tuple[fx.Node, Placement], torch.Tensor],
+                     shapes: dict[str, tuple[int, ...]]) -> None:
+        """Run one checkpointed segment under ``torch.utils.checkpoint``: its inputs are converted
+        outside it (the forward's bytes, once), its own steps -- their collectives included -- run
+        again in backward, and only its inputs are kept for backward."""
+        analysis: Analysis = self._analysis
+        steps = [s for s in analysis.steps if s.segment == segment]
+        inside = {s.node for s in steps}
+        outer: list[tuple[fx.Node, Placement | None]] = []
+        for s in steps:
+            for a in s.node.all_input_nodes:
+                key = (a, s.needs.get(a))
+                if a in inside or key in outer:
+                    continue
+                if key[1] is not None and key not in converted:
+                    converted[key] = convert(env[a], analysis.step(a).out, key[1],
+                                             shapes[a.name], self._grids)
+                outer.append(key)
+        leaving = [s.node for s in steps if any(u not in inside for u in s.node.users)]
+
+        def forward(*values: Any) -> tuple[Any, ...]:
+            given = dict(zip(outer, values))
+            local: dict[fx.Node, Any] = {}
+            moved: dict[tuple[fx.Node, Placement], torch.Tensor] = {}
+            for s in steps:
+                def arg(a: fx.Node, s: Step = s) -> Any:
+                    need = s.needs.get(a)
+                    if a not in inside:
+                        return given[(a, need)]
+                    if need is None:
+                        return local[a]
+                    if (a, need) not in moved:
+                        moved[(a, need)] = convert(local[a], analysis.step(a).out, need,
+                                                   shapes[a.name], self._grids)
+                    return moved[(a, need)]
+
+                args = fx.node.map_arg(s.node.args, arg)
+                kwargs = fx.node.map_arg(s.node.kwargs, arg)
+                local[s.node] = self._run(s, args, kwargs, shapes)
+            return tuple(local[n] for n in leaving)
+
+        values = [converted[k] if k[1] is not None else env[k[0]] for k in outer]
+        out = torch.utils.checkpoint.checkpoint(forward, *values, use_reentrant=False,
+                                                context_fn=recompute_context)
+        env.update(zip(leaving, out))
 
     def _run(self, step: Step, args: Any, kwargs: Any, shapes: dict[str, tuple[int, ...]]) -> Any:
         node = step.node
