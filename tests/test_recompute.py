@@ -11,7 +11,6 @@ from typing import Any
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from distconv.data import sample_block
 from distconv.parallel import parallelize
