@@ -140,6 +140,26 @@ def flat_span(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
     return first.as_strided((end - start,), (1,), start)
 
 
+def compiling() -> bool:
+    """Whether ``torch.compile`` is tracing the calling code."""
+    check = getattr(getattr(torch, "compiler", None), "is_compiling", None)
+    return bool(check()) if check is not None else False
+
+
+def eager(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` run eagerly under ``torch.compile``, as a graph break: communicators talk to
+    process groups, MPI and threads that dynamo cannot trace. Costs one check otherwise."""
+    import functools
+
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        if compiling():
+            return torch.compiler.disable(fn)(*args, **kwargs)
+        return fn(*args, **kwargs)
+
+    return call
+
+
 class AlltoallBuffers:
     """The byte buffers of an all-to-all(v): the send bytes (packed without a copy where the
     chunks already lie back to back), per-peer byte counts both ways, and the receive buffer."""
@@ -254,6 +274,7 @@ class Work:
     def completed(cls, result: Any) -> Work:
         return cls(result=result)
 
+    @eager
     def wait(self) -> Any:
         if self._error is not None:
             raise self._error
@@ -506,6 +527,7 @@ class Communicator(abc.ABC):
             raise TypeError(f"async_op must be a bool, got {async_op!r}")
 
     # ---------------------------------------------------------------- public operations
+    @eager
     def allreduce(
         self, t: torch.Tensor, *, op: str = "sum", async_op: bool = False, meta: str = ""
     ):
@@ -517,6 +539,7 @@ class Communicator(abc.ABC):
         self._enter("allreduce", meta, f"op={op}, dtype={t.dtype}, shape={tuple(t.shape)}", nbytes)
         return self._finish(self._allreduce(t, op), async_op)
 
+    @eager
     def allgather(
         self,
         t: torch.Tensor,
@@ -548,6 +571,7 @@ class Communicator(abc.ABC):
         self._enter("allgather", meta, f"dtype={t.dtype}, shapes={shapes_}", nbytes)
         return self._finish(self._allgather(t, shapes_, "allgather"), async_op)
 
+    @eager
     def reduce_scatter(
         self,
         chunks: Sequence[torch.Tensor],
@@ -566,6 +590,7 @@ class Communicator(abc.ABC):
         self._enter("reduce_scatter", meta, common, nbytes)
         return self._finish(self._reduce_scatter(cs, op), async_op)
 
+    @eager
     def alltoall(
         self,
         chunks: Sequence[torch.Tensor],
@@ -609,6 +634,7 @@ class Communicator(abc.ABC):
         )
         return self._finish(self._alltoall(cs, rshapes), async_op)
 
+    @eager
     def broadcast(self, t: torch.Tensor, *, root: int, async_op: bool = False, meta: str = ""):
         """Root's ``t`` to every rank; non-roots pass a buffer giving shape and dtype."""
         self._check_async(async_op)
@@ -620,10 +646,12 @@ class Communicator(abc.ABC):
         )
         return self._finish(self._broadcast(t, root), async_op)
 
+    @eager
     def barrier(self, *, meta: str = "") -> None:
         self._enter("barrier", meta, "", 0)
         self._barrier().wait()
 
+    @eager
     def isend(self, t: torch.Tensor, *, dst: int, tag: int = 0) -> Work:
         t = self._tensor(t, "t").contiguous()
         dst = self._peer(dst, "dst", allow_self=False)
@@ -631,6 +659,7 @@ class Communicator(abc.ABC):
         self.stats.add("send", 0)
         return self._send(t, dst, tag)
 
+    @eager
     def irecv(self, shape: Sequence[int], dtype: torch.dtype, *, src: int, tag: int = 0) -> Work:
         shape_ = _shape_of(shape, "shape")
         if not isinstance(dtype, torch.dtype):
@@ -641,12 +670,15 @@ class Communicator(abc.ABC):
         self.stats.add("recv", _numel(shape_) * itemsize)
         return self._recv(shape_, dtype, src, tag)
 
+    @eager
     def send(self, t: torch.Tensor, *, dst: int, tag: int = 0) -> None:
         self.isend(t, dst=dst, tag=tag).wait()
 
+    @eager
     def recv(self, shape: Sequence[int], dtype: torch.dtype, *, src: int, tag: int = 0):
         return self.irecv(shape, dtype, src=src, tag=tag).wait()
 
+    @eager
     def split(
         self, groups: Sequence[Sequence[int]], *, timeout: float | None = None
     ) -> Communicator:

@@ -35,6 +35,7 @@ import torch.utils.checkpoint
 from torch import nn
 
 from distconv.comm import get_debug
+from distconv.comm.base import compiling, eager
 from distconv.distribution import as_shape, balanced_block
 from distconv.grid import ProcessorGrid
 from distconv.nn import clip as _clip
@@ -249,14 +250,9 @@ class ParallelModel(nn.Module):
         complete on every rank (``[o_N,*,...]``)."""
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"input must be a torch.Tensor, got {type(x).__name__}")
-        if _compiling():
-            raise NotImplementedError(
-                "torch.compile of a ParallelModel is not supported: its collectives and global "
-                "shapes are planned eagerly. Run the parallel model eagerly (torch.compile the "
-                "plain model for single-process runs)")
         if self._trainable != _trainable(self):
-            self._rebuild_gradient_syncs()
-        shape = self._agree_batch(x)
+            _eager(self._rebuild_gradient_syncs)
+        shape = _eager(self._agree_batch, x)
         if not self._local_norms:
             return self._interpret(x, self._shapes(shape, x.dtype))
         collected: list[Any] = []  # local-statistics layers: one running-statistics broadcast
@@ -268,7 +264,7 @@ class ParallelModel(nn.Module):
             for m in self._local_norms:
                 m._collector = None
         if collected:  # only after a whole forward: every rank sends the same layers
-            broadcast_running(collected)
+            _eager(broadcast_running, collected)
         return out
 
     def _interpret(self, x: torch.Tensor, shapes: dict[str, tuple[int, ...]]) -> Any:
@@ -284,7 +280,7 @@ class ParallelModel(nn.Module):
                 continue
             if step.segment is not None:
                 if step.segment != done:
-                    self._run_segment(step.segment, env, converted, shapes)
+                    _eager(self._run_segment, step.segment, env, converted, shapes)
                     done = step.segment
                 continue
 
@@ -295,7 +291,8 @@ class ParallelModel(nn.Module):
                 key = (a, need)
                 if key not in converted:
                     src = analysis.step(a).out
-                    converted[key] = convert(env[a], src, need, shapes[a.name], self._grids)
+                    converted[key] = _eager(convert, env[a], src, need, shapes[a.name],
+                                            self._grids)
                 return converted[key]
 
             args = fx.node.map_arg(node.args, arg)
@@ -365,11 +362,12 @@ class ParallelModel(nn.Module):
                         f"module {node.target!r} was replaced after parallelize (now "
                         f"{type(module).__name__}): the parallel model runs the layer it built. "
                         "Convert or replace layers in the plain model before parallelize")
-                return module(args[0], shapes[node.args[0].name])
+                return _eager(module, args[0], shapes[node.args[0].name])
             return module(*args, **kwargs)
         if node.op == "call_function":
             if node.name in self._function_modules:
-                return self._function_modules[node.name](args[0], shapes[node.args[0].name])
+                return _eager(self._function_modules[node.name], args[0],
+                              shapes[node.args[0].name])
             return node.target(*args, **kwargs)
         if node.op == "call_method":
             return getattr(args[0], node.target)(*args[1:], **kwargs)
@@ -623,10 +621,10 @@ def _trainable(model: nn.Module) -> tuple[tuple[int, bool], ...]:
     return tuple((id(p), p.requires_grad) for p in model.parameters())
 
 
-def _compiling() -> bool:
-    compiler = getattr(torch, "compiler", None)
-    check = getattr(compiler, "is_compiling", None)
-    return bool(check()) if check is not None else False
+def _eager(fn: Any, *args: Any) -> Any:
+    """``fn(*args)``; under ``torch.compile`` run eagerly, as a graph break: the collectives, the
+    conversions and the distributed layers, so that the local computation between them compiles."""
+    return eager(fn)(*args) if compiling() else fn(*args)
 
 
 def _show_input(spec: LayerSpec | None) -> str:
