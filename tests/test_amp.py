@@ -35,7 +35,7 @@ def _step(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
           dtype: torch.dtype | None, scaler: Any = None) -> dict[str, Any]:
     """The user's step: forward and loss under autocast (if ``dtype``), backward, SGD."""
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
-    with torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+    with torch.autocast(x.device.type, dtype=dtype or torch.bfloat16, enabled=dtype is not None):
         out = model(x)
         loss = F.cross_entropy(out, y)
     if scaler is not None:
@@ -57,8 +57,8 @@ def parallel_step(comm: Any, model: torch.nn.Module, config: Any, x: torch.Tenso
     pmodel = parallelize(copy.deepcopy(model), config, comm=comm)
     rows = sample_block(x.shape[0], pmodel.data_grid)
     opt = torch.optim.SGD(pmodel.parameters(), lr=LR, momentum=MOMENTUM)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10) if scaled else None
-    with torch.autocast("cpu", dtype=dtype):
+    scaler = torch.amp.GradScaler(x.device.type, init_scale=2.0 ** 10) if scaled else None
+    with torch.autocast(x.device.type, dtype=dtype):
         out = pmodel(x[rows])
         loss = F.cross_entropy(out, y[rows])
     (scaler.scale(loss) if scaler else loss).backward()
@@ -99,9 +99,9 @@ def _check(got: dict[str, Any], one: dict[str, Any], exact: dict[str, Any],
             assert v.dtype == torch.float32, k
 
 
-def _case() -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor]:
+def _case(device: str = "cpu") -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor]:
     model, x, y = resnet_case()
-    return model.float(), x.float(), y
+    return model.float().to(device), x.float().to(device), y.to(device)
 
 
 @pytest.mark.parametrize("config", [HYBRID, SAMPLE], ids=["hybrid", "sample"])
@@ -132,3 +132,17 @@ def test_bf16_on_real_worlds(pool: str, request: pytest.FixtureRequest) -> None:
     exact = _step(copy.deepcopy(model).double(), x.double(), y, None)
     for got in world.run(parallel_step, model, HYBRID, x, y, torch.bfloat16):
         _check(got, one, exact, torch.bfloat16)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_autocast_on_cuda(dtype: torch.dtype) -> None:
+    """Thread ranks sharing one GPU; fp16 with a grad scaler, as users train on GPUs."""
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    model, x, y = _case("cuda")
+    scaled = dtype == torch.float16
+    scaler = torch.amp.GradScaler("cuda", init_scale=2.0 ** 10) if scaled else None
+    one = _step(copy.deepcopy(model), x, y, dtype, scaler)
+    exact = _step(copy.deepcopy(model).double(), x.double(), y, None)
+    for got in run_threads(parallel_step, 4, model, HYBRID, x, y, dtype, scaled):
+        _check(got, one, exact, dtype)
