@@ -28,7 +28,9 @@ from distconv.nn import DistAdaptiveAvgPool2d, DistAvgPool2d, DistBatchNorm2d, D
 from distconv.parallel import parallelize
 from distconv.parallel.explain import explain
 from distconv.testing import run_threads
-from tests.parallel.cases import RESNET_CONFIG, TOL, _gathered_grads, resnet_case, seeded
+from tests.parallel.cases import (
+    RESNET_CONFIG, TOL, _gathered_grads, counted_step, reference_step, resnet_case, seeded,
+)
 from tests.parallel.test_parallelize import network_cases
 
 STEPS = 2
@@ -535,20 +537,22 @@ class SE(nn.Module):
         return self.head(x.mean((2, 3)))
 
 
-def test_broadcasting_over_a_split_dim_is_refused_naming_the_node() -> None:
+def test_se_broadcast_over_split_rows_is_exact_and_explained() -> None:
+    """The [N, C, 1, 1] gate meets a row-split activation: each rank keeps the gate whole (its
+    one row), the gate's gradient sums over the rows' ranks."""
     config = {"default": {"grid": {"N": 1, "H": 2}, "algorithm": "spatial"},
               "data": {"N": 1, "H": 2}}
-
-    def run(comm):
-        pmodel = parallelize(SE().double(), config, comm=comm)
-        with pytest.raises(NotImplementedError) as info:
-            pmodel(torch.zeros(2, 4, 8, 8, dtype=torch.float64))
-        return str(info.value)
-
-    for msg in run_threads(run, 2):
-        assert "node 'mul'" in msg and "broadcasts" in msg, msg
-    with pytest.raises(NotImplementedError, match="node 'mul' broadcasts"):
-        explain(SE(), config, (2, 4, 8, 8))  # explain refuses what parallelize refuses
+    gen = torch.Generator().manual_seed(8)
+    model = seeded(SE().double(), gen)
+    x = torch.randn(2, 4, 8, 8, generator=gen, dtype=torch.float64)
+    y = torch.randint(0, 2, (2,), generator=gen)
+    ref = reference_step(model, x, y)
+    plan = explain(model, config, (2, 4, 8, 8), world_size=2)
+    for r, got in enumerate(run_threads(counted_step, 2, model, config, x, y)):
+        assert (got["out"] - ref["out"][got["rows"]]).abs().max() < TOL
+        for k, g in ref["grads"].items():
+            assert (got["grads"][k] - g).abs().max() < TOL, k
+        assert got["counted"] == tuple(plan.rank_bytes(r).values())
 
 
 def test_se_broadcast_on_sample_parallel_values_is_exact() -> None:
@@ -563,28 +567,6 @@ def test_se_broadcast_on_sample_parallel_values_is_exact() -> None:
         return (pmodel(x[rows]).detach() - ref[rows]).abs().max().item()
 
     assert max(run_threads(run, 2)) < TOL
-
-
-def test_torch_compile_of_a_parallel_model_is_refused_at_once() -> None:
-    one = SingleCommunicator()
-    model, x, _ = resnet_case()
-    pmodel = parallelize(model, {"default": {"grid": {"N": 1}}}, comm=one)
-    with pytest.raises(Exception, match="torch.compile of a ParallelModel is not supported"):
-        torch.compile(pmodel, backend="eager")(x)
-
-    def run(comm):  # thread ranks: refused at once too, not a hang
-        pm = parallelize(copy.deepcopy(model), {"default": {"grid": {"N": 2}}}, comm=comm)
-        rows = sample_block(x.shape[0], pm.data_grid)
-
-        @torch.compile(backend="eager")
-        def step(xs):  # the user's compiled step
-            return pm(xs).sum()
-
-        with pytest.raises(Exception, match="torch.compile of a ParallelModel"):
-            step(x[rows])
-        return True
-
-    assert run_threads(run, 2, timeout=60.0) == [True, True]
 
 
 def test_debug_mode_reports_the_global_batch_on_every_rank() -> None:

@@ -4,6 +4,7 @@ dropout runs only where its masks match one process's (sample-parallel values)."
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import operator
 from typing import Any, Sequence
@@ -17,7 +18,8 @@ from distconv.distribution import Dist
 from distconv.ops.base import SAMPLE_GRIDS, Handler, Sample, SampleNet
 from distconv.parallel.placement import Placement, conversion_bytes
 
-__all__ = ["BinaryHandler", "CatHandler", "DropoutHandler", "PointwiseHandler", "meeting"]
+__all__ = ["BinaryHandler", "CatHandler", "DropoutHandler", "PointwiseHandler",
+           "broadcast_need", "meeting"]
 
 
 class PointwiseHandler(Handler):
@@ -91,7 +93,9 @@ class BinaryHandler(Handler):
 
     def samples(self) -> Sequence[Sample]:
         return (Sample("residual-add", lambda: SampleNet(_Residual(), 4), (5, 4, 7, 6),
-                       SAMPLE_GRIDS),)
+                       SAMPLE_GRIDS),
+                Sample("squeeze-excitation", lambda: SampleNet(_Excite(), 4), (5, 4, 7, 6),
+                       SAMPLE_GRIDS))
 
 
 class CatHandler(Handler):
@@ -116,6 +120,24 @@ class CatHandler(Handler):
                        SAMPLE_GRIDS),)
 
 
+def broadcast_need(need: Placement, shape: Sequence[int], out_shape: Sequence[int]) -> Placement:
+    """What an operand of shape ``shape`` of a broadcasting elementwise op is converted to: the
+    placement the operands meet in, with every dim it broadcasts over (size 1 against a larger
+    result) whole on each rank -- each rank's block of the result needs that one row, e.g. the
+    ``[N, C, 1, 1]`` gate of squeeze-and-excitation against a row- or channel-split activation.
+    Its cotangent is then a pending sum over the grid dims that split those dims of the result,
+    which the conversion's adjoint resolves."""
+    if len(shape) != len(out_shape):
+        return need
+    entries = list(need.dist.entries)
+    for d, (a, o) in enumerate(zip(shape, out_shape)):
+        if a == 1 and o != 1:
+            entries[d] = None
+    if tuple(entries) == need.dist.entries:
+        return need
+    return Placement(need.layout, dataclasses.replace(need.dist, entries=tuple(entries)))
+
+
 def meeting(a: Placement, b: Placement) -> Placement:
     """Where two operands meet: the placement the other reaches with fewer bytes in total (ties:
     ``a``), counted on a nominal shape whose every dim each extent divides."""
@@ -135,6 +157,19 @@ class _Residual(nn.Module):
 
     def forward(self, x: Any) -> Any:
         return x + self.conv(x)
+
+
+class _Excite(nn.Module):
+    """A gate of shape [N, C, 1, 1] broadcast over the rows and columns (squeeze-and-excitation),
+    and a [N, 1, H, W] map broadcast over the channels (a spatial attention gate)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(4, 4, 3, padding=1)
+
+    def forward(self, x: Any) -> Any:
+        x = x * torch.sigmoid(x.mean((2, 3), keepdim=True))
+        return self.conv(x) * torch.sigmoid(x.mean(1, keepdim=True))
 
 
 class _Cat(nn.Module):

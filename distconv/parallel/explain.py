@@ -30,7 +30,7 @@ from distconv.ops import PriceContext
 from distconv.ops.pricing import (
     CommStep, LayerReport, Machine, Timeline, largest_block, segment_rank, timeline,
 )
-from distconv.parallel.graph import Step, analyse, check_broadcasts, trace
+from distconv.parallel.graph import Step, analyse, operand_need, trace
 from distconv.parallel.placement import (
     Placement, conversion_bytes, layout_str, paper_grid, repartition_bytes,
 )
@@ -271,7 +271,6 @@ def _explain(model: nn.Module, cfg: ParallelConfig, shape: tuple[int, ...],
     propagate_shapes(meta, shape, dtype=dtype)  # in the model's own dtype (a .double() model)
     shapes = {n.name: tuple(n.meta["tensor_meta"].shape) for n in meta.graph.nodes
               if isinstance(n.meta.get("tensor_meta"), TensorMetadata)}
-    check_broadcasts(analysis, shapes, strict=strict)  # what parallelize refuses, explain too
     modules = dict(gm.named_modules())
     P = cfg.world_size
     ranks = _evaluated_ranks(analysis, P)
@@ -295,7 +294,8 @@ def _explain(model: nn.Module, cfg: ParallelConfig, shape: tuple[int, ...],
             report.note = decisions[report.name].describe()
         recomputed = [st for st in report.steps if st.phase == "forward"
                       and not st.what.startswith("running statistics")]
-        for a, need in step.needs.items():
+        for a in step.needs:
+            need = operand_need(step, a, shapes)
             src = analysis.step(a).out
             # a value converted inside its own checkpointed segment is converted there, apart
             # from the conversions outside it (as the parallel model runs it)

@@ -30,7 +30,7 @@ from distconv.distribution import Dist
 from distconv.parallel.config import ParallelConfig
 from distconv.parallel.placement import Layout, Placement, layout_str
 
-__all__ = ["Analysis", "LayerSpec", "Step", "analyse", "check_broadcasts", "trace"]
+__all__ = ["Analysis", "LayerSpec", "Step", "analyse", "operand_need", "trace"]
 
 
 @dataclass(frozen=True)
@@ -292,30 +292,18 @@ def describe_placement(p: Placement | None, name: str = "") -> str:
     return "-" if p is None else f"{p.dist.format(name)} on {layout_str(p.layout)}"
 
 
-def check_broadcasts(analysis: Analysis, shapes: dict[str, tuple[int, ...]], *,
-                     strict: bool = True) -> None:
-    """Refuse, by node, an elementwise op that broadcasts an operand over a dim its placement
-    splits (its blocks of a size-1 dim are not the values every rank needs); with
-    ``strict=False`` record each such node in ``analysis.unsupported`` instead."""
-    for step in analysis.steps:
-        if step.kind != "pointwise" or len(step.needs) < 2 or step.node.name not in shapes:
-            continue
-        out = shapes[step.node.name]
-        for arg, need in step.needs.items():
-            got = shapes.get(arg.name)
-            if got is None or len(got) != len(out) or step.node.target is torch.cat:
-                continue
-            split = [d for d, (a, o) in enumerate(zip(got, out))
-                     if a != o and need.dist.grid_dims_of(d)]
-            if not split:
-                continue
-            exc = ops.Unsupported(
-                f"parallelize: node {step.node.name!r} broadcasts {arg.name!r} of shape {got} "
-                f"against {out} over dim {split[0]}, which its operands' meeting layout "
-                f"{need.format('x')} splits: broadcasting across a split dim is not supported "
-                "yet. Keep that dim whole there (e.g. a config that runs this part "
-                "sample-parallel), or expand the smaller operand explicitly")
-            if strict:
-                raise exc
-            analysis.unsupported.append((step.node.name, f"{step.node.op} "
-                                         f"{_target(step.node)}", str(exc)))
+def operand_need(step: Step, arg: fx.Node, shapes: dict[str, tuple[int, ...]]
+                 ) -> Placement | None:
+    """The placement ``arg`` is converted to for ``step`` on these global shapes: the analysis's,
+    except that an operand of a broadcasting elementwise op keeps the dims it broadcasts over
+    whole (:func:`distconv.ops.elementwise.broadcast_need`)."""
+    need = step.needs.get(arg)
+    if need is None or step.kind != "pointwise" or len(step.needs) < 2 or (
+            step.node.target is torch.cat):
+        return need
+    got, out = shapes.get(arg.name), shapes.get(step.node.name)
+    if got is None or out is None or got == out:
+        return need
+    from distconv.ops.elementwise import broadcast_need
+
+    return broadcast_need(need, got, out)

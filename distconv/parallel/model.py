@@ -46,7 +46,7 @@ from distconv.nn.sharding import ShardSpec, shard_specs
 from distconv.nn.recompute import recompute_context
 from distconv.parallel.config import ParallelConfig
 from distconv.parallel.graph import (
-    Analysis, LayerSpec, Step, analyse, check_broadcasts, trace,
+    Analysis, LayerSpec, Step, analyse, operand_need, trace,
 )
 from distconv.parallel.shapes import propagate_shapes
 from distconv.parallel.placement import Layout, Placement, convert, layout_str
@@ -285,7 +285,7 @@ class ParallelModel(nn.Module):
                 continue
 
             def arg(a: fx.Node, step: Step = step) -> Any:
-                need = step.needs.get(a)
+                need = operand_need(step, a, shapes)
                 if need is None:
                     return env[a]
                 key = (a, need)
@@ -314,7 +314,7 @@ class ParallelModel(nn.Module):
         outer: list[tuple[fx.Node, Placement | None]] = []
         for s in steps:
             for a in s.node.all_input_nodes:
-                key = (a, s.needs.get(a))
+                key = (a, operand_need(s, a, shapes))
                 if a in inside or key in outer:
                     continue
                 if key[1] is not None and key not in converted:
@@ -329,7 +329,7 @@ class ParallelModel(nn.Module):
             moved: dict[tuple[fx.Node, Placement], torch.Tensor] = {}
             for s in steps:
                 def arg(a: fx.Node, s: Step = s) -> Any:
-                    need = s.needs.get(a)
+                    need = operand_need(s, a, shapes)
                     if a not in inside:
                         return given[(a, need)]
                     if need is None:
@@ -458,7 +458,6 @@ class ParallelModel(nn.Module):
             propagate_shapes(meta, shape, dtype=dtype, argument="the input's global shape")
             cached = {n.name: tuple(n.meta["tensor_meta"].shape) for n in meta.graph.nodes
                       if isinstance(n.meta.get("tensor_meta"), fx.passes.shape_prop.TensorMetadata)}
-            check_broadcasts(self._analysis, cached)
             self._plans[key] = cached
         return cached
 
