@@ -423,6 +423,21 @@ class Communicator(abc.ABC):
         one device an NCCL communicator moves, else the CPU."""
         return getattr(self, "_device", None) or torch.device("cpu")
 
+    def shared_generator(self) -> torch.Generator:
+        """A random generator in the same state on every rank of this communicator, on its
+        :attr:`device`: created at the first call (a collective), seeded with rank 0's
+        ``torch.initial_seed()``. Its draws stay the same on every rank as long as every rank
+        draws the same (e.g. a mask for the global tensor, of which each rank keeps its block)."""
+        g = getattr(self, "_shared_generator", None)
+        if g is None:
+            seed = torch.tensor([torch.initial_seed() % (1 << 63)], dtype=torch.int64,
+                                device=self.device)
+            seed = self.broadcast(seed, root=0, meta="shared generator seed")
+            g = torch.Generator(device=self.device)
+            g.manual_seed(int(seed[0]))
+            self._shared_generator = g
+        return g
+
     @property
     def rank(self) -> int:
         return self._rank

@@ -47,23 +47,47 @@ class PointwiseHandler(Handler):
 
 
 class DropoutHandler(Handler):
-    modules = (nn.Dropout,)
-    functions = frozenset({F.dropout})
+    """``Dropout`` and ``Dropout2d`` (module or ``F.*``). On values split over sample dims only,
+    each rank draws its own block's mask from torch's generator, as DDP does; on values split
+    over model-parallel dims (channels, rows, ...), :class:`~distconv.nn.DistDropout` draws the
+    global mask from a generator every rank shares and keeps its block: one process's masks."""
+
+    modules = (nn.Dropout, nn.Dropout2d)
+    functions = frozenset({F.dropout, F.dropout2d})
 
     def place(self, an: Any, node: Any, module: Any) -> Any:
-        p = module.p if module is not None else float(
-            node.kwargs.get("p", node.args[1] if len(node.args) > 1 else 0.5))
+        from distconv.parallel.graph import LayerSpec
+
         step = an.keep(node, "dropout")
         model_dims = step.out.dist.used() - set(step.out.dist.grid_dims_of(0))
-        if p > 0 and model_dims:
-            an.fail(node, f"dropout (p={p}) on a value split over model-parallel grid dims "
-                    f"{sorted(model_dims)}: its masks would not match one process. Put dropout "
-                    "where activations are sample-parallel (e.g. before the head) or use p=0")
+        if model_dims and _drop_p(node, module) > 0:
+            step.layer = LayerSpec("dropout", str(node.target) if module is not None
+                                   else node.name, step.out.layout, input=step.out)
         return step
+
+    def build(self, module: Any, node: Any, step: Any, grid: Any) -> Any:
+        from distconv.nn.dropout import DistDropout
+
+        features = isinstance(module, nn.Dropout2d) or node.target is F.dropout2d
+        layer = DistDropout(_drop_p(node, module), features=features, grid=grid,
+                            input_dist=step.layer.input.dist)
+        if module is not None:
+            layer.train(module.training)
+        elif not bool(node.kwargs.get("training", node.args[2] if len(node.args) > 2 else True)):
+            layer.eval()
+        return layer
 
     def samples(self) -> Sequence[Sample]:
         return (Sample("dropout-p0", lambda: SampleNet(nn.Dropout(0.0), 4), (5, 4, 7, 6),
-                       SAMPLE_GRIDS),)
+                       SAMPLE_GRIDS),
+                Sample("dropout2d-eval", lambda: SampleNet(nn.Dropout2d(0.5).eval(), 4),
+                       (5, 4, 7, 6), SAMPLE_GRIDS))
+
+
+def _drop_p(node: Any, module: Any) -> float:
+    if module is not None:
+        return float(module.p)
+    return float(node.kwargs.get("p", node.args[1] if len(node.args) > 1 else 0.5))
 
 
 class BinaryHandler(Handler):

@@ -234,12 +234,12 @@ class _Analyser:
 
 def _distributed_modules() -> tuple[type, ...]:
     from distconv.nn import (
-        DistAdaptiveAvgPool2d, DistAvgPool2d, DistBatchNorm2d, DistConv2d, DistMaxPool2d,
-        Redistribute,
+        DistAdaptiveAvgPool2d, DistAvgPool2d, DistBatchNorm2d, DistConv2d, DistDropout,
+        DistMaxPool2d, Redistribute,
     )
 
     return (DistConv2d, DistBatchNorm2d, DistMaxPool2d, DistAvgPool2d, DistAdaptiveAvgPool2d,
-            Redistribute)
+            DistDropout, Redistribute)
 
 
 def _target(node: fx.Node) -> str:
