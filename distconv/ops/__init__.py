@@ -19,6 +19,7 @@ from distconv.ops.norm import (
     BatchNormHandler, GroupNormHandler, InstanceNormHandler, LayerNormHandler,
 )
 from distconv.ops.pool import AdaptiveAvgPoolHandler, MeanHandler, PoolHandler
+from distconv.ops.resample import ResampleHandler
 from distconv.ops.shape import FlattenHandler, MetaHandler, ReshapeHandler
 
 __all__ = ["REGISTRY", "Handler", "PriceContext", "Sample", "Unsupported", "handler_for",
@@ -28,7 +29,7 @@ __all__ = ["REGISTRY", "Handler", "PriceContext", "Sample", "Unsupported", "hand
 REGISTRY: tuple[Handler, ...] = (
     ConvHandler(), LinearHandler(), BatchNormHandler(), GroupNormHandler(), LayerNormHandler(),
     InstanceNormHandler(), PoolHandler(), AdaptiveAvgPoolHandler(),
-    MeanHandler(), DropoutHandler(), FlattenHandler(), ReshapeHandler(), PointwiseHandler(),
+    MeanHandler(), ResampleHandler(), DropoutHandler(), FlattenHandler(), ReshapeHandler(), PointwiseHandler(),
     BinaryHandler(), CatHandler(), MetaHandler(),
 )
 
