@@ -68,8 +68,8 @@ class _Unsupported(torch.nn.Module):
         super().__init__()
         self.conv = torch.nn.Conv2d(3, 8, 3, padding=1)
         self.norm = torch.nn.GroupNorm(2, 8)
-        self.up = torch.nn.ConvTranspose2d(8, 8, 2, stride=2)
-        self.head = torch.nn.Linear(8, 2)
+        self.up = torch.nn.PixelShuffle(2)
+        self.head = torch.nn.Linear(2, 2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.up(self.norm(self.conv(x)))
@@ -86,7 +86,7 @@ def test_explain_lists_every_unsupported_node_at_once() -> None:
     assert [n for n, _, _ in plan.unsupported] == ["norm", "up"]
     reasons = dict((n, r) for n, _, r in plan.unsupported)
     assert "GroupNorm needs (C, H, W)" in reasons["norm"] and "H over H" in reasons["norm"]
-    assert "ConvTranspose2d is not supported" in reasons["up"] and "GroupNorm" in reasons["up"]
+    assert "PixelShuffle is not supported" in reasons["up"] and "GroupNorm" in reasons["up"]
     assert "unsupported: 2 node(s)" in str(plan)
     assert [u["node"] for u in plan.to_dict()["unsupported"]] == ["norm", "up"]
 

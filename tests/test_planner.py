@@ -251,9 +251,8 @@ def test_planner_refuses_what_parallelize_refuses() -> None:
     from distconv.ops import Unsupported
     from distconv.planner import plan_network
 
-    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ConvTranspose2d(8, 8, 2, stride=2),
-                          nn.Conv2d(8, 8, 3))
-    with pytest.raises(Unsupported, match="ConvTranspose2d is not supported"):
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.PixelShuffle(2), nn.Conv2d(2, 8, 3))
+    with pytest.raises(Unsupported, match="PixelShuffle is not supported"):
         plan_network(model, (4, 3, 16, 16), world_size=4, machine="lassen")
 
 

@@ -14,7 +14,7 @@ from torch import nn
 from distconv.ops.base import Handler, PriceContext, Sample, Unsupported
 from distconv.ops.conv import ConvHandler
 from distconv.ops.elementwise import BinaryHandler, CatHandler, DropoutHandler, PointwiseHandler
-from distconv.ops.linear import LinearHandler
+from distconv.ops.linear import LinearHandler, SampleLayerHandler
 from distconv.ops.norm import (
     BatchNormHandler, GroupNormHandler, InstanceNormHandler, LayerNormHandler,
 )
@@ -27,7 +27,7 @@ __all__ = ["REGISTRY", "Handler", "PriceContext", "Sample", "Unsupported", "hand
 
 #: Every op family, in matching order (the first that binds a node handles it).
 REGISTRY: tuple[Handler, ...] = (
-    ConvHandler(), LinearHandler(), BatchNormHandler(), GroupNormHandler(), LayerNormHandler(),
+    ConvHandler(), LinearHandler(), SampleLayerHandler(), BatchNormHandler(), GroupNormHandler(), LayerNormHandler(),
     InstanceNormHandler(), PoolHandler(), AdaptiveAvgPoolHandler(),
     MeanHandler(), ResampleHandler(), DropoutHandler(), FlattenHandler(), ReshapeHandler(), PointwiseHandler(),
     BinaryHandler(), CatHandler(), MetaHandler(),

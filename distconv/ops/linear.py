@@ -1,5 +1,7 @@
-"""``Linear`` layers run sample-parallel (``[o_N,*]``) on their entry's grid, their weights
-replicated; the gradient completion (a bucketed allreduce) is the only traffic."""
+"""``Linear`` layers -- and the per-sample layers without a model-parallel implementation yet
+(``Conv1d``, ``Conv3d``, transposed convolutions) -- run sample-parallel (``[o_N,*,...]``) on
+their entry's grid, their weights replicated; the gradient completion (a bucketed allreduce) is the
+only traffic."""
 
 from __future__ import annotations
 
@@ -7,11 +9,11 @@ from typing import Any, Sequence
 
 from torch import nn
 
-from distconv.ops.base import Handler, PriceContext, Sample, SampleNet
+from distconv.ops.base import SAMPLE_GRIDS, Handler, PriceContext, Sample, SampleNet
 from distconv.parallel.config import LayerChoice
 from distconv.parallel.placement import Placement
 
-__all__ = ["LinearHandler"]
+__all__ = ["LinearHandler", "SampleLayerHandler"]
 
 
 class LinearHandler(Handler):
@@ -43,3 +45,62 @@ class LinearHandler(Handler):
             (4, {"default": {"grid": {"N": 2, "C": 2}, "algorithm": "stationary-x"},
                  "layers": [{"match": "head", "grid": {"N": 4}, "algorithm": "sample"}]}),
         )),)
+
+
+class SampleLayerHandler(LinearHandler):
+    """Convolutions over 1 or 3 spatial dims and transposed convolutions (``Conv1d``, ``Conv3d``,
+    ``ConvTranspose1d/2d/3d``): per-sample layers that run sample-parallel (``x[o_N,*,...]``),
+    their weights replicated and their gradients completed by the bucketed allreduce, on their
+    entry's grid (``algorithm: sample``) or the data grid; their inputs arrive in any
+    distribution and are converted. Channel, filter and spatial parallelism for them is not
+    implemented: such an entry is refused by name."""
+
+    modules = (nn.Conv1d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
+
+    def place(self, an: Any, node: Any, module: Any) -> Any:
+        choice = an.config.choice(str(node.target))
+        if choice.algorithm not in ("sample", "auto") and choice.source != "default":
+            an.fail(node, f"{choice.source} asks for {choice.algorithm}, but "
+                    f"{type(module).__name__} runs sample-parallel (channel, filter and spatial "
+                    "parallelism are implemented for Conv2d); give it algorithm 'sample'",
+                    ValueError)
+        step = super().place(an, node, module)
+        step.kind = "sample-layer"
+        return step
+
+    def price(self, report: Any, step: Any, module: Any, ctx: PriceContext) -> None:
+        report.param_elements = sum(p.numel() for p in module.parameters())
+        report.dists["w"] = "w[" + ",".join("*" * module.weight.dim()) + "]"
+
+    def samples(self) -> Sequence[Sample]:
+        sample_only = ((2, {"default": {"grid": {"N": 2}, "algorithm": "sample"}}),)
+        return (
+            Sample("conv-transpose2d",
+                   lambda: SampleNet(nn.ConvTranspose2d(4, 4, 3, stride=2, padding=1,
+                                                        output_padding=1), 4),
+                   (5, 4, 7, 6), SAMPLE_GRIDS),
+            Sample("conv3d-transpose3d", lambda: _Volume(), (5, 2, 5, 6, 4), sample_only),
+            Sample("conv1d-transpose1d", lambda: _Signal(), (5, 3, 11), sample_only),
+        )
+
+
+class _Volume(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv3d(2, 4, 3, padding=1, stride=(1, 2, 1))
+        self.up = nn.ConvTranspose3d(4, 3, 2, stride=2, groups=1)
+        self.head = nn.Linear(3, 3)
+
+    def forward(self, x: Any) -> Any:
+        return self.head(self.up(self.conv(x).relu()).mean((2, 3, 4)))
+
+
+class _Signal(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv1d(3, 4, 5, padding=2, dilation=1)
+        self.up = nn.ConvTranspose1d(4, 4, 4, stride=2, padding=1, groups=2)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x: Any) -> Any:
+        return self.head(self.up(self.conv(x).tanh()).mean(2))

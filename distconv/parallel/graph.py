@@ -169,8 +169,12 @@ class _Analyser:
             if user.op == "call_module":
                 m = self.modules[user.target]
                 if isinstance(m, (nn.Conv2d, nn.BatchNorm2d, nn.MaxPool2d, nn.AvgPool2d,
-                                  nn.AdaptiveAvgPool2d)):
+                                  nn.AdaptiveAvgPool2d, nn.ConvTranspose2d)):
                     return 4
+                if isinstance(m, (nn.Conv3d, nn.ConvTranspose3d)):
+                    return 5
+                if isinstance(m, (nn.Conv1d, nn.ConvTranspose1d)):
+                    return 3
                 if isinstance(m, nn.Linear):
                     return 2
         self.fail(node, "cannot tell the input's number of dims from its first layer; pass "
@@ -253,7 +257,9 @@ def analyse(gm: fx.GraphModule, config: ParallelConfig, *, input_ndim: int | Non
 
     ``strict`` (default): the first node no handler runs raises :class:`distconv.ops.Unsupported`
     naming it; ``strict=False`` records every such node in ``Analysis.unsupported`` instead."""
-    configurable = [n for n, m in gm.named_modules() if isinstance(m, (nn.Conv2d, nn.Linear))]
+    configurable = [n for n, m in gm.named_modules() if isinstance(m, (
+        nn.Conv2d, nn.Linear, nn.Conv1d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d,
+        nn.ConvTranspose3d))]
     norms = [n for n, m in gm.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
     config.check_matches(configurable, norms, [n for n, _ in gm.named_modules() if n])
     walker = _Analyser(gm, config, input_ndim, strict)

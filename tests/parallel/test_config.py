@@ -98,9 +98,9 @@ def _refusal(model: nn.Module, config: dict, exc: type[Exception], size: int = 2
 def test_unsupported_constructs_are_refused_naming_the_node() -> None:
     split_c = {"default": {"grid": {"C": 2}, "algorithm": "stationary-x"},
                "layers": [{"match": "fc", "grid": {"N": 2}, "algorithm": "sample"}]}
-    decoder = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ConvTranspose2d(4, 4, 2, stride=2))
-    msg = _refusal(decoder, split_c | {"layers": []}, NotImplementedError)
-    assert "node '_1'" in msg and "ConvTranspose2d is not supported" in msg
+    shuffler = nn.Sequential(nn.Conv2d(3, 4, 3), nn.PixelShuffle(2))
+    msg = _refusal(shuffler, split_c | {"layers": []}, NotImplementedError)
+    assert "node '_1'" in msg and "PixelShuffle is not supported" in msg
     assert "cannot trace Branchy" in _refusal(Branchy(), {}, TypeError)
     linear_x = {"layers": [{"match": "fc", "grid": {"C": 2}, "algorithm": "stationary-x"}]}
     assert "Linear layers run sample-parallel" in _refusal(Dropper(), linear_x, ValueError)
