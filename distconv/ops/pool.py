@@ -129,9 +129,11 @@ class AdaptiveAvgPoolHandler(Handler):
             step.layer = LayerSpec("local", name, p.layout, input=p)
             return step
         sizes = (size, size) if not isinstance(size, (tuple, list)) else tuple(size)
-        if sizes != (1, 1):
-            an.fail(node, f"AdaptiveAvgPool2d({size}) over rows/columns split on {spatial} is "
-                    "not implemented; only (1, 1) is, or keep H and W whole before it")
+        if sizes != (1, 1):  # rows and columns made whole first (an allgather), then local
+            whole = Placement(p.layout, Dist(p.dist.entries[:2] + (None, None)))
+            step.out, step.needs = whole, {a: whole for a in step.needs}
+            step.layer = LayerSpec("local", name, p.layout, input=whole)
+            return step
         entries = p.dist.entries[:2] + (None, None)
         step.out = Placement(p.layout, Dist(entries, frozenset(spatial)))
         step.layer = LayerSpec("adaptive", name, p.layout, input=p)
@@ -149,7 +151,9 @@ class AdaptiveAvgPoolHandler(Handler):
 
     def samples(self) -> Sequence[Sample]:
         return (Sample("adaptive-avgpool", lambda: SampleNet(nn.AdaptiveAvgPool2d(1), 4),
-                       (5, 4, 7, 6), SAMPLE_GRIDS),)
+                       (5, 4, 7, 6), SAMPLE_GRIDS),
+                Sample("adaptive-avgpool-2x3", lambda: SampleNet(nn.AdaptiveAvgPool2d((2, 3)), 4),
+                       (5, 4, 7, 6), SAMPLE_GRIDS))
 
 
 class MeanHandler(Handler):

@@ -1,5 +1,6 @@
 """Resampling: ``nn.Upsample`` / ``F.interpolate`` (every mode torch has for 4-d inputs, ``size``
-or ``scale_factor``, ``align_corners`` both ways) on values in any distribution.
+or ``scale_factor``, ``align_corners`` both ways) on values in any distribution; and the pooling
+layers the halo-exchanging ones do not cover (1-D and 3-D, adaptive max pooling).
 
 Interpolation mixes rows and columns but never samples or channels: the value keeps its sample
 and channel blocks, and its rows and columns are made whole on each rank first (an allgather over
@@ -23,8 +24,18 @@ __all__ = ["ResampleHandler"]
 
 
 class ResampleHandler(Handler):
-    modules = (nn.Upsample,)  # UpsamplingNearest2d / UpsamplingBilinear2d are subclasses
-    functions = frozenset({F.interpolate, F.upsample, F.upsample_nearest, F.upsample_bilinear})
+    """Resampling, and the pooling layers without a halo implementation (1-D and 3-D pooling,
+    adaptive max pooling): ops that mix rows and columns (and depth) of one sample's channel
+    only, run with those dims whole."""
+
+    modules = (nn.Upsample,  # UpsamplingNearest2d / UpsamplingBilinear2d are subclasses
+               nn.MaxPool1d, nn.MaxPool3d, nn.AvgPool1d, nn.AvgPool3d, nn.AdaptiveAvgPool1d,
+               nn.AdaptiveAvgPool3d, nn.AdaptiveMaxPool1d, nn.AdaptiveMaxPool2d,
+               nn.AdaptiveMaxPool3d)
+    functions = frozenset({F.interpolate, F.upsample, F.upsample_nearest, F.upsample_bilinear,
+                           F.max_pool1d, F.max_pool3d, F.avg_pool1d, F.avg_pool3d,
+                           F.adaptive_avg_pool1d, F.adaptive_avg_pool3d, F.adaptive_max_pool1d,
+                           F.adaptive_max_pool2d, F.adaptive_max_pool3d})
 
     def place(self, an: Any, node: Any, module: Any) -> Any:
         from distconv.parallel.graph import Step
@@ -50,6 +61,10 @@ class ResampleHandler(Handler):
                    (5, 4, 7, 6), SAMPLE_GRIDS),
             Sample("interpolate-area", lambda: SampleNet(_Interpolate(size=(3, 4), mode="area"),
                                                          4), (5, 4, 7, 6), SAMPLE_GRIDS),
+            Sample("adaptive-max-pool", lambda: SampleNet(nn.AdaptiveMaxPool2d((2, 3)), 4),
+                   (5, 4, 7, 6), SAMPLE_GRIDS),
+            Sample("volume-pools", lambda: _Volume(), (5, 2, 6, 5, 4),
+                   ((2, {"default": {"grid": {"N": 2}, "algorithm": "sample"}}),)),
         )
 
 
@@ -60,3 +75,19 @@ class _Interpolate(nn.Module):
 
     def forward(self, x: Any) -> Any:
         return F.interpolate(x, **self.kw)
+
+
+class _Volume(nn.Module):
+    """A 3-D CNN: convolution, GroupNorm, max pooling, adaptive average pooling, head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv3d(2, 4, 3, padding=1)
+        self.norm = nn.GroupNorm(2, 4)
+        self.pool = nn.MaxPool3d(2, ceil_mode=True)
+        self.squeeze = nn.AdaptiveAvgPool3d(1)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x: Any) -> Any:
+        x = self.pool(self.norm(self.conv(x)).relu())
+        return self.head(self.squeeze(x).flatten(1))
