@@ -12,8 +12,8 @@ with the model-parallel dims **last**, so channel groups sit inside a socket or 
 programming runs over the chain with the distribution of the activation between units as the
 state; inside a block, for every entry state, a chain DP over the main branch and the cheapest
 skip (its redistribution, or its convolutions) give the block's cost to every exit state. The
-operands meet as the executor joins them: at an add where the other reaches with fewer bytes, at a
-cat in the first operand's layout with the channels whole.
+operands meet as the executor joins them: where the other reaches with fewer bytes (at a cat, among
+the operands' placements with the channels whole).
 
 Costs (seconds, slowest rank): each layer's :func:`~distconv.perfmodel.conv_cost` on the machine,
 split into forward, backward on the critical path, and the gradient allreduce; the bytes of every
@@ -693,15 +693,20 @@ class _Model:
         return self._meets[key]
 
     def join(self, main: Choice, skip: Choice, block: Block) -> tuple[float, int, Choice]:
-        """Forward seconds, bytes and the resulting distribution of the join. A cat keeps its
-        first operand's placement with the channels whole and moves both operands there (the
-        executor's rule); an add meets as :meth:`meet` says."""
+        """Forward seconds, bytes and the resulting distribution of the join, as the executor
+        joins: the operands meet where the other reaches with fewer bytes (:meth:`meet`); at a
+        cat, among the operands' placements with the channels whole."""
         if block.join == "cat":
             (first, s1), (second, s2) = ((main, block.shapes[0]), (skip, block.shapes[1]))[
                 ::1 if block.main_first else -1]
-            entries = list(first.output_dist.entries)
-            entries[1] = None
-            out = Value(first.grid, Dist(tuple(entries), frozenset(), ACT))
+
+            def whole(c: Any) -> Value:
+                entries = list(c.output_dist.entries)
+                entries[1] = None
+                return Value(c.grid, Dist(tuple(entries), frozenset(), ACT))
+
+            a, b = whole(first), whole(second)
+            out = a if self.meet(a, b, True) else b
             t1, b1 = self.move(first, out, s1, to_output=True)
             t2, b2 = self.move(second, out, s2, to_output=True)
             return t1 + t2, b1 + b2, out

@@ -184,8 +184,8 @@ class _Concat(nn.Module):
 
 
 def test_a_channel_concatenation_of_two_branches_is_planned_as_the_executor_joins_it() -> None:
-    """cat([a(x), b(x)], 1): a block joined by a cat, whose output keeps the first operand's
-    placement with the channels whole; the plan runs and is priced as explain prices it."""
+    """cat([a(x), b(x)], 1): a block joined by a cat; the plan runs and is priced as explain
+    prices it."""
     from distconv.parallel.explain import explain
 
     net = trace_network(_Concat(), (4, 2, 6, 6))
@@ -197,13 +197,35 @@ def test_a_channel_concatenation_of_two_branches_is_planned_as_the_executor_join
     plan = plan_network(_Concat(), (4, 2, 6, 6), world_size=4, machine=m, max_model=4)
     assert plan.step_time == explain(_Concat(), plan.config(), (4, 2, 6, 6), world_size=4,
                                      machine=m).seconds()
-    # after the join, c reads the cat's output: where the executor puts it (first operand's
-    # layout, channels whole), so its input moves exactly as the executor moves it
-    pick = {lp.conv.name: lp.choice for lp in plan.layers}
-    first = pick["a"]
-    assert plan.layers[-1].conv.name == "c"
-    if pick["c"].grid == first.grid and pick["c"].input_dist.entries[1] is None:
-        assert plan.layers[-1].transition_bytes == 0
+
+
+def test_concatenated_operands_meet_where_the_executor_joins_them() -> None:
+    """For every pair of choices of the two branches, the planner's cat output is the placement
+    parallelize's analysis gives the cat node under the same config."""
+    from distconv.parallel.config import ParallelConfig
+    from distconv.parallel.graph import analyse, trace
+    from distconv.parallel.placement import Placement
+    from distconv.planner import _Model
+
+    net = trace_network(_Concat(), (8, 2, 8, 8))
+    block = net.units[0]
+    model = _Model(net, 4, _flat(1e-6, 1e9, 1e9), max_model=4, algorithms=(
+        "sample", "spatial", "stationary-x", "stationary-y", "stationary-w"), itemsize=4,
+        optimizer_slots=1, activation_factor=3)
+    gm = trace(_Concat())
+    sample = {"grid": {"N": 4}, "algorithm": "sample"}
+    options = [c for c in candidates(ConvProblem(8, 2, 2, 8, 8, 1), 4, max_model=4)
+               if not c.groups_aligned]
+    seen = set()
+    for a, b in itertools.product(options, options):
+        config = {"default": sample, "layers": [
+            {"match": "a", **a.config()}, {"match": "b", **b.config()}]}
+        steps = analyse(gm, ParallelConfig(config, world_size=4)).steps
+        cat = next(s for s in steps if s.node.target is torch.cat)
+        _, _, out = model.join(a, b, block)
+        assert Placement(out.grid, out.output_dist) == cat.out, (a, b)
+        seen.add(cat.out == Placement(a.grid, cat.out.dist))
+    assert seen == {True, False}  # both operands' placements are chosen somewhere
 
 
 @pytest.mark.parametrize("dim,ways", [(2, 2), (1, 3)])

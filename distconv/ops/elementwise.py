@@ -134,9 +134,16 @@ class CatHandler(Handler):
         dim = dim % first.ndim
         if dim == 0:
             an.fail(node, "concatenating along the sample dim is not supported")
-        entries = list(first.dist.entries)
-        entries[dim] = None
-        target = Placement(first.layout, Dist(tuple(entries)))
+
+        def whole(p: Placement) -> Placement:  # the operand with the joined dim whole
+            entries = list(p.dist.entries)
+            entries[dim] = None
+            return Placement(p.layout, Dist(tuple(entries)))
+
+        # the operands meet where the others reach with fewer bytes, as at a residual add
+        target = whole(first)
+        for a in args[1:]:
+            target = meeting(target, whole(an.placement(a).settled()))
         return Step(node, "pointwise", target, {a: target for a in args})
 
     def samples(self) -> Sequence[Sample]:
