@@ -286,9 +286,9 @@ MUTANTS = [
            ("tests/test_blindspots_ops.py",),
            "pooling's W halo exchange is priced without the corner rows the H exchange brought"),
     Mutant("cat-keeps-split-dim", "distconv/ops/elementwise.py",
-           "        entries[dim] = None\n"
-           "        target = Placement(first.layout, Dist(tuple(entries)))",
-           "        target = Placement(first.layout, Dist(tuple(entries)))",
+           "            entries[dim] = None\n"
+           "            return Placement(p.layout, Dist(tuple(entries)))",
+           "            return Placement(p.layout, Dist(tuple(entries)))",
            ("tests/test_ops.py",),
            "torch.cat joins along a dim its operands keep split"),
     Mutant("ckpt-verify-skips-hash", "distconv/checkpoint/_load.py",
