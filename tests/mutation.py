@@ -61,7 +61,7 @@ MUTANTS = [
            ("tests/comm/test_contracts.py",),
            "a thread rank waits at the barrier forever"),
     Mutant("run-threads-unbounded-join", "distconv/testing/threads.py",
-           "    _join(threads, group, timeout)\n",
+           "    _join(threads, group, comms, timeout)\n",
            "    [t.join() for t in threads]\n",
            ("tests/comm/test_contracts.py",),
            "run_threads waits forever for a rank that ignores its timeout"),
