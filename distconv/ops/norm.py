@@ -81,8 +81,11 @@ class BatchNormHandler(Handler):
 
 class _LocalNorm(Handler):
     """A normalisation whose statistics stay within one sample: it runs as the plain module on
-    local blocks, exactly, wherever its input keeps whole the dims it reduces over (and, with
-    per-channel affine weights, the channels); elsewhere it is refused by name."""
+    local blocks, exactly, where its input keeps whole the dims it reduces over (and, with
+    per-channel affine weights, the channels). Where its input splits them, they are made whole
+    first (an allgather over the grid dims that split them, priced as the conversion it is), so
+    every rank of such a group normalises the whole of its samples; the next layer takes its own
+    blocks of the output (a local slice)."""
 
     #: tensor dims (of N, C, H, W) the statistics reduce over
     reduces: tuple[int, ...] = ()
@@ -95,21 +98,20 @@ class _LocalNorm(Handler):
         step = an.keep(node, "norm")
         dist = step.out.dist
         whole = self.whole(module, dist.ndim)
-        split = {d: dist.grid_dims_of(d) for d in whole if dist.grid_dims_of(d)}
-        if split:
-            names = ", ".join(f"{'NCHW'[d]} over {'×'.join(g)}" for d, g in split.items())
-            an.fail(node, f"{type(module).__name__} needs {_dims(whole)} of its "
-                    f"input whole on each rank, but the input splits {names}: its statistics "
-                    "or weights would be partial. Keep those dims whole before it (e.g. sample "
-                    "parallelism there); reductions over split dims are not implemented yet")
+        ext = dict(step.out.layout)
+        split = {d: [g for g in dist.grid_dims_of(d) if ext.get(g, 1) > 1] for d in whole}
+        if split.get(0):
+            an.fail(node, f"{type(module).__name__} with running statistics averages them over "
+                    f"the samples, which the input splits over {'×'.join(split[0])}: keep the "
+                    "samples whole before it, or use track_running_stats=False")
+        if any(split.values()):
+            entries = tuple(None if d in whole else e for d, e in enumerate(dist.entries))
+            p = Placement(step.out.layout, Dist(entries, frozenset(), dist.tensor_dims))
+            step.out, step.needs = p, {a: p for a in step.needs}
         return step
 
     def price(self, report: Any, step: Any, module: Any, ctx: PriceContext) -> None:
         report.param_elements = sum(p.numel() for p in module.parameters())
-
-
-def _dims(dims: tuple[int, ...]) -> str:
-    return "(" + ", ".join("NCHW"[d] for d in dims) + ")"
 
 
 class GroupNormHandler(_LocalNorm):
@@ -118,7 +120,7 @@ class GroupNormHandler(_LocalNorm):
 
     def samples(self) -> Sequence[Sample]:
         return (Sample("groupnorm", lambda: SampleNet(nn.GroupNorm(2, 4), 4), (5, 4, 7, 6),
-                       SAMPLE_GRIDS[:1]),)
+                       SAMPLE_GRIDS),)
 
 
 class LayerNormHandler(_LocalNorm):
@@ -131,7 +133,7 @@ class LayerNormHandler(_LocalNorm):
 
     def samples(self) -> Sequence[Sample]:
         return (Sample("layernorm-chw", lambda: SampleNet(nn.LayerNorm((4, 7, 6)), 4),
-                       (5, 4, 7, 6), SAMPLE_GRIDS[:1]),)
+                       (5, 4, 7, 6), SAMPLE_GRIDS),)
 
 
 class InstanceNormHandler(_LocalNorm):
@@ -145,4 +147,8 @@ class InstanceNormHandler(_LocalNorm):
 
     def samples(self) -> Sequence[Sample]:
         return (Sample("instancenorm", lambda: SampleNet(nn.InstanceNorm2d(4), 4), (5, 4, 7, 6),
-                       SAMPLE_GRIDS[:1] + SAMPLE_GRIDS[2:]),)
+                       SAMPLE_GRIDS),
+                Sample("instancenorm-affine-tracked",
+                       lambda: SampleNet(nn.InstanceNorm2d(4, affine=True,
+                                                          track_running_stats=True), 4),
+                       (5, 4, 7, 6), (SAMPLE_GRIDS[1], SAMPLE_GRIDS[4])))

@@ -26,7 +26,7 @@ from distconv.comm.base import allreduce_bytes
 from distconv.nn.grad_sync import plan_buckets
 from distconv.parallel.config import ParallelConfig
 from distconv.distribution import Dist
-from distconv.ops import PriceContext
+from distconv.ops import PriceContext, Unsupported
 from distconv.ops.pricing import (
     CommStep, LayerReport, Machine, Timeline, largest_block, segment_rank, timeline,
 )
@@ -327,8 +327,11 @@ def _explain(model: nn.Module, cfg: ParallelConfig, shape: tuple[int, ...],
     if baseline and P > 1:
         sample = ParallelConfig({"default": {"grid": {"N": P}, "algorithm": "sample"}},
                                 world_size=P)
-        result.baseline = _explain(model, sample, shape, machine, optimizer_states, itemsize,
-                                   bucket_bytes, baseline=False, strict=strict)
+        try:
+            result.baseline = _explain(model, sample, shape, machine, optimizer_states,
+                                       itemsize, bucket_bytes, baseline=False, strict=strict)
+        except Unsupported:  # the model cannot run purely sample-parallel: no comparison
+            result.baseline = None
     return result
 
 
