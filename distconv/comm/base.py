@@ -140,10 +140,12 @@ def flat_span(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
     return first.as_strided((end - start,), (1,), start)
 
 
+_IS_COMPILING = getattr(getattr(torch, "compiler", None), "is_compiling", None)
+
+
 def compiling() -> bool:
     """Whether ``torch.compile`` is tracing the calling code."""
-    check = getattr(getattr(torch, "compiler", None), "is_compiling", None)
-    return bool(check()) if check is not None else False
+    return _IS_COMPILING is not None and bool(_IS_COMPILING())
 
 
 def eager(fn: Callable[..., Any]) -> Callable[..., Any]:

@@ -254,12 +254,12 @@ class ParallelModel(nn.Module):
             _eager(self._rebuild_gradient_syncs)
         shape = _eager(self._agree_batch, x)
         if not self._local_norms:
-            return self._interpret(x, self._shapes(shape, x.dtype))
+            return self._interpret(x, *self._plan(shape, x.dtype))
         collected: list[Any] = []  # local-statistics layers: one running-statistics broadcast
         for m in self._local_norms:
             m._collector = collected
         try:
-            out = self._interpret(x, self._shapes(shape, x.dtype))
+            out = self._interpret(x, *self._plan(shape, x.dtype))
         finally:
             for m in self._local_norms:
                 m._collector = None
@@ -267,7 +267,8 @@ class ParallelModel(nn.Module):
             _eager(broadcast_running, collected)
         return out
 
-    def _interpret(self, x: torch.Tensor, shapes: dict[str, tuple[int, ...]]) -> Any:
+    def _interpret(self, x: torch.Tensor, shapes: dict[str, tuple[int, ...]],
+                   needs: dict[tuple[fx.Node, fx.Node], Placement | None]) -> Any:
         """Run the analysed graph on this rank's blocks."""
         env: dict[fx.Node, Any] = {}
         converted: dict[tuple[fx.Node, Placement], torch.Tensor] = {}
@@ -280,12 +281,12 @@ class ParallelModel(nn.Module):
                 continue
             if step.segment is not None:
                 if step.segment != done:
-                    _eager(self._run_segment, step.segment, env, converted, shapes)
+                    _eager(self._run_segment, step.segment, env, converted, shapes, needs)
                     done = step.segment
                 continue
 
             def arg(a: fx.Node, step: Step = step) -> Any:
-                need = operand_need(step, a, shapes)
+                need = needs[(node, a)]
                 if need is None:
                     return env[a]
                 key = (a, need)
@@ -304,7 +305,8 @@ class ParallelModel(nn.Module):
 
     def _run_segment(self, segment: int, env: dict[fx.Node, Any],
                      converted: dict[tuple[fx.Node, Placement], torch.Tensor],
-                     shapes: dict[str, tuple[int, ...]]) -> None:
+                     shapes: dict[str, tuple[int, ...]],
+                     needs: dict[tuple[fx.Node, fx.Node], Placement | None]) -> None:
         """Run one checkpointed segment under ``torch.utils.checkpoint``: its inputs are converted
         outside it (the forward's bytes, once), its own steps -- their collectives included -- run
         again in backward, and only its inputs are kept for backward."""
@@ -314,7 +316,7 @@ class ParallelModel(nn.Module):
         outer: list[tuple[fx.Node, Placement | None]] = []
         for s in steps:
             for a in s.node.all_input_nodes:
-                key = (a, operand_need(s, a, shapes))
+                key = (a, needs[(s.node, a)])
                 if a in inside or key in outer:
                     continue
                 if key[1] is not None and key not in converted:
@@ -329,7 +331,7 @@ class ParallelModel(nn.Module):
             moved: dict[tuple[fx.Node, Placement], torch.Tensor] = {}
             for s in steps:
                 def arg(a: fx.Node, s: Step = s) -> Any:
-                    need = operand_need(s, a, shapes)
+                    need = needs[(s.node, a)]
                     if a not in inside:
                         return given[(a, need)]
                     if need is None:
@@ -448,17 +450,21 @@ class ParallelModel(nn.Module):
                         "rank given the whole global batch? Each N block takes its own block of "
                         "it (distconv.data.GridSampler, or distconv.scatter of the batch)")
 
-    def _shapes(self, shape: tuple[int, ...], dtype: torch.dtype) -> dict[str, tuple[int, ...]]:
-        """Every node's global shape for a global input shape (meta-device trace, cached)."""
+    def _plan(self, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[dict, dict]:
+        """For a global input shape (cached): every node's global shape (a meta-device trace),
+        and the placement each node's inputs are converted to on those shapes
+        (:func:`~distconv.parallel.graph.operand_need`), keyed ``(node, input)``."""
         key = shape + (str(dtype),)
         cached = self._plans.get(key)
         if cached is None:
             meta: fx.GraphModule = self._meta
             meta.to(dtype)
             propagate_shapes(meta, shape, dtype=dtype, argument="the input's global shape")
-            cached = {n.name: tuple(n.meta["tensor_meta"].shape) for n in meta.graph.nodes
+            shapes = {n.name: tuple(n.meta["tensor_meta"].shape) for n in meta.graph.nodes
                       if isinstance(n.meta.get("tensor_meta"), fx.passes.shape_prop.TensorMetadata)}
-            self._plans[key] = cached
+            needs = {(s.node, a): operand_need(s, a, shapes) for s in self._analysis.steps
+                     for a in s.node.all_input_nodes}
+            cached = self._plans[key] = (shapes, needs)
         return cached
 
     # ------------------------------------------------------------------ state dicts
