@@ -136,11 +136,10 @@ _IGNORED = re.compile(r"ignored (step-\d+): no index")
 
 
 def elastic_env(tree: str) -> dict[str, str]:
-    # torchrun shares its rendezvous store with every attempt's workers by default, and a
-    # restarted gloo world then reads its peers' addresses from the attempt before (Gloo
-    # connectFullMesh: Connection refused); a store per attempt avoids it
-    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=tree,
-                TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+    # torchrun's shared rendezvous store as it comes: init keys each attempt apart in it
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=tree)
+    env.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)
+    return env
 
 
 def elastic_command(launcher: str, tree: str, nproc: int, restarts: int, args: list[str]) -> list[str]:

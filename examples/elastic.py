@@ -14,15 +14,13 @@ fresh input noise drawn from torch's generator each step. Each step draws the no
 global batch on every rank and keeps its own samples, so the same sample gets the same noise on
 any layout and the generators stay equal on every rank.
 
-    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 \
     torchrun --standalone --nproc-per-node 4 --max-restarts 3 examples/elastic.py --dir /tmp/el
     mpiexec -n 4 python examples/elastic.py --dir /tmp/el       # rerun the same line to resume
     torchrun --standalone --nproc-per-node 2 examples/elastic.py --dir /tmp/el  # on 2 ranks
 
-torchrun's agent shares one rendezvous store with the workers of every attempt by default, and a
-restarted gloo world then reads its peers' addresses from the attempt before (``Gloo
-connectFullMesh failed ... Connection refused``); ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` gives
-each attempt a store of its own. Rank 0 says so when restarts are allowed without it.
+torchrun's agent shares one rendezvous store with the workers of every attempt;
+``distconv.comm.init`` keys each attempt's process group apart in it, so a restarted world never
+reads the addresses of the attempt before.
 
 Fault injection (for ``benchmarks/soak.py``): ``--die-at-step K --die-rank R`` SIGKILLs rank R at
 step K, once: a marker file in ``--dir`` records the death, so the restarted world runs through.
@@ -165,10 +163,6 @@ def main(argv: list[str] | None = None) -> None:
     rank, world = comm.rank, comm.size
     if rank == 0:
         root.mkdir(parents=True, exist_ok=True)
-        if (os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-                and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0):
-            print("note: restarts share torchrun's rendezvous store and a restarted gloo world "
-                  "may not connect; set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1", flush=True)
     comm.barrier()
 
     torch.manual_seed(args.seed)  # the same model on every rank; a resume restores the state

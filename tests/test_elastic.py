@@ -31,10 +31,9 @@ pytestmark = [
 
 def _start(directory: Path, *extra: str) -> subprocess.Popen:
     torchrun = str(TORCHRUN) if TORCHRUN.exists() else shutil.which("torchrun")
-    # each attempt its own rendezvous store: a restarted gloo world reads stale peer
-    # addresses from a shared one (see examples/elastic.py)
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT),
-               TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+    # torchrun's shared rendezvous store as it comes: init keys each attempt apart in it
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    env.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)
     cmd = [torchrun, "--standalone", "--nproc-per-node", "2", "--max-restarts", "1",
            str(EXAMPLE), "--dir", str(directory), *ARGS, *extra]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

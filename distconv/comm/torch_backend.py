@@ -326,6 +326,18 @@ def destroy_default_group() -> None:
     _owns_default_group = False
 
 
+def _attempt_store(timeout: float) -> Any:
+    """Under torchrun's agent store (``TORCHELASTIC_USE_AGENT_STORE``), a view of it private to
+    this restart attempt: the store outlives the attempt, and a restarted world that read the
+    dead attempt's keys (gloo's peer addresses) could not connect. None elsewhere."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true":
+        return None
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                           is_master=False, timeout=_td(timeout))
+    return dist.PrefixStore(f"distconv/attempt{attempt}/", client)
+
+
 def init_torch(kind: str | None = None, *, timeout: float = 60.0) -> TorchCommunicator:
     """The world of an initialised (or, from the torchrun variables, a new) default group.
 
@@ -338,7 +350,13 @@ def init_torch(kind: str | None = None, *, timeout: float = 60.0) -> TorchCommun
             kind = "nccl" if torch.cuda.is_available() and "LOCAL_RANK" in os.environ else "gloo"
         if kind == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend=kind, timeout=_td(timeout))
+        store = _attempt_store(timeout)
+        if store is None:
+            dist.init_process_group(backend=kind, timeout=_td(timeout))
+        else:
+            dist.init_process_group(backend=kind, timeout=_td(timeout), store=store,
+                                    rank=int(os.environ["RANK"]),
+                                    world_size=int(os.environ["WORLD_SIZE"]))
     actual = str(dist.get_backend()).lower()
     if kind is not None and actual != kind:
         raise ValueError(f"torch.distributed is already initialised with {actual!r}, not {kind!r}")
