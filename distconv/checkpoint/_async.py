@@ -19,6 +19,7 @@ reported by name.
 from __future__ import annotations
 
 import json
+import sys
 import threading
 import time
 import weakref
@@ -66,6 +67,8 @@ class SaveHandle:
         self._reported = False
         self._started = time.perf_counter()
         self._seconds: float | None = None
+        # not a daemon: a program that ends normally finishes its saves first; one that ends
+        # in an uncaught exception stops waiting for its peers at once (_abandon_on_failure)
         self._thread = threading.Thread(
             target=self._run, name=f"distconv-checkpoint-rank{rank}", daemon=False
         )
@@ -114,7 +117,31 @@ class SaveHandle:
                 f"bytes={self.nbytes}{took})")
 
 
+#: set when the program fails with an uncaught exception: saves in flight stop waiting for their
+#: peers (which may be gone) and leave their checkpoint incomplete (no index)
+_ABANDONED = threading.Event()
+_HOOKED = False
+
+
+def _abandon_on_failure() -> None:
+    """Chain ``sys.excepthook`` once, so that a program failing in its main thread does not wait
+    on its saves' peers for the whole timeout before it can exit."""
+    global _HOOKED
+    with _LOCK:
+        if _HOOKED:
+            return
+        _HOOKED = True
+        previous = sys.excepthook
+
+        def hook(kind: Any, value: Any, tb: Any) -> None:
+            _ABANDONED.set()
+            previous(kind, value, tb)
+
+        sys.excepthook = hook
+
+
 def start(comm: Any, handle: SaveHandle) -> SaveHandle:
+    _abandon_on_failure()
     with _LOCK:
         _PENDING[comm] = handle
     handle._thread.start()
@@ -208,6 +235,9 @@ def _await(path: Path, check: Callable[[], bool], timeout: float,
     """Poll ``check()`` until true; give up after ``timeout`` s in which no file changed."""
     pause, seen, deadline = 0.0005, None, time.monotonic() + timeout
     while not check():
+        if _ABANDONED.is_set():
+            raise CheckpointError(f"checkpoint.save of {str(path)!r} abandoned: the program "
+                                  "failed before it completed (no index: not a checkpoint)")
         now = time.monotonic()
         progress = _progress(path)
         if progress != seen:

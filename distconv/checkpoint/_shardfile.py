@@ -14,8 +14,8 @@ import hashlib
 import json
 import os
 import struct
+import threading
 from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -51,13 +51,31 @@ def write_shard_file(
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
     tmp = file.with_name(f".{file.name}.tmp")
-    with open(tmp, "wb", buffering=0) as f, ThreadPoolExecutor(1) as hasher:
+    # hashing beside the writing, on a plain thread: an executor refuses work once the
+    # interpreter starts to shut down, which is when an asynchronous save of a program that ends
+    # without waiting for it still writes
+    hashes: dict[str, str] = {}
+    failed: list[BaseException] = []
+
+    def digest() -> None:
+        try:
+            for key, data in views:
+                hashes[key] = _sha256(data)
+        except BaseException as exc:  # raised below, in the writing thread
+            failed.append(exc)
+
+    hasher = threading.Thread(target=digest, name="distconv-checkpoint-hash", daemon=True)
+    with open(tmp, "wb", buffering=0) as f:
         _write_all(f, struct.pack("<Q", len(text)) + text)
-        digests = {key: hasher.submit(_sha256, data) for key, data in views}
-        for _, data in views:
-            _write_all(f, data)
-        os.fsync(f.fileno())
-        hashes = {key: d.result() for key, d in digests.items()}
+        hasher.start()
+        try:
+            for _, data in views:
+                _write_all(f, data)
+            os.fsync(f.fileno())
+        finally:
+            hasher.join()
+    if failed:
+        raise failed[0]
     os.replace(tmp, file)
     sync_dir(file.parent)
     return 8 + len(text) + offset, hashes
