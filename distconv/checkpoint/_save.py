@@ -261,10 +261,22 @@ def _remove_stale(path: Path, keep: set[str]) -> None:
             f.unlink(missing_ok=True)
 
 
+_PLANS: dict[Any, list[Piece]] = {}  # the plans of the last layouts saved (a step's saves repeat)
+
+
 def _plan(items: Items, size: int) -> list[Piece]:
-    blocks = [b for key, (t, spec) in items.items()
-              for b in blocks_of(key, spec, t.element_size(), size)]
-    return assign(blocks, size)
+    """Who writes which block: a pure function of the layouts, cached by them."""
+    key = (size, tuple((k, spec.global_shape, spec.dist, None if spec.grid is None else
+                        spec.grid.layout, t.element_size()) for k, (t, spec) in items.items()))
+    plan = _PLANS.get(key)
+    if plan is None:
+        blocks = [b for k, (t, spec) in items.items()
+                  for b in blocks_of(k, spec, t.element_size(), size)]
+        plan = assign(blocks, size)
+        if len(_PLANS) >= 8:
+            _PLANS.pop(next(iter(_PLANS)))
+        _PLANS[key] = plan
+    return plan
 
 
 def _own(pieces: list[Piece], items: Items, rank: int, *,
