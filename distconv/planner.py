@@ -1015,23 +1015,23 @@ def _runner_ups(m: _Model, plan: Plan, pick: Mapping[str, Choice], step: float,
 
 
 def _config_choices(net: Network, config: Mapping[str, Any], world_size: int) -> dict[str, Choice]:
-    """Each convolution's choice under a ``parallelize`` config (first matching entry wins)."""
-    import fnmatch
+    """Each convolution's choice under a ``parallelize`` config, as parallelize matches it
+    (:meth:`ParallelConfig.choice`)."""
+    from distconv.parallel.config import ParallelConfig
 
-    entries = list(config.get("layers", ())) + [{"match": "*", **config["default"]}]
+    cfg = ParallelConfig(config, world_size=world_size)
     out = {}
     for c in net.convs:
-        e = next(e for e in entries if fnmatch.fnmatchcase(c.name, e["match"]))
+        entry = cfg.choice(c.name)
+        if entry.layout is None or entry.algorithm == "auto":
+            raise ValueError(f"predict: {c.name} takes {entry.source}, whose algorithm 'auto' "
+                             "is chosen by parallelize; give it a grid and an algorithm")
         # canonical, as the executor keeps placements: grid dims of extent 1 dropped
-        grid = tuple((str(k), int(v)) for k, v in e["grid"].items() if int(v) > 1) or (
-            ("N", 1),)
-        ch = Choice(grid, e["algorithm"])
-        if ch.size != world_size:
-            raise ValueError(f"predict: the grid {e['grid']} for {c.name} has {ch.size} "
-                             f"positions, world_size is {world_size}")
+        grid = tuple((d, e) for d, e in entry.layout if e > 1) or (("N", 1),)
+        ch = Choice(grid, entry.algorithm)
         e_ = ch.extents
         if c.problem.groups > 1 and e_.get("C", 1) * e_.get("F", 1) > 1:
-            ch = Choice(grid, e["algorithm"], groups_aligned=True)
+            ch = Choice(grid, entry.algorithm, groups_aligned=True)
         out[c.name] = ch
     return out
 
