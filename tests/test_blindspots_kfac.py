@@ -4,53 +4,22 @@ written from the layouts' definitions by hand, or computed in float64 on one pro
 
 from __future__ import annotations
 
-import copy
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import distconv
 from distconv.testing import run_threads
 
-N, CI, FO, HW = 6, 5, 6, 4
+N, CI, FO, HW = 6, 5, 6, 4  # the model of tests.kfac.test_resume: Conv2d(5, 6, 3), 4x4 images
 
 
-def _model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Conv2d(CI, FO, 3, padding=1), nn.Tanh(), nn.Flatten(),
-                         nn.Linear(FO * HW * HW, 3)).double()
+def _kfac_run(comm, grid, algorithm, **kw):
+    """The resume test's K-FAC run (tests.kfac.test_resume.kfac_run): its preconditioner."""
+    from tests.kfac.test_resume import kfac_run
 
-
-MODEL = _model()
-
-
-def _kfac_run(comm, grid, algorithm, *, until, save_at=None, path=None, load=None, **kw):
-    import distkfac
-    from distconv.data import sample_block
-    from distconv.parallel import parallelize
-
-    pm = parallelize(copy.deepcopy(MODEL),
-                     {"layers": [{"match": "0", "grid": grid, "algorithm": algorithm}]},
-                     comm=comm)
-    kfac = distkfac.KFAC(pm, **{**dict(factor_dtype=torch.float64, inv_update_steps=2,
-                                       damping=1e-2, factor_sharding="block"), **kw})
-    opt = torch.optim.SGD(pm.parameters(), lr=0.1)
-    if load is not None:
-        distconv.load(pm, load, states={"kfac": kfac})
-    while kfac.steps < until:
-        g = torch.Generator().manual_seed(50 + kfac.steps)
-        x = torch.randn(N, CI, HW, HW, generator=g, dtype=torch.float64)
-        y = torch.randint(0, 3, (N,), generator=g)
-        mine = sample_block(N, pm.data_grid)
-        opt.zero_grad()
-        F.cross_entropy(pm(x[mine]), y[mine]).backward()
-        kfac.step()
-        opt.step()
-        if kfac.steps == save_at:
-            distconv.save(pm, path, states={"kfac": kfac}, comm=comm)
-    return kfac
+    return kfac_run(comm, grid, algorithm, **kw)[1]
 
 
 # Conv2d(5, 6, 3) with a bias on {C: 2, F: 2} (rank = 2 c + f): A is 5·9 + 1 = 46 square, G 6.
