@@ -215,55 +215,30 @@ def test_index_records_each_block_once_in_the_paper_notation(tmp_path: Path) -> 
     assert len(writers) > 1
 
 
-class CountingOpen:
-    """Wraps ``safetensors.safe_open``: counts the elements each thread-rank reads."""
+class CountingParts:
+    """Wraps the loader's read of a part of a shard file: counts the elements each thread-rank
+    takes out of the files."""
 
     def __init__(self, real: Any) -> None:
         self.real, self.read = real, {}
 
-    def __call__(self, *args: Any, **kw: Any) -> Any:
-        counter = self
+    def method(self) -> Any:
+        def part(files: Any, *args: Any) -> torch.Tensor:
+            got = self.real(files, *args)
+            name = threading.current_thread().name
+            self.read[name] = self.read.get(name, 0) + got.numel()
+            return got
 
-        class Handle:
-            def __init__(self, handle: Any) -> None:
-                self.handle = handle
-
-            def __enter__(self) -> Handle:
-                self.handle.__enter__()
-                return self
-
-            def __exit__(self, *exc: Any) -> Any:
-                return self.handle.__exit__(*exc)
-
-            def get_slice(self, key: str) -> Any:
-                sl = self.handle.get_slice(key)
-
-                class Slice:
-                    def get_shape(self) -> Any:
-                        return sl.get_shape()
-
-                    def __getitem__(self, index: Any) -> torch.Tensor:
-                        return counter.count(sl[index])
-                return Slice()
-
-            def get_tensor(self, key: str) -> torch.Tensor:
-                return counter.count(self.handle.get_tensor(key))
-
-        return Handle(self.real(*args, **kw))
-
-    def count(self, t: torch.Tensor) -> torch.Tensor:
-        name = threading.current_thread().name
-        self.read[name] = self.read.get(name, 0) + t.numel()
-        return t
+        return part
 
 
 def test_each_rank_reads_only_its_blocks(tmp_path: Path, monkeypatch: Any) -> None:
-    import safetensors
+    from distconv.checkpoint import _load
 
     path = str(tmp_path / "ckpt")
     run("NC-x", save_on, path, "adam")
-    counting = CountingOpen(safetensors.safe_open)
-    monkeypatch.setattr(safetensors, "safe_open", counting)
+    counting = CountingParts(_load._Files._part)
+    monkeypatch.setattr(_load._Files, "_part", counting.method())
     loaded = run("CF-w", load_on, path, "adam")
     for r, state in enumerate(loaded):
         held = sum(t.numel() for k, v in state.items() if k != "lr" for t in [v[2]])

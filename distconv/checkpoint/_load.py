@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import hashlib
+import json
+import math
+import mmap
 import os
+import struct
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any, Mapping
@@ -14,6 +18,7 @@ from torch import nn
 from distconv.checkpoint._index import (
     Box, CheckpointError, TensorEntry, as_path, check_flag, intersect, read_index, volume,
 )
+from distconv.checkpoint._shardfile import _DTYPES
 from distconv.checkpoint._sections import ModuleSection, Section, sections_for
 from distconv.checkpoint._tree import flatten, tensor_keys, unflatten
 from distconv.nn.sharding import ShardSpec
@@ -225,7 +230,8 @@ class _Files:
 
     def read(self, key: str, box: Box | None) -> torch.Tensor:
         """The block ``box`` of tensor ``key`` (None: the whole tensor), from the shards that
-        intersect it."""
+        intersect it: a view of the file's memory map where one shard holds the box (the caller
+        copies it where it belongs), else assembled from the parts with one copy each."""
         e = self.entry(key)
         box = tuple((0, n) for n in e.shape) if box is None else box
         if volume(box) == 0:
@@ -247,32 +253,37 @@ class _Files:
         return out
 
     def _part(self, e: TensorEntry, shard: Any, src: tuple[slice, ...]) -> torch.Tensor:
-        f = self._open(e.key, shard.file)
+        """The part ``src`` of a shard: a view into the file's private memory map (no copy; the
+        map lives as long as a view of it), its whole tensor hash-checked first with ``verify``."""
+        tensors, (mapped, base) = self._open(e.key, shard.file)
         where = f"tensor {e.key!r}: shard {shard.box} in {shard.file!r}"
         want = tuple(b - a for a, b in shard.box)
-        try:
-            sl = f.get_slice(shard.key)
-            shape = tuple(sl.get_shape())
-            if shape != want:
-                raise CheckpointError(f"{where} has shape {shape}, the index says {want}")
-            whole = self.verify or not src or all(s.stop - s.start == n for s, n in zip(src, want))
-            part = f.get_tensor(shard.key) if whole else sl[src]
-        except CheckpointError:
-            raise
-        except Exception as exc:  # safetensors' own errors: unreadable header, missing key
-            raise CheckpointError(f"{where} cannot be read: {exc}") from None
-        if part.dtype != e.dtype:
-            raise CheckpointError(f"{where} holds {part.dtype}, the index says {e.dtype}")
+        info = tensors.get(shard.key)
+        if not isinstance(info, dict):
+            raise CheckpointError(f"{where} cannot be read: the file has no tensor {shard.key!r}")
+        dtype = _SAFETENSORS_DTYPES.get(info.get("dtype"))
+        shape = tuple(info.get("shape", ()))
+        if shape != want:
+            raise CheckpointError(f"{where} has shape {shape}, the index says {want}")
+        if dtype != e.dtype:
+            raise CheckpointError(f"{where} holds {info.get('dtype')}, the index says {e.dtype}")
+        start, stop = (int(v) for v in info["data_offsets"])
+        count = math.prod(shape)
+        if stop - start != count * dtype.itemsize or base + stop > len(mapped):
+            raise CheckpointError(f"{where} cannot be read: its byte range {start}..{stop} does "
+                                  "not hold it")
+        whole = (torch.frombuffer(mapped, dtype=dtype, count=count, offset=base + start)
+                 if count else torch.empty(0, dtype=dtype)).view(shape)
         if self.verify and (shard.file, shard.key) not in self.verified:
-            digest = hashlib.sha256(part.reshape(-1).view(torch.uint8).numpy()).hexdigest()
+            digest = hashlib.sha256(whole.reshape(-1).view(torch.uint8).numpy()).hexdigest()
             if digest != shard.sha256:
                 raise CheckpointError(f"{where} is corrupt: its SHA-256 differs from the index")
             self.verified.add((shard.file, shard.key))
-        return part[src] if whole and src else part
+        return whole[src] if src else whole
 
-    def _open(self, key: str, name: str) -> Any:
-        from safetensors import safe_open
-
+    def _open(self, key: str, name: str) -> tuple[dict[str, Any], tuple[mmap.mmap, int]]:
+        """A shard file's header (tensor name -> dtype, shape, byte range) and its memory map with
+        the offset of its data, opened once and checked against the index."""
         if name not in self.handles:
             file = self.path / name
             if not file.is_file():
@@ -284,9 +295,21 @@ class _Files:
                     f"records {recorded} (truncated or replaced)"
                 )
             try:
-                self.handles[name] = self.stack.enter_context(safe_open(str(file), "pt"))
+                with open(file, "rb", buffering=0) as f:
+                    (length,) = struct.unpack("<Q", f.read(8))
+                    header = json.loads(f.read(length))
+                    if not isinstance(header, dict) or 8 + length > size:
+                        raise ValueError("the header does not fit the file")
+                    # a private copy-on-write map: writable for torch.frombuffer, never written;
+                    # unmapped when the last tensor viewing it goes (never closed by hand)
+                    mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
             except Exception as exc:
                 raise CheckpointError(
                     f"tensor {key!r}: shard file {str(file)!r} cannot be read: {exc}"
                 ) from None
+            self.handles[name] = (header, (mapped, 8 + length))
         return self.handles[name]
+
+
+#: safetensors dtype name -> torch dtype
+_SAFETENSORS_DTYPES = {name: dtype for dtype, name in _DTYPES.items()}
