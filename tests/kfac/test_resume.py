@@ -5,6 +5,7 @@ or layout, the loaded global state is the saved one and the refusals name what d
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -270,10 +271,7 @@ def kfac_run(comm, grid, algorithm, *, until, save_at=None, path=None, load=None
 
 
 def _size(grid):
-    out = 1
-    for e in grid.values():
-        out *= e
-    return out
+    return math.prod(grid.values())
 
 
 @pytest.mark.parametrize("grid, algorithm, kw", [
