@@ -72,8 +72,12 @@ class SaveHandle:
         self._thread = threading.Thread(
             target=self._run, name=f"distconv-checkpoint-rank{rank}", daemon=False
         )
+        self._go = threading.Event()
 
     def _run(self) -> None:
+        # wait until save() has returned: a writer that starts at once holds the interpreter
+        # lock through its first Python steps while the caller waits to get it back
+        self._go.wait()
         try:
             self._job()
         except BaseException as exc:  # kept for wait(): a background thread has no caller
@@ -145,6 +149,7 @@ def start(comm: Any, handle: SaveHandle) -> SaveHandle:
     with _LOCK:
         _PENDING[comm] = handle
     handle._thread.start()
+    handle._go.set()
     return handle
 
 

@@ -297,18 +297,20 @@ def _own(pieces: list[Piece], items: Items, rank: int, *,
     return out
 
 
+_DIST_TEXT: dict[Dist, str] = {}  # the index's text of each Dist saved (a few per model)
+
+
 def _metadata(items: Items) -> dict[str, Any]:
     """Key, dtype, global shape, Dist and grid of each tensor."""
-    return {
-        key: {
-            "dtype": dtype_name(t.dtype),
-            "shape": list(spec.global_shape),
-            # explicit grid dim names (o_C, never a bare o) so the text parses without tensor_dims
-            "dist": Dist(spec.dist.entries, spec.dist.pending).format(),
-            "grid": None if spec.grid is None else [list(p) for p in spec.grid.layout],
-        }
-        for key, (t, spec) in items.items()
-    }
+    out = {}
+    for key, (t, spec) in items.items():
+        text = _DIST_TEXT.get(spec.dist)
+        if text is None:
+            # explicit grid dim names (o_C, never a bare o): the text parses without tensor_dims
+            text = _DIST_TEXT[spec.dist] = Dist(spec.dist.entries, spec.dist.pending).format()
+        out[key] = {"dtype": dtype_name(t.dtype), "shape": list(spec.global_shape), "dist": text,
+                    "grid": None if spec.grid is None else [list(p) for p in spec.grid.layout]}
+    return out
 
 
 def _allgather_json(comm: Communicator, record: dict[str, Any], what: str) -> list[dict[str, Any]]:
