@@ -2,8 +2,9 @@
 
 The model is traced (:func:`trace_network`) into a chain of **units** -- a single convolution, or
 a block (a main branch of convolutions and a skip that is the identity or its own convolutions,
-joined by a residual add or by a channel concatenation). Every convolution chooses a :class:`Choice` (grid layout and
-algorithm; its x and y distributions follow, as in :class:`~distconv.nn.DistConv2d`):
+joined by a residual add or by a channel concatenation). Every convolution chooses a
+:class:`Choice` (grid layout and algorithm; its x and y distributions follow, as in
+:class:`~distconv.nn.DistConv2d`):
 
 * ``sample``: grid ``{N: P}``;  ``spatial``: ``{N, H}`` or ``{N, H, W}``;
 * ``stationary-x``: ``{N, C}``;  ``stationary-y``: ``{N, F}``;  ``stationary-w``: ``{N, C, F}``,
@@ -75,8 +76,8 @@ class Block:
     """Two branches from one value, joined: ``add(main(x), skip(x))`` (a residual block) or
     ``cat([main(x), skip(x)], 1)`` (``join="cat"``, e.g. a dense or U-Net-style skip); ``skip``
     is empty for the identity. ``main_first``: the main branch is the join's first operand (which
-    wins a tie at an add, and whose placement a cat keeps). ``shapes``: the global shapes of the
-    (main, skip) operands of a cat."""
+    wins a tie where the operands meet). ``shapes``: the global shapes of the (main, skip)
+    operands of a cat."""
 
     main: tuple[ConvNode, ...]
     skip: tuple[ConvNode, ...]
@@ -895,8 +896,10 @@ def plan_network(
     plans: dict[tuple, tuple[Plan, dict[str, Choice]]] = {}
     for p in finalists:
         key = tuple(p[c.name] for c in net.convs)
+        if key in plans:
+            continue
         p_ev = m.evaluate(p)
-        if key in plans or p_ev["memory"] > limit:
+        if p_ev["memory"] > limit:
             continue
         plans[key] = (_make_plan(m, p, p_ev, net.input_shape[0], list(notes)), p)
         if m.net.model is None:

@@ -53,6 +53,9 @@ def _step(comm: Any, model: nn.Module, config: Any, x: torch.Tensor) -> dict[str
     out = pmodel(x[rows])
     out.square().mean().backward()
     kinds = {type(m).__name__ for m in pmodel.modules()}
+    # the layer keeps its torch class for the idioms (isinstance(m, nn.Dropout2d): m.eval())
+    drops = [m for m in pmodel.modules() if type(m).__name__.startswith("DistDropout")]
+    assert all(isinstance(m, type(model.drop)) for m in drops)
     return {"rows": rows, "out": out.detach(), "grads": _gathered_grads(pmodel), "kinds": kinds}
 
 
@@ -65,8 +68,9 @@ def test_split_dropout_equals_one_process(dropout: nn.Module, name: str) -> None
     x = torch.randn(SHAPE, generator=gen, dtype=torch.float64)
     ref = _reference(model, x)
     torch.manual_seed(SEED)  # thread ranks share it: rank 0's seed is every rank's
+    kind = "DistDropout2d" if isinstance(dropout, nn.Dropout2d) else "DistDropout"
     for got in run_threads(_step, 4, model, CONFIGS[name], x):
-        assert "DistDropout" in got["kinds"]
+        assert kind in got["kinds"]
         assert (got["out"] - ref["out"][got["rows"]]).abs().max() < TOL
         for k, g in ref["grads"].items():
             assert (got["grads"][k] - g).abs().max() < TOL, k

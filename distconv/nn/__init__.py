@@ -3,7 +3,7 @@
 from distconv.nn.batchnorm import DistBatchNorm2d
 from distconv.nn.clip import clip_grad_norm_
 from distconv.nn.conv import ALGORITHMS, DistConv2d, UnsupportedConvError
-from distconv.nn.dropout import DistDropout
+from distconv.nn.dropout import DistDropout, DistDropout2d
 from distconv.nn.grad_sync import GradSync, finish_grad_sync
 from distconv.nn.pool import DistAdaptiveAvgPool2d, DistAvgPool2d, DistMaxPool2d
 from distconv.nn.redistribute import Redistribute
@@ -12,4 +12,4 @@ from distconv.nn.sharding import ShardSpec, shard_specs
 __all__ = ["ALGORITHMS", "DistConv2d", "GradSync", "Redistribute", "UnsupportedConvError",
            "ShardSpec", "clip_grad_norm_", "finish_grad_sync", "shard_specs"]
 __all__ += ["DistAdaptiveAvgPool2d", "DistAvgPool2d", "DistBatchNorm2d", "DistDropout",
-            "DistMaxPool2d"]
+            "DistDropout2d", "DistMaxPool2d"]

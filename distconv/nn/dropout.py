@@ -14,38 +14,27 @@ from typing import Sequence
 
 import torch
 from torch import nn
+from torch.nn.modules.dropout import _DropoutNd
 
 from distconv.distribution import Dist
 from distconv.grid import ProcessorGrid
 
-__all__ = ["DistDropout"]
+__all__ = ["DistDropout", "DistDropout2d"]
 
 
-class DistDropout(nn.Dropout):
-    """``nn.Dropout`` (``features=False``) or ``nn.Dropout2d`` (``features=True``: whole channels
-    of a sample) on this rank's block of an activation distributed as ``input_dist``.
+class _DistDropout(_DropoutNd):
+    """What both distributed dropouts share; ``features`` says whether whole channels drop."""
 
-    Args:
-        p: the probability of an element (or a channel) to be zeroed, in [0, 1]. Default 0.5.
-        features: drop whole channels (``Dropout2d``) instead of elements. Default False.
-        grid: the processor grid ``input_dist`` lives on (its communicator gives the shared
-            generator).
-        input_dist: the Dist of ``x``, e.g. ``x[o,o_C,o,o]`` or ``x[o,*,o_H,*]``; the output has
-            the same Dist.
+    features = False
 
-    ``forward(x_local, global_shape)``: in training, ``x_local * mask_block / (1 - p)`` with the
-    global mask drawn as ``torch.dropout`` draws it (Bernoulli(1 - p) over the global shape, or
-    ``[N, C, 1, ...]`` for features); in eval mode or with ``p = 0``, ``x_local``.
-    """
-
-    def __init__(self, p: float = 0.5, *, features: bool = False, grid: ProcessorGrid,
-                 input_dist: Dist) -> None:
+    def __init__(self, p: float = 0.5, *, grid: ProcessorGrid, input_dist: Dist) -> None:
         super().__init__(p)
         if not isinstance(grid, ProcessorGrid):
-            raise TypeError(f"DistDropout: grid must be a ProcessorGrid, got {grid!r}")
+            raise TypeError(f"{type(self).__name__}: grid must be a ProcessorGrid, got {grid!r}")
         if not isinstance(input_dist, Dist):
-            raise TypeError(f"DistDropout: input_dist must be a Dist, got {input_dist!r}")
-        self.features, self.grid, self.input_dist = bool(features), grid, input_dist
+            raise TypeError(f"{type(self).__name__}: input_dist must be a Dist, got "
+                            f"{input_dist!r}")
+        self.grid, self.input_dist = grid, input_dist
         grid.comm.shared_generator()  # agreed here (a collective), not in a training step
 
     def forward(self, x: torch.Tensor, global_shape: Sequence[int]) -> torch.Tensor:
@@ -66,5 +55,29 @@ class DistDropout(nn.Dropout):
         return x * noise.div_(1 - self.p)
 
     def extra_repr(self) -> str:
-        return (f"p={self.p}, features={self.features}, grid={dict(self.grid.layout)}, "
-                f"x={self.input_dist.format('x')}")
+        return f"p={self.p}, grid={dict(self.grid.layout)}, x={self.input_dist.format('x')}"
+
+
+class DistDropout(_DistDropout, nn.Dropout):
+    """``nn.Dropout`` on this rank's block of an activation distributed as ``input_dist``; an
+    ``nn.Dropout`` for ``isinstance``.
+
+    Args:
+        p: the probability of an element to be zeroed, in [0, 1]. Default 0.5.
+        grid: the processor grid ``input_dist`` lives on (its communicator gives the shared
+            generator).
+        input_dist: the Dist of ``x``, e.g. ``x[o,o_C,o,o]`` or ``x[o,*,o_H,*]``; the output has
+            the same Dist.
+
+    ``forward(x_local, global_shape)``: in training, ``x_local * mask_block / (1 - p)`` with the
+    global mask drawn as ``torch.dropout`` draws it (Bernoulli(1 - p) over the global shape); in
+    eval mode or with ``p = 0``, ``x_local``.
+    """
+
+
+class DistDropout2d(_DistDropout, nn.Dropout2d):
+    """``nn.Dropout2d`` (whole channels of a sample) on this rank's block of an activation
+    distributed as ``input_dist``; an ``nn.Dropout2d`` for ``isinstance``. Arguments and
+    ``forward`` as :class:`DistDropout`, the global mask being ``[N, C, 1, 1]``."""
+
+    features = True

@@ -32,7 +32,8 @@ def recomputing() -> Iterator[None]:
         _STATE.depth -= 1
 
 
-def recompute_context() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
+def recompute_context() -> tuple[contextlib.AbstractContextManager,
+                                 contextlib.AbstractContextManager]:
     """``context_fn`` for ``torch.utils.checkpoint.checkpoint``: nothing around the first forward,
     :func:`recomputing` around the recomputation."""
     return contextlib.nullcontext(), recomputing()

@@ -22,16 +22,22 @@ from distconv.ops.pool import AdaptiveAvgPoolHandler, MeanHandler, PoolHandler
 from distconv.ops.resample import ResampleHandler
 from distconv.ops.shape import FlattenHandler, MetaHandler, ReshapeHandler
 
-__all__ = ["REGISTRY", "Handler", "PriceContext", "Sample", "Unsupported", "handler_for",
-           "supported"]
+__all__ = ["CONFIGURABLE", "REGISTRY", "Handler", "PriceContext", "Sample", "Unsupported",
+           "handler_for", "supported"]
 
 #: Every op family, in matching order (the first that binds a node handles it).
 REGISTRY: tuple[Handler, ...] = (
-    ConvHandler(), LinearHandler(), SampleLayerHandler(), BatchNormHandler(), GroupNormHandler(), LayerNormHandler(),
-    InstanceNormHandler(), PoolHandler(), AdaptiveAvgPoolHandler(),
-    MeanHandler(), ResampleHandler(), DropoutHandler(), FlattenHandler(), ReshapeHandler(), PointwiseHandler(),
-    BinaryHandler(), CatHandler(), MetaHandler(),
+    ConvHandler(), LinearHandler(), SampleLayerHandler(), BatchNormHandler(),
+    GroupNormHandler(), LayerNormHandler(), InstanceNormHandler(), PoolHandler(),
+    AdaptiveAvgPoolHandler(), MeanHandler(), ResampleHandler(), DropoutHandler(),
+    FlattenHandler(), ReshapeHandler(), PointwiseHandler(), BinaryHandler(), CatHandler(),
+    MetaHandler(),
 )
+
+
+#: The module types a config entry may name (their grid and algorithm are configurable).
+CONFIGURABLE: tuple[type, ...] = (
+    ConvHandler.modules + LinearHandler.modules + SampleLayerHandler.modules)
 
 
 def handler_for(node: fx.Node, module: nn.Module | None) -> Handler | None:

@@ -66,11 +66,11 @@ class DropoutHandler(Handler):
         return step
 
     def build(self, module: Any, node: Any, step: Any, grid: Any) -> Any:
-        from distconv.nn.dropout import DistDropout
+        from distconv.nn.dropout import DistDropout, DistDropout2d
 
         features = isinstance(module, nn.Dropout2d) or node.target is F.dropout2d
-        layer = DistDropout(_drop_p(node, module), features=features, grid=grid,
-                            input_dist=step.layer.input.dist)
+        layer = (DistDropout2d if features else DistDropout)(
+            _drop_p(node, module), grid=grid, input_dist=step.layer.input.dist)
         if module is not None:
             layer.train(module.training)
         elif not bool(node.kwargs.get("training", node.args[2] if len(node.args) > 2 else True)):

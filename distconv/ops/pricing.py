@@ -98,21 +98,23 @@ def timeline(layers: Sequence[LayerReport], machine: Machine) -> Timeline:
     reverse order on a compute stream; each gradient allreduce (a step with ``after``) goes on a
     communication stream once the backward of its layer is done and the previous allreduce has
     finished, as the gradient buckets run. Every other collective is on the critical path."""
-    def seconds(lay: LayerReport, phase: str, overlapped: bool) -> float:
-        return sum(s.seconds(machine) for s in lay.steps
-                   if s.phase == phase and (s.after is not None) == overlapped)
+    machine = machines.resolve_machine(machine, hierarchical=True)  # once, not per step
 
-    forward = sum(lay.forward_seconds + seconds(lay, "forward", False) for lay in layers)
+    def seconds(lay: LayerReport, phase: str) -> float:
+        return sum(s.seconds(machine) for s in lay.steps if s.phase == phase and s.after is None)
+
+    forward = sum(lay.forward_seconds + seconds(lay, "forward") for lay in layers)
     compute = comm = forward
     gradients = 0.0
+    names = {lay.name for lay in layers}
     waiting: dict[str | None, list[float]] = {}
     for lay in layers:
         for s in lay.steps:
             if s.after is not None:
-                waiting.setdefault(s.after if any(x.name == s.after for x in layers) else None,
+                waiting.setdefault(s.after if s.after in names else None,
                                    []).append(s.seconds(machine))
     for lay in reversed(layers):
-        compute += lay.backward_seconds + seconds(lay, "backward", False)
+        compute += lay.backward_seconds + seconds(lay, "backward")
         for t in waiting.pop(lay.name, ()):
             comm = max(comm, compute) + t
             gradients += t

@@ -239,11 +239,11 @@ class _Analyser:
 def _distributed_modules() -> tuple[type, ...]:
     from distconv.nn import (
         DistAdaptiveAvgPool2d, DistAvgPool2d, DistBatchNorm2d, DistConv2d, DistDropout,
-        DistMaxPool2d, Redistribute,
+        DistDropout2d, DistMaxPool2d, Redistribute,
     )
 
     return (DistConv2d, DistBatchNorm2d, DistMaxPool2d, DistAvgPool2d, DistAdaptiveAvgPool2d,
-            DistDropout, Redistribute)
+            DistDropout, DistDropout2d, Redistribute)
 
 
 def _target(node: fx.Node) -> str:
@@ -257,9 +257,7 @@ def analyse(gm: fx.GraphModule, config: ParallelConfig, *, input_ndim: int | Non
 
     ``strict`` (default): the first node no handler runs raises :class:`distconv.ops.Unsupported`
     naming it; ``strict=False`` records every such node in ``Analysis.unsupported`` instead."""
-    configurable = [n for n, m in gm.named_modules() if isinstance(m, (
-        nn.Conv2d, nn.Linear, nn.Conv1d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d,
-        nn.ConvTranspose3d))]
+    configurable = [n for n, m in gm.named_modules() if isinstance(m, ops.CONFIGURABLE)]
     norms = [n for n, m in gm.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
     config.check_matches(configurable, norms, [n for n, _ in gm.named_modules() if n])
     walker = _Analyser(gm, config, input_ndim, strict)
