@@ -24,6 +24,7 @@ Writes ``benchmarks/results/end_to_end.{json,md,png}``.
     .venv/bin/python benchmarks/end_to_end.py --quick    # a smoke run
     .venv/bin/python benchmarks/end_to_end.py --profile  # where a step's time goes, vs DDP
     .venv/bin/python benchmarks/end_to_end.py --one-process --steps 30  # overhead on one rank
+    python benchmarks/end_to_end.py --one-process --device cuda --steps 50  # the same on a GPU
 """
 
 from __future__ import annotations
@@ -222,28 +223,35 @@ def run_profile(per_rank: int, steps: int) -> dict[str, Any]:
     return worst
 
 
-def one_process(steps: int, batch: int = 16) -> dict[str, float]:
+def one_process(steps: int, batch: int = 16, device: str = "cpu") -> dict[str, Any]:
     """A parallelized model on one process against the plain module: interleaved training steps
-    (forward and backward), medians, the ratio."""
+    (forward and backward), medians, the ratio. On CUDA each step ends with a synchronize, so a
+    step's time is the host's overhead and the kernels together."""
     from distconv.comm import SingleCommunicator
 
     torch.set_num_threads(1)
-    model = build_model()
+    dev = torch.device(device)
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    model = build_model().to(dev)
     ours = parallelize(copy.deepcopy(model), sample_config(1), comm=SingleCommunicator())
     gen = torch.Generator().manual_seed(1)
-    x = torch.randn(batch, 3, SIZE, SIZE, generator=gen)
-    y = torch.randint(0, 10, (batch,), generator=gen)
+    x = torch.randn(batch, 3, SIZE, SIZE, generator=gen).to(dev)
+    y = torch.randint(0, 10, (batch,), generator=gen).to(dev)
     times: dict[str, list[float]] = {"plain": [], "parallel": []}
-    for step in range(steps + 2):
+    for step in range(steps + 5):
         for name, m in (("plain", model), ("parallel", ours)):
+            sync()
             t0 = time.perf_counter()
             F.cross_entropy(m(x), y).backward()
             m.zero_grad()
-            if step >= 2:
+            sync()
+            if step >= 5:
                 times[name].append(time.perf_counter() - t0)
-    med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+    med: dict[str, Any] = {k: statistics.median(v) * 1e3 for k, v in times.items()}
     med["ratio"] = med["parallel"] / med["plain"]
-    print(f"one process, batch {batch}: plain {med['plain']:.2f} ms, parallel "
+    med.update(device=str(dev), batch=batch, steps=steps,
+               name=torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu")
+    print(f"one process on {med['name']}, batch {batch}: plain {med['plain']:.2f} ms, parallel "
           f"{med['parallel']:.2f} ms, ratio {med['ratio']:.3f} (target <= 1.03)")
     return med
 
@@ -355,9 +363,14 @@ def main() -> None:
                         help="where a sample-parallel step's time goes, next to DDP (gloo, 2 ranks)")
     parser.add_argument("--one-process", action="store_true",
                         help="a parallelized model on one process against the plain module")
+    parser.add_argument("--device", default="cpu", help="--one-process on this device (cuda)")
+    parser.add_argument("--batch", type=int, default=16, help="--one-process batch")
     args = parser.parse_args()
     if args.one_process:
-        one_process(args.steps)
+        med = one_process(args.steps, args.batch, args.device)
+        RESULTS.mkdir(parents=True, exist_ok=True)
+        name = "one_process.json" if args.device == "cpu" else f"one_process_{args.device}.json"
+        (RESULTS / name).write_text(json.dumps(med, indent=1))
         return
     if args.profile:
         run_profile(1, args.steps)
