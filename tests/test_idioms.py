@@ -467,6 +467,24 @@ def test_a_layer_replaced_after_parallelize_is_refused_by_name() -> None:
         pmodel(x)
 
 
+def test_a_module_that_runs_as_traced_swapped_after_parallelize_is_the_one_that_runs() -> None:
+    """Eager semantics: a module the parallel model runs as traced (an activation here) is
+    looked up at each call, so swapping it between steps changes the next step, exactly as the
+    same swap changes the plain model."""
+    torch.manual_seed(5)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.Conv2d(4, 2, 1))
+    x = torch.randn(3, 3, 5, 5, dtype=torch.float64)
+    model.double()
+    pmodel = parallelize(copy.deepcopy(model), {"default": {"grid": {"N": 1}}},
+                         comm=SingleCommunicator())
+    assert torch.equal(pmodel(x), model(x))
+    model[1] = nn.Tanh()
+    setattr(pmodel, "1", nn.Tanh())
+    got, want = pmodel(x), model(x)
+    assert not torch.equal(want, nn.Sequential(model[0], nn.ReLU(), model[2])(x))
+    assert torch.equal(got, want)
+
+
 # ----------------------------------------------------------------------------- state dicts
 def _state_dict_run(comm: Any) -> dict[str, Any]:
     model, x, y = resnet_case(seed=6)

@@ -104,7 +104,28 @@ def resolve_shape(
     layer: str, grid: ProcessorGrid, dist: Dist, x: torch.Tensor,
     global_shape: Sequence[int] | None,
 ) -> tuple[int, int, int, int]:
-    """The global (N, C, H, W), checked against this rank's block ``x`` in ``dist``."""
+    """The global (N, C, H, W), checked against this rank's block ``x`` in ``dist`` (a block
+    and global shape once checked are remembered: layers are called with them every step)."""
+    key = (grid, dist, x.shape, global_shape) if type(global_shape) is tuple else None
+    if key is not None:
+        found = _RESOLVED.get(key)
+        if found is not None:
+            return found
+    shape = _resolve_shape(layer, grid, dist, x, global_shape)
+    if key is not None:
+        if len(_RESOLVED) > 4096:
+            _RESOLVED.clear()
+        _RESOLVED[key] = shape
+    return shape
+
+
+_RESOLVED: dict[tuple[Any, ...], tuple[int, int, int, int]] = {}
+
+
+def _resolve_shape(
+    layer: str, grid: ProcessorGrid, dist: Dist, x: torch.Tensor,
+    global_shape: Sequence[int] | None,
+) -> tuple[int, int, int, int]:
     if x.dim() != 4:
         raise ValueError(f"{layer} takes a 4-d (N, C, H, W) block, got shape {tuple(x.shape)}")
     if global_shape is None:

@@ -255,6 +255,8 @@ class DistConv2d(nn.Module):
         self.work_hook: Any = None
         self.input_shape = None if input_shape is None else self._check_input_shape(input_shape)
         self._geometries: dict[tuple[int, ...], _Geometry] = {}
+        #: (input block shape, given global shape) -> the global shape, once checked
+        self._checked: dict[tuple[Any, tuple[int, ...]], tuple[int, ...]] = {}
         if self.input_shape is not None:
             self._geometry(self.input_shape)
         # Sub-communicators are created collectively, in the same order on every rank.
@@ -563,15 +565,23 @@ class DistConv2d(nn.Module):
                 f"DistConv2d on a distributed grid (or given a global shape) takes a 4-d input, "
                 f"got {tuple(x.shape)}"
             )
-        shape = self._global_shape(x, global_shape)
+        key = (x.shape, global_shape) if type(global_shape) is tuple else None
+        shape = self._checked.get(key) if key is not None else None
+        if shape is None:  # a block and global shape not seen yet: checked once
+            shape = self._global_shape(x, global_shape)
+            self._geometry(shape)
+            expected = local_shape(self.grid, self.input_dist, tuple(shape))
+            if tuple(x.shape) != expected:
+                raise ValueError(
+                    f"rank {self.grid.rank} (coords {self.grid.coords}) got an input block of "
+                    f"shape {tuple(x.shape)}, but {self.input_dist.format('x')} of the global "
+                    f"shape {shape} gives it {expected}"
+                )
+            if key is not None:
+                if len(self._checked) > 64:
+                    self._checked.clear()
+                self._checked[key] = shape
         geo = self._geometry(shape)
-        expected = local_shape(self.grid, self.input_dist, tuple(shape))
-        if tuple(x.shape) != expected:
-            raise ValueError(
-                f"rank {self.grid.rank} (coords {self.grid.coords}) got an input block of shape "
-                f"{tuple(x.shape)}, but {self.input_dist.format('x')} of the global shape {shape} "
-                f"gives it {expected}"
-            )
         if self._local:
             return self._local_conv(x)
         if self._gather_x:

@@ -27,7 +27,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import hashlib
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 import torch.fx as fx
@@ -48,6 +48,7 @@ from distconv.parallel.config import ParallelConfig
 from distconv.parallel.graph import (
     Analysis, LayerSpec, Step, analyse, operand_need, trace,
 )
+from distconv.parallel.program import generate
 from distconv.parallel.shapes import propagate_shapes
 from distconv.parallel.placement import Layout, Placement, convert, layout_str
 from distconv.redistribute import gather
@@ -157,7 +158,7 @@ class ParallelModel(nn.Module):
         self.bucket_bytes = bucket_bytes
         self._local_norms = [m for m in self.modules() if isinstance(m, DistBatchNorm2d)
                              and m._block_comm is not None]
-        self._trainable = _trainable(self)
+        self._trainable = _Trainable(self)
         self.grad_sync = self._fuse_gradient_syncs(bucket_bytes)
         register_parameter_specs(self, comm)
 
@@ -202,7 +203,7 @@ class ParallelModel(nn.Module):
         rank rebuilds the same buckets)."""
         if self.grad_sync is not None:
             self.grad_sync.detach()
-        self._trainable = _trainable(self)
+        self._trainable = _Trainable(self)
         self.grad_sync = self._fuse_gradient_syncs(self.bucket_bytes)
         register_parameter_specs(self, self.comm)
 
@@ -250,58 +251,22 @@ class ParallelModel(nn.Module):
         complete on every rank (``[o_N,*,...]``)."""
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"input must be a torch.Tensor, got {type(x).__name__}")
-        if self._trainable != _trainable(self):
+        if self._trainable.changed(self):
             _eager(self._rebuild_gradient_syncs)
         shape = _eager(self._agree_batch, x)
         if not self._local_norms:
-            return self._interpret(x, *self._plan(shape, x.dtype))
+            return self._plan(shape, x.dtype)(x)
         collected: list[Any] = []  # local-statistics layers: one running-statistics broadcast
         for m in self._local_norms:
             m._collector = collected
         try:
-            out = self._interpret(x, *self._plan(shape, x.dtype))
+            out = self._plan(shape, x.dtype)(x)
         finally:
             for m in self._local_norms:
                 m._collector = None
         if collected:  # only after a whole forward: every rank sends the same layers
             _eager(broadcast_running, collected)
         return out
-
-    def _interpret(self, x: torch.Tensor, shapes: dict[str, tuple[int, ...]],
-                   needs: dict[tuple[fx.Node, fx.Node], Placement | None]) -> Any:
-        """Run the analysed graph on this rank's blocks."""
-        env: dict[fx.Node, Any] = {}
-        converted: dict[tuple[fx.Node, Placement], torch.Tensor] = {}
-        analysis: Analysis = self._analysis
-        done: int | None = None  # the last checkpointed segment run
-        for step in analysis.steps:
-            node = step.node
-            if step.kind == "input":
-                env[node] = x
-                continue
-            if step.segment is not None:
-                if step.segment != done:
-                    _eager(self._run_segment, step.segment, env, converted, shapes, needs)
-                    done = step.segment
-                continue
-
-            def arg(a: fx.Node, step: Step = step) -> Any:
-                need = needs[(node, a)]
-                if need is None:
-                    return env[a]
-                key = (a, need)
-                if key not in converted:
-                    src = analysis.step(a).out
-                    converted[key] = _eager(convert, env[a], src, need, shapes[a.name],
-                                            self._grids)
-                return converted[key]
-
-            args = fx.node.map_arg(node.args, arg)
-            kwargs = fx.node.map_arg(node.kwargs, arg)
-            if step.kind == "output":
-                return fx.node.map_aggregate(args[0], self._exit)
-            env[node] = self._run(step, args, kwargs, shapes)
-        raise AssertionError("the traced graph has no output")
 
     def _run_segment(self, segment: int, env: dict[fx.Node, Any],
                      converted: dict[tuple[fx.Node, Placement], torch.Tensor],
@@ -391,9 +356,11 @@ class ParallelModel(nn.Module):
         """The global input shape, from one small allgather of every rank's local shape."""
         if x.dim() == 0:
             raise ValueError("input must have a sample dim, got a 0-d tensor")
+        if self.comm.size == 1:  # nothing to agree on: no tensor, no device round trip
+            self.global_batch_size = x.shape[0]
+            return tuple(x.shape)
         local = torch.tensor(list(x.shape), dtype=torch.int64, device=self.comm.device)
-        shapes = ([local] if self.comm.size == 1 else
-                  self.comm.allgather(local, meta="ParallelModel entry: local input shapes"))
+        shapes = self.comm.allgather(local, meta="ParallelModel entry: local input shapes")
         grid = self.data_grid
         p_n = grid.extent("N")
         blocks: dict[int, tuple[int, int]] = {}
@@ -450,13 +417,14 @@ class ParallelModel(nn.Module):
                         "rank given the whole global batch? Each N block takes its own block of "
                         "it (distconv.data.GridSampler, or distconv.scatter of the batch)")
 
-    def _plan(self, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[dict, dict]:
-        """For a global input shape (cached): every node's global shape (a meta-device trace),
-        and the placement each node's inputs are converted to on those shapes
-        (:func:`~distconv.parallel.graph.operand_need`), keyed ``(node, input)``."""
+    def _plan(self, shape: tuple[int, ...], dtype: torch.dtype) -> Callable[[torch.Tensor], Any]:
+        """The step's code for a global input shape (cached): every node's global shape (a
+        meta-device trace) and the placement each node's inputs are converted to on those shapes
+        (:func:`~distconv.parallel.graph.operand_need`), written out as one function of this
+        rank's input block (:func:`~distconv.parallel.program.generate`)."""
         key = shape + (str(dtype),)
-        cached = self._plans.get(key)
-        if cached is None:
+        program = self._plans.get(key)
+        if program is None:
             meta: fx.GraphModule = self._meta
             meta.to(dtype)
             propagate_shapes(meta, shape, dtype=dtype, argument="the input's global shape")
@@ -464,8 +432,8 @@ class ParallelModel(nn.Module):
                       if isinstance(n.meta.get("tensor_meta"), fx.passes.shape_prop.TensorMetadata)}
             needs = {(s.node, a): operand_need(s, a, shapes) for s in self._analysis.steps
                      for a in s.node.all_input_nodes}
-            cached = self._plans[key] = (shapes, needs)
-        return cached
+            program = self._plans[key] = generate(self, shapes, needs)
+        return program
 
     # ------------------------------------------------------------------ state dicts
     def _shard_tag(self) -> dict[str, Any]:
@@ -621,9 +589,44 @@ def _get_attr(root: nn.Module, target: str) -> Any:
     return obj
 
 
-def _trainable(model: nn.Module) -> tuple[tuple[int, bool], ...]:
-    """Which parameter objects the model holds and which of them train."""
-    return tuple((id(p), p.requires_grad) for p in model.parameters())
+#: bumped whenever any module anywhere registers a parameter or a submodule (assignment,
+#: ``register_parameter``, ``load_state_dict(assign=True)``): a model whose tree is unchanged
+#: since it last looked need only read its parameters' ``requires_grad``
+_TREE_VERSION = [0]
+
+
+def _tree_changed(*_: Any) -> None:
+    _TREE_VERSION[0] += 1
+
+
+nn.modules.module.register_module_parameter_registration_hook(_tree_changed)
+nn.modules.module.register_module_module_registration_hook(_tree_changed)
+
+
+class _Trainable:
+    """Which parameter objects a model holds and which of them train, compared cheaply every
+    forward: the tree is walked again only after some module registered a parameter or module;
+    otherwise only the flags of the parameters it holds are read."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.version = _TREE_VERSION[0]
+        params: list[nn.Parameter] = []
+        stack = [model]
+        while stack:
+            m = stack.pop()
+            params.extend(p for p in m._parameters.values() if p is not None)
+            stack.extend(c for c in m._modules.values() if c is not None)
+        self.params = params
+        self.ids = tuple(map(id, params))
+        self.flags = tuple(p.requires_grad for p in params)
+
+    def changed(self, model: nn.Module) -> bool:
+        if self.version != _TREE_VERSION[0]:
+            now = _Trainable(model)
+            if now.ids != self.ids:
+                return True
+            self.version = now.version
+        return tuple(p.requires_grad for p in self.params) != self.flags
 
 
 def _eager(fn: Any, *args: Any) -> Any:
