@@ -44,7 +44,8 @@ import torch
 from distconv.distribution import Dist, balanced_block
 from distconv.machines import resolve_machine
 from distconv.machines.base import Machine, group_of
-from distconv.parallel.placement import paper_grid
+from distconv.nn.conv import conv_dists
+from distconv.parallel.placement import Placement, paper_grid
 from distconv.perfmodel import ConvProblem, conv_cost, corner_coords
 from distconv.redistribute import plan_redistribution
 
@@ -266,28 +267,21 @@ class Choice:
         """The DistConv2d algorithm that runs it (sample and spatial are stationary-x on C=1)."""
         return "stationary-x" if self.algorithm in ("sample", "spatial") else self.algorithm
 
-    def _act(self, entry: Any) -> Dist:
-        ext = self.extents
-        keep = lambda e: e if isinstance(e, str) and ext.get(e, 1) > 1 else (  # noqa: E731
-            tuple(d for d in e if ext.get(d, 1) > 1) or None if isinstance(e, tuple) else None)
-        entries = [keep(e) for e in ("N", entry, "H", "W")]
-        entries = [e[0] if isinstance(e, tuple) and len(e) == 1 else e for e in entries]
-        return Dist(tuple(entries), frozenset(), ACT)
+    def _dists(self) -> dict[str, Dist]:
+        """The layer's distributions by the rule the conv handler places it with
+        (:func:`~distconv.nn.conv.conv_dists`), canonical on this grid (extent-1 dims dropped)."""
+        roles = {"N": "N", "C": "C", "F": "F", "H": "H", "W": "W"}
+        dists = conv_dists(self.conv_algorithm, roles, self.groups_aligned)
+        return {k: Placement(self.grid, dists[k]).dist for k in ("input", "output")}
 
     @property
     def input_dist(self) -> Dist:
         """x's distribution, as :class:`~distconv.nn.DistConv2d` states it (extent-1 dims dropped)."""
-        if self.groups_aligned:
-            return self._act("C" if self.algorithm == "stationary-x" else "F")
-        return self._act({"stationary-y": "F", "stationary-w": ("C", "F")}.get(
-            self.conv_algorithm, "C"))
+        return self._dists()["input"]
 
     @property
     def output_dist(self) -> Dist:
-        if self.groups_aligned:
-            return self.input_dist
-        return self._act({"stationary-y": "F", "stationary-w": ("F", "C")}.get(
-            self.conv_algorithm, "C"))
+        return self._dists()["output"]
 
     def config(self) -> dict[str, Any]:
         return {"grid": dict(self.grid), "algorithm": self.algorithm}
@@ -704,7 +698,7 @@ class _Model:
             def whole(c: Any) -> Value:
                 entries = list(c.output_dist.entries)
                 entries[1] = None
-                return Value(c.grid, Dist(tuple(entries), frozenset(), ACT))
+                return Value(c.grid, Dist(tuple(entries), frozenset(), c.output_dist.tensor_dims))
 
             a, b = whole(first), whole(second)
             out = a if self.meet(a, b, True) else b
