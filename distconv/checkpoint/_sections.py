@@ -99,6 +99,14 @@ class OptimizerSection(Section):
         if not isinstance(model, nn.Module):
             raise TypeError("optimizer state is keyed by parameter name: save and load it with "
                             f"an nn.Module as the model, got {type(model).__name__}")
+        sd = optimizer.state_dict()
+        if not (isinstance(sd, Mapping) and {"state", "param_groups"} <= set(sd)):
+            raise TypeError(
+                f"optimizer: {type(optimizer).__name__}.state_dict() is not laid out as "
+                "torch.optim.Optimizer's (state by parameter position, param_groups), so it "
+                "cannot be keyed by parameter name; save it through states=, e.g. states="
+                f"{{'{type(optimizer).__name__.lower()}': optimizer}}, which stores its own "
+                "state_dict")
         names = {id(p): n for n, p in model.named_parameters()}
         self.groups: list[list[str]] = []
         for g, group in enumerate(optimizer.param_groups):

@@ -143,6 +143,21 @@ def test_hybrid_state_of_another_model_is_refused():
         fewer.load_state_dict(state)
 
 
+def test_a_hybrid_optimizer_given_as_optimizer_is_refused_naming_states(tmp_path):
+    """FOSI's state is not torch.optim.Optimizer's per-position layout: optimizer= (which keys
+    state by parameter name) refuses it at save and at load, naming states=, where it belongs."""
+    model = copy.deepcopy(HYBRID_MODEL)
+    opt = FOSI(model.parameters(), BASES["momentum"], k=2, l=1)
+    refusal = r"FOSI.state_dict\(\) is not laid out .* states="
+    with pytest.raises(TypeError, match=refusal):
+        distconv.save(model, tmp_path / "ck", optimizer=opt, comm=SingleCommunicator())
+    assert not (tmp_path / "ck").exists()  # refused before anything was written
+    distconv.save(model, tmp_path / "ck", states={"fosi": opt}, comm=SingleCommunicator())
+    with pytest.raises(TypeError, match=refusal):
+        distconv.load(model, tmp_path / "ck", optimizer=opt)
+    distconv.load(model, tmp_path / "ck", states={"fosi": opt})
+
+
 # ---------------------------------------------------------------- MR-DHO2
 # f_r(theta) = 1/2 theta^T H theta - b_r^T theta (tests/kfac/test_dho2.py's quadratic)
 MR_N, MR_PERIOD, MR_STEPS = 13, 4, 12
