@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from distconv import Dist, ProcessorGrid, plan_redistribution, redistribute
-from distconv.redistribute import AllGather, AllReduce, AllToAll, ReduceScatter, Slice
+from distconv.redistribute import AllGather, AllReduce, ReduceScatter, Slice
 from distconv.testing import WorkerPool
 
 SHAPE = (16, 32, 28, 28)  # N, C, H, W: divisible by every extent used, so raw buffers are equal

@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from redistribution_walk import SHAPE as WALK_SHAPE  # noqa: E402
 from redistribution_walk import report, walk  # noqa: E402
 
-from distconv import Dist, ProcessorGrid, gather, redistribute, repartition, scatter  # noqa: E402
+from distconv import ProcessorGrid, gather, redistribute, repartition, scatter  # noqa: E402
 from distconv.launch import launch  # noqa: E402
 from distconv.nn import DistConv2d  # noqa: E402
 

@@ -14,7 +14,7 @@ from distconv.redistribute import (
     gather, plan_redistribution, redistribute, repartition, scatter,
 )
 from distconv.testing import run_threads
-from tests.strategies import grid_layouts, redistribution_cases
+from tests.strategies import redistribution_cases
 
 FP64_TOL = dict(rtol=1e-12, atol=1e-12)
 
