@@ -266,11 +266,14 @@ class Work:
         *,
         test_fn: Callable[[], bool] | None = None,
         result: Any = _UNSET,
+        keep: Any = None,
     ) -> None:
         self._wait_fn = wait_fn
         self._test_fn = test_fn
         self._result = result
         self._error: BaseException | None = None
+        #: what must outlive the operation (its buffers), released once it has completed
+        self._keep = keep
 
     @classmethod
     def completed(cls, result: Any) -> Work:
@@ -287,7 +290,7 @@ class Work:
             except BaseException as exc:
                 self._error = exc
                 raise
-            self._wait_fn = None
+            self._wait_fn = self._keep = None
         return self._result
 
     def is_completed(self) -> bool:

@@ -115,7 +115,11 @@ class MPICommunicator(Communicator):
                 raise self._error(opname, exc) from exc
             return finish()
 
-        return Work(wait, test_fn=lambda: MPI.Request.Testall(reqs))
+        # ``start`` holds every buffer the operation was started with (a widened copy, a
+        # concatenated send buffer, a temporary block to send): MPI may read and write them until
+        # the request completes (Open MPI reads a send buffer during progress, not in the call),
+        # so the Work keeps them until it completes, never only as long as the call
+        return Work(wait, test_fn=lambda: MPI.Request.Testall(reqs), keep=start)
 
     def _error(self, opname: str, exc: BaseException) -> CommError:
         return CommError(f"rank {self.rank}, backend 'mpi', op {opname!r}: {exc}")

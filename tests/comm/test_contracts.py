@@ -215,3 +215,50 @@ def test_alltoall_whose_shapes_do_not_pair_up_is_refused():
 
     with pytest.raises(CollectiveMismatchError, match=r"\(3,\)"):
         run_threads(_unpaired_alltoall, 2)
+
+
+def _buffers_outlive_the_call(comm):
+    """A non-blocking operation started with a temporary (a bf16 block widened to fp32 for an
+    MPI sum, a concatenated send buffer, a block made only to be sent) keeps it alive until the
+    operation completes: an MPI that reads a send buffer during progress (Open MPI) would
+    otherwise read freed memory. The temporary here is the contiguous copy isend makes of a
+    strided view: the Work holds it (and releases it once complete)."""
+    import gc
+
+    r = comm.rank
+    mine = torch.arange(4096, dtype=torch.float64).reshape(64, 64)[:, ::2] * (r + 1)
+    if r == 0:
+        work = comm.isend(mine, dst=1, tag=7)
+        gc.collect()
+        held = work._keep is not None
+        work.wait()
+        return {"held": held, "released": work._keep is None}
+    if r == 1:
+        got = comm.recv((64, 32), torch.float64, src=0, tag=7)
+        sent = torch.arange(4096, dtype=torch.float64).reshape(64, 64)[:, ::2]
+        return {"equal": torch.equal(got, sent)}
+    return {}
+
+
+@pytest.mark.mpi
+def test_mpi_operations_keep_their_buffers_until_they_complete(mpi4):
+    out = mpi4.run(_buffers_outlive_the_call)
+    assert out[0]["held"] and out[0]["released"]
+    assert out[1]["equal"]
+    # and the sums that widen bf16 and fp16 to fp32 (the temporaries Open MPI read freed)
+    for name, results in (("bf16", mpi4.run(_widened_sums, "bfloat16")),
+                          ("fp16", mpi4.run(_widened_sums, "float16"))):
+        for r, (got, want) in enumerate(results):
+            assert torch.equal(got, want), (name, r)
+
+
+def _widened_sums(comm, dtype: str):
+    """bf16/fp16 allreduce and reduce-scatter of small integers (exact in either dtype)."""
+    dt = getattr(torch, dtype)
+    P = comm.size
+    vals = [torch.arange(P * 8, dtype=torch.float32).reshape(P * 2, 4) % 7 + s for s in range(P)]
+    total = sum(vals)
+    ar = comm.allreduce(vals[comm.rank].to(dt))
+    rs = comm.reduce_scatter([c.to(dt) for c in vals[comm.rank].chunk(P, 0)])
+    want = torch.cat([total.to(dt).reshape(-1), total.chunk(P, 0)[comm.rank].to(dt).reshape(-1)])
+    return torch.cat([ar.reshape(-1), rs.reshape(-1)]), want
