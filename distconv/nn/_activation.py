@@ -102,24 +102,22 @@ def local_shape(grid: ProcessorGrid, dist: Dist, shape: tuple[int, ...]) -> tupl
 
 def resolve_shape(
     layer: str, grid: ProcessorGrid, dist: Dist, x: torch.Tensor,
-    global_shape: Sequence[int] | None,
+    global_shape: Sequence[int] | None, memo: dict[Any, Any] | None = None,
 ) -> tuple[int, int, int, int]:
-    """The global (N, C, H, W), checked against this rank's block ``x`` in ``dist`` (a block
-    and global shape once checked are remembered: layers are called with them every step)."""
-    key = (grid, dist, x.shape, global_shape) if type(global_shape) is tuple else None
+    """The global (N, C, H, W), checked against this rank's block ``x`` in ``dist``. ``memo``: the
+    calling layer's own dict of the (block shape, global shape) pairs it has checked (a layer is
+    called with the same pair every step, and its grid and dist never change)."""
+    key = (x.shape, global_shape) if memo is not None and type(global_shape) is tuple else None
     if key is not None:
-        found = _RESOLVED.get(key)
+        found = memo.get(key)
         if found is not None:
             return found
     shape = _resolve_shape(layer, grid, dist, x, global_shape)
     if key is not None:
-        if len(_RESOLVED) > 4096:
-            _RESOLVED.clear()
-        _RESOLVED[key] = shape
+        if len(memo) > 64:
+            memo.clear()
+        memo[key] = shape
     return shape
-
-
-_RESOLVED: dict[tuple[Any, ...], tuple[int, int, int, int]] = {}
 
 
 def _resolve_shape(

@@ -283,7 +283,8 @@ class DistBatchNorm2d(nn.BatchNorm2d):
         ``global_shape`` may be left out only when ``input_dist`` splits nothing.
         """
         self.settle()
-        shape = resolve_shape("DistBatchNorm2d", self.grid, self.input_dist, x, global_shape)
+        shape = resolve_shape("DistBatchNorm2d", self.grid, self.input_dist, x, global_shape,
+                              self.__dict__.setdefault("_resolved", {}))
         if shape[1] != self.num_features:
             raise ValueError(
                 f"DistBatchNorm2d: global_shape {shape} has {shape[1]} channels, expected "

@@ -166,7 +166,8 @@ class _DistPool2d(nn.Module):
         """Pool this rank's block ``x`` of the global input of shape ``global_shape`` (in
         :attr:`input_dist`); returns this rank's block of the output (in :attr:`output_dist`).
         ``global_shape`` may be left out only when ``input_dist`` splits nothing."""
-        shape = resolve_shape(self._name, self.grid, self.input_dist, x, global_shape)
+        shape = resolve_shape(self._name, self.grid, self.input_dist, x, global_shape,
+                              self.__dict__.setdefault("_resolved", {}))
         geo = self._geometry(shape)
         local_out = self.output_dist.local_shape(geo.out_shape, self.grid)
         if not any(self._split):
@@ -454,7 +455,7 @@ class DistAdaptiveAvgPool2d(nn.AdaptiveAvgPool2d):
         """This rank's block of ``y`` in :attr:`output_dist` (a pending sum over the spatial grid
         dims when they split x)."""
         shape = resolve_shape("DistAdaptiveAvgPool2d", self.grid, self.input_dist, x,
-                              global_shape)
+                              global_shape, self.__dict__.setdefault("_resolved", {}))
         if shape[2] * shape[3] == 0:
             raise ValueError(f"DistAdaptiveAvgPool2d: the input {shape} has no rows or columns")
         if not self._split and x.numel():
