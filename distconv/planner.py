@@ -41,11 +41,12 @@ from typing import Any
 
 import torch
 
-from distconv.distribution import Dist, balanced_block
+from distconv.distribution import Dist
 from distconv.machines import resolve_machine
 from distconv.machines.base import Machine, group_of
 from distconv.nn.conv import conv_dists
-from distconv.parallel.placement import Placement, paper_grid
+from distconv.parallel.placement import (
+    Placement, conversion_bytes, paper_grid, repartition_sources)
 from distconv.perfmodel import ConvProblem, conv_cost, corner_coords
 from distconv.redistribute import plan_redistribution
 
@@ -375,79 +376,14 @@ def _ranks(layouts: Sequence[tuple[tuple[str, int], ...]], size: int) -> list[in
     return sorted(out)
 
 
-def _block_index(n: int, p: int, i: int) -> int:
-    """Which of ``p`` balanced blocks of ``n`` items holds item ``i``."""
-    q, r = divmod(n, p)
-    return i // (q + 1) if i < r * (q + 1) else r + (i - r * (q + 1)) // q
-
-
-def _hits(n: int, extents: Sequence[int], lo: int, hi: int) -> list[tuple[tuple[int, ...], int]]:
-    """Nested balanced blocks of ``n`` items over ``extents`` (major first) that overlap
-    ``[lo, hi)``: ``(coords, overlap)`` for each nonempty overlap."""
-    out: list[tuple[tuple[int, ...], int]] = []
-
-    def walk(start: int, size: int, depth: int, coords: tuple[int, ...]) -> None:
-        a, b = max(lo, start), min(hi, start + size)
-        if b <= a:
-            return
-        if depth == len(extents):
-            out.append((coords, b - a))
-            return
-        p = extents[depth]
-        for i in range(_block_index(size, p, a - start), _block_index(size, p, b - 1 - start) + 1):
-            s, k = balanced_block(size, p, i)
-            walk(start + s, k, depth + 1, coords + (i,))
-
-    walk(0, n, 0, ())
-    return out
-
-
 Endpoint = tuple[tuple[tuple[str, int], ...], Dist]  # (grid layout, distribution)
-
-
-def _sources(src: Endpoint, dst: Endpoint, shape: tuple[int, ...], rank: int) -> dict[int, int]:
-    """Elements rank ``rank`` receives from each other rank when ``repartition`` moves a tensor
-    from ``src`` to ``dst`` (different grids) -- ``_repartition_plan`` in closed form: every
-    source block overlapping this rank's target box, read from the replica ``rank % replicas``
-    (replicas ordered row-major over the source's redundant dims)."""
-    (sl, sd), (dl, dd) = src, dst
-    sg, dg = _fake_grid(sl, rank), _fake_grid(dl, rank)
-    box = list(dd.blocks(shape, dg))
-    if any(k == 0 for _, k in box):
-        return {}
-    used = sd.used()
-    redundant = [(n, e) for n, e in sl if n not in used]
-    rep: dict[str, int] = {}
-    j = rank % math.prod(e for _, e in redundant)
-    for n, e in reversed(redundant):
-        j, rep[n] = divmod(j, e)
-    per_dim = []
-    for d, n in enumerate(shape):
-        names = sd.grid_dims_of(d)
-        lo, k = box[d]
-        per_dim.append([(dict(zip(names, c)), ov) for c, ov in
-                        _hits(n, [sg.extent(g) for g in names], lo, lo + k)])
-    out: dict[int, int] = {}
-
-    def combine(d: int, coords: dict[str, int], elems: int) -> None:
-        if d == len(shape):
-            r = sg.rank_of({**coords, **rep})
-            if r != rank:
-                out[r] = out.get(r, 0) + elems
-            return
-        for c, ov in per_dim[d]:
-            combine(d + 1, {**coords, **c}, elems * ov)
-
-    combine(0, {}, 1)
-    return out
 
 
 def _move_bytes(src: Endpoint, dst: Endpoint, shape: tuple[int, ...], rank: int,
                 itemsize: int) -> int:
-    if src[0] == dst[0]:
-        plan = plan_redistribution(src[0], src[1], dst[1], shape)
-        return plan.received_bytes(_fake_grid(src[0], rank), itemsize)
-    return itemsize * sum(_sources(src, dst, shape, rank).values())
+    """Bytes ``rank`` receives converting between the endpoints: what explain reports and the
+    communicators count (:func:`~distconv.parallel.placement.conversion_bytes`)."""
+    return conversion_bytes(Placement(*src), Placement(*dst), shape, itemsize, rank)
 
 
 def _move_time(src: Endpoint, dst: Endpoint, shape: tuple[int, ...], machine: Machine,
@@ -470,7 +406,7 @@ def _move_time(src: Endpoint, dst: Endpoint, shape: tuple[int, ...], machine: Ma
             worst = max(worst, (machine.link_time(group, b, steps) if b else 0.0, b))
         return worst
     for r in _ranks([src[0], dst[0]], size):
-        peers = _sources(src, dst, shape, r)
+        peers = repartition_sources(src[0], src[1], dst[0], dst[1], shape, r)
         if peers:
             b = itemsize * sum(peers.values())
             worst = max(worst, (machine.link_time([r, *peers], b, len(peers)), b))

@@ -261,10 +261,11 @@ MUTANTS = [
            ("tests/parallel/test_parallelize.py", "tests/test_idioms.py"),
            "parameters() lists shards in call order: optimizer state by position is renamed"),
     Mutant("placement-replica-first-holder", "distconv/parallel/placement.py",
-           "if ranks[rank % len(ranks)] != rank)",
-           "if ranks[0] != rank)",
+           "if t != rank and mine[t % len(mine)] == rank)",
+           "if t != rank and mine[0] == rank)",
            ("tests/test_ops.py", "tests/parallel/test_parallelize.py"),
-           "repartition's byte count reads every source box from its first holder, not rank % k"),
+           "repartition's sent bytes (its adjoint's) have every target read from the first "
+           "holder, not t % k"),
     Mutant("meeting-tie-to-second", "distconv/ops/elementwise.py",
            "return b if cost_to_b < cost_to_a else a",
            "return b if cost_to_b <= cost_to_a else a",
@@ -361,11 +362,12 @@ MUTANTS = [
            "self._meets[key] = to_main < to_skip if main_first else to_main <= to_skip",
            ("tests/test_planner.py",),
            "the planner breaks a tie between an add's operands toward the second, not the first"),
-    Mutant("planner-sources-first-replica", "distconv/planner.py",
+    Mutant("placement-sources-first-replica", "distconv/parallel/placement.py",
            "j = rank % math.prod(e for _, e in redundant)",
            "j = 0",
-           ("tests/test_blindspots_ops.py",),
-           "the planner prices every cross-grid read from replica 0, not rank % replicas"),
+           ("tests/test_blindspots_ops.py", "tests/test_ops.py"),
+           "explain and the planner price every cross-grid read from replica 0, not rank % "
+           "replicas"),
 ]
 
 

@@ -12,12 +12,12 @@ from typing import Sequence
 
 import torch
 
-from distconv.distribution import Dist
+from distconv.distribution import Dist, balanced_block
 from distconv.grid import ProcessorGrid
 from distconv.redistribute import plan_redistribution, redistribute, repartition
 
 __all__ = ["Layout", "Placement", "conversion_bytes", "convert", "layout_str", "paper_grid",
-           "repartition_bytes"]
+           "repartition_bytes", "repartition_sources"]
 
 Layout = tuple[tuple[str, int], ...]
 
@@ -102,15 +102,79 @@ def _overlap(a: tuple, b: tuple) -> int:
     return n
 
 
+def _block_index(n: int, p: int, i: int) -> int:
+    """Which of ``p`` balanced blocks of ``n`` items holds item ``i``."""
+    q, r = divmod(n, p)
+    return i // (q + 1) if i < r * (q + 1) else r + (i - r * (q + 1)) // q
+
+
+def _hits(n: int, extents: Sequence[int], lo: int, hi: int) -> list[tuple[tuple[int, ...], int]]:
+    """Nested balanced blocks of ``n`` items over ``extents`` (major first) that overlap
+    ``[lo, hi)``: ``(coords, overlap)`` for each nonempty overlap."""
+    out: list[tuple[tuple[int, ...], int]] = []
+
+    def walk(start: int, size: int, depth: int, coords: tuple[int, ...]) -> None:
+        a, b = max(lo, start), min(hi, start + size)
+        if b <= a:
+            return
+        if depth == len(extents):
+            out.append((coords, b - a))
+            return
+        p = extents[depth]
+        for i in range(_block_index(size, p, a - start), _block_index(size, p, b - 1 - start) + 1):
+            s, k = balanced_block(size, p, i)
+            walk(start + s, k, depth + 1, coords + (i,))
+
+    walk(0, n, 0, ())
+    return out
+
+
+def repartition_sources(src_layout: Layout, src: Dist, dst_layout: Layout, dst: Dist,
+                        shape: tuple[int, ...], rank: int) -> dict[int, int]:
+    """Elements ``rank`` receives from each other rank in :func:`repartition` of plain
+    (non-pending) dists, in closed form: every source block overlapping this rank's target box,
+    read from the replica ``rank % replicas`` (replicas ordered row-major over the source's
+    redundant dims, as the exchange reads them); O(overlapping blocks), not O(P)."""
+    sg, dg = paper_grid(src_layout, rank), paper_grid(dst_layout, rank)
+    box = list(dst.blocks(shape, dg))
+    if any(k == 0 for _, k in box):
+        return {}
+    used = src.used()
+    redundant = [(n, e) for n, e in src_layout if n not in used]
+    rep: dict[str, int] = {}
+    j = rank % math.prod(e for _, e in redundant)
+    for n, e in reversed(redundant):
+        j, rep[n] = divmod(j, e)
+    per_dim = []
+    for d, n in enumerate(shape):
+        names = src.grid_dims_of(d)
+        lo, k = box[d]
+        per_dim.append([(dict(zip(names, c)), ov) for c, ov in
+                        _hits(n, [sg.extent(g) for g in names], lo, lo + k)])
+    out: dict[int, int] = {}
+
+    def combine(d: int, coords: dict[str, int], elems: int) -> None:
+        if d == len(shape):
+            r = sg.rank_of({**coords, **rep})
+            if r != rank:
+                out[r] = out.get(r, 0) + elems
+            return
+        for c, ov in per_dim[d]:
+            combine(d + 1, {**coords, **c}, elems * ov)
+
+    combine(0, {}, 1)
+    return out
+
+
 def repartition_bytes(src_layout: Layout, src: Dist, dst_layout: Layout, dst: Dist,
                       shape: tuple[int, ...], rank: int, itemsize: int) -> tuple[int, int]:
-    """(received, sent) bytes of ``rank`` in :func:`repartition` of plain (non-pending) dists, in
-    O(P): target rank t reads each source box from its holder ``holders[t % len(holders)]``, as
-    the exchange does; the adjoint receives what the forward sent."""
+    """(received, sent) bytes of ``rank`` in :func:`repartition` of plain (non-pending) dists:
+    received from :func:`repartition_sources`; sent in O(P): target rank t reads each source box
+    from its holder ``holders[t % len(holders)]``, as the exchange does (the adjoint receives
+    what the forward sent)."""
+    received = sum(repartition_sources(src_layout, src, dst_layout, dst, shape, rank).values())
     src_boxes, holders = _boxes(src_layout, src, shape)
     dst_boxes, _ = _boxes(dst_layout, dst, shape)
-    received = sum(_overlap(box, dst_boxes[rank]) for box, ranks in holders.items()
-                   if ranks[rank % len(ranks)] != rank)
     mine = holders[src_boxes[rank]]
     sent = sum(_overlap(src_boxes[rank], dst_boxes[t]) for t in range(len(dst_boxes))
                if t != rank and mine[t % len(mine)] == rank)
@@ -134,8 +198,8 @@ def conversion_bytes(src: Placement, dst: Placement, shape: Sequence[int], items
             paper_grid(src.layout, rank), itemsize)
         s_dist = plain
     plain_dst = d_dist.with_pending(())
-    total += repartition_bytes(src.layout, s_dist, dst.layout, plain_dst, shape, rank,
-                               itemsize)[0]
+    total += itemsize * sum(repartition_sources(src.layout, s_dist, dst.layout, plain_dst,
+                                                shape, rank).values())
     if d_dist.pending:
         total += plan_redistribution(dst.layout, plain_dst, d_dist, shape).received_bytes(
             paper_grid(dst.layout, rank), itemsize)
