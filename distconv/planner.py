@@ -45,16 +45,19 @@ from distconv.distribution import Dist
 from distconv.machines import resolve_machine
 from distconv.machines.base import Machine, group_of
 from distconv.nn.conv import conv_dists
+from distconv.ops.elementwise import meeting
 from distconv.parallel.placement import (
-    Placement, conversion_bytes, paper_grid, repartition_sources)
-from distconv.perfmodel import ConvProblem, conv_cost, corner_coords
+    Placement, conversion_bytes, evaluated_ranks, paper_grid, repartition_sources)
+from distconv.perfmodel import ConvProblem, conv_cost
 from distconv.redistribute import plan_redistribution
 
 __all__ = ["Choice", "ConvNode", "Block", "Network", "Plan", "trace_network", "candidates",
            "transition_bytes", "transition_time", "plan_network", "predict", "explain"]
 
 ACT = ("N", "C", "H", "W")
-_ALL_RANKS = 8  # worlds up to this size price every rank; larger ones their corner ranks
+#: the search's own layer estimate (perfmodel.conv_cost) evaluates every rank of grids up to this
+#: size, else its corner ranks; a plan's price is explain's (distconv.parallel.placement's rule)
+_SEARCH_ALL_RANKS = 8
 ALGORITHMS = ("sample", "spatial", "stationary-x", "stationary-y", "stationary-w")
 
 
@@ -365,15 +368,9 @@ _fake_grid = paper_grid  # a grid value with no communicator: for counting only
 
 
 def _ranks(layouts: Sequence[tuple[tuple[str, int], ...]], size: int) -> list[int]:
-    """All ranks for small worlds; else the corner ranks of every layout (with balanced blocks
-    they hold every combination of block sizes, so the slowest rank is among them)."""
-    if size <= _ALL_RANKS:
-        return list(range(size))
-    out: set[int] = set()
-    for layout in layouts:
-        g = _fake_grid(layout, 0)
-        out.update(g.rank_of(c) for c in corner_coords(layout))
-    return sorted(out)
+    """The ranks a move's slowest rank is found among: explain's rule for maxima
+    (:func:`~distconv.parallel.placement.evaluated_ranks` with ``every=False``)."""
+    return evaluated_ranks(layouts, size, every=False)
 
 
 Endpoint = tuple[tuple[tuple[str, int], ...], Dist]  # (grid layout, distribution)
@@ -454,7 +451,7 @@ def layer_cost(conv: ConvNode, choice: Choice, machine: Machine, *, itemsize: in
     convolution and ``activation_factor`` copies of the local output (conv, BN, ReLU).
     ``machine``: any form of :func:`~distconv.machines.resolve_machine`."""
     machine = resolve_machine(machine, hierarchical=True)
-    ranks = "all" if choice.size <= _ALL_RANKS else "corners"
+    ranks = "all" if choice.size <= _SEARCH_ALL_RANKS else "corners"
     cost = conv_cost(conv.problem, choice.extents, choice.conv_algorithm, machine,
                      itemsize=itemsize, ranks=ranks)
     ar = sum(v for k, v in cost.steps.items() if k.startswith("allreduce"))
@@ -605,22 +602,13 @@ class _Model:
         return self._moves[key]
 
     def meet(self, main: Choice, skip: Choice, main_first: bool) -> bool:
-        """Whether the add's operands meet in the main branch's distribution: the executor's
-        rule -- the placement the other operand reaches with fewer bytes summed over all ranks,
-        on a nominal shape every extent divides (2P per dim), ties to the first operand.
-        Worlds above the all-ranks size sum their corner ranks, scaled to P."""
+        """Whether the add's operands meet in the main branch's distribution: the executor's rule
+        itself (:func:`~distconv.ops.elementwise.meeting`, ties to the add's first operand)."""
         key = (main, skip, main_first)
         if key not in self._meets:
-            a, b = (main.grid, main.output_dist), (skip.grid, skip.output_dist)
-            if a == b:
-                self._meets[key] = True
-                return True
-            shape = (2 * self.P,) * 4
-            ranks = _ranks([a[0], b[0]], self.P)
-            scale = self.P / len(ranks)
-            to_main = scale * sum(_move_bytes(b, a, shape, r, 1) for r in ranks)
-            to_skip = scale * sum(_move_bytes(a, b, shape, r, 1) for r in ranks)
-            self._meets[key] = to_main <= to_skip if main_first else to_main < to_skip
+            a, b = Placement(main.grid, main.output_dist), Placement(skip.grid, skip.output_dist)
+            first, second = (a, b) if main_first else (b, a)
+            self._meets[key] = meeting(first, second) == a
         return self._meets[key]
 
     def join(self, main: Choice, skip: Choice, block: Block) -> tuple[float, int, Choice]:

@@ -16,7 +16,7 @@ from torch import nn
 
 from distconv.distribution import Dist
 from distconv.ops.base import SAMPLE_GRIDS, Handler, Sample, SampleNet
-from distconv.parallel.placement import Placement, conversion_bytes
+from distconv.parallel.placement import Placement, conversion_bytes, evaluated_ranks
 
 __all__ = ["BinaryHandler", "CatHandler", "DropoutHandler", "PointwiseHandler",
            "broadcast_need", "meeting"]
@@ -171,13 +171,16 @@ def broadcast_need(need: Placement, shape: Sequence[int], out_shape: Sequence[in
 
 def meeting(a: Placement, b: Placement) -> Placement:
     """Where two operands meet: the placement the other reaches with fewer bytes in total (ties:
-    ``a``), counted on a nominal shape whose every dim each extent divides."""
+    ``a``), counted on a nominal shape whose every dim each extent divides, over the evaluated
+    ranks (every rank of a world of up to 64; :func:`~distconv.parallel.placement.evaluated_ranks`).
+    The one rule of the executor, ``explain`` and the planner."""
     if a == b:
         return a
     size = math.prod(e for _, e in a.layout)
     shape = (2 * size,) * a.ndim
-    cost_to_a = sum(conversion_bytes(b, a, shape, 1, r) for r in range(size))
-    cost_to_b = sum(conversion_bytes(a, b, shape, 1, r) for r in range(size))
+    ranks = evaluated_ranks([a.layout, b.layout], size)
+    cost_to_a = sum(conversion_bytes(b, a, shape, 1, r) for r in ranks)
+    cost_to_b = sum(conversion_bytes(a, b, shape, 1, r) for r in ranks)
     return b if cost_to_b < cost_to_a else a
 
 

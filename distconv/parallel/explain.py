@@ -10,7 +10,6 @@ parallelism on the same world.
 from __future__ import annotations
 
 import copy
-import itertools
 import json
 import math
 import numbers
@@ -32,7 +31,8 @@ from distconv.ops.pricing import (
 )
 from distconv.parallel.graph import Step, analyse, operand_need, trace
 from distconv.parallel.placement import (
-    Placement, conversion_bytes, layout_str, paper_grid, repartition_bytes,
+    ALL_RANKS, Placement, conversion_bytes, evaluated_ranks, layout_str, paper_grid,
+    repartition_bytes,
 )
 from distconv.parallel.shapes import check_input_shape, propagate_shapes
 from distconv.perfmodel import Machine as FlatMachine
@@ -475,25 +475,10 @@ def _gradient_buckets(gm: fx.GraphModule, analysis: Any, P: int, ranks: list[int
     return report if report.steps else None
 
 
-ALL_RANKS = 64  # worlds up to this size are evaluated rank by rank
-
-
 def _evaluated_ranks(analysis: Any, P: int) -> list[int]:
-    """Every rank of a world of at most ``ALL_RANKS``; above, the ranks at coordinates 0, 1 and
-    last of every grid dim of every layout in use (the largest blocks, an interior block with
-    halos on both sides, the last block), so maxima are those of the whole world for the regular
-    layouts the paper uses."""
-    if P <= ALL_RANKS:
-        return list(range(P))
+    """The ranks evaluated (:func:`~distconv.parallel.placement.evaluated_ranks`) over every
+    layout a value of the analysis lives on."""
     layouts = {analysis.data}
     for step in analysis.steps:
         layouts.update(pl.layout for pl in [step.out, *step.needs.values()] if pl is not None)
-    ranks: set[int] = set()
-    for layout in layouts:
-        options = [sorted({0, min(1, e - 1), e - 1}) for _, e in layout]
-        for combo in itertools.product(*options):
-            r = 0
-            for (_, e), c in zip(layout, combo):
-                r = r * e + c
-            ranks.add(r)
-    return sorted(ranks)
+    return evaluated_ranks(sorted(layouts), P)

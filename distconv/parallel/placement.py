@@ -5,10 +5,11 @@ ranks: :func:`repartition`) with the exact bytes each rank receives doing them."
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Sequence
+from typing import Iterable, Sequence
 
 import torch
 
@@ -16,7 +17,8 @@ from distconv.distribution import Dist, balanced_block
 from distconv.grid import ProcessorGrid
 from distconv.redistribute import plan_redistribution, redistribute, repartition
 
-__all__ = ["Layout", "Placement", "conversion_bytes", "convert", "layout_str", "paper_grid",
+__all__ = ["ALL_RANKS", "Layout", "Placement", "conversion_bytes", "convert", "evaluated_ranks",
+           "layout_str", "paper_grid",
            "repartition_bytes", "repartition_sources"]
 
 Layout = tuple[tuple[str, int], ...]
@@ -67,8 +69,10 @@ class Placement:
         return self.format()
 
 
+@functools.lru_cache(maxsize=8192)
 def paper_grid(layout: Layout, rank: int) -> ProcessorGrid:
-    """A grid value for ``rank`` with no communicator behind it: for planning and counting only."""
+    """A grid value for ``rank`` with no communicator behind it: for planning and counting only
+    (remembered: pricing asks for the same few thousand again and again; never mutated)."""
     size = math.prod(e for _, e in layout)
     return ProcessorGrid(dict(layout), comm=SimpleNamespace(rank=rank, size=size, backend="none"))
 
@@ -82,6 +86,30 @@ def convert(x: torch.Tensor, src: Placement, dst: Placement, shape: Sequence[int
     if src.layout == dst.layout:
         return redistribute(x, grids[src.layout], src.dist, dst.dist, shape)
     return repartition(x, grids[src.layout], src.dist, grids[dst.layout], dst.dist, shape)
+
+
+#: worlds up to this size are evaluated rank by rank (explain, the planner, where operands meet)
+ALL_RANKS = 64
+
+
+def evaluated_ranks(layouts: Iterable[Layout], size: int, *, every: bool = True) -> list[int]:
+    """The ranks whose bytes and times stand for the world's: every rank of a world of at most
+    :data:`ALL_RANKS` (``every``: per-rank reports and sums need them all); above, or for a
+    maximum (``every=False``), the ranks at coordinates 0, 1 and last of every grid dim of every
+    layout in use (the largest blocks, an interior block with halos on both sides, the last
+    block), whose maxima are those of the whole world for the balanced layouts used here. The
+    one rule of ``explain``, the planner and the meeting of operands."""
+    if every and size <= ALL_RANKS:
+        return list(range(size))
+    ranks: set[int] = set()
+    for layout in layouts:
+        options = [sorted({0, min(1, e - 1), e - 1}) for _, e in layout]
+        for combo in itertools.product(*options):
+            r = 0
+            for (_, e), c in zip(layout, combo):
+                r = r * e + c
+            ranks.add(r)
+    return sorted(ranks)
 
 
 @functools.lru_cache(maxsize=256)
