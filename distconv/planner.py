@@ -132,6 +132,7 @@ def trace_network(model: torch.nn.Module, input_shape: Sequence[int]) -> Network
         ValueError: an ``input_shape`` the model cannot take (naming it and what the first
             layer expects).
     """
+    from distconv.ops.elementwise import BinaryHandler, CatHandler
     from distconv.parallel.config import ParallelConfig
     from distconv.parallel.graph import analyse, trace
     from distconv.parallel.shapes import check_input_shape, propagate_shapes
@@ -140,44 +141,48 @@ def trace_network(model: torch.nn.Module, input_shape: Sequence[int]) -> Network
         model = copy.deepcopy(model).to("meta")
     gm = trace(model)
     check_input_shape(gm, input_shape)
-    # what the planner plans, parallelize can run: every node has a handler in the registry
-    analyse(gm, ParallelConfig({"default": {"grid": {"N": 1}, "algorithm": "sample"}},
-                               world_size=1), input_ndim=len(tuple(input_shape)))
+    # the one analysis of the graph: what the planner plans, parallelize can run (every node has
+    # a handler in the registry), and each node is read through its handler's step
+    analysis = analyse(gm, ParallelConfig({"default": {"grid": {"N": 1}, "algorithm": "sample"}},
+                                          world_size=1), input_ndim=len(tuple(input_shape)))
     dtype = next((p.dtype for p in gm.parameters() if p.is_floating_point()), None)
     propagate_shapes(gm, input_shape, dtype=dtype)  # in the model's own dtype
     modules = dict(gm.named_modules())
-    producer: dict[Any, Any] = {}  # fx node -> "input" | conv fx node | add fx node
+    producer: dict[Any, Any] = {}  # fx node -> "input" | conv fx node | join fx node
     convs: dict[Any, ConvNode] = {}
     source: dict[Any, Any] = {}    # conv fx node -> producer of its input
     adds: dict[Any, tuple[Any, Any]] = {}  # joins: adds and channel concatenations
     cats: dict[Any, tuple[tuple[int, ...], ...]] = {}  # concatenation -> its operands' shapes
     linears: list[tuple[str, int]] = []
     order: list[Any] = []
-    for node in gm.graph.nodes:
+    for step in analysis.steps:
+        node = step.node
         args = [a for a in node.all_input_nodes if a in producer]  # parameters have none
-        mod = modules.get(node.target) if node.op == "call_module" else None
-        if node.op == "placeholder":
+        if step.kind == "input":
             producer[node] = "input"
-        elif isinstance(mod, torch.nn.Conv2d):
+        elif step.kind == "conv":
             shape = args[0].meta["tensor_meta"].shape
-            convs[node] = ConvNode(str(node.target), _problem(mod, shape),
+            convs[node] = ConvNode(str(node.target), _problem(modules[node.target], shape),
                                    tuple(node.meta["tensor_meta"].shape))
             source[node], producer[node] = producer[args[0]], node
             order.append(node)
-        elif node.target in (operator.add, operator.iadd, torch.add, "add", "add_") and len(args) == 2:
+        elif (isinstance(step.handler, BinaryHandler) and len(args) == 2
+              and node.target in (operator.add, operator.iadd, torch.add, "add", "add_")):
             adds[node] = (producer[args[0]], producer[args[1]])
             producer[node] = node
             order.append(node)
-        elif node.target is torch.cat and len(args) == 2 and _cat_dim(node) == 1:
+        elif isinstance(step.handler, CatHandler) and len(args) == 2 and _cat_dim(node) == 1:
             adds[node] = (producer[args[0]], producer[args[1]])
             cats[node] = tuple(tuple(a.meta["tensor_meta"].shape) for a in args)
             producer[node] = node
             order.append(node)
-        elif node.op == "output" or not args:
+        elif step.kind == "output" or not args:
             continue
         else:
-            if isinstance(mod, torch.nn.Linear):
-                linears.append((str(node.target), sum(p.numel() for p in mod.parameters())))
+            if step.kind == "linear":  # sample-parallel layers: their gradients are allreduced
+                mod = modules.get(node.target) if node.op == "call_module" else None
+                linears.append((str(node.target) if mod is not None else node.name,
+                                sum(p.numel() for p in mod.parameters()) if mod else 0))
             elif len({producer[a] for a in args}) > 1:
                 raise NotImplementedError(
                     f"trace_network: {node.format_node()} joins several values; the planner "
