@@ -45,7 +45,9 @@ from distconv.distribution import Dist
 from distconv.machines import resolve_machine
 from distconv.machines.base import Machine, group_of
 from distconv.nn.conv import conv_dists
+from distconv.ops.conv import memory_elements
 from distconv.ops.elementwise import meeting
+from distconv.ops.pricing import largest_block
 from distconv.parallel.placement import (
     Placement, conversion_bytes, evaluated_ranks, paper_grid, repartition_sources)
 from distconv.perfmodel import ConvProblem, conv_cost
@@ -465,25 +467,14 @@ def layer_cost(conv: ConvNode, choice: Choice, machine: Machine, *, itemsize: in
 
 
 def _memory(conv: ConvNode, ch: Choice, itemsize: int, slots: int, factor: int) -> float:
-    pb, e = conv.problem, ch.extents
-    ceil = lambda n, p: -(-n // p)  # noqa: E731
-    c, f = e.get("C", 1), e.get("F", 1)
-    kh, kw = (pb.kernel_size, pb.kernel_size) if isinstance(pb.kernel_size, int) else pb.kernel_size
-    alg = ch.conv_algorithm
-    w_rows = ceil(pb.out_channels, f) if alg != "stationary-x" else pb.out_channels
-    w_cols = ceil(pb.in_channels // pb.groups, c) if alg != "stationary-y" else (
-        pb.in_channels // pb.groups)
-    if ch.groups_aligned:
-        w_rows, w_cols = ceil(pb.out_channels, c * f), pb.in_channels // pb.groups
-    params = w_rows * w_cols * kh * kw + (ceil(pb.out_channels, c * f) if pb.bias else 0)
-    n, h, w = ceil(pb.batch, e.get("N", 1)), e.get("H", 1), e.get("W", 1)
-    x_work = {"stationary-y": pb.in_channels}.get(alg, ceil(pb.in_channels, c))
-    if ch.groups_aligned:
-        x_work = ceil(pb.in_channels, c * f)
-    acts = n * x_work * ceil(pb.height, h) * ceil(pb.width, w)
-    acts += factor * n * ceil(pb.out_channels, c * f) * ceil(conv.out_shape[2], h) * ceil(
-        conv.out_shape[3], w)
-    return float(itemsize * (params * (2 + slots) + acts))
+    """Bytes per rank: the weight shard times (parameter + gradient + ``slots``), the gathered
+    input the weight gradient keeps, and ``factor`` output blocks (conv, BN, ReLU) -- the conv
+    handler's blocks (:func:`~distconv.ops.conv.memory_elements`), as explain counts them."""
+    pb = conv.problem
+    dists = conv_dists(ch.conv_algorithm, {d: d for d in "NCFHW"}, ch.groups_aligned)
+    params, kept = memory_elements(ch.grid, dists, pb, conv.in_shape)
+    out = largest_block(Placement(ch.grid, dists["output"]), conv.out_shape)
+    return float(itemsize * (params * (2 + slots) + kept + factor * out))
 
 
 # ============================================================================ the plan

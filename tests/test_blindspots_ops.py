@@ -44,3 +44,25 @@ def test_a_cross_grid_move_reads_each_block_from_the_replica_on_the_same_rank() 
     src = Value((("N", 2), ("C", 2)), Dist(("N", None, None, None), frozenset(), ACT))
     for rank in range(4):
         assert transition_bytes(src, sample_choice(4), (4, 3, 5, 5), rank) == 0
+
+
+def test_a_conv_that_gathers_its_input_keeps_the_gathered_block_for_backward() -> None:
+    # conv 6 -> 6, 3x3, padding 1, on x (4, 6, 5, 5). Stationary-y on {F: 2} takes x with its
+    # channels split (3 per rank) and allgathers them: the local convolution reads all 6
+    # channels, and autograd keeps that gathered block (4·6·5·5 = 600 values) for the weight
+    # gradient, beside the output block (filters split: 4·3·5·5 = 300). Stationary-x on {C: 2}
+    # convolves its channel block as it arrives (kept: the output block only, 300). The planner
+    # counts the same blocks.
+    from distconv.planner import Choice, ConvNode, _memory, _problem
+
+    conv = nn.Conv2d(6, 6, 3, padding=1)
+    model = nn.Sequential(conv)
+    for algorithm, dim, want in (("stationary-y", "F", 900), ("stationary-x", "C", 300)):
+        e = explain(model, {"default": {"grid": {dim: 2}, "algorithm": algorithm}},
+                    (4, 6, 5, 5), world_size=2)
+        (layer,) = [lay for lay in e.layers if lay.kind == "conv"]
+        assert layer.activation_elements == want, algorithm
+        node = ConvNode("0", _problem(conv, (4, 6, 5, 5)), (4, 6, 5, 5))
+        params = 6 * 3 * 9 + 3  # the weight's rows (filters) or columns (channels) halved
+        got = _memory(node, Choice(((dim, 2),), algorithm), 1, 0, 1)
+        assert got == 2 * params + want, algorithm

@@ -29,6 +29,25 @@ def _dists(step: Any, conv: nn.Conv2d) -> dict[str, Any]:
     return conv_dists(spec.algorithm, dict(spec.roles), grouped)
 
 
+def memory_elements(layout: Any, dists: dict[str, Any], conv: Any,
+                    in_shape: Sequence[int]) -> tuple[int, int]:
+    """Per rank (the largest blocks) of a convolution on ``layout`` with ``dists``
+    (:func:`~distconv.nn.conv.conv_dists`): its parameter elements, the elements of its gathered
+    working input that autograd keeps for the weight gradient (0 when the local convolution
+    reads its input block as it arrives). ``conv`` needs
+    ``in_channels``, ``out_channels``, ``groups``, ``kernel_size`` and ``bias``. What ``explain``
+    reports and the planner's memory estimate uses."""
+    kernel = tuple(conv.kernel_size) if not isinstance(conv.kernel_size, int) else (
+        conv.kernel_size, conv.kernel_size)
+    w_shape = (conv.out_channels, conv.in_channels // conv.groups, *kernel)
+    params = largest_block(Placement(layout, dists["weight"]), w_shape)
+    if conv.bias is not None and conv.bias is not False:
+        params += largest_block(Placement(layout, dists["bias"]), (conv.out_channels,))
+    work, given = Placement(layout, dists["work"]), Placement(layout, dists["input"])
+    kept = largest_block(work, tuple(in_shape)) if work != given else 0
+    return params, kept
+
+
 class ConvHandler(Handler):
     modules = (nn.Conv2d,)
 
@@ -81,13 +100,11 @@ class ConvHandler(Handler):
         report.dists = {"x": Placement(spec.layout, d["input"]).dist.format("x"),
                         "w": Placement(spec.layout, d["weight"]).dist.format("w"),
                         "y": Placement(spec.layout, d["output"]).dist.format("y")}
-        w_shape = (conv.out_channels, conv.in_channels // conv.groups, *conv.kernel_size)
         traffic = {r: conv_traffic(problem, spec.layout, spec.algorithm,
                                    paper_grid(spec.layout, r).coords, **kw) for r in ctx.ranks}
         first = traffic[ctx.ranks[0]]
-        report.param_elements = largest_block(Placement(spec.layout, d["weight"]), w_shape) + (
-            largest_block(Placement(spec.layout, d["bias"]), (conv.out_channels,))
-            if conv.bias is not None else 0)
+        report.param_elements, kept = memory_elements(spec.layout, d, conv, x)
+        report.activation_elements += kept  # the gathered input the weight gradient reads
         for phase in ("forward", "backward"):
             names = [k for k in getattr(first, phase) if not k.startswith("allreduce dL/d")]
             for key in names:
