@@ -311,12 +311,14 @@ class Machine:
 
 
 def corner_coords(grid: Mapping[str, int] | Sequence[tuple[str, int]]) -> list[dict[str, int]]:
-    """The ranks whose every coordinate is 0 or the last: with balanced blocks they hold every
-    combination of the larger and the smaller block per dim, so the slowest rank is among them."""
+    """The ranks whose every coordinate is 0, 1 or the last: with balanced blocks they hold every
+    combination of the larger and the smaller block per dim, and an interior block with halos on
+    both sides, so the slowest rank is among them (the one sampling rule of pricing:
+    :func:`distconv.parallel.placement.evaluated_ranks`)."""
     layout = _layout(grid)
     out: list[dict[str, int]] = [{}]
     for name, e in layout:
-        out = [{**c, name: v} for c in out for v in sorted({0, e - 1})]
+        out = [{**c, name: v} for c in out for v in sorted({0, min(1, e - 1), e - 1})]
     return out
 
 

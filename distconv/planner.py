@@ -57,9 +57,6 @@ __all__ = ["Choice", "ConvNode", "Block", "Network", "Plan", "trace_network", "c
            "transition_bytes", "transition_time", "plan_network", "predict", "explain"]
 
 ACT = ("N", "C", "H", "W")
-#: the search's own layer estimate (perfmodel.conv_cost) evaluates every rank of grids up to this
-#: size, else its corner ranks; a plan's price is explain's (distconv.parallel.placement's rule)
-_SEARCH_ALL_RANKS = 8
 ALGORITHMS = ("sample", "spatial", "stationary-x", "stationary-y", "stationary-w")
 
 
@@ -458,7 +455,7 @@ def layer_cost(conv: ConvNode, choice: Choice, machine: Machine, *, itemsize: in
     convolution and ``activation_factor`` copies of the local output (conv, BN, ReLU).
     ``machine``: any form of :func:`~distconv.machines.resolve_machine`."""
     machine = resolve_machine(machine, hierarchical=True)
-    ranks = "all" if choice.size <= _SEARCH_ALL_RANKS else "corners"
+    ranks = "corners"  # the slowest rank is among them, as for moves (one sampling rule)
     cost = conv_cost(conv.problem, choice.extents, choice.conv_algorithm, machine,
                      itemsize=itemsize, ranks=ranks)
     ar = sum(v for k, v in cost.steps.items() if k.startswith("allreduce"))

@@ -5,7 +5,6 @@ ranks: :func:`repartition`) with the exact bytes each rank receives doing them."
 from __future__ import annotations
 
 import functools
-import itertools
 import math
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -15,6 +14,7 @@ import torch
 
 from distconv.distribution import Dist, balanced_block
 from distconv.grid import ProcessorGrid
+from distconv.perfmodel import corner_coords
 from distconv.redistribute import plan_redistribution, redistribute, repartition
 
 __all__ = ["ALL_RANKS", "Layout", "Placement", "conversion_bytes", "convert", "evaluated_ranks",
@@ -103,11 +103,10 @@ def evaluated_ranks(layouts: Iterable[Layout], size: int, *, every: bool = True)
         return list(range(size))
     ranks: set[int] = set()
     for layout in layouts:
-        options = [sorted({0, min(1, e - 1), e - 1}) for _, e in layout]
-        for combo in itertools.product(*options):
+        for coords in corner_coords(layout):
             r = 0
-            for (_, e), c in zip(layout, combo):
-                r = r * e + c
+            for name, e in layout:
+                r = r * e + coords[name]
             ranks.add(r)
     return sorted(ranks)
 
