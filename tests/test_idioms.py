@@ -485,6 +485,32 @@ def test_a_module_that_runs_as_traced_swapped_after_parallelize_is_the_one_that_
     assert torch.equal(got, want)
 
 
+def test_batchnorm_1d_and_3d_are_their_torch_types_so_the_freeze_idiom_holds() -> None:
+    """Each parallel batch norm is an instance of its own torch class and no other: freezing
+    ``nn.BatchNorm3d`` in a model that also has a BatchNorm1d freezes the 3-d one only, as on one
+    process (outputs and running statistics after a training forward equal the plain model's)."""
+    torch.manual_seed(6)
+    model = nn.Sequential(
+        nn.Conv3d(2, 4, 3, padding=1), nn.BatchNorm3d(4), nn.ReLU(), nn.AdaptiveAvgPool3d(1),
+        nn.Flatten(), nn.Linear(4, 5), nn.BatchNorm1d(5), nn.Linear(5, 3)).double()
+    x = torch.randn(6, 2, 3, 4, 3, dtype=torch.float64)
+    pmodel = parallelize(copy.deepcopy(model), {"default": {"grid": {"N": 1}}},
+                         comm=SingleCommunicator())
+    kinds = {type(m).__name__: m for m in pmodel.modules()}
+    assert isinstance(kinds["DistBatchNorm3d"], nn.BatchNorm3d)
+    assert not isinstance(kinds["DistBatchNorm3d"], (nn.BatchNorm2d, nn.BatchNorm1d))
+    assert isinstance(kinds["DistBatchNorm1d"], nn.BatchNorm1d)
+    assert not isinstance(kinds["DistBatchNorm1d"], (nn.BatchNorm2d, nn.BatchNorm3d))
+    for m in [*model.modules(), *pmodel.modules()]:
+        if isinstance(m, nn.BatchNorm3d):
+            m.eval()
+    assert (pmodel(x) - model(x)).abs().max() < TOL
+    got, want = pmodel.gather_state_dict(), model.state_dict()
+    assert torch.equal(got["1.running_mean"], want["1.running_mean"])  # frozen: untouched
+    assert not torch.equal(want["6.running_mean"], torch.zeros(5, dtype=torch.float64))
+    assert (got["6.running_mean"] - want["6.running_mean"]).abs().max() < TOL
+
+
 # ----------------------------------------------------------------------------- state dicts
 def _state_dict_run(comm: Any) -> dict[str, Any]:
     model, x, y = resnet_case(seed=6)

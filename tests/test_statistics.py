@@ -85,6 +85,24 @@ def test_local_statistics_equal_ddp_by_hand(world: int, config: dict) -> None:
         assert got["counted"] == tuple(plan.rank_bytes(r).values()), r
 
 
+def test_local_statistics_of_a_3d_network_equal_ddp_by_hand() -> None:
+    """BatchNorm3d and BatchNorm1d (a volume's and a head's) with each sample block's own
+    statistics, as DDP's plain BatchNorm: two steps, every parameter and buffer."""
+    torch.manual_seed(3)
+    model = torch.nn.Sequential(
+        torch.nn.Conv3d(2, 4, 3, padding=1), torch.nn.BatchNorm3d(4), torch.nn.ReLU(),
+        torch.nn.AdaptiveAvgPool3d(1), torch.nn.Flatten(), torch.nn.Linear(4, 5),
+        torch.nn.BatchNorm1d(5), torch.nn.Linear(5, 3)).double()
+    x = torch.randn(6, 2, 3, 4, 3, dtype=torch.float64)
+    y = torch.randint(0, 3, (6,))
+    ref = ddp_reference(model, x, y, blocks=2)
+    plan = explain(model, LOCAL, tuple(x.shape), world_size=2, itemsize=8)
+    for r, got in enumerate(run_threads(ours, 2, model, LOCAL, x, y)):
+        for k, v in ref.items():
+            assert (got["state"][k].double() - v.double()).abs().max() < TOL, (r, k)
+        assert got["counted"] == tuple(plan.rank_bytes(r).values()), r
+
+
 def test_local_statistics_move_fewer_bytes_than_global() -> None:
     model, x, _ = resnet_case()
     shape = tuple(x.shape)

@@ -19,21 +19,22 @@ from distconv.nn.recompute import is_recomputing
 from distconv.nn.sharding import ShardSpec, keep_requires_grad
 from distconv.redistribute import gather
 
-__all__ = ["STATISTICS", "DistBatchNorm2d", "broadcast_running"]
+__all__ = ["STATISTICS", "DistBatchNorm", "DistBatchNorm1d", "DistBatchNorm2d", "DistBatchNorm3d",
+           "broadcast_running"]
 
 STATISTICS = ("global", "local")
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
-class DistBatchNorm2d(nn.BatchNorm2d):
-    r"""``nn.BatchNorm2d`` on a distributed activation, with the semantics of ``nn.SyncBatchNorm``
-    over the whole global batch.
-
-    It is an ``nn.BatchNorm2d`` for ``isinstance``, so the idioms written for one process hold
-    (``if isinstance(m, nn.BatchNorm2d): m.eval()`` freezes its statistics; parameter groups that
-    exclude norms find it); its parameters and buffers are this rank's shards, and its
-    ``forward`` takes the global input shape as a second, optional argument.
+class DistBatchNorm(nn.modules.batchnorm._BatchNorm):
+    r"""Batch normalisation on a distributed activation, with the semantics of ``nn.SyncBatchNorm``
+    over the whole global batch: the common base of :class:`DistBatchNorm2d`,
+    :class:`DistBatchNorm3d` and :class:`DistBatchNorm1d`, each an ``nn.BatchNorm2d`` / ``3d`` /
+    ``1d`` for ``isinstance``, so the idioms written for one process hold (``if isinstance(m,
+    nn.BatchNorm2d): m.eval()`` freezes its statistics; parameter groups that exclude norms find
+    it); its parameters and buffers are this rank's shards, and its ``forward`` takes the global
+    input shape as a second, optional argument.
 
     The input ``x`` and output ``y`` are distributed as ``input_dist`` (e.g. ``x[o,o_C,o,o]``,
     ``x[o,o_{F×C},o,o]``, ``x[o,*,o,o]``); any grid dims may appear in any entry. The grid dims of
@@ -109,6 +110,7 @@ class DistBatchNorm2d(nn.BatchNorm2d):
         statistics: str = "global",
     ) -> None:
         nn.Module.__init__(self)  # nn.BatchNorm2d's own init would allocate the global state
+        name = type(self).__name__
         if isinstance(num_features, bool) or not isinstance(num_features, int) or num_features < 1:
             raise ValueError(f"num_features must be a positive int, got {num_features!r}")
         if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0:
@@ -122,23 +124,25 @@ class DistBatchNorm2d(nn.BatchNorm2d):
         self.statistics = statistics
         self.num_features, self.eps, self.momentum = num_features, float(eps), momentum
         self.affine, self.track_running_stats = bool(affine), bool(track_running_stats)
-        self.grid = check_grid("DistBatchNorm2d", grid)
-        self.input_dist = check_activation_dist("DistBatchNorm2d", grid, input_dist)
-        self.output_dist = self.input_dist
-        self.param_dist = Dist((self.input_dist.entries[1],))
+        self.grid = check_grid(name, grid)
+        #: the (N, C, H, W) distribution the statistics are computed on (a BatchNorm1d/3d's
+        #: input is viewed so, its whole spatial dims folded into H and W)
+        self._dist = check_activation_dist(name, grid, input_dist)
+        self.input_dist = self.output_dist = self._dist
+        self.param_dist = Dist((self._dist.entries[1],))
         # Sub-communicators are created collectively, in the same order on every rank.
         over = (0, 2, 3) if statistics == "global" else (2, 3)
-        segment = [g for d in over for g in split_dims(grid, self.input_dist, d)]
+        segment = [g for d in over for g in split_dims(grid, self._dist, d)]
         self._stats_comm = grid.subcomm(segment) if segment else None
         # local statistics: the running statistics are sample block 0's (DDP's broadcast
         # buffers), sent to the other sample blocks asynchronously, off the critical path
-        blocks = split_dims(grid, self.input_dist, 0) if statistics == "local" else []
+        blocks = split_dims(grid, self._dist, 0) if statistics == "local" else []
         self._block_comm = grid.subcomm(blocks) if blocks else None
         self._pending: tuple[RunningBroadcast, int, float] | None = None
         #: set by a ParallelModel for one forward: the layers' broadcasts go out as one
-        self._collector: list[tuple[DistBatchNorm2d, torch.Tensor, float]] | None = None
+        self._collector: list[tuple[DistBatchNorm, torch.Tensor, float]] | None = None
         redundant = [d for d in self.param_dist.redundant(grid) if grid.extent(d) > 1]
-        where = f"DistBatchNorm2d({num_features}) over {'×'.join(redundant)}"
+        where = f"{name}({num_features}) over {'×'.join(redundant)}"
         self.grad_sync = GradSync(grid.subcomm(redundant), where=where) if redundant else None
         self._make_state(device, dtype)
         register_parameter_specs(self, grid.comm)  # for distconv.clip_grad_norm_
@@ -174,7 +178,7 @@ class DistBatchNorm2d(nn.BatchNorm2d):
             self.num_batches_tracked.zero_()
 
     def reset_parameters(self) -> None:
-        """As ``nn.BatchNorm2d``: running statistics reset, weight 1, bias 0 (no communication)."""
+        """As torch's: running statistics reset, weight 1, bias 0 (no communication)."""
         self.reset_running_stats()
         if self.affine:
             nn.init.ones_(self.weight)
@@ -198,7 +202,7 @@ class DistBatchNorm2d(nn.BatchNorm2d):
                 continue
             mine = getattr(self, name)
             if mine is None:
-                raise ValueError(f"DistBatchNorm2d has no {name} (affine={self.affine}, "
+                raise ValueError(f"{type(self).__name__} has no {name} (affine={self.affine}, "
                                  f"track_running_stats={self.track_running_stats})")
             if tuple(value.shape) != (self.num_features,):
                 raise ValueError(
@@ -209,17 +213,20 @@ class DistBatchNorm2d(nn.BatchNorm2d):
         if num_batches_tracked is not None and self.num_batches_tracked is not None:
             self.num_batches_tracked.fill_(int(num_batches_tracked))
 
+    #: the plain module this layer shards, and the modules it takes (set by each subclass)
+    _plain: type[nn.Module] = nn.BatchNorm2d
+    _plain_types: tuple[type[nn.Module], ...] = (nn.BatchNorm2d, nn.SyncBatchNorm)
+
     @classmethod
-    def from_batchnorm2d(
-        cls, layer: nn.BatchNorm2d, *, grid: ProcessorGrid, input_dist: Dist,
+    def from_module(
+        cls, layer: nn.Module, *, grid: ProcessorGrid, input_dist: Dist,
         statistics: str = "global",
-    ) -> DistBatchNorm2d:
-        """Shard an ``nn.BatchNorm2d`` (or ``nn.SyncBatchNorm``), the same on every rank: its
-        settings, parameters, running statistics and training mode."""
-        if not isinstance(layer, (nn.BatchNorm2d, nn.SyncBatchNorm)):
-            raise TypeError(
-                f"layer must be an nn.BatchNorm2d or nn.SyncBatchNorm, got {type(layer).__name__}"
-            )
+    ) -> DistBatchNorm:
+        """Shard a plain batch norm (``cls``'s torch module, or ``nn.SyncBatchNorm``), the same
+        on every rank: its settings, parameters, running statistics and training mode."""
+        if not isinstance(layer, cls._plain_types):
+            names = " or ".join(f"nn.{t.__name__}" for t in cls._plain_types)
+            raise TypeError(f"layer must be an {names}, got {type(layer).__name__}")
         ref = layer.weight if layer.weight is not None else layer.running_mean
         out = cls(
             layer.num_features, layer.eps, layer.momentum, layer.affine,
@@ -240,12 +247,13 @@ class DistBatchNorm2d(nn.BatchNorm2d):
             return None
         return gather(t.detach(), self.param_dist, self.grid, (self.num_features,))
 
-    def to_batchnorm2d(self) -> nn.BatchNorm2d:
-        """A plain ``nn.BatchNorm2d`` with the gathered global state, on every rank (collective)."""
+    def to_plain(self) -> nn.Module:
+        """The plain torch module (``nn.BatchNorm2d``, ``3d`` or ``1d``) with the gathered global
+        state, on every rank (collective)."""
         state = [self._gather(t) for t in (self.weight, self.bias, self.running_mean,
                                            self.running_var)]
         ref = next((t for t in state if t is not None), None)
-        layer = nn.BatchNorm2d(
+        layer = self._plain(
             self.num_features, self.eps, self.momentum, self.affine, self.track_running_stats,
             device=None if ref is None else ref.device, dtype=None if ref is None else ref.dtype,
         )
@@ -283,11 +291,11 @@ class DistBatchNorm2d(nn.BatchNorm2d):
         ``global_shape`` may be left out only when ``input_dist`` splits nothing.
         """
         self.settle()
-        shape = resolve_shape("DistBatchNorm2d", self.grid, self.input_dist, x, global_shape,
+        shape = resolve_shape(type(self).__name__, self.grid, self._dist, x, global_shape,
                               self.__dict__.setdefault("_resolved", {}))
         if shape[1] != self.num_features:
             raise ValueError(
-                f"DistBatchNorm2d: global_shape {shape} has {shape[1]} channels, expected "
+                f"{type(self).__name__}: global_shape {shape} has {shape[1]} channels, expected "
                 f"num_features={self.num_features}"
             )
         self._check_dtype(x)
@@ -296,7 +304,7 @@ class DistBatchNorm2d(nn.BatchNorm2d):
         count = shape[0] * shape[2] * shape[3]
         if self.training and count <= 1:
             raise ValueError(
-                f"DistBatchNorm2d: expected more than 1 value per channel when training, got "
+                f"{type(self).__name__}: expected more than 1 value per channel when training, got "
                 f"global input shape {shape}"
             )
         factor = 0.0
@@ -311,7 +319,7 @@ class DistBatchNorm2d(nn.BatchNorm2d):
             count = x.shape[0] * shape[2] * shape[3]  # this sample block's values per channel
             if self.training and count <= 1:
                 raise ValueError(
-                    f"DistBatchNorm2d: expected more than 1 value per channel of a sample block "
+                    f"{type(self).__name__}: expected more than 1 value per channel of a sample block "
                     f"when training with local statistics, got {x.shape[0]} sample(s) of "
                     f"{shape[2]}x{shape[3]}")
         if self._stats_comm is None and x.numel() and self._same_dtype(x):
@@ -379,7 +387,7 @@ class DistBatchNorm2d(nn.BatchNorm2d):
         ):
             return
         raise TypeError(
-            f"DistBatchNorm2d: the input is {x.dtype} but the layer's parameters and running "
+            f"{type(self).__name__}: the input is {x.dtype} but the layer's parameters and running "
             f"statistics are {state.dtype}; convert one of them (nn.BatchNorm2d refuses mixed "
             "dtypes too, except a float16/bfloat16 input with float32 state)"
         )
@@ -401,6 +409,108 @@ class DistBatchNorm2d(nn.BatchNorm2d):
         )
 
 
+class DistBatchNorm2d(DistBatchNorm, nn.BatchNorm2d):
+    """``nn.BatchNorm2d`` on a distributed activation ``x[N, C, H, W]`` in ``input_dist``
+    (:class:`DistBatchNorm`); an ``nn.BatchNorm2d`` for ``isinstance``."""
+
+    _plain = nn.BatchNorm2d
+    _plain_types = (nn.BatchNorm2d, nn.SyncBatchNorm)
+
+    @classmethod
+    def from_batchnorm2d(cls, layer: nn.Module, *, grid: ProcessorGrid, input_dist: Dist,
+                         statistics: str = "global") -> DistBatchNorm2d:
+        """:meth:`DistBatchNorm.from_module` of an ``nn.BatchNorm2d`` or ``nn.SyncBatchNorm``."""
+        return cls.from_module(layer, grid=grid, input_dist=input_dist, statistics=statistics)
+
+    def to_batchnorm2d(self) -> nn.BatchNorm2d:
+        """A plain ``nn.BatchNorm2d`` with the gathered global state, on every rank (collective)."""
+        return self.to_plain()
+
+
+class _FoldedBatchNorm(DistBatchNorm):
+    """A batch norm of ``2 + k`` dims whose spatial dims are whole on every rank: the statistics
+    of a channel are those of the values of its (N, C) block over all the spatial positions, so
+    the block is viewed as ``(N, C, S, L)`` (the spatial dims folded, L the last, or 1) and
+    normalised as :class:`DistBatchNorm2d` normalises it; the output takes the input's shape."""
+
+    #: how many spatial dims the input may have
+    _spatial: tuple[int, ...] = ()
+
+    def __init__(
+        self,
+        num_features: int,
+        eps: float = 1e-5,
+        momentum: float | None = 0.1,
+        affine: bool = True,
+        track_running_stats: bool = True,
+        device: Any = None,
+        dtype: torch.dtype | None = None,
+        *,
+        grid: ProcessorGrid,
+        input_dist: Dist,
+        statistics: str = "global",
+    ) -> None:
+        name = type(self).__name__
+        if not isinstance(input_dist, Dist):
+            raise TypeError(f"{name}: input_dist must be a Dist, got {type(input_dist).__name__}")
+        ranks = [2 + k for k in self._spatial]
+        if input_dist.ndim not in ranks:
+            raise ValueError(f"{name}: input_dist must have {' or '.join(map(str, ranks))} "
+                             f"entries (N, C and the spatial dims), got {input_dist.ndim}")
+        split = [i for i in range(2, input_dist.ndim) if input_dist.grid_dims_of(i)]
+        if split:
+            raise ValueError(
+                f"{name}: input_dist splits spatial dim(s) {split}; the layer takes its spatial "
+                "dims whole (parallelize makes them so, an allgather before it)")
+        folded = Dist((*input_dist.entries[:2], None, None), input_dist.pending, "NCHW")
+        super().__init__(num_features, eps, momentum, affine, track_running_stats, device, dtype,
+                         grid=grid, input_dist=folded, statistics=statistics)
+        self.input_dist = self.output_dist = input_dist
+
+    @staticmethod
+    def _fold(shape: Sequence[int]) -> tuple[int, int, int, int]:
+        spatial = tuple(int(s) for s in shape[2:])
+        last = spatial[-1] if spatial else 1
+        rest = 1
+        for s in spatial[:-1]:
+            rest *= s
+        return (int(shape[0]), int(shape[1]), rest, last)
+
+    def forward(self, x: torch.Tensor, global_shape: Sequence[int] | None = None) -> torch.Tensor:
+        """Normalise this rank's block ``x`` of the global tensor of shape ``global_shape`` (in
+        :attr:`input_dist`, spatial dims whole); returns this rank's block of the output."""
+        if not isinstance(x, torch.Tensor) or x.dim() != self.input_dist.ndim:
+            got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(f"{type(self).__name__} takes a {self.input_dist.ndim}-d block "
+                             f"(its input_dist's), got {got}")
+        if global_shape is not None:
+            if len(tuple(global_shape)) != x.dim():
+                raise ValueError(f"{type(self).__name__}: global_shape must have {x.dim()} "
+                                 f"entries, got {tuple(global_shape)!r}")
+            global_shape = self._fold(global_shape)
+        return super().forward(x.reshape(self._fold(x.shape)), global_shape).reshape(x.shape)
+
+
+class DistBatchNorm3d(_FoldedBatchNorm, nn.BatchNorm3d):
+    """``nn.BatchNorm3d`` on a distributed activation ``x[N, C, D, H, W]`` whose spatial dims are
+    whole (``x[o_N,o_C,*,*,*]`` and the like), with the statistics of the whole global batch
+    (:class:`DistBatchNorm`); an ``nn.BatchNorm3d`` for ``isinstance``."""
+
+    _plain = nn.BatchNorm3d
+    _plain_types = (nn.BatchNorm3d, nn.SyncBatchNorm)
+    _spatial = (3,)
+
+
+class DistBatchNorm1d(_FoldedBatchNorm, nn.BatchNorm1d):
+    """``nn.BatchNorm1d`` on a distributed activation ``x[N, C]`` or ``x[N, C, L]`` with ``L``
+    whole, with the statistics of the whole global batch (:class:`DistBatchNorm`); an
+    ``nn.BatchNorm1d`` for ``isinstance``."""
+
+    _plain = nn.BatchNorm1d
+    _plain_types = (nn.BatchNorm1d, nn.SyncBatchNorm)
+    _spatial = (0, 1)
+
+
 class RunningBroadcast:
     """One asynchronous broadcast of several layers' running statistics from sample block 0;
     each layer takes its slice when it settles."""
@@ -408,7 +518,7 @@ class RunningBroadcast:
     def __init__(self, comm: Any, flat: torch.Tensor) -> None:
         self._flat = flat
         self._work = comm.broadcast(flat, root=0, async_op=True,
-                                    meta="DistBatchNorm2d running statistics of sample block 0")
+                                    meta="DistBatchNorm running statistics of sample block 0")
         self._result: torch.Tensor | None = None
 
     def result(self) -> torch.Tensor:
@@ -418,10 +528,10 @@ class RunningBroadcast:
         return self._result
 
 
-def broadcast_running(entries: list[tuple[DistBatchNorm2d, torch.Tensor, float]]) -> None:
+def broadcast_running(entries: list[tuple[DistBatchNorm, torch.Tensor, float]]) -> None:
     """Send the local-statistics layers' batch statistics of sample block 0 to the other blocks:
     one broadcast per communicator (in the order the layers ran, the same on every rank)."""
-    groups: dict[int, list[tuple[DistBatchNorm2d, torch.Tensor, float]]] = {}
+    groups: dict[int, list[tuple[DistBatchNorm, torch.Tensor, float]]] = {}
     for entry in entries:
         groups.setdefault(id(entry[0]._block_comm), []).append(entry)
     for group in groups.values():
@@ -444,7 +554,7 @@ def _moments(x: torch.Tensor, comm: Any, count: int) -> tuple[torch.Tensor, torc
     if comm is None:
         return mean, m2 / count
     mine = torch.cat([x.new_full((1,), float(n)), mean, m2])
-    parts = torch.stack(comm.allgather(mine, meta="DistBatchNorm2d statistics"))
+    parts = torch.stack(comm.allgather(mine, meta="DistBatchNorm statistics"))
     ns, means, m2s = parts[:, :1], parts[:, 1:1 + x.shape[1]], parts[:, 1 + x.shape[1]:]
     mean = (ns * means).sum(0) / count
     m2 = m2s.sum(0) + (ns * (means - mean).square()).sum(0)
@@ -452,7 +562,7 @@ def _moments(x: torch.Tensor, comm: Any, count: int) -> tuple[torch.Tensor, torc
 
 
 class _BatchNorm(torch.autograd.Function):
-    """Training-mode batch normalisation over the segment of ``comm`` (see DistBatchNorm2d).
+    """Training-mode batch normalisation over the segment of ``comm`` (see DistBatchNorm).
 
     Forward returns ``y`` and, not differentiable, the batch mean and biased variance. Backward is
     the standard batch-norm backward with its two channel sums reduced over the same segment.
@@ -485,7 +595,7 @@ class _BatchNorm(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             sums = torch.stack([sum_dy, sum_dy_xhat])
             if ctx.comm is not None:
-                sums = ctx.comm.allreduce(sums, meta="DistBatchNorm2d backward sums")
+                sums = ctx.comm.allreduce(sums, meta="DistBatchNorm backward sums")
             scale = invstd if weight is None else invstd * weight
             dx = (dy_w - (sums[0] / ctx.count).view(1, -1, 1, 1)
                   - xhat * (sums[1] / ctx.count).view(1, -1, 1, 1)) * scale.view(1, -1, 1, 1)

@@ -1,5 +1,7 @@
-"""Normalisation: ``BatchNorm2d`` and ``SyncBatchNorm`` with the statistics of the whole global
-batch (:class:`~distconv.nn.DistBatchNorm2d`), in its input's distribution.
+"""Normalisation: ``BatchNorm1d/2d/3d`` and ``SyncBatchNorm`` with the statistics of the whole
+global batch (:class:`~distconv.nn.DistBatchNorm2d`, ``3d``, ``1d``), in its input's distribution
+(a BatchNorm1d/3d's spatial dims made whole first); GroupNorm, LayerNorm and InstanceNorm1d/2d/3d
+on local blocks with the dims they reduce over whole.
 
 Per rank: forward, an allgather of (count, mean, M2) per local channel over the statistics
 segment (the grid dims of the N, H and W entries); backward, an allreduce of (Σdy, Σdy·x̂).
@@ -14,7 +16,7 @@ from torch import nn
 
 from distconv.comm.base import allreduce_bytes
 from distconv.distribution import Dist
-from distconv.nn.batchnorm import DistBatchNorm2d
+from distconv.nn.batchnorm import DistBatchNorm1d, DistBatchNorm2d, DistBatchNorm3d
 from distconv.ops.base import SAMPLE_GRIDS, Handler, PriceContext, Sample, SampleNet
 from distconv.ops.pricing import CommStep, segment_rank
 from distconv.parallel.placement import Placement, paper_grid
@@ -23,20 +25,31 @@ __all__ = ["BatchNormHandler", "GroupNormHandler", "InstanceNormHandler", "Layer
 
 
 class BatchNormHandler(Handler):
-    modules = (nn.BatchNorm2d, nn.SyncBatchNorm)  # both: global-batch statistics
+    # all with global-batch statistics
+    modules = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
 
     def place(self, an: Any, node: Any, module: Any) -> Any:
         from distconv.parallel.graph import LayerSpec
 
         name = str(node.target)
         step = an.keep(node, "batchnorm")
+        dist = step.out.dist
+        if dist.ndim not in (2, 3, 4, 5):
+            an.fail(node, f"{type(module).__name__} takes (N, C) to (N, C, D, H, W) inputs, got "
+                    f"{dist.ndim} dims")
+        if dist.ndim != 4 and any(dist.grid_dims_of(d) for d in range(2, dist.ndim)):
+            # a BatchNorm1d/3d takes its spatial dims whole: an allgather before it
+            entries = dist.entries[:2] + (None,) * (dist.ndim - 2)
+            p = Placement(step.out.layout, Dist(entries, frozenset(), dist.tensor_dims))
+            step.out, step.needs = p, {a: p for a in step.needs}
         step.layer = LayerSpec("batchnorm", name, step.out.layout, input=step.out,
                                statistics=an.config.statistics(name))
         return step
 
     def build(self, module: Any, node: Any, step: Any, grid: Any) -> Any:
-        return DistBatchNorm2d.from_batchnorm2d(module, grid=grid, input_dist=step.layer.input.dist,
-                                                statistics=step.layer.statistics)
+        cls = {4: DistBatchNorm2d, 5: DistBatchNorm3d}.get(step.layer.input.ndim, DistBatchNorm1d)
+        return cls.from_module(module, grid=grid, input_dist=step.layer.input.dist,
+                               statistics=step.layer.statistics)
 
     def param_dists(self, step: Any, module: Any) -> dict[str, Any]:
         d = Dist((step.out.dist.entries[1],))
@@ -46,7 +59,8 @@ class BatchNormHandler(Handler):
         p = step.out
         ext = dict(p.layout)
         local = step.layer.statistics == "local"
-        seg = [g for i in ((2, 3) if local else (0, 2, 3)) for g in p.dist.grid_dims_of(i)]
+        over = (() if local else (0,)) + tuple(range(2, p.dist.ndim))  # all but the channels
+        seg = [g for i in over for g in p.dist.grid_dims_of(i)]
         blocks = list(p.dist.grid_dims_of(0)) if local and bn.track_running_stats else []
         s = math.prod(ext[g] for g in seg)
         fwd, bwd, running, params = {}, {}, {}, 0
@@ -74,8 +88,59 @@ class BatchNormHandler(Handler):
                 math.prod(ext[g] for g in blocks), p.layout, tuple(blocks)))
 
     def samples(self) -> Sequence[Sample]:
+        volume = _VOLUME
         return (Sample("batchnorm", lambda: SampleNet(nn.BatchNorm2d(4), 4), (5, 4, 7, 6),
-                       SAMPLE_GRIDS),)
+                       SAMPLE_GRIDS),
+                Sample("batchnorm3d", lambda: _VolumeNorm(nn.BatchNorm3d(4, momentum=None)),
+                       (5, 2, 3, 4, 3), volume),
+                Sample("batchnorm1d-features", lambda: _FeatureNorm(), (5, 4, 7, 6),
+                       SAMPLE_GRIDS),
+                Sample("batchnorm1d-signal", lambda: _SignalNorm(), (5, 3, 9), volume))
+
+
+#: the options of a volume's layers (sample-parallel): on the samples alone, and replicated
+#: over C (replicas of the statistics are never counted twice)
+_VOLUME: tuple[tuple[int, dict], ...] = (
+    (2, {"default": {"grid": {"N": 2}, "algorithm": "sample"}}),
+    (4, {"default": {"grid": {"N": 2, "C": 2}, "algorithm": "stationary-x"}}))
+
+
+class _VolumeNorm(nn.Module):
+    """Conv3d, the normalisation under test, a global mean and a head."""
+
+    def __init__(self, norm: nn.Module) -> None:
+        super().__init__()
+        self.conv = nn.Conv3d(2, 4, 3, padding=1)
+        self.norm = norm
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x: Any) -> Any:
+        return self.head(self.norm(self.conv(x)).relu().mean((2, 3, 4)))
+
+
+class _FeatureNorm(nn.Module):
+    """A BatchNorm1d over the features of a head, after a convolution placed by the config."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(4, 4, 1)
+        self.fc = nn.Linear(4, 5)
+        self.norm = nn.BatchNorm1d(5)
+        self.head = nn.Linear(5, 3)
+
+    def forward(self, x: Any) -> Any:
+        return self.head(self.norm(self.fc(self.stem(x).mean((2, 3)))).relu())
+
+
+class _SignalNorm(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv1d(3, 4, 3, padding=1)
+        self.norm = nn.BatchNorm1d(4)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x: Any) -> Any:
+        return self.head(self.norm(self.conv(x)).tanh().mean(2))
 
 
 
@@ -116,11 +181,15 @@ class _LocalNorm(Handler):
 
 class GroupNormHandler(_LocalNorm):
     modules = (nn.GroupNorm,)
-    reduces = (1, 2, 3)  # each group's channels, rows and columns
+
+    def whole(self, module: Any, ndim: int) -> tuple[int, ...]:
+        return tuple(range(1, ndim))  # each group's channels and every spatial dim
 
     def samples(self) -> Sequence[Sample]:
         return (Sample("groupnorm", lambda: SampleNet(nn.GroupNorm(2, 4), 4), (5, 4, 7, 6),
-                       SAMPLE_GRIDS),)
+                       SAMPLE_GRIDS),
+                Sample("groupnorm3d", lambda: _VolumeNorm(nn.GroupNorm(2, 4)), (5, 2, 3, 4, 3),
+                       _VOLUME))
 
 
 class LayerNormHandler(_LocalNorm):
@@ -137,13 +206,13 @@ class LayerNormHandler(_LocalNorm):
 
 
 class InstanceNormHandler(_LocalNorm):
-    modules = (nn.InstanceNorm2d,)
-    reduces = (2, 3)  # rows and columns of each sample and channel
+    modules = (nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)
 
     def whole(self, module: Any, ndim: int) -> tuple[int, ...]:
-        # per-channel weights need the channels; running statistics average over the samples
+        # the spatial dims of each sample and channel; per-channel weights need the channels;
+        # running statistics average over the samples
         return ((0,) if module.track_running_stats else ()) + (
-            (1,) if module.affine or module.track_running_stats else ()) + self.reduces
+            (1,) if module.affine or module.track_running_stats else ()) + tuple(range(2, ndim))
 
     def samples(self) -> Sequence[Sample]:
         return (Sample("instancenorm", lambda: SampleNet(nn.InstanceNorm2d(4), 4), (5, 4, 7, 6),
@@ -151,4 +220,7 @@ class InstanceNormHandler(_LocalNorm):
                 Sample("instancenorm-affine-tracked",
                        lambda: SampleNet(nn.InstanceNorm2d(4, affine=True,
                                                           track_running_stats=True), 4),
-                       (5, 4, 7, 6), (SAMPLE_GRIDS[1], SAMPLE_GRIDS[4])))
+                       (5, 4, 7, 6), (SAMPLE_GRIDS[1], SAMPLE_GRIDS[4])),
+                Sample("instancenorm3d",
+                       lambda: _VolumeNorm(nn.InstanceNorm3d(4, affine=True)), (5, 2, 3, 4, 3),
+                       _VOLUME))

@@ -238,11 +238,11 @@ class _Analyser:
 
 def _distributed_modules() -> tuple[type, ...]:
     from distconv.nn import (
-        DistAdaptiveAvgPool2d, DistAvgPool2d, DistBatchNorm2d, DistConv2d, DistDropout,
+        DistAdaptiveAvgPool2d, DistAvgPool2d, DistBatchNorm, DistConv2d, DistDropout,
         DistDropout2d, DistMaxPool2d, Redistribute,
     )
 
-    return (DistConv2d, DistBatchNorm2d, DistMaxPool2d, DistAvgPool2d, DistAdaptiveAvgPool2d,
+    return (DistConv2d, DistBatchNorm, DistMaxPool2d, DistAvgPool2d, DistAdaptiveAvgPool2d,
             DistDropout, DistDropout2d, Redistribute)
 
 

@@ -40,7 +40,7 @@ from distconv.distribution import as_shape, balanced_block
 from distconv.grid import ProcessorGrid
 from distconv.nn import clip as _clip
 from distconv.nn.grad_sync import BucketedGradSync, GradSync, GradSyncGroup
-from distconv.nn.batchnorm import DistBatchNorm2d, broadcast_running
+from distconv.nn.batchnorm import DistBatchNorm, broadcast_running
 from distconv.nn.clip import register_parameter_specs
 from distconv.nn.sharding import ShardSpec, shard_specs
 from distconv.nn.recompute import recompute_context
@@ -156,7 +156,7 @@ class ParallelModel(nn.Module):
         object.__setattr__(self, "_gm", gm)
         self._plans: dict[tuple[int, ...], dict[str, tuple[int, ...]]] = {}
         self.bucket_bytes = bucket_bytes
-        self._local_norms = [m for m in self.modules() if isinstance(m, DistBatchNorm2d)
+        self._local_norms = [m for m in self.modules() if isinstance(m, DistBatchNorm)
                              and m._block_comm is not None]
         self._trainable = _Trainable(self)
         self.grad_sync = self._fuse_gradient_syncs(bucket_bytes)

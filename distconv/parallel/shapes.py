@@ -135,7 +135,14 @@ def propagate_shapes(gm: fx.GraphModule, shape: Sequence[int], *,
     filling ``node.meta['tensor_meta']`` as ``ShapeProp`` does; a shape the model cannot take
     raises the ``ValueError`` of :func:`check_input_shape_error`."""
     prop = _ShapeRecorder(gm)
+    # in eval mode: a batch norm with momentum=None reads its batch count (.item(), which meta
+    # tensors cannot give) in training, and no layer's shapes depend on the mode
+    training = {m: m.training for m in gm.modules()}
+    gm.eval()
     try:
         prop.run(torch.empty(tuple(shape), dtype=dtype, device="meta"))
     except Exception as exc:  # noqa: BLE001 - any failure of propagation is the shape's
         check_input_shape_error(exc, shape, gm, argument=argument, node=prop.failed)
+    finally:
+        for m, mode in training.items():
+            m.training = mode
