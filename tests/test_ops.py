@@ -97,3 +97,18 @@ def test_tracked_instance_norm_over_split_samples_is_refused_naming_the_node() -
     with pytest.raises(ops.Unsupported, match=r"node 'layer'") as info:
         explain(SampleNet(norm, 4), config, (5, 4, 7, 6), world_size=world)
     assert "averages them over the samples" in str(info.value)
+
+class _Picks(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv(x)[:, 1:3].mean((1, 2, 3))
+
+
+def test_indexing_that_picks_elements_is_refused_naming_the_node() -> None:
+    """Only size-1 dims may be added by indexing (None with ':' and '...'); a slice that picks
+    channels is refused before anything runs, naming the node and what would work."""
+    with pytest.raises(ops.Unsupported, match=r"node 'getitem'.*picks elements.*None"):
+        explain(_Picks(), {"default": {"grid": {"N": 2}}}, (4, 3, 5, 5), world_size=2)

@@ -20,7 +20,7 @@ from distconv.ops.norm import (
 )
 from distconv.ops.pool import AdaptiveAvgPoolHandler, MeanHandler, PoolHandler
 from distconv.ops.resample import ResampleHandler
-from distconv.ops.shape import FlattenHandler, MetaHandler, ReshapeHandler
+from distconv.ops.shape import FlattenHandler, MetaHandler, NewAxisHandler, ReshapeHandler
 
 __all__ = ["CONFIGURABLE", "REGISTRY", "Handler", "PriceContext", "Sample", "Unsupported",
            "handler_for", "supported"]
@@ -30,8 +30,8 @@ REGISTRY: tuple[Handler, ...] = (
     ConvHandler(), LinearHandler(), SampleLayerHandler(), BatchNormHandler(),
     GroupNormHandler(), LayerNormHandler(), InstanceNormHandler(), PoolHandler(),
     AdaptiveAvgPoolHandler(), MeanHandler(), ResampleHandler(), DropoutHandler(),
-    FlattenHandler(), ReshapeHandler(), PointwiseHandler(), BinaryHandler(), CatHandler(),
-    MetaHandler(),
+    FlattenHandler(), ReshapeHandler(), NewAxisHandler(), PointwiseHandler(), BinaryHandler(),
+    CatHandler(), MetaHandler(),
 )
 
 

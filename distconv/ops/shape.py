@@ -4,6 +4,7 @@ value to place."""
 
 from __future__ import annotations
 
+import operator
 from typing import Any, Sequence
 
 import torch
@@ -13,7 +14,7 @@ from distconv.distribution import Dist
 from distconv.ops.base import SAMPLE_GRIDS, Handler, Sample
 from distconv.parallel.placement import Placement
 
-__all__ = ["FlattenHandler", "MetaHandler", "ReshapeHandler"]
+__all__ = ["FlattenHandler", "MetaHandler", "NewAxisHandler", "ReshapeHandler"]
 
 
 def to_samples(an: Any, node: Any, arg: Any, out_ndim: int) -> Any:
@@ -60,6 +61,76 @@ class ReshapeHandler(Handler):
 
     def samples(self) -> Sequence[Sample]:
         return (Sample("view-head", lambda: _ViewNet(), (5, 4, 4, 4), SAMPLE_GRIDS),)
+
+
+class NewAxisHandler(Handler):
+    """Size-1 dims added to a value: ``s[:, :, None, None]``, ``s[..., None]``,
+    ``s.unsqueeze(d)`` (e.g. a squeeze-and-excitation gate made broadcastable). No data moves:
+    every rank's block gains the same size-1 dims, which no grid dim splits. Indexing that picks
+    elements (integers, ranges, tensors) is refused by name; an index into something that is not
+    a placed tensor (a tuple, a shape) carries no value to place."""
+
+    functions = frozenset({operator.getitem, torch.unsqueeze})
+    methods = frozenset({"unsqueeze"})
+
+    def place(self, an: Any, node: Any, module: Any) -> Any:
+        from distconv.parallel.graph import Step
+
+        args = an.tensor_args(node)
+        if not args or node.args[0] is not args[0]:
+            return Step(node, "meta", None)  # an index into a shape or a tuple of values
+        p = an.placement(args[0])
+        entries = list(p.dist.entries)
+        if node.target == operator.getitem:
+            index = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
+            whole = slice(None, None, None)
+            if any(i is not None and i is not Ellipsis and i != whole for i in index) or (
+                    sum(i is Ellipsis for i in index) > 1):
+                an.fail(node, f"indexing with {node.args[1]!r} picks elements; only adding "
+                        "size-1 dims (None with ':' and '...') is supported. Slice the plain "
+                        "model's input, or reduce (mean, sum) instead")
+            taken = sum(i == whole for i in index if i is not None and i is not Ellipsis)
+            if taken > len(entries):
+                an.fail(node, f"index {node.args[1]!r} has more dims than the value's "
+                        f"{len(entries)}")
+            out: list[Any] = []
+            rest = iter(entries)
+            for i in index:
+                if i is None:
+                    out.append(None)
+                elif i is Ellipsis:
+                    out.extend(next(rest) for _ in range(len(entries) - taken))
+                else:
+                    out.append(next(rest))
+            out.extend(rest)
+        else:
+            dim = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else None)
+            if not isinstance(dim, int):
+                an.fail(node, f"unsqueeze needs an int dim, got {dim!r}")
+            out = entries[:]
+            out.insert(dim % (len(entries) + 1), None)
+        placed = Placement(p.layout, Dist(tuple(out), p.dist.pending))
+        return Step(node, "pointwise", placed, {args[0]: p})
+
+    def samples(self) -> Sequence[Sample]:
+        return (Sample("excite-new-axes", lambda: _Gate(), (5, 4, 7, 6), SAMPLE_GRIDS),)
+
+
+class _Gate(nn.Module):
+    """A squeeze-and-excitation gate: the channel means through a Linear, back as [N, C, 1, 1]
+    by indexing with None, and a spatial gate [N, 1, H, W] by unsqueeze."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(4, 4, 1)
+        self.fc = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x: Any) -> Any:
+        x = self.stem(x)
+        s = torch.sigmoid(self.fc(x.mean((2, 3))))
+        x = x * s[:, :, None, None] * torch.sigmoid(x.mean(1)).unsqueeze(1)
+        return self.head(x[..., None].mean((2, 3, 4)))
 
 
 class MetaHandler(Handler):
