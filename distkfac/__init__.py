@@ -33,7 +33,9 @@ from __future__ import annotations
 
 from distkfac.comm import FactorReducer, PayloadBroadcaster, allreduce_gradients
 from distkfac.factors import RunningFactor, pack, unpack
-from distkfac.layers import Conv2dAdapter, LayerAdapter, LinearAdapter, conv_input_cov
+from distkfac.layers import (
+    Conv2dAdapter, ConvNdAdapter, LayerAdapter, LinearAdapter, conv_input_cov,
+)
 from distkfac.lowprec import COMM_DTYPES, float21_pack, float21_unpack
 from distkfac.methods import EigenMethod, InverseMethod, Method
 from distkfac.placement import (
@@ -49,7 +51,7 @@ from distkfac.sharded import LAYOUTS, BiasShardAdapter, ExactLayer, ShardAdapter
 
 __all__ = [
     "KFAC", "allreduce_gradients", "FactorReducer", "PayloadBroadcaster", "RunningFactor",
-    "pack", "unpack", "LayerAdapter", "LinearAdapter", "Conv2dAdapter", "conv_input_cov",
+    "pack", "unpack", "LayerAdapter", "LinearAdapter", "Conv2dAdapter", "ConvNdAdapter", "conv_input_cov",
     "Method", "EigenMethod", "InverseMethod", "CostModel", "FactorTask", "Placement",
     "RoundRobin", "LoadBalanced", "EVERYWHERE", "LAYOUTS", "ShardAdapter", "BiasShardAdapter",
     "ExactLayer", "COMM_DTYPES", "float21_pack", "float21_unpack",

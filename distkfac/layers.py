@@ -7,7 +7,7 @@ row count, so that factors reduced over ranks are exactly those of the concatena
     G = (1/R) sum_r  d_r d_r^T          d_r = n * dL/dy_r, n the local batch size
 
 R counts rows: samples for ``nn.Linear`` (times any middle dims), samples x output positions for
-``nn.Conv2d``.  With a loss that is a mean over the local batch, ``d_r`` is the gradient of the
+``nn.Conv1d``, ``nn.Conv2d`` and ``nn.Conv3d``.  With a loss that is a mean over the local batch, ``d_r`` is the gradient of the
 row's own sample loss, so ``G`` does not depend on how the batch is split over ranks.
 
 Grouped convolutions get block-diagonal factors, one block per group: every factor is stored as
@@ -16,12 +16,14 @@ a batch ``(groups, d, d)``; ``groups == 1`` for everything else.
 from __future__ import annotations
 
 import abc
+import math
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["LayerAdapter", "LinearAdapter", "Conv2dAdapter", "adapter_for", "conv_input_cov"]
+__all__ = ["LayerAdapter", "LinearAdapter", "Conv2dAdapter", "ConvNdAdapter", "adapter_for",
+           "conv_input_cov"]
 
 
 class LayerAdapter(abc.ABC):
@@ -192,6 +194,79 @@ class Conv2dAdapter(LayerAdapter):
         per_sample = gy.to(dtype).reshape(n, g, f // g, ho * wo)
         cov = (per_sample @ per_sample.transpose(-1, -2)).sum(0)
         return cov * (batch * batch), n * ho * wo
+
+
+def _nd_padding(conv: nn.Module) -> list[int]:
+    """``F.pad`` padding (last spatial dim first) exactly as an ``nn.ConvNd`` applies it."""
+    k, d = conv.kernel_size, conv.dilation
+    if isinstance(conv.padding, str):
+        pads: list[int] = []
+        for i in reversed(range(len(k))):
+            total = 0 if conv.padding == "valid" else d[i] * (k[i] - 1)
+            pads += [total // 2, total - total // 2]
+        return pads
+    return [p for i in reversed(range(len(k))) for p in (conv.padding[i], conv.padding[i])]
+
+
+class ConvNdAdapter(LayerAdapter):
+    """``nn.Conv1d`` and ``nn.Conv3d`` (and any ``nn.ConvNd``) with any stride, padding (ints,
+    ``'same'``, ``'valid'``, any padding mode), dilation, kernel and groups: the im2col rows are
+    the input's windows taken with ``Tensor.unfold`` along each spatial dim (views; one copy of
+    ``prod(kernel)`` times the input when they are gathered into rows), ordered like
+    ``weight.reshape(F, -1)``'s columns: (channel, kernel offsets), then the bias 1."""
+
+    @property
+    def groups(self) -> int:
+        return self.module.groups
+
+    @property
+    def spatial(self) -> int:
+        return len(self.module.kernel_size)
+
+    @property
+    def a_dim(self) -> int:
+        m = self.module
+        return m.in_channels // m.groups * math.prod(m.kernel_size) + int(self.has_bias)
+
+    @property
+    def g_dim(self) -> int:
+        return self.module.out_channels // self.module.groups
+
+    def batch_size(self, x: Tensor) -> int:  # type: ignore[override]
+        return x.shape[0] if x.dim() == 2 + self.spatial else 1
+
+    def _batched(self, t: Tensor) -> Tensor:
+        return t if t.dim() == 2 + self.spatial else t.unsqueeze(0)
+
+    def patches(self, x: Tensor) -> Tensor:
+        """``(groups, rows, C/groups * prod(kernel))``: every window of ``x`` (batched)."""
+        m = self.module
+        pads = _nd_padding(m)
+        if any(pads):
+            mode = "constant" if m.padding_mode == "zeros" else m.padding_mode
+            x = F.pad(x, pads, mode=mode)
+        for i, (k, s, d) in enumerate(zip(m.kernel_size, m.stride, m.dilation)):
+            x = x.unfold(2 + i, d * (k - 1) + 1, s)[..., ::d]  # windows as a trailing dim
+        n, c = x.shape[:2]
+        nd = self.spatial
+        # (N, C, *out, *kernel) -> (N, *out, C, *kernel) -> (groups, rows, C/g * prod(kernel))
+        order = (0, *range(2, 2 + nd), 1, *range(2 + nd, 2 + 2 * nd))
+        rows = x.permute(order).reshape(-1, m.groups, c // m.groups * math.prod(m.kernel_size))
+        return rows.transpose(0, 1)
+
+    def a_sum(self, x: Tensor, dtype: torch.dtype) -> tuple[Tensor, int]:
+        rows = self.patches(self._batched(x.detach()).to(dtype))
+        if self.has_bias:
+            rows = torch.cat([rows, rows.new_ones(*rows.shape[:2], 1)], dim=2)
+        return rows.transpose(1, 2) @ rows, rows.shape[1]
+
+    def g_sum(self, gy: Tensor, batch: int, dtype: torch.dtype) -> tuple[Tensor, int]:
+        gy = self._batched(gy.detach())
+        n, f = gy.shape[:2]
+        g = self.groups
+        per_sample = gy.to(dtype).reshape(n, g, f // g, -1)
+        cov = (per_sample @ per_sample.transpose(-1, -2)).sum(0)
+        return cov * (batch * batch), n * per_sample.shape[-1]
 
 
 def conv_input_cov(xp: Tensor, kernel_size: tuple[int, int], *, stride: tuple[int, int],
@@ -433,7 +508,7 @@ def _cov_by_2d_lags(x: Tensor, padding: tuple[int, int, int, int],
 
 def adapter_for(module: nn.Module, name: str) -> LayerAdapter | str:
     """The adapter for ``module``, or the reason it cannot be preconditioned."""
-    if not isinstance(module, (nn.Linear, nn.Conv2d)):
+    if not isinstance(module, (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)):
         return f"{type(module).__name__} is not a supported layer type"
     if isinstance(module, torch.jit.ScriptModule):
         return "scripted modules do not run Python hooks"
@@ -447,4 +522,6 @@ def adapter_for(module: nn.Module, name: str) -> LayerAdapter | str:
         return "its bias is frozen while its weight is trained"
     if isinstance(module, nn.Conv2d):
         return Conv2dAdapter(module, name)
+    if isinstance(module, (nn.Conv1d, nn.Conv3d)):
+        return ConvNdAdapter(module, name)
     return LinearAdapter(module, name)

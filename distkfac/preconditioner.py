@@ -303,6 +303,10 @@ class KFAC:
 
     def _resolve_comm(self, comm):
         dist = [(n, m) for n, m in self.model.named_modules() if isinstance(m, DistConv2d)]
+        if comm is None and self._parallel is not None:
+            # a parallelized model's own communicator, also where no layer of it is a DistConv2d
+            # (a 3-D network runs sample-parallel): its factors are reduced over its ranks
+            comm = self._parallel.comm
         if comm is None:
             comm = dist[0][1].grid.comm if dist else distconv.comm.world()
         for name, m in dist:
@@ -332,7 +336,7 @@ class KFAC:
             if isinstance(module, DistConv2d):
                 self._register_dist(name, module)
                 continue
-            if not isinstance(module, (nn.Linear, nn.Conv2d)):
+            if not isinstance(module, (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)):
                 continue
             adapter = adapter_for(module, name)
             if isinstance(adapter, str):

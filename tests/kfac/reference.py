@@ -1,6 +1,8 @@
 """Dense references for K-FAC: explicit per-sample sums and an explicit Kronecker solve."""
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -21,6 +23,39 @@ def conv_patches(conv: nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
         u = torch.cat([u, u.new_ones(n, g, 1, L)], 2)
     out = conv(x)
     assert torch.allclose(out.reshape(n, conv.out_channels, -1), y, atol=1e-10), "bad im2col"
+    return u
+
+
+def conv_patches_nd(conv: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """(N, groups, rows per group [+1], L) patches of an ``nn.Conv1d``/``nn.Conv3d``, gathered
+    one output position and one kernel offset at a time with explicit indices (no unfold), and
+    checked against the layer's own output."""
+    nd = len(conv.kernel_size)
+    pads = [p for i in reversed(range(nd)) for p in (
+        (conv.padding[i],) * 2 if not isinstance(conv.padding, str) else (
+            (0, 0) if conv.padding == "valid" else (
+                conv.dilation[i] * (conv.kernel_size[i] - 1) // 2,
+                conv.dilation[i] * (conv.kernel_size[i] - 1)
+                - conv.dilation[i] * (conv.kernel_size[i] - 1) // 2)))]
+    mode = "constant" if conv.padding_mode == "zeros" else conv.padding_mode
+    xp = F.pad(x, pads, mode=mode)
+    out_sizes = [(xp.shape[2 + i] - conv.dilation[i] * (conv.kernel_size[i] - 1) - 1)
+                 // conv.stride[i] + 1 for i in range(nd)]
+    cols = []
+    for o in itertools.product(*[range(s) for s in out_sizes]):
+        patch = []
+        for k in itertools.product(*[range(s) for s in conv.kernel_size]):
+            idx = [o[i] * conv.stride[i] + k[i] * conv.dilation[i] for i in range(nd)]
+            patch.append(xp[(slice(None), slice(None), *idx)])  # (N, C)
+        cols.append(torch.stack(patch, -1))  # (N, C, K): channel major, then kernel offsets
+    n, g, L = x.shape[0], conv.groups, len(cols)
+    u = torch.stack(cols, -1).reshape(n, g, -1, L)
+    w = conv.weight.reshape(g, conv.out_channels // g, -1)
+    y = torch.einsum("gfk,ngkl->ngfl", w, u).reshape(n, conv.out_channels, L)
+    if conv.bias is not None:
+        y = y + conv.bias[None, :, None]
+        u = torch.cat([u, u.new_ones(n, g, 1, L)], 2)
+    assert torch.allclose(conv(x).reshape(n, conv.out_channels, -1), y, atol=1e-10), "patches"
     return u
 
 
@@ -53,7 +88,8 @@ def per_sample_inputs(model, modules, x):
 
 def reference_factors(model, x, y, loss_fn):
     """{module: (A, G)} as explicit means over samples (and positions) of outer products."""
-    modules = [m for m in model.modules() if isinstance(m, (nn.Linear, nn.Conv2d))]
+    modules = [m for m in model.modules()
+               if isinstance(m, (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d))]
     gys = per_sample_output_grads(model, modules, x, y, loss_fn)
     ins = per_sample_inputs(model, modules, x)
     out = {}
@@ -67,7 +103,8 @@ def reference_factors(model, x, y, loss_fn):
             G = sum(torch.outer(r, r) for r in d) / d.shape[0]
             out[m] = (A[None], G[None])
         else:
-            u = conv_patches(m, ins[m])  # N, g, k, L
+            u = (conv_patches(m, ins[m]) if isinstance(m, nn.Conv2d)
+                 else conv_patches_nd(m, ins[m]))  # N, g, k, L
             n, g, k, L = u.shape
             A = torch.stack([sum(torch.outer(u[i, j, :, pos], u[i, j, :, pos])
                                  for i in range(n) for pos in range(L)) / (n * L)
@@ -81,7 +118,7 @@ def reference_factors(model, x, y, loss_fn):
 
 
 def grad_matrix(m: nn.Module) -> torch.Tensor:
-    g = m.groups if isinstance(m, nn.Conv2d) else 1
+    g = getattr(m, "groups", 1)
     v = m.weight.grad.reshape(g, m.weight.shape[0] // g, -1)
     if m.bias is not None:
         v = torch.cat([v, m.bias.grad.reshape(g, -1, 1)], 2)

@@ -176,3 +176,43 @@ def test_ranks_agree_on_every_collective_in_debug_mode():
         set_debug(old)
     for got in results:
         assert_same(got, want)
+
+
+def _volume_model() -> nn.Module:
+    torch.manual_seed(4)
+    return nn.Sequential(nn.Conv3d(2, 4, 3, padding=1), nn.ReLU(),
+                         nn.Conv3d(4, 4, 2, stride=2, groups=2), nn.Tanh(), nn.Flatten(),
+                         nn.Linear(4 * 2 * 2 * 1, 3)).double()
+
+
+def _volume_run(comm, state, xs, ys, splits):
+    rank = 0 if comm is None else comm.rank
+    model = _volume_model()
+    model.load_state_dict(state)
+    kfac = distkfac.KFAC(model, comm=comm, factor_dtype=torch.float64, cost_model=COST)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    lo, b, total = sum(splits[:rank]), splits[rank], sum(splits)
+    size = 1 if comm is None else comm.size
+    for x, y in zip(xs, ys):
+        opt.zero_grad()
+        F.cross_entropy(model(x[lo:lo + b]), y[lo:lo + b]).backward()
+        for p in model.parameters():
+            p.grad.mul_(b * size / total)
+        distkfac.allreduce_gradients(model.parameters(), comm)
+        kfac.step()
+        opt.step()
+    return ({n: p.grad.clone() for n, p in model.named_parameters()},
+            {ly.name: (ly.a.value, ly.g.value) for ly in kfac.layers})
+
+
+def test_conv3d_threads_with_unequal_batches_equal_concatenated_batch():
+    """Data-parallel K-FAC of a volume network (Conv3d, grouped and strided): 3 ranks with
+    unequal local batches end two steps with the gradients and factors of one process."""
+    state = _volume_model().state_dict()
+    g = torch.Generator().manual_seed(5)
+    xs = [torch.randn(9, 2, 4, 4, 2, generator=g, dtype=torch.float64) for _ in range(2)]
+    ys = [torch.randint(0, 3, (9,), generator=g) for _ in range(2)]
+    want = _volume_run(None, state, xs, ys, [9])
+    assert any(name == "0" for name in want[1])  # the Conv3d layers are preconditioned
+    for got in run_threads(_volume_run, 3, state, xs, ys, [2, 4, 3]):
+        assert_same(got, want)

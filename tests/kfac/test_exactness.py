@@ -51,7 +51,7 @@ def run_kfac(model, x, y, **kw):
     model.zero_grad()
     F.cross_entropy(model(x), y).backward()
     raw = {m: grad_matrix(m).clone() for m in model.modules()
-           if isinstance(m, (nn.Linear, nn.Conv2d))}
+           if isinstance(m, (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d))}
     kfac.step()
     return kfac, raw
 
@@ -155,6 +155,41 @@ def test_factors_equal_per_sample_sums(conv_kw):
         A, G = ref[layer.adapter.module]
         torch.testing.assert_close(layer.a.value, A, rtol=1e-10, atol=1e-12)
         torch.testing.assert_close(layer.g.value, G, rtol=1e-10, atol=1e-12)
+
+
+ND_CONVS = [
+    (nn.Conv1d, dict(kernel_size=3, padding=1)),
+    (nn.Conv1d, dict(kernel_size=4, stride=2, dilation=2, padding="valid", groups=2)),
+    (nn.Conv1d, dict(kernel_size=2, padding="same", padding_mode="reflect", bias=False)),
+    (nn.Conv3d, dict(kernel_size=3, padding=1)),
+    (nn.Conv3d, dict(kernel_size=(2, 3, 1), stride=(1, 2, 1), padding=(1, 0, 1), groups=4)),
+    (nn.Conv3d, dict(kernel_size=2, padding="same", dilation=(1, 2, 1),
+                     padding_mode="circular")),
+]
+
+
+@pytest.mark.parametrize("cls, conv_kw", ND_CONVS)
+def test_conv1d_and_conv3d_factors_equal_per_sample_sums(cls, conv_kw):
+    """Conv1d and Conv3d: A and G are the means of the outer products of each sample's patches
+    (gathered with explicit indices) and of its own output gradients; the preconditioned
+    gradient is the dense Kronecker solve."""
+    torch.manual_seed(0)
+    model = nn.Sequential(cls(4, 4, **conv_kw), nn.Tanh(), nn.Flatten(), nn.LazyLinear(3))
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(5, 4, *((7,) if cls is nn.Conv1d else (4, 5, 3)), generator=g)
+    y = torch.randint(0, 3, (5,), generator=g)
+    model(x)
+    ref = reference_factors(model, x, y, F.cross_entropy)
+    damping = 3e-2
+    kfac, raw = run_kfac(model, x, y, damping=damping, kl_clip=None)
+    assert isinstance(kfac.layers[0].adapter, layers.ConvNdAdapter)
+    for layer in kfac.layers:
+        m = layer.adapter.module
+        A, G = ref[m]
+        torch.testing.assert_close(layer.a.value, A, rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(layer.g.value, G, rtol=1e-10, atol=1e-12)
+        want = dense_precondition(A, G, raw[m], damping)
+        torch.testing.assert_close(grad_matrix(m), want, rtol=1e-8, atol=1e-10)
 
 
 def test_linear_factors_with_sequence_dims():

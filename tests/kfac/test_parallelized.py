@@ -148,3 +148,42 @@ def test_replicated_layer_whose_output_a_channel_parallel_layer_splits():
         for k, g in want.items():
             torch.testing.assert_close(grads[k], g, rtol=1e-9, atol=1e-11, msg=k)
 
+
+
+# ---------------------------------------------------------------- 3-D networks
+def _volume_case():
+    from distconv.models import cosmoflow_mini
+
+    torch.manual_seed(2)
+    model = cosmoflow_mini(in_channels=2, base=2, size=4, depth=1, hidden=6,
+                           batch_norm=False).double()
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(7, 2, 4, 4, 4, generator=gen, dtype=torch.float64)
+    y = torch.randint(0, 4, (7,), generator=gen)
+    return model, x, y
+
+
+def _volume_run(comm, config, case):
+    model, x, y = case  # made once, outside: thread ranks share torch's global generator
+    pmodel = parallelize(copy.deepcopy(model), config, comm=comm)
+    kfac = distkfac.KFAC(pmodel, **KW)
+    rows = sample_block(x.shape[0], pmodel.data_grid)
+    train(pmodel, x[rows], y[rows], kfac)
+    return _gathered_grads(pmodel), [type(ly.adapter).__name__ for ly in kfac.layers]
+
+
+@pytest.mark.parametrize("size, config", [
+    (2, {"default": {"grid": {"N": 2}, "algorithm": "sample"}}),
+    (4, {"default": {"grid": {"N": 2, "C": 2}, "algorithm": "stationary-x"}}),
+])
+def test_conv3d_layers_of_a_parallelized_volume_network_equal_single_process(size, config):
+    """A CosmoFlow-style network's Conv3d layers run sample-parallel inside the parallel model
+    (replicated over C on 4 ranks): their K-FAC factors are the global batch's, and two steps
+    end with one process's gradients."""
+    from distconv.testing.threads import run_threads
+
+    want = reference(_volume_case)
+    for grads, kinds in run_threads(_volume_run, size, config, _volume_case()):
+        assert "ConvNdAdapter" in kinds
+        for k, g in want.items():
+            torch.testing.assert_close(grads[k], g, rtol=1e-9, atol=1e-11, msg=k)
