@@ -30,6 +30,7 @@ from distconv.parallel.explain import explain
 from distconv.testing import run_threads
 from tests.parallel.cases import (
     RESNET_CONFIG, TOL, _gathered_grads, counted_step, reference_step, resnet_case, seeded,
+    train_step,
 )
 from tests.parallel.test_parallelize import network_cases
 
@@ -421,6 +422,24 @@ def test_a_module_called_in_two_layouts_is_refused_naming_both_calls() -> None:
 
     for msg in run_threads(run, 4):
         assert "'bn' is called twice" in msg and "copy.deepcopy" in msg
+
+
+def test_a_module_called_twice_in_the_same_layout_up_to_extent_one_dims_is_one_layer() -> None:
+    """One BatchNorm after two convolutions whose grids differ only by dims of extent 1
+    ({N: 2} and {N: 2, H: 1, W: 1}: every rank at the same coordinates): one layer serves both
+    calls, exactly as one process (a U-Net's one max-pool module serves every level so)."""
+    config = {"layers": [{"match": "a", "grid": {"N": 2}, "algorithm": "sample"},
+                         {"match": "b", "grid": {"N": 2, "H": 1, "W": 1},
+                          "algorithm": "spatial"}]}
+    torch.manual_seed(8)
+    model = BNTwice().double()
+    x = torch.randn(5, 4, 6, 5, dtype=torch.float64)
+    y = torch.randint(0, 4, (5,))
+    ref = reference_step(model, x, y)
+    for got in run_threads(train_step, 2, model, config, x, y):
+        assert (got["out"] - ref["out"][got["rows"]]).abs().max() < TOL
+        for k, v in ref["state"].items():
+            assert (got["state"][k].double() - v.double()).abs().max() < TOL, k
 
 
 # ----------------------------------------------------------------------------- layer families

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import hashlib
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
@@ -222,7 +223,7 @@ class ParallelModel(nn.Module):
             target = str(node.target)
             first = built.setdefault(target, step)
             if first is not step:
-                if first.layer == spec:
+                if _same_layer(first.layer, spec):
                     return  # called again in the same layout: one layer, both uses exact
                 raise ValueError(
                     f"parallelize: module {target!r} is called twice (nodes {first.node.name!r} "
@@ -633,6 +634,20 @@ def _eager(fn: Any, *args: Any) -> Any:
     """``fn(*args)``; under ``torch.compile`` run eagerly, as a graph break: the collectives, the
     conversions and the distributed layers, so that the local computation between them compiles."""
     return eager(fn)(*args) if compiling() else fn(*args)
+
+
+def _same_layer(a: LayerSpec | None, b: LayerSpec | None) -> bool:
+    """Whether two calls of one module can share its one layer: the same spec once grid dims of
+    extent 1 are dropped (``{N: 2}`` and ``{H: 1, W: 1, N: 2}`` put every rank at the same
+    coordinates, so the same blocks on the same ranks)."""
+    def canonical(spec: LayerSpec | None) -> Any:
+        if spec is None:
+            return None
+        live = tuple((n, e) for n, e in spec.layout if e > 1)
+        given = None if spec.input is None else Placement(live, spec.input.dist)
+        return dataclasses.replace(spec, layout=live, input=given, source="")
+
+    return canonical(a) == canonical(b)
 
 
 def _show_input(spec: LayerSpec | None) -> str:
