@@ -442,6 +442,37 @@ def test_a_module_called_twice_in_the_same_layout_up_to_extent_one_dims_is_one_l
             assert (got["state"][k].double() - v.double()).abs().max() < TOL, k
 
 
+class PoolTwice(nn.Module):
+    """One max-pool module serving two levels, as U-Nets are written."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Conv2d(4, 4, 3, padding=1)
+        self.b = nn.Conv2d(4, 4, 3, padding=1)
+        self.pool = nn.MaxPool2d(2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.pool(self.b(self.pool(self.a(x)))).mean((2, 3))
+
+
+def test_a_module_without_state_called_in_two_layouts_is_a_layer_per_call() -> None:
+    """A max-pool called on samples split over N and then on rows split over H: it holds no
+    parameters or buffers, so each call gets its own layer, exactly as one process (a module
+    with state is refused, above)."""
+    config = {"layers": [{"match": "a", "grid": {"N": 2}, "algorithm": "sample"},
+                         {"match": "b", "grid": {"N": 1, "H": 2}, "algorithm": "spatial"}],
+              "default": {"grid": {"N": 2}, "algorithm": "sample"}}
+    torch.manual_seed(9)
+    model = PoolTwice().double()
+    x = torch.randn(3, 4, 8, 6, dtype=torch.float64)
+    y = torch.randint(0, 4, (3,))
+    ref = reference_step(model, x, y)
+    for got in run_threads(train_step, 2, model, config, x, y):
+        assert (got["out"] - ref["out"][got["rows"]]).abs().max() < TOL
+        for k, v in ref["grads"].items():
+            assert (got["grads"][k] - v).abs().max() < TOL, k
+
+
 # ----------------------------------------------------------------------------- layer families
 def test_distributed_layers_keep_their_torch_families() -> None:
     one = SingleCommunicator()

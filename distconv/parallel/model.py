@@ -219,19 +219,27 @@ class ParallelModel(nn.Module):
         spec = step.layer
         assert spec is not None
         node = step.node
+        per_node = node.op != "call_module"
         if node.op == "call_module":
             target = str(node.target)
             first = built.setdefault(target, step)
             if first is not step:
                 if _same_layer(first.layer, spec):
                     return  # called again in the same layout: one layer, both uses exact
-                raise ValueError(
-                    f"parallelize: module {target!r} is called twice (nodes {first.node.name!r} "
-                    f"and {node.name!r}) with its input in different layouts "
-                    f"({_show_input(first.layer)} and {_show_input(spec)}), and one module "
-                    "holds one layout. Give the second call its own module (copy.deepcopy, "
-                    "untied) or make both inputs arrive in the same distribution")
-        module = gm.get_submodule(str(node.target)) if node.op == "call_module" else None
+                plain = self._template.get_submodule(target)
+                if any(True for _ in plain.parameters()) or any(True for _ in plain.buffers()):
+                    raise ValueError(
+                        f"parallelize: module {target!r} is called twice (nodes "
+                        f"{first.node.name!r} and {node.name!r}) with its input in different "
+                        f"layouts ({_show_input(first.layer)} and {_show_input(spec)}), and its "
+                        "parameters and buffers live in one layout. Give the second call its own "
+                        "module (copy.deepcopy, untied) or make both inputs arrive in the same "
+                        "distribution")
+                # a module without state (a pooling, an activation): each call its own layer
+                per_node = True
+        module = (gm.get_submodule(str(node.target)) if node.op == "call_module" and not per_node
+                  else self._template.get_submodule(str(node.target))
+                  if node.op == "call_module" else None)
         try:
             new = step.handler.build(module, node, step, self.grid(spec.layout))
         except (ValueError, TypeError, NotImplementedError) as exc:
@@ -239,7 +247,7 @@ class ParallelModel(nn.Module):
             raise type(exc)(f"parallelize: layer {spec.name!r}{where}: {exc}") from exc
         if new is None:
             return  # runs as traced, on local blocks
-        if node.op == "call_module":  # every name the module is registered under
+        if not per_node:  # every name the module is registered under
             for path in [n for n, m in gm.named_modules(remove_duplicate=False) if m is module]:
                 _set_submodule(gm, path, new)
             self._layers[str(node.target)] = new
@@ -321,6 +329,9 @@ class ParallelModel(nn.Module):
         node = step.node
         if step.handler is not None and step.handler.runs_locally:
             return step.handler.run(node, args, kwargs, shapes[node.args[0].name])
+        if node.name in self._function_modules:  # this call's own layer (a function, or a
+            # module without state called in another layout than its first call)
+            return _eager(self._function_modules[node.name], args[0], shapes[node.args[0].name])
         distributed = node.target in self._layers if node.op == "call_module" else False
         if node.op == "call_module":
             module = self.get_submodule(str(node.target))
@@ -333,9 +344,6 @@ class ParallelModel(nn.Module):
                 return _eager(module, args[0], shapes[node.args[0].name])
             return module(*args, **kwargs)
         if node.op == "call_function":
-            if node.name in self._function_modules:
-                return _eager(self._function_modules[node.name], args[0],
-                              shapes[node.args[0].name])
             return node.target(*args, **kwargs)
         if node.op == "call_method":
             return getattr(args[0], node.target)(*args[1:], **kwargs)

@@ -148,7 +148,13 @@ class _Writer:
             self.emit(f"{out} = {self.const(step.handler.run, 'H')}({self.const(node, 'N')}, "
                       f"{args}, {kwargs}, {self.const(self.shapes[node.args[0].name], 'S')})")
             return
-        if node.op == "call_module":
+        if node.op == "call_module" and node.name in model._function_modules:
+            # a module without state called in another layout than its first call: this call's
+            # own layer
+            self.emit(f"{out} = E({self.const(model._function_modules[node.name], 'L')}, "
+                      f"{self.expr(node, node.args[0])}, "
+                      f"{self.const(self.shapes[node.args[0].name], 'S')})")
+        elif node.op == "call_module":
             target = str(node.target)
             layer = model._layers.get(target)
             if layer is not None:
