@@ -126,7 +126,8 @@ def _load_section(section: Section, source: Any, strict: bool) -> None:
             )
     specs = section.specs()
     local: dict[str, torch.Tensor] = {}
-    for key in saved:
+    wanted: list[tuple[str, str, ShardSpec, torch.Tensor | None, torch.dtype]] = []
+    for key in saved:  # every tensor checked before any is read
         if section.strict_keys() and key not in current:
             continue
         full = f"{section.name}/{key}"
@@ -134,7 +135,16 @@ def _load_section(section: Section, source: Any, strict: bool) -> None:
         spec = section.target(key, shape, specs)
         have = current.get(key)
         _check(full, shape, dtype, spec, have)
-        out = source.read(full, _box(spec))
+        wanted.append((key, full, spec, have, dtype))
+    for key, full, spec, have, dtype in wanted:
+        box = _box(spec)
+        # a block assembled from several shards goes straight into the tensor it restores
+        # (one copy, not two: restoring it onto itself copies nothing), unless every shard is
+        # to be hash-checked first
+        into = have if (isinstance(have, torch.Tensor) and have.device.type == "cpu"
+                        and have.dtype == dtype and not getattr(source, "verify", True)
+                        and tuple(have.shape) == tuple(b - a for a, b in box)) else None
+        out = source.read(full, box, into=into)
         local[key] = out if have is None else out.to(have.device)
     skipped = object()  # tensors of the checkpoint the model lacks (strict=False)
     state = unflatten(tree, lambda k: local.get(k, skipped))
@@ -185,7 +195,7 @@ class _Memory:
         t = self.tensors[key.split("/", 1)[1]]
         return tuple(t.shape), t.dtype
 
-    def read(self, key: str, box: Box) -> torch.Tensor:
+    def read(self, key: str, box: Box, into: torch.Tensor | None = None) -> torch.Tensor:
         t = self.tensors[key.split("/", 1)[1]]
         return t.detach()[tuple(slice(a, b) for a, b in box)].clone()
 
@@ -228,10 +238,11 @@ class _Files:
         e = self.entry(key)
         return e.shape, e.dtype
 
-    def read(self, key: str, box: Box | None) -> torch.Tensor:
+    def read(self, key: str, box: Box | None, into: torch.Tensor | None = None) -> torch.Tensor:
         """The block ``box`` of tensor ``key`` (None: the whole tensor), from the shards that
         intersect it: a view of the file's memory map where one shard holds the box (the caller
-        copies it where it belongs), else assembled from the parts with one copy each."""
+        copies it where it belongs), else assembled from the parts with one copy each, into
+        ``into`` where given (a tensor of the box's shape and the entry's dtype)."""
         e = self.entry(key)
         box = tuple((0, n) for n in e.shape) if box is None else box
         if volume(box) == 0:
@@ -242,7 +253,7 @@ class _Files:
             (shard,) = touched
             return self._part(e, shard, tuple(slice(a - s, b - s)
                                               for (a, b), (s, _) in zip(box, shard.box)))
-        out = torch.empty([b - a for a, b in box], dtype=e.dtype)
+        out = into if into is not None else torch.empty([b - a for a, b in box], dtype=e.dtype)
         for shard in touched:
             part = intersect(box, shard.box)
             if part is None:
