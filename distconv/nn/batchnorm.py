@@ -127,8 +127,9 @@ class DistBatchNorm(nn.modules.batchnorm._BatchNorm):
         self.grid = check_grid(name, grid)
         #: the (N, C, H, W) distribution the statistics are computed on (a BatchNorm1d/3d's
         #: input is viewed so, its whole spatial dims folded into H and W)
-        self._dist = check_activation_dist(name, grid, input_dist)
-        self.input_dist = self.output_dist = self._dist
+        self._dist = check_activation_dist(name, grid, self._folded(input_dist))
+        self.input_dist = self.output_dist = input_dist if self._dist is not input_dist else (
+            self._dist)
         self.param_dist = Dist((self._dist.entries[1],))
         # Sub-communicators are created collectively, in the same order on every rank.
         over = (0, 2, 3) if statistics == "global" else (2, 3)
@@ -146,6 +147,11 @@ class DistBatchNorm(nn.modules.batchnorm._BatchNorm):
         self.grad_sync = GradSync(grid.subcomm(redundant), where=where) if redundant else None
         self._make_state(device, dtype)
         register_parameter_specs(self, grid.comm)  # for distconv.clip_grad_norm_
+
+    @classmethod
+    def _folded(cls, input_dist: Dist) -> Dist:
+        """The (N, C, H, W) distribution the statistics are computed on, from the input's."""
+        return input_dist
 
     # ------------------------------------------------------------------ state
     def _make_state(self, device: Any, dtype: torch.dtype | None) -> None:
@@ -436,24 +442,12 @@ class _FoldedBatchNorm(DistBatchNorm):
     #: how many spatial dims the input may have
     _spatial: tuple[int, ...] = ()
 
-    def __init__(
-        self,
-        num_features: int,
-        eps: float = 1e-5,
-        momentum: float | None = 0.1,
-        affine: bool = True,
-        track_running_stats: bool = True,
-        device: Any = None,
-        dtype: torch.dtype | None = None,
-        *,
-        grid: ProcessorGrid,
-        input_dist: Dist,
-        statistics: str = "global",
-    ) -> None:
-        name = type(self).__name__
+    @classmethod
+    def _folded(cls, input_dist: Dist) -> Dist:
+        name = cls.__name__
         if not isinstance(input_dist, Dist):
             raise TypeError(f"{name}: input_dist must be a Dist, got {type(input_dist).__name__}")
-        ranks = [2 + k for k in self._spatial]
+        ranks = [2 + k for k in cls._spatial]
         if input_dist.ndim not in ranks:
             raise ValueError(f"{name}: input_dist must have {' or '.join(map(str, ranks))} "
                              f"entries (N, C and the spatial dims), got {input_dist.ndim}")
@@ -462,10 +456,7 @@ class _FoldedBatchNorm(DistBatchNorm):
             raise ValueError(
                 f"{name}: input_dist splits spatial dim(s) {split}; the layer takes its spatial "
                 "dims whole (parallelize makes them so, an allgather before it)")
-        folded = Dist((*input_dist.entries[:2], None, None), input_dist.pending, "NCHW")
-        super().__init__(num_features, eps, momentum, affine, track_running_stats, device, dtype,
-                         grid=grid, input_dist=folded, statistics=statistics)
-        self.input_dist = self.output_dist = input_dist
+        return Dist((*input_dist.entries[:2], None, None), input_dist.pending, "NCHW")
 
     @staticmethod
     def _fold(shape: Sequence[int]) -> tuple[int, int, int, int]:

@@ -148,11 +148,10 @@ class _Writer:
             self.emit(f"{out} = {self.const(step.handler.run, 'H')}({self.const(node, 'N')}, "
                       f"{args}, {kwargs}, {self.const(self.shapes[node.args[0].name], 'S')})")
             return
-        if node.op == "call_module" and node.name in model._function_modules:
-            # a module without state called in another layout than its first call: this call's
-            # own layer
-            self.emit(f"{out} = E({self.const(model._function_modules[node.name], 'L')}, "
-                      f"{self.expr(node, node.args[0])}, "
+        layer = model._function_modules.get(node.name)
+        if layer is not None:  # this node's own layer: a function's, or a module's without state
+            # called in another layout than its first call
+            self.emit(f"{out} = E({self.const(layer, 'L')}, {self.expr(node, node.args[0])}, "
                       f"{self.const(self.shapes[node.args[0].name], 'S')})")
         elif node.op == "call_module":
             target = str(node.target)
@@ -167,13 +166,8 @@ class _Writer:
                 self.emit(f"{out} = {self.module_expr(target)}("
                           f"{self.call_args(node, node.args, node.kwargs)})")
         elif node.op == "call_function":
-            layer = model._function_modules.get(node.name)
-            if layer is not None:
-                self.emit(f"{out} = E({self.const(layer, 'L')}, {self.expr(node, node.args[0])}, "
-                          f"{self.const(self.shapes[node.args[0].name], 'S')})")
-            else:
-                self.emit(f"{out} = {self.const(node.target, 'F')}("
-                          f"{self.call_args(node, node.args, node.kwargs)})")
+            self.emit(f"{out} = {self.const(node.target, 'F')}("
+                      f"{self.call_args(node, node.args, node.kwargs)})")
         elif node.op == "call_method":
             this, rest = node.args[0], node.args[1:]
             self.emit(f"{out} = getattr({self.expr(node, this)}, {node.target!r})("
