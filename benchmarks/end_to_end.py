@@ -229,8 +229,9 @@ def run_profile(per_rank: int, steps: int) -> dict[str, Any]:
 
 def one_process(steps: int, batch: int = 16, device: str = "cpu") -> dict[str, Any]:
     """A parallelized model on one process against the plain module: interleaved training steps
-    (forward and backward), medians, the ratio. On CUDA each step ends with a synchronize, so a
-    step's time is the host's overhead and the kernels together."""
+    (forward and backward; which side goes first alternates), medians, the ratio. On CUDA each
+    step ends with a synchronize, so a step's time is the host's overhead and the kernels
+    together."""
     from distconv.comm import SingleCommunicator
 
     torch.set_num_threads(1)
@@ -242,8 +243,9 @@ def one_process(steps: int, batch: int = 16, device: str = "cpu") -> dict[str, A
     x = torch.randn(batch, 3, SIZE, SIZE, generator=gen).to(dev)
     y = torch.randint(0, 10, (batch,), generator=gen).to(dev)
     times: dict[str, list[float]] = {"plain": [], "parallel": []}
+    sides = [("plain", model), ("parallel", ours)]
     for step in range(steps + 5):
-        for name, m in (("plain", model), ("parallel", ours)):
+        for name, m in (sides if step % 2 else sides[::-1]):  # alternating: no order bias
             sync()
             t0 = time.perf_counter()
             F.cross_entropy(m(x), y).backward()
