@@ -3,6 +3,7 @@ by hand from the layer's geometry."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -66,3 +67,31 @@ def test_a_conv_that_gathers_its_input_keeps_the_gathered_block_for_backward() -
         params = 6 * 3 * 9 + 3  # the weight's rows (filters) or columns (channels) halved
         got = _memory(node, Choice(((dim, 2),), algorithm), 1, 0, 1)
         assert got == 2 * params + want, algorithm
+
+
+class _VolumeNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv3d(2, 4, 3, padding=1)
+        self.up = nn.ConvTranspose3d(4, 3, 2, stride=2)
+        self.head = nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.up(self.conv(x)).mean((2, 3, 4)))
+
+
+def test_sample_parallel_layers_are_priced_by_their_flops() -> None:
+    # x (4, 2, 5, 5, 5) over {N: 2}: 2 samples per rank. Conv3d 2 -> 4, 3x3x3 (216 weights)
+    # meets each of its 2·125 output positions: 2·250·216 FLOPs. ConvTranspose3d 4 -> 3, 2x2x2
+    # (96 weights) scatters each of its 2·125 input positions: 2·250·96. Linear 3 -> 3 (9
+    # weights) on 2 rows: 2·2·9. At 1e9 FLOP/s; backward twice the forward.
+    from distconv.perfmodel import Machine
+
+    machine = Machine(alpha=1e-5, beta=1e-9, flop_rate=1e9)
+    e = explain(_VolumeNet(), {"default": {"grid": {"N": 2}, "algorithm": "sample"}},
+                (4, 2, 5, 5, 5), world_size=2, machine=machine)
+    got = {lay.name: (lay.forward_seconds, lay.backward_seconds) for lay in e.layers
+           if lay.name in ("conv", "up", "head")}
+    for name, flops in (("conv", 2 * 250 * 216), ("up", 2 * 250 * 96), ("head", 2 * 2 * 9)):
+        assert got[name][0] == pytest.approx(flops / 1e9, rel=1e-12), name
+        assert got[name][1] == pytest.approx(2 * flops / 1e9, rel=1e-12), name

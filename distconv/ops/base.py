@@ -77,13 +77,15 @@ SAMPLE_GRIDS: tuple[tuple[int, dict], ...] = (
 @dataclass
 class PriceContext:
     """What pricing a node needs: its input's global shape, the item size, the evaluated ranks,
-    whether a gradient flows back into the input, and the machine (None: bytes only)."""
+    whether a gradient flows back into the input, the machine (None: bytes only) and the node's
+    output's global shape (None where it has none)."""
 
     in_shape: tuple[int, ...]
     itemsize: int
     ranks: list[int]
     grad_in: bool
     machine: Any = None
+    out_shape: tuple[int, ...] | None = None
 
 
 class Handler:

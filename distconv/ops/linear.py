@@ -10,10 +10,29 @@ from typing import Any, Sequence
 from torch import nn
 
 from distconv.ops.base import SAMPLE_GRIDS, Handler, PriceContext, Sample, SampleNet
+from distconv.ops.pricing import largest_block
 from distconv.parallel.config import LayerChoice
 from distconv.parallel.placement import Placement
 
 __all__ = ["LinearHandler", "SampleLayerHandler"]
+
+
+def compute(report: Any, step: Any, module: Any, ctx: PriceContext) -> None:
+    """Forward and backward seconds of a sample-parallel layer on its largest block: every weight
+    meets every position once -- the output's positions (samples x spatial positions) for a
+    Linear or a convolution, the input's for a transposed one, whose every input position
+    scatters through the whole weight -- at two FLOPs each, at the machine's FLOP rate; the
+    backward computes the input's and the weight's gradients, each as long."""
+    if ctx.machine is None or ctx.out_shape is None:
+        return
+    transposed = isinstance(module, nn.modules.conv._ConvTransposeNd)
+    shape = ctx.in_shape if transposed else ctx.out_shape
+    placed = next(iter(step.needs.values())) if transposed else step.out
+    channels = shape[-1] if isinstance(module, nn.Linear) or len(shape) < 3 else shape[1]
+    positions = largest_block(placed, shape) // max(channels, 1)
+    forward = 2 * positions * module.weight.numel() / ctx.machine.flop_rate
+    report.forward_seconds = forward
+    report.backward_seconds = 2 * forward
 
 
 class LinearHandler(Handler):
@@ -38,6 +57,7 @@ class LinearHandler(Handler):
     def price(self, report: Any, step: Any, module: Any, ctx: PriceContext) -> None:
         report.param_elements = sum(p.numel() for p in module.parameters())
         report.dists["w"] = "w[*,*]"
+        compute(report, step, module, ctx)
 
     def samples(self) -> Sequence[Sample]:
         return (Sample("linear-head", lambda: SampleNet(nn.Identity(), 4), (5, 4, 6, 6), (
@@ -71,6 +91,7 @@ class SampleLayerHandler(LinearHandler):
     def price(self, report: Any, step: Any, module: Any, ctx: PriceContext) -> None:
         report.param_elements = sum(p.numel() for p in module.parameters())
         report.dists["w"] = "w[" + ",".join("*" * module.weight.dim()) + "]"
+        compute(report, step, module, ctx)
 
     def samples(self) -> Sequence[Sample]:
         sample_only = ((2, {"default": {"grid": {"N": 2}, "algorithm": "sample"}}),)

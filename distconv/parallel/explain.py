@@ -387,7 +387,8 @@ def _layer(step: Step, modules: dict[str, nn.Module], shapes: dict[str, tuple[in
     if step.handler is not None and node.args and isinstance(node.args[0], fx.Node) and (
             node.args[0].name in shapes):
         module = modules.get(str(node.target)) if node.op == "call_module" else None
-        ctx = PriceContext(shapes[node.args[0].name], isz, ranks, grad_in, machine)
+        ctx = PriceContext(shapes[node.args[0].name], isz, ranks, grad_in, machine,
+                           shapes.get(node.name))
         step.handler.price(report, step, module, ctx)
     return report
 
