@@ -473,6 +473,31 @@ def test_a_module_without_state_called_in_two_layouts_is_a_layer_per_call() -> N
             assert (got["grads"][k] - v).abs().max() < TOL, k
 
 
+def _second_copy(comm: Any) -> dict[str, Any]:
+    model, x, y = resnet_case(seed=12)
+    pmodel = parallelize(copy.deepcopy(model), RESNET_CONFIG, comm=comm)
+    rows = sample_block(x.shape[0], pmodel.data_grid)
+    F.cross_entropy(pmodel(x[rows]), y[rows]).backward()
+    torch.optim.SGD(pmodel.parameters(), lr=0.1).step()
+    try:
+        copy.deepcopy(pmodel)
+        refused = ""
+    except TypeError as exc:
+        refused = str(exc)
+    twin = parallelize(copy.deepcopy(model), RESNET_CONFIG, comm=comm)  # the recipe it names
+    twin.load_state_dict(pmodel.state_dict())
+    return {"refused": refused, "same": torch.equal(twin(x[rows]), pmodel(x[rows]))}
+
+
+def test_a_parallel_model_is_not_deep_copied_and_the_refusal_names_the_recipe() -> None:
+    """An EMA or snapshot written as copy.deepcopy(pmodel) is refused (its layers hold this
+    job's communicators), naming what works: a second parallelize of the plain model loaded with
+    this one's state_dict, which then computes what it computes."""
+    for got in run_threads(_second_copy, 4):
+        assert "cannot be deep-copied" in got["refused"] and "state_dict()" in got["refused"]
+        assert got["same"]
+
+
 # ----------------------------------------------------------------------------- layer families
 def test_distributed_layers_keep_their_torch_families() -> None:
     one = SingleCommunicator()

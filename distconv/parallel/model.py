@@ -548,6 +548,14 @@ class ParallelModel(nn.Module):
                 out[key] = gather(local.detach(), spec.dist, spec.grid, spec.global_shape)
         return out
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        raise TypeError(
+            "a ParallelModel cannot be deep-copied: its layers hold the communicators and grids "
+            "of this job. For a second copy of the weights (an EMA, a snapshot), parallelize "
+            "another copy of the plain model with the same config and load this one's "
+            "state_dict() into it (each rank its own shards), or take gather_module() (the "
+            "plain model, collective)")
+
     def gather_module(self) -> nn.Module:
         """The plain single-process model with the global parameters and buffers (collective)."""
         state = self.gather_state_dict()
