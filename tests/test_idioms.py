@@ -455,12 +455,16 @@ class PoolTwice(nn.Module):
         return self.pool(self.b(self.pool(self.a(x)))).mean((2, 3))
 
 
-def test_a_module_without_state_called_in_two_layouts_is_a_layer_per_call() -> None:
-    """A max-pool called on samples split over N and then on rows split over H: it holds no
-    parameters or buffers, so each call gets its own layer, exactly as one process (a module
-    with state is refused, above)."""
-    config = {"layers": [{"match": "a", "grid": {"N": 2}, "algorithm": "sample"},
-                         {"match": "b", "grid": {"N": 1, "H": 2}, "algorithm": "spatial"}],
+@pytest.mark.parametrize("first, second", [
+    ({"grid": {"N": 2}, "algorithm": "sample"}, {"grid": {"N": 1, "H": 2}, "algorithm": "spatial"}),
+    ({"grid": {"N": 1, "H": 2}, "algorithm": "spatial"}, {"grid": {"N": 2}, "algorithm": "sample"}),
+], ids=["local-then-split", "split-then-local"])
+def test_a_module_without_state_called_in_two_layouts_is_a_layer_per_call(first: dict,
+                                                                          second: dict) -> None:
+    """A max-pool called on samples split over N and on rows split over H, in either order: it
+    holds no parameters or buffers, so each call gets its own layer (or its own plain module,
+    where it runs as traced), exactly as one process (a module with state is refused, above)."""
+    config = {"layers": [{"match": "a", **first}, {"match": "b", **second}],
               "default": {"grid": {"N": 2}, "algorithm": "sample"}}
     torch.manual_seed(9)
     model = PoolTwice().double()

@@ -245,8 +245,13 @@ class ParallelModel(nn.Module):
         except (ValueError, TypeError, NotImplementedError) as exc:
             where = f" ({spec.source})" if spec.source else ""
             raise type(exc)(f"parallelize: layer {spec.name!r}{where}: {exc}") from exc
-        if new is None:
-            return  # runs as traced, on local blocks
+        if new is None:  # runs as traced, on local blocks
+            if per_node and node.op == "call_module":
+                # the module at its name may be another call's distributed layer: this call
+                # runs its own plain copy (it holds no state), a child of the parallel model so
+                # that train() and eval() reach it
+                self.add_module(_call_name(node), copy.deepcopy(module).to("cpu"))
+            return
         if not per_node:  # every name the module is registered under
             for path in [n for n, m in gm.named_modules(remove_duplicate=False) if m is module]:
                 _set_submodule(gm, path, new)
@@ -333,6 +338,8 @@ class ParallelModel(nn.Module):
             # module without state called in another layout than its first call)
             return _eager(self._function_modules[node.name], args[0], shapes[node.args[0].name])
         distributed = node.target in self._layers if node.op == "call_module" else False
+        if node.op == "call_module" and _call_name(node) in self._modules:
+            return self._modules[_call_name(node)](*args, **kwargs)
         if node.op == "call_module":
             module = self.get_submodule(str(node.target))
             if distributed:
@@ -652,6 +659,12 @@ def _eager(fn: Any, *args: Any) -> Any:
     """``fn(*args)``; under ``torch.compile`` run eagerly, as a graph break: the collectives, the
     conversions and the distributed layers, so that the local computation between them compiles."""
     return eager(fn)(*args) if compiling() else fn(*args)
+
+
+def _call_name(node: fx.Node) -> str:
+    """The child name of a node's own plain module (a module without state called in another
+    layout than its first call, running as traced)."""
+    return f"_call_{node.name}"
 
 
 def _same_layer(a: LayerSpec | None, b: LayerSpec | None) -> bool:

@@ -153,6 +153,10 @@ class _Writer:
             # called in another layout than its first call
             self.emit(f"{out} = E({self.const(layer, 'L')}, {self.expr(node, node.args[0])}, "
                       f"{self.const(self.shapes[node.args[0].name], 'S')})")
+        elif node.op == "call_module" and f"_call_{node.name}" in model._modules:
+            # this call's own plain module (the module at its name is another call's layer)
+            self.emit(f"{out} = R._modules[{f'_call_{node.name}'!r}]("
+                      f"{self.call_args(node, node.args, node.kwargs)})")
         elif node.op == "call_module":
             target = str(node.target)
             layer = model._layers.get(target)
