@@ -29,8 +29,8 @@ from distconv.parallel import parallelize
 from distconv.parallel.explain import explain
 from distconv.testing import run_threads
 from tests.parallel.cases import (
-    RESNET_CONFIG, TOL, _gathered_grads, counted_step, reference_step, resnet_case, seeded,
-    train_step,
+    RESNET_CONFIG, TOL, _gathered_grads, counted_step, max_errors, reference_step, resnet_case,
+    seeded, train_step,
 )
 from tests.parallel.test_parallelize import network_cases
 
@@ -400,15 +400,30 @@ def test_tied_weights_sharded_differently_are_refused_naming_both() -> None:
         assert "'a.weight'" in msg and "'b.weight'" in msg and "same grid" in msg
 
 
-class BNTwice(nn.Module):
-    def __init__(self) -> None:
+class CalledTwice(nn.Module):
+    """One module (``shared``: a BatchNorm, a max-pool, ...) called after each of two
+    convolutions, as U-Nets call their one max-pool at every level."""
+
+    def __init__(self, shared: nn.Module) -> None:
         super().__init__()
         self.a = nn.Conv2d(4, 4, 3, padding=1)
         self.b = nn.Conv2d(4, 4, 3, padding=1)
-        self.bn = nn.BatchNorm2d(4)
+        self.shared = shared
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.bn(self.b(self.bn(self.a(x)))).mean((2, 3))
+        return self.shared(self.b(self.shared(self.a(x)))).mean((2, 3))
+
+
+def _equal_to_one_process(model: nn.Module, config: dict, world: int,
+                          shape: tuple[int, ...]) -> None:
+    torch.manual_seed(8)
+    model = model.double()
+    x = torch.randn(*shape, dtype=torch.float64)
+    y = torch.randint(0, 4, (shape[0],))
+    ref = reference_step(model, x, y)
+    for got in run_threads(train_step, world, model, config, x, y):
+        err = max_errors(ref, got)
+        assert max(err.values()) < TOL, err
 
 
 def test_a_module_called_in_two_layouts_is_refused_naming_both_calls() -> None:
@@ -417,11 +432,11 @@ def test_a_module_called_in_two_layouts_is_refused_naming_both_calls() -> None:
 
     def run(comm):
         with pytest.raises(ValueError) as info:
-            parallelize(BNTwice(), config, comm=comm)
+            parallelize(CalledTwice(nn.BatchNorm2d(4)), config, comm=comm)
         return str(info.value)
 
     for msg in run_threads(run, 4):
-        assert "'bn' is called twice" in msg and "copy.deepcopy" in msg
+        assert "'shared' is called twice" in msg and "copy.deepcopy" in msg
 
 
 def test_a_module_called_twice_in_the_same_layout_up_to_extent_one_dims_is_one_layer() -> None:
@@ -431,28 +446,7 @@ def test_a_module_called_twice_in_the_same_layout_up_to_extent_one_dims_is_one_l
     config = {"layers": [{"match": "a", "grid": {"N": 2}, "algorithm": "sample"},
                          {"match": "b", "grid": {"N": 2, "H": 1, "W": 1},
                           "algorithm": "spatial"}]}
-    torch.manual_seed(8)
-    model = BNTwice().double()
-    x = torch.randn(5, 4, 6, 5, dtype=torch.float64)
-    y = torch.randint(0, 4, (5,))
-    ref = reference_step(model, x, y)
-    for got in run_threads(train_step, 2, model, config, x, y):
-        assert (got["out"] - ref["out"][got["rows"]]).abs().max() < TOL
-        for k, v in ref["state"].items():
-            assert (got["state"][k].double() - v.double()).abs().max() < TOL, k
-
-
-class PoolTwice(nn.Module):
-    """One max-pool module serving two levels, as U-Nets are written."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.a = nn.Conv2d(4, 4, 3, padding=1)
-        self.b = nn.Conv2d(4, 4, 3, padding=1)
-        self.pool = nn.MaxPool2d(2)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.pool(self.b(self.pool(self.a(x)))).mean((2, 3))
+    _equal_to_one_process(CalledTwice(nn.BatchNorm2d(4)), config, 2, (5, 4, 6, 5))
 
 
 @pytest.mark.parametrize("first, second", [
@@ -466,23 +460,22 @@ def test_a_module_without_state_called_in_two_layouts_is_a_layer_per_call(first:
     where it runs as traced), exactly as one process (a module with state is refused, above)."""
     config = {"layers": [{"match": "a", **first}, {"match": "b", **second}],
               "default": {"grid": {"N": 2}, "algorithm": "sample"}}
-    torch.manual_seed(9)
-    model = PoolTwice().double()
-    x = torch.randn(3, 4, 8, 6, dtype=torch.float64)
-    y = torch.randint(0, 4, (3,))
-    ref = reference_step(model, x, y)
-    for got in run_threads(train_step, 2, model, config, x, y):
-        assert (got["out"] - ref["out"][got["rows"]]).abs().max() < TOL
-        for k, v in ref["grads"].items():
-            assert (got["grads"][k] - v).abs().max() < TOL, k
+    _equal_to_one_process(CalledTwice(nn.MaxPool2d(2)), config, 2, (3, 4, 8, 6))
 
 
-def _second_copy(comm: Any) -> dict[str, Any]:
-    model, x, y = resnet_case(seed=12)
+def _one_step(comm: Any, seed: int) -> tuple[nn.Module, torch.Tensor, nn.Module, Any]:
+    """The user's loop for one SGD step of the ResNet case: (plain model, input, parallel model,
+    this rank's rows)."""
+    model, x, y = resnet_case(seed=seed)
     pmodel = parallelize(copy.deepcopy(model), RESNET_CONFIG, comm=comm)
     rows = sample_block(x.shape[0], pmodel.data_grid)
     F.cross_entropy(pmodel(x[rows]), y[rows]).backward()
     torch.optim.SGD(pmodel.parameters(), lr=0.1).step()
+    return model, x, pmodel, rows
+
+
+def _second_copy(comm: Any) -> dict[str, Any]:
+    model, x, pmodel, rows = _one_step(comm, 12)
     try:
         copy.deepcopy(pmodel)
         refused = ""
@@ -592,11 +585,7 @@ def test_batchnorm_1d_and_3d_are_their_torch_types_so_the_freeze_idiom_holds() -
 
 # ----------------------------------------------------------------------------- state dicts
 def _state_dict_run(comm: Any) -> dict[str, Any]:
-    model, x, y = resnet_case(seed=6)
-    pmodel = parallelize(copy.deepcopy(model), RESNET_CONFIG, comm=comm)
-    rows = sample_block(x.shape[0], pmodel.data_grid)
-    F.cross_entropy(pmodel(x[rows]), y[rows]).backward()
-    torch.optim.SGD(pmodel.parameters(), lr=0.1).step()
+    model, x, pmodel, rows = _one_step(comm, 6)
     buf = io.BytesIO()
     torch.save(pmodel.state_dict(), buf)  # this rank's shards
     trained = pmodel.gather_state_dict()
