@@ -463,6 +463,30 @@ def test_a_module_without_state_called_in_two_layouts_is_a_layer_per_call(first:
     _equal_to_one_process(CalledTwice(nn.MaxPool2d(2)), config, 2, (3, 4, 8, 6))
 
 
+def test_a_dropout_called_in_two_layouts_follows_eval_at_both_calls() -> None:
+    """A dropout whose first call runs as traced (samples split: each rank's own masks) and whose
+    second is split over rows (one process's masks): each call has its own module, a child of
+    the parallel model. A training step runs both (the second call's layer once ran the first
+    call's blocks and refused their shape), and model.eval() turns off both."""
+    config = {"layers": [{"match": "a", "grid": {"N": 2}, "algorithm": "sample"},
+                         {"match": "b", "grid": {"N": 1, "H": 2}, "algorithm": "spatial"}]}
+    torch.manual_seed(8)
+    model = CalledTwice(nn.Dropout(0.5)).double().eval()
+    x = torch.randn(4, 4, 6, 5, dtype=torch.float64)
+
+    def run(comm: Any) -> Any:
+        pmodel = parallelize(copy.deepcopy(model).train(), config, comm=comm)
+        rows = sample_block(x.shape[0], pmodel.data_grid)
+        pmodel(x[rows]).sum().backward()  # training: both calls run, with their masks
+        pmodel.eval()
+        rows = sample_block(x.shape[0], pmodel.data_grid)
+        return pmodel(x[rows]), rows
+
+    want = model(x)
+    for out, rows in run_threads(run, 2):
+        assert (out - want[rows]).abs().max() < TOL
+
+
 def _one_step(comm: Any, seed: int) -> tuple[nn.Module, torch.Tensor, nn.Module, Any]:
     """The user's loop for one SGD step of the ResNet case: (plain model, input, parallel model,
     this rank's rows)."""

@@ -138,13 +138,22 @@ class ParallelModel(nn.Module):
         self._layers: dict[str, nn.Module] = {}  # built distributed layers, by module target
         self.data_grid = self.grid(cfg.data)
         ties = _tied_parameters(gm)
-        built: dict[str, Step] = {}
+        calls: dict[str, list[Step]] = {}  # module -> the steps that call it, in graph order
+        for step in analysis.steps:
+            if step.node.op == "call_module":
+                calls.setdefault(str(step.node.target), []).append(step)
+        split = {t: ss for t, ss in calls.items() if len(ss) > 1 and any(
+            not _same_layer(ss[0].layer, s.layer) for s in ss[1:])}
+        for target, steps in split.items():
+            _check_split(target, steps, self._template.get_submodule(target))
         for step in analysis.steps:  # every layout a value lives on, in graph order
             for placement in [step.out, *step.needs.values()]:
                 if placement is not None:
                     self.grid(placement.layout)
-            if step.layer is not None:
-                self._build(gm, step, built)
+            if step.node.op == "call_module" and str(step.node.target) in split:
+                self._build_call(step)
+            elif step.layer is not None:
+                self._build(gm, step)
         _retie(gm, ties)
         for name, child in gm.named_children():
             self.add_module(name, child)
@@ -215,49 +224,44 @@ class ParallelModel(nn.Module):
             g = self._grids[layout] = ProcessorGrid(dict(layout), comm=self.comm)
         return g
 
-    def _build(self, gm: fx.GraphModule, step: Step, built: dict[str, Step]) -> None:
+    def _build(self, gm: fx.GraphModule, step: Step) -> None:
+        """The layer of ``step``: a module's, in place of the module under every name it has
+        (calls of one module in one layout share it), or a function node's own."""
         spec = step.layer
         assert spec is not None
         node = step.node
-        per_node = node.op != "call_module"
-        if node.op == "call_module":
-            target = str(node.target)
-            first = built.setdefault(target, step)
-            if first is not step:
-                if _same_layer(first.layer, spec):
-                    return  # called again in the same layout: one layer, both uses exact
-                plain = self._template.get_submodule(target)
-                if any(True for _ in plain.parameters()) or any(True for _ in plain.buffers()):
-                    raise ValueError(
-                        f"parallelize: module {target!r} is called twice (nodes "
-                        f"{first.node.name!r} and {node.name!r}) with its input in different "
-                        f"layouts ({_show_input(first.layer)} and {_show_input(spec)}), and its "
-                        "parameters and buffers live in one layout. Give the second call its own "
-                        "module (copy.deepcopy, untied) or make both inputs arrive in the same "
-                        "distribution")
-                # a module without state (a pooling, an activation): each call its own layer
-                per_node = True
-        module = (gm.get_submodule(str(node.target)) if node.op == "call_module" and not per_node
-                  else self._template.get_submodule(str(node.target))
-                  if node.op == "call_module" else None)
-        try:
-            new = step.handler.build(module, node, step, self.grid(spec.layout))
-        except (ValueError, TypeError, NotImplementedError) as exc:
-            where = f" ({spec.source})" if spec.source else ""
-            raise type(exc)(f"parallelize: layer {spec.name!r}{where}: {exc}") from exc
-        if new is None:  # runs as traced, on local blocks
-            if per_node and node.op == "call_module":
-                # the module at its name may be another call's distributed layer: this call
-                # runs its own plain copy (it holds no state), a child of the parallel model so
-                # that train() and eval() reach it
-                self.add_module(_call_name(node), copy.deepcopy(module).to("cpu"))
-            return
-        if not per_node:  # every name the module is registered under
+        if node.op == "call_module" and str(node.target) in self._layers:
+            return  # called again in the same layout: one layer, both uses exact
+        module = gm.get_submodule(str(node.target)) if node.op == "call_module" else None
+        new = self._make(step, module)
+        if new is None:
+            return  # runs as traced, on local blocks
+        if node.op == "call_module":  # every name the module is registered under
             for path in [n for n, m in gm.named_modules(remove_duplicate=False) if m is module]:
                 _set_submodule(gm, path, new)
             self._layers[str(node.target)] = new
         else:
             self._function_modules[node.name] = new
+
+    def _build_call(self, step: Step) -> None:
+        """One call of a module without state that is called in several layouts: its own layer,
+        or its own plain copy where it runs as traced, a child of the parallel model either way
+        (so that train() and eval() reach it)."""
+        node = step.node
+        plain = copy.deepcopy(self._template.get_submodule(str(node.target))).to("cpu")
+        new = self._make(step, plain) if step.layer is not None else None
+        if new is not None:
+            self._function_modules[node.name] = new
+        self.add_module(_call_name(node), new if new is not None else plain)
+
+    def _make(self, step: Step, module: nn.Module | None) -> nn.Module | None:
+        spec = step.layer
+        assert spec is not None
+        try:
+            return step.handler.build(module, step.node, step, self.grid(spec.layout))
+        except (ValueError, TypeError, NotImplementedError) as exc:
+            where = f" ({spec.source})" if spec.source else ""
+            raise type(exc)(f"parallelize: layer {spec.name!r}{where}: {exc}") from exc
 
     # ------------------------------------------------------------------ forward
     def forward(self, x: torch.Tensor) -> Any:
@@ -659,6 +663,21 @@ def _eager(fn: Any, *args: Any) -> Any:
     """``fn(*args)``; under ``torch.compile`` run eagerly, as a graph break: the collectives, the
     conversions and the distributed layers, so that the local computation between them compiles."""
     return eager(fn)(*args) if compiling() else fn(*args)
+
+
+def _check_split(target: str, steps: list[Step], plain: nn.Module) -> None:
+    """A module called in several layouts must hold no state: its parameters and buffers live
+    in one layout."""
+    if not any(True for _ in plain.parameters()) and not any(True for _ in plain.buffers()):
+        return
+    first = steps[0]
+    other = next(s for s in steps[1:] if not _same_layer(first.layer, s.layer))
+    raise ValueError(
+        f"parallelize: module {target!r} is called twice (nodes {first.node.name!r} and "
+        f"{other.node.name!r}) with its input in different layouts "
+        f"({_show_input(first.layer)} and {_show_input(other.layer)}), and its parameters and "
+        "buffers live in one layout. Give the second call its own module (copy.deepcopy, "
+        "untied) or make both inputs arrive in the same distribution")
 
 
 def _call_name(node: fx.Node) -> str:
