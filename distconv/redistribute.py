@@ -39,7 +39,9 @@ from typing import TYPE_CHECKING, Sequence
 
 import torch
 
-from distconv.comm.base import agree_on_value, allreduce_bytes, flat_span, get_debug, packed
+from distconv.comm.base import (
+    Work, agree_on_value, allreduce_bytes, flat_span, get_debug, packed,
+)
 from distconv.distribution import Dist, as_shape, balanced_block, nested_block
 from distconv.grid import CANONICAL_DIMS, ProcessorGrid
 
@@ -143,6 +145,14 @@ class AllGather:
         parts = ctx.comm([self.g]).allgather(x, shapes=shapes, meta=f"{self} in {ctx.where}")
         return _concat(parts, self.dim)
 
+    def start(self, x: torch.Tensor, ctx: _Ctx) -> Work:
+        """:meth:`run` started without blocking; the handle's ``wait()`` gives its result."""
+        sizes = ctx.parts(self.dim, self.prefix, self.g)
+        shapes = [_with(x.shape, self.dim, s) for s in sizes]
+        work = ctx.comm([self.g]).allgather(x, shapes=shapes, async_op=True,
+                                            meta=f"{self} in {ctx.where}")
+        return Work(lambda: _concat(work.wait(), self.dim), test_fn=work.is_completed)
+
     def adjoint(self) -> ReduceScatter:
         return ReduceScatter(self.dim, self.g, self.prefix)
 
@@ -168,6 +178,12 @@ class ReduceScatter:
         sizes = ctx.parts(self.dim, self.prefix, self.g)
         chunks = _send_chunks(x, sizes, self.dim)
         return ctx.comm([self.g]).reduce_scatter(chunks, meta=f"{self} in {ctx.where}")
+
+    def start(self, x: torch.Tensor, ctx: _Ctx) -> Work:
+        """:meth:`run` started without blocking; the handle's ``wait()`` gives its result."""
+        chunks = _send_chunks(x, ctx.parts(self.dim, self.prefix, self.g), self.dim)
+        return ctx.comm([self.g]).reduce_scatter(chunks, async_op=True,
+                                                 meta=f"{self} in {ctx.where}")
 
     def adjoint(self) -> AllGather:
         return AllGather(self.dim, self.g, self.prefix)

@@ -21,6 +21,7 @@ from distconv.halo import halo_exchange
 from distconv.nn._activation import local_shape
 from distconv.nn.clip import register_parameter_specs
 from distconv.nn.grad_sync import GradSync
+from distconv.nn.pipeline import pipelined_conv
 from distconv.nn.sharding import ShardSpec, keep_requires_grad
 from distconv.perfmodel import ConvProblem, conv_traffic
 from distconv.redistribute import gather, plan_redistribution, redistribute
@@ -156,6 +157,12 @@ class DistConv2d(nn.Module):
         init_seed: seed of the initial global weight and bias (every rank slices the same global
             tensors; drawn like ``nn.Conv2d.reset_parameters``). Default ``None``: rank 0 draws one
             from torch's default generator and broadcasts it.
+        pipeline: chunks of this rank's samples the layer is pipelined over
+            (:mod:`distconv.nn.pipeline`): chunk i's allgather over F and reduce-scatter over C
+            (in backward: allgather of dL/dy, reduce-scatter of dL/dx) run while chunk i+1
+            computes. The same bytes and the same sums; at most as many chunks as samples.
+            Default 1 (not pipelined). Under autocast, or with a ``work_hook`` (distkfac), the
+            layer runs unpipelined (the same result).
 
     Raises:
         ValueError: an unknown algorithm or padding mode, a grid dim without a role, a grid that
@@ -190,6 +197,7 @@ class DistConv2d(nn.Module):
         spatial_dims: tuple[str, str] = ("H", "W"),
         input_shape: Sequence[int] | None = None,
         init_seed: int | None = None,
+        pipeline: int = 1,
     ) -> None:
         super().__init__()
         self.in_channels, self.out_channels = _positive(in_channels, "in_channels"), _positive(
@@ -246,6 +254,20 @@ class DistConv2d(nn.Module):
         self._gather_x = not grouped and algorithm != "stationary-x" and self._ext(filter_dim) > 1
         self._reduce_y = not grouped and algorithm != "stationary-y" and self._ext(channel_dim) > 1
         self._local_groups = self.groups // self._group_parts
+        if isinstance(pipeline, bool) or not isinstance(pipeline, int):
+            raise TypeError(f"pipeline must be an int (chunks of samples), got {pipeline!r}")
+        if pipeline < 1:
+            raise ValueError(f"pipeline must be at least 1 (1: not pipelined), got {pipeline}")
+        if pipeline > 1 and not (self._gather_x or self._reduce_y):
+            raise ValueError(
+                f"pipeline={pipeline} overlaps the allgather over F and the reduce-scatter over "
+                f"C with the local convolution, but this {algorithm} layer on the grid "
+                f"{dict(grid.layout)} runs neither; use pipeline=1, or a grid that splits "
+                f"channels (stationary-x, -w) or filters (stationary-y, -w)"
+            )
+        #: Chunks of samples the local convolution is split into so that each chunk's
+        #: collectives overlap the next chunk's compute (1: not pipelined).
+        self.pipeline = pipeline
         #: Called after the local convolution as ``work_hook(layer, x, padding, y, y_shape)``:
         #: ``x`` the input the local convolution read (after the allgather over F and the halo
         #: exchange), ``padding`` the zero padding (left, right, top, bottom) it still applied,
@@ -584,6 +606,12 @@ class DistConv2d(nn.Module):
         geo = self._geometry(shape)
         if self._local:
             return self._local_conv(x)
+        if (self.pipeline > 1 and x.shape[0] > 1 and self.work_hook is None
+                and autocast_dtype(x.device.type) is None):
+            y = pipelined_conv(self, x, geo, shape, None if self._reduce_y else self.bias)
+            if self._reduce_y and self.bias is not None:
+                y = y + self.bias.view(1, -1, 1, 1)
+            return y
         if self._gather_x:
             x = redistribute(x, self.grid, self.input_dist, self.work_dist, shape)
         for i, plan in enumerate(geo.halo):
@@ -690,6 +718,8 @@ class DistConv2d(nn.Module):
             s += ", " + ", ".join(f"{k}={v!r}" for k, v in changed.items())
         if self.input_shape is not None:
             s += f", input_shape={self.input_shape}"
+        if self.pipeline > 1:
+            s += f", pipeline={self.pipeline}"
         dists = (self.input_dist.format("x"), self.weight_dist.format("w"),
                  self.output_dist.format("y"))
         return s + ", x={}, w={}, y={}".format(*dists)

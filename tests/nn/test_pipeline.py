@@ -1,0 +1,188 @@
+"""Pipelined stationary-x, -y and -w equal the unpipelined layer and one process, and move the
+same bytes.
+
+Two kinds of data. With small integers in float64 every sum is exact whatever its order, so the
+pipelined layer must equal the unpipelined one and ``nn.Conv2d`` **bitwise**: any element summed
+twice, dropped or taken from the wrong chunk shows. With random reals the local convolution's
+own arithmetic may depend on the batch it is given (oneDNN picks its kernels by shape), so there
+the results are compared within the dtype's tolerance.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+from distconv.grid import ProcessorGrid
+from distconv.nn import DistConv2d
+from distconv.nn.pipeline import chunk_sizes
+from distconv.redistribute import gather
+from distconv.testing import run_threads
+from tests.nn.conv_cases import TOLERANCES, ConvCase, reference
+from tests.nn.test_conv import RELAXED, conv_cases
+
+
+def run_both(comm, case: ConvCase, k: int, ref: dict) -> dict:  # noqa: ANN001
+    """Run ``case`` unpipelined and with ``pipeline=k`` on this rank: the results of both
+    (local blocks), the bytes each moved, and the gathered pipelined results."""
+    grid = ProcessorGrid(dict(case.grid), comm=comm)
+    shape = case.input_shape
+    out = {}
+    for name, pipeline in (("plain", 1), ("pipelined", k)):
+        layer = DistConv2d.from_conv2d(ref["conv"], grid=grid, algorithm=case.algorithm,
+                                       pipeline=pipeline)
+        y_shape = layer.output_shape(shape)
+        x = ref["x"][layer.input_dist.local_slices(shape, grid)].clone().requires_grad_(True)
+        comm.stats.reset()
+        y = layer(x, shape)
+        y.backward(ref["g"][layer.output_dist.local_slices(y_shape, grid)])
+        layer.finish_grad_sync()
+        node, kinds = y.grad_fn, set()
+        while node is not None:  # y = chunks' result (+ bias)
+            kinds.add(type(node).__name__)
+            node = node.next_functions[0][0] if node.next_functions else None
+        out[name] = {
+            "ran pipelined": "_PipelinedBackward" in kinds,
+            "bytes": {op: b for op, b in comm.stats.snapshot()["bytes"].items() if b},
+            "y": y.detach(), "dx": x.grad, "dw": layer.weight.grad,
+            "db": None if layer.bias is None else layer.bias.grad,
+        }
+    p = out["pipelined"]
+    out["global"] = {
+        "y": gather(p["y"], layer.output_dist, grid, y_shape),
+        "dx": gather(p["dx"], layer.input_dist, grid, shape),
+        "dw": gather(p["dw"], layer.weight_dist, grid, layer.weight_shape),
+    }
+    return out
+
+
+def integer_reference(case: ConvCase) -> dict:
+    """:func:`reference` with small integers in x, w, b and dL/dy: every sum exact in float64."""
+    gen = torch.Generator().manual_seed(case.seed)
+    conv = torch.nn.Conv2d(case.in_channels, case.out_channels, dtype=torch.float64, **case.conv)
+
+    def ints(shape):  # noqa: ANN001, ANN202
+        return torch.randint(-3, 4, tuple(shape), generator=gen).to(torch.float64)
+
+    with torch.no_grad():
+        conv.weight.copy_(ints(conv.weight.shape))
+        if conv.bias is not None:
+            conv.bias.copy_(ints(conv.bias.shape))
+    x = ints(case.input_shape).requires_grad_(True)
+    y = conv(x)
+    g = ints(y.shape)
+    y.backward(g)
+    return {"conv": conv, "x": x.detach(), "g": g, "y": y.detach(), "dx": x.grad,
+            "dw": conv.weight.grad, "db": None if conv.bias is None else conv.bias.grad}
+
+
+def check(case: ConvCase, ref: dict, results: list[dict], bitwise: bool) -> None:
+    rtol, atol = (0.0, 0.0) if bitwise else TOLERANCES[case.dtype]
+    for r, res in enumerate(results):
+        plain, piped = res["plain"], res["pipelined"]
+        assert piped["ran pipelined"] and not plain["ran pipelined"]
+        assert piped["bytes"] == plain["bytes"], f"rank {r}: {piped['bytes']} != {plain['bytes']}"
+        for key in ("y", "dx", "dw", "db"):
+            a, b = piped[key], plain[key]
+            if key == "dx" and b is not None and a is None:
+                raise AssertionError(f"rank {r}: no dL/dx")
+            if b is None:
+                assert a is None
+            elif bitwise:
+                assert torch.equal(a, b), f"rank {r} {key}: {(a - b).abs().max().item():.3g}"
+            else:
+                torch.testing.assert_close(a, b, rtol=rtol, atol=atol)
+        for key, (name) in (("y", "y"), ("dx", "dx"), ("dw", "dw")):
+            torch.testing.assert_close(res["global"][key], ref[name], rtol=rtol, atol=atol)
+
+
+@st.composite
+def pipelined_cases(draw: st.DrawFn) -> tuple[ConvCase, int]:
+    case = draw(conv_cases())
+    ext = dict(case.grid)
+    communicates = (case.conv["groups"] == 1 or case.algorithm == "stationary-w") and (
+        (case.algorithm != "stationary-x" and ext.get("F", 1) > 1)
+        or (case.algorithm != "stationary-y" and ext.get("C", 1) > 1))
+    assume(communicates)
+    pn = ext.get("N", 1)  # at least 2 samples on every rank, or nothing is pipelined
+    case = dataclasses.replace(case, batch=draw(st.integers(2 * pn, 4 * pn + 1)))
+    return case, draw(st.integers(2, 4)), draw(st.booleans())
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=RELAXED)
+@given(pipelined_cases())
+def test_pipelined_layer_equals_the_unpipelined_one(drawn: tuple[ConvCase, int, bool]) -> None:
+    case, k, exact = drawn
+    ref = integer_reference(case) if exact else reference(case)
+    check(case, ref, run_threads(run_both, case.size, case, k, ref), bitwise=exact)
+
+
+#: Fixed cases for real worlds (4 ranks): each algorithm, several samples per rank, halos.
+REAL = [
+    (ConvCase((("N", 2), ("C", 2)), "stationary-x", 7, 6, 4, 7, 6,
+              {"kernel_size": 3, "padding": 1}), 3),
+    (ConvCase((("F", 4),), "stationary-y", 4, 5, 6, 6, 5, {"kernel_size": 3, "padding": "same"}),
+     2),
+    (ConvCase((("C", 2), ("F", 2)), "stationary-w", 4, 6, 6, 6, 7,
+              {"kernel_size": (2, 3), "padding": "same", "bias": False}), 4),
+    (ConvCase((("H", 2), ("C", 2)), "stationary-x", 5, 3, 4, 9, 7,
+              {"kernel_size": 3, "padding": 1, "padding_mode": "reflect"}), 2),
+]
+
+
+def run_real(comm) -> list[dict]:  # noqa: ANN001
+    return [run_both(comm, case, k, ref(case)) for case, k in REAL
+            for ref in (integer_reference, reference)]
+
+
+@pytest.mark.gloo
+def test_pipelined_layers_on_gloo(gloo4) -> None:  # noqa: ANN001
+    per_rank = gloo4.run(run_real)
+    _check_real(per_rank)
+
+
+@pytest.mark.mpi
+def test_pipelined_layers_on_mpi(mpi4) -> None:  # noqa: ANN001
+    per_rank = mpi4.run(run_real)
+    _check_real(per_rank)
+
+
+def _check_real(per_rank: list[list[dict]]) -> None:
+    for i, (case, _) in enumerate(REAL):
+        for j, (ref, exact) in enumerate(((integer_reference, True), (reference, False))):
+            check(case, ref(case), [rank[2 * i + j] for rank in per_rank], bitwise=exact)
+
+
+def test_chunks_are_balanced_and_never_more_than_the_samples() -> None:
+    assert chunk_sizes(7, 3) == [3, 2, 2]
+    assert chunk_sizes(2, 4) == [1, 1]
+    assert chunk_sizes(5, 1) == [5]
+
+
+def _layer(comm, grid, **kw):  # noqa: ANN001, ANN202
+    return DistConv2d(4, 4, 3, grid=ProcessorGrid(grid, comm=comm), **kw)
+
+
+@pytest.mark.parametrize("grid, kw, error, message", [
+    ({"N": 2}, {"algorithm": "stationary-x", "pipeline": 2}, ValueError, "runs neither"),
+    ({"C": 2}, {"algorithm": "stationary-x", "pipeline": 2, "groups": 2}, ValueError,
+     "runs neither"),
+    ({"C": 2}, {"algorithm": "stationary-x", "pipeline": 0}, ValueError, "at least 1"),
+    ({"C": 2}, {"algorithm": "stationary-x", "pipeline": 2.0}, TypeError, "must be an int"),
+    ({"C": 2}, {"algorithm": "stationary-x", "pipeline": True}, TypeError, "must be an int"),
+])
+def test_bad_pipeline_values_are_refused(grid, kw, error, message) -> None:  # noqa: ANN001
+    def build(comm):  # noqa: ANN001, ANN202
+        with pytest.raises(error, match=message):
+            _layer(comm, grid, **kw)
+    run_threads(build, 2)
+
+
+def test_repr_shows_the_pipeline() -> None:
+    reprs = run_threads(lambda c: repr(_layer(c, {"C": 2}, algorithm="stationary-x",
+                                              pipeline=3)), 2)
+    assert "pipeline=3" in reprs[0]
