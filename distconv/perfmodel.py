@@ -369,8 +369,20 @@ def conv_cost(
     sample_dim: str = "N",
     spatial_dims: tuple[str, str] = ("H", "W"),
     ranks: str = "all",
+    pipeline: int = 1,
 ) -> Cost:
     """Predicted forward and backward seconds of the layer (§4): local convs plus collectives.
+
+    ``pipeline=k`` (:mod:`distconv.nn.pipeline`): the layer runs on k chunks of each rank's
+    samples (at most as many as it has). The network carries the chunks' allgathers and
+    reduce-scatters (each ``1/k`` of the bytes, each paying its latency), the processor their
+    local convolutions, so a stage lasts ``max(conv/k, comm/k)``::
+
+        forward   g + c + r + (k-1) max(c, g + r)               g, c, r: one chunk's allgather
+        backward  g' + c + (k-1) max(c, g' + r') + max(w, r')   over F, conv, reduce-scatter
+                                                                over C; w: the weight gradient
+
+    Halo exchanges run per chunk on the critical path; gradient allreduces are unchanged.
 
     ``machine`` is a flat :class:`Machine` or a hierarchical :class:`distconv.machines.Machine`
     (anything with ``local_conv`` and ``collective_time``). The layer time is its slowest rank's:
@@ -382,23 +394,50 @@ def conv_cost(
     roles = _Roles(sample_dim, channel_dim, filter_dim, *spatial_dims)
     kw = dict(itemsize=itemsize, channel_dim=channel_dim, filter_dim=filter_dim,
               sample_dim=sample_dim, spatial_dims=spatial_dims)
+    if isinstance(pipeline, bool) or not isinstance(pipeline, int) or pipeline < 1:
+        raise ValueError(f"pipeline must be a positive int, got {pipeline!r}")
     local = machine.local_conv(_local_problem(problem, dict(grid), algorithm, roles))
     best: Cost | None = None
     layout = _layout(grid)
+    ext = dict(layout)
+    chunks = min(pipeline, -(-problem.batch // ext.get(sample_dim, 1)))
     for coords in (all_coords if ranks == "all" else corner_coords)(grid):
         t = conv_traffic(problem, grid, algorithm, coords, **kw)  # type: ignore[arg-type]
         steps = {"local conv forward": local, "local conv backward (data + filter)": 2 * local}
         for phase in (t.forward, t.backward):
             for name, nbytes in phase.items():
-                steps[name] = machine.collective_time(t.ops[name], t.peers[name], nbytes,
-                                                      layout=layout, dims=t.dims[name])
+                steps[name] = chunks * machine.collective_time(
+                    t.ops[name], t.peers[name], nbytes / chunks, layout=layout, dims=t.dims[name]
+                ) if not name.startswith("allreduce") else machine.collective_time(
+                    t.ops[name], t.peers[name], nbytes, layout=layout, dims=t.dims[name])
         fwd = local + sum(steps[k] for k in t.forward)
         bwd = 2 * local + sum(steps[k] for k in t.backward)
+        if chunks > 1:
+            fwd, bwd = _pipelined(steps, t, local, chunks)
         cost = Cost(fwd, bwd, steps, t)
         if best is None or cost.total > best.total:
             best = cost
     assert best is not None
     return best
+
+
+def _pipelined(steps: dict[str, float], t: Traffic, local: float, k: int
+               ) -> tuple[float, float]:
+    """Forward and backward seconds of a layer pipelined over ``k`` chunks (see
+    :func:`conv_cost`); ``steps`` hold each collective's time over all k chunks."""
+    def part(phase: dict[str, int], op: str) -> float:
+        return sum(steps[n] for n in phase if t.ops[n] == op and not n.startswith("allreduce"))
+
+    def serial(phase: dict[str, int]) -> float:  # halos and gradient allreduces
+        return sum(steps[n] for n in phase if t.ops[n] not in ("allgather", "reduce_scatter")
+                   or n.startswith("allreduce"))
+
+    c = local / k
+    g, r = part(t.forward, "allgather") / k, part(t.forward, "reduce_scatter") / k
+    fwd = serial(t.forward) + g + c + r + (k - 1) * max(c, g + r)
+    g, r = part(t.backward, "allgather") / k, part(t.backward, "reduce_scatter") / k
+    bwd = serial(t.backward) + g + c + (k - 1) * max(c, g + r) + max(local, r)
+    return fwd, bwd
 
 
 def choose_algorithm(

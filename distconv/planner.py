@@ -36,7 +36,7 @@ import copy
 import math
 import operator
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -256,6 +256,7 @@ class Choice:
     grid: tuple[tuple[str, int], ...]
     algorithm: str
     groups_aligned: bool = False  # a grouped conv whose channel blocks hold whole groups
+    pipeline: int = 1  # chunks of samples its collectives are pipelined over (1: not)
 
     def __post_init__(self) -> None:
         if self.algorithm not in ALGORITHMS:
@@ -292,11 +293,22 @@ class Choice:
         return self._dists()["output"]
 
     def config(self) -> dict[str, Any]:
-        return {"grid": dict(self.grid), "algorithm": self.algorithm}
+        out: dict[str, Any] = {"grid": dict(self.grid), "algorithm": self.algorithm}
+        if self.pipeline > 1:
+            out["pipeline"] = self.pipeline
+        return out
+
+    @property
+    def communicates(self) -> bool:
+        """Whether it runs a collective of its own that pipelining can overlap."""
+        ext = self.extents
+        return (self.algorithm.startswith("stationary-") and not self.groups_aligned
+                and ext.get("C", 1) * ext.get("F", 1) > 1)
 
     def __str__(self) -> str:
         grid = "×".join(f"{n}{e}" for n, e in self.grid)
-        return f"{self.algorithm} {grid}"
+        tail = f" pipeline {self.pipeline}" if self.pipeline > 1 else ""
+        return f"{self.algorithm} {grid}{tail}"
 
 
 @dataclass(frozen=True)
@@ -457,7 +469,7 @@ def layer_cost(conv: ConvNode, choice: Choice, machine: Machine, *, itemsize: in
     machine = resolve_machine(machine, hierarchical=True)
     ranks = "corners"  # the slowest rank is among them, as for moves (one sampling rule)
     cost = conv_cost(conv.problem, choice.extents, choice.conv_algorithm, machine,
-                     itemsize=itemsize, ranks=ranks)
+                     itemsize=itemsize, ranks=ranks, pipeline=choice.pipeline)
     ar = sum(v for k, v in cost.steps.items() if k.startswith("allreduce"))
     return LayerCost(cost.forward, cost.backward - ar, ar,
                      _memory(conv, choice, itemsize, optimizer_slots, activation_factor))
@@ -564,6 +576,7 @@ class _Model:
                  max_sample: int | None = None) -> None:
         self.net, self.P, self.machine, self.itemsize = net, world_size, machine, itemsize
         self.optimizer_slots = optimizer_slots
+        self.activation_factor = activation_factor
         self.options = {c.name: [fixed[c.name]] if fixed else candidates(
             c.problem, world_size, max_model=max_model, max_sample=max_sample,
             algorithms=algorithms) for c in net.convs}
@@ -806,6 +819,7 @@ def plan_network(
         finalists.append({c.name: sample for c in net.convs})
     plans: dict[tuple, tuple[Plan, dict[str, Choice]]] = {}
     for p in finalists:
+        p = _pipelined(m, p)
         key = tuple(p[c.name] for c in net.convs)
         if key in plans:
             continue
@@ -820,6 +834,30 @@ def plan_network(
     plan.notes.append(f"allreduce weight in the DP: {lam}; {len(plans)} finalist plan(s) priced "
                       "by the op handlers, the cheapest kept")
     return plan
+
+
+#: the chunk counts the planner tries for a layer whose collectives pipelining can overlap
+PIPELINES = (2, 4, 8)
+
+
+def _pipelined(m: _Model, pick: Mapping[str, Choice]) -> dict[str, Choice]:
+    """Each communicating layer of ``pick`` with the ``pipeline`` its §4 cost is lowest with
+    (:func:`~distconv.perfmodel.conv_cost`); pipelining changes no distribution, so it is chosen
+    per layer after the search. A choice is kept unless another is 0.1% faster."""
+    out = dict(pick)
+    for c in m.net.convs:
+        best = pick[c.name]
+        if not best.communicates:
+            continue
+        for k in PIPELINES:
+            trial = replace(best, pipeline=k)
+            if (c.name, trial) not in m.costs:
+                m.costs[(c.name, trial)] = layer_cost(
+                    c, trial, m.machine, itemsize=m.itemsize, optimizer_slots=m.optimizer_slots,
+                    activation_factor=m.activation_factor)
+            if m.costs[(c.name, trial)].total < m.costs[(c.name, out[c.name])].total * (1 - 1e-3):
+                out[c.name] = trial
+    return out
 
 
 def _best(m: _Model, mu: float) -> tuple[dict[str, Choice], dict[str, Any], float]:

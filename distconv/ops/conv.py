@@ -70,9 +70,16 @@ class ConvHandler(Handler):
             if src.layout == choice.layout and src.dist.entries[1] == ("F", "C"):
                 roles["C"], roles["F"] = "F", "C"
         dists = conv_dists(algorithm, roles, grouped)
+        if choice.pipeline > 1 and (grouped and algorithm != "stationary-w" or not any(
+                ext.get(roles[r], 1) > 1 for r in ("C", "F"))):
+            an.fail(node, f"{choice.source} asks for pipeline: {choice.pipeline}, but this "
+                    f"{'grouped ' if grouped else ''}{algorithm} convolution on "
+                    f"{dict(choice.layout)} moves no data to overlap (each rank's channel block "
+                    "holds whole groups); leave pipeline out for it", ValueError)
         need = Placement(choice.layout, dists["input"])
         spec = LayerSpec("conv", name, choice.layout, algorithm,
-                         tuple(sorted(roles.items())), need, choice.source)
+                         tuple(sorted(roles.items())), need, choice.source,
+                         pipeline=choice.pipeline)
         out = Placement(choice.layout, dists["output"])
         return Step(node, "conv", out, {args[0]: need}, spec)
 
@@ -80,7 +87,8 @@ class ConvHandler(Handler):
         roles = dict(step.layer.roles)
         return DistConv2d.from_conv2d(
             module, grid=grid, algorithm=step.layer.algorithm, channel_dim=roles["C"],
-            filter_dim=roles["F"], sample_dim=roles["N"], spatial_dims=(roles["H"], roles["W"]))
+            filter_dim=roles["F"], sample_dim=roles["N"], spatial_dims=(roles["H"], roles["W"]),
+            pipeline=step.layer.pipeline)
 
     def param_dists(self, step: Any, module: Any) -> dict[str, Any]:
         d = _dists(step, module)
@@ -112,6 +120,8 @@ class ConvHandler(Handler):
                                              {r: getattr(t, phase).get(key, 0)
                                               for r, t in traffic.items()}, first.peers[key],
                                              spec.layout, first.dims[key]))
+        if spec.pipeline > 1:
+            report.note = f"pipeline {spec.pipeline}"
         if ctx.machine is not None:
             cost = conv_cost(problem, spec.layout, spec.algorithm, ctx.machine, **{
                 k: v for k, v in kw.items() if k != "input_grad"})
@@ -119,6 +129,12 @@ class ConvHandler(Handler):
                                          if k.startswith("local") and "forward" in k)
             report.backward_seconds = sum(v for k, v in cost.steps.items()
                                           if k.startswith("local") and "backward" in k)
+            if spec.pipeline > 1:
+                piped = conv_cost(problem, spec.layout, spec.algorithm, ctx.machine,
+                                  pipeline=spec.pipeline, **{
+                                      k: v for k, v in kw.items() if k != "input_grad"})
+                report.overlap = {"forward": cost.forward - piped.forward,
+                                  "backward": cost.backward - piped.backward}
 
     def samples(self) -> Sequence[Sample]:
         return (Sample("conv3x3", lambda: SampleNet(nn.Conv2d(4, 6, 3, padding=1), 4, 6),

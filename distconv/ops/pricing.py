@@ -68,6 +68,9 @@ class LayerReport:
     #: activation checkpointing: the segment the layer is recomputed with in backward (its
     #: activations are held only then), or None
     segment: int | None = None
+    #: seconds per phase that a pipelined layer's collectives hide behind its compute
+    #: (:func:`distconv.perfmodel.conv_cost` with ``pipeline``); negative: pipelining costs more
+    overlap: dict[str, float] = field(default_factory=dict)
 
     @property
     def compute_seconds(self) -> float:
@@ -103,7 +106,8 @@ def timeline(layers: Sequence[LayerReport], machine: Machine) -> Timeline:
     def seconds(lay: LayerReport, phase: str) -> float:
         return sum(s.seconds(machine) for s in lay.steps if s.phase == phase and s.after is None)
 
-    forward = sum(lay.forward_seconds + seconds(lay, "forward") for lay in layers)
+    forward = sum(lay.forward_seconds + seconds(lay, "forward") - lay.overlap.get("forward", 0.0)
+                  for lay in layers)
     compute = comm = forward
     gradients = 0.0
     names = {lay.name for lay in layers}
@@ -114,7 +118,8 @@ def timeline(layers: Sequence[LayerReport], machine: Machine) -> Timeline:
                 waiting.setdefault(s.after if s.after in names else None,
                                    []).append(s.seconds(machine))
     for lay in reversed(layers):
-        compute += lay.backward_seconds + seconds(lay, "backward")
+        compute += (lay.backward_seconds + seconds(lay, "backward")
+                    - lay.overlap.get("backward", 0.0))
         for t in waiting.pop(lay.name, ()):
             comm = max(comm, compute) + t
             gradients += t

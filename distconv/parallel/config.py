@@ -26,6 +26,10 @@ own statistics, reduced only over the ranks that split its rows and columns: DDP
 semantics). An entry may carry only ``match`` and ``statistics`` (e.g. ``{match: "*.bn*",
 statistics: local}``); it then applies to the BatchNorm layers it matches.
 
+A stationary-x, -y or -w entry may ask for ``pipeline: k``: the local convolution runs on k
+chunks of each rank's samples, each chunk's collectives overlapping the next chunk's compute
+(:mod:`distconv.nn.pipeline`; the same bytes and results). Default 1.
+
 Grids name dims among N (samples), C (channels), F (filters), H and W (rows, columns); their
 extents multiply to the world size. Algorithms: ``sample`` (grid ``{N: P}``), ``spatial`` (dims
 among N, H, W), ``stationary-x`` (C > 1, F = 1), ``stationary-y`` (F > 1, C = 1), ``stationary-w``
@@ -48,7 +52,7 @@ __all__ = ["ALGORITHMS", "GRID_DIMS", "STATISTICS", "LayerChoice", "ParallelConf
 GRID_DIMS = ("N", "C", "F", "H", "W")
 ALGORITHMS = ("sample", "spatial", "stationary-x", "stationary-y", "stationary-w", "auto")
 _KEYS = frozenset({"default", "data", "layers"})
-_ENTRY_KEYS = frozenset({"match", "grid", "algorithm", "statistics", "checkpoint"})
+_ENTRY_KEYS = frozenset({"match", "grid", "algorithm", "statistics", "checkpoint", "pipeline"})
 STATISTICS = ("global", "local")
 
 Layout = tuple[tuple[str, int], ...]
@@ -63,6 +67,7 @@ class LayerChoice:
     source: str
     statistics: str | None = None  # BatchNorm statistics the entry asks for (None: not given)
     checkpoint: bool | None = None  # activation checkpointing the entry asks for (None: not given)
+    pipeline: int = 1  # chunks of samples a stationary-x/-y/-w layer is pipelined over
 
     @property
     def grid(self) -> dict[str, int] | None:
@@ -212,13 +217,25 @@ class ParallelConfig:
             return pattern, LayerChoice(None, "", source, statistics, checkpoint)
         algorithm = entry.get("algorithm", "sample")
         if "grid" not in entry:
+            if "pipeline" in entry:
+                raise ValueError(f"{where}: pipeline needs a grid and a stationary-x, -y or -w "
+                                 "algorithm")
             if algorithm != "auto":
                 raise ValueError(f"{where}: grid is required (e.g. {{N: 2, C: 2}}) unless the "
                                  "algorithm is 'auto'")
             return pattern, LayerChoice(None, "auto", source, statistics, checkpoint)
         layout = _layout(entry["grid"], where, self.world_size)
         algorithm = _check_algorithm(layout, algorithm, where)
-        return pattern, LayerChoice(layout, algorithm, source, statistics, checkpoint)
+        pipeline = entry.get("pipeline", 1)
+        if isinstance(pipeline, bool) or not isinstance(pipeline, int) or pipeline < 1:
+            raise ValueError(f"{where}: pipeline must be a positive int (chunks of samples; 1: "
+                             f"not pipelined), got {pipeline!r}")
+        if pipeline > 1 and not algorithm.startswith("stationary-"):
+            raise ValueError(
+                f"{where}: pipeline overlaps the collectives of stationary-x, -y and -w with "
+                f"their local convolution; algorithm {algorithm!r} has none to overlap (use "
+                f"one of those, or leave pipeline out)")
+        return pattern, LayerChoice(layout, algorithm, source, statistics, checkpoint, pipeline)
 
     def choice(self, name: str) -> LayerChoice:
         """The entry for the module named ``name``: the first matching layer entry, else the

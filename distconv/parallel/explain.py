@@ -291,7 +291,8 @@ def _explain(model: nn.Module, cfg: ParallelConfig, shape: tuple[int, ...],
         needs_grad[node.name] = grad_in or owns
         report = _layer(step, modules, shapes, itemsize, P, ranks, grad_in, machine)
         if report.name in decisions:
-            report.note = decisions[report.name].describe()
+            decided = decisions[report.name].describe()
+            report.note = f"{decided}; {report.note}" if report.note else decided
         recomputed = [st for st in report.steps if st.phase == "forward"
                       and not st.what.startswith("running statistics")]
         for a in step.needs:

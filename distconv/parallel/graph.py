@@ -45,6 +45,7 @@ class LayerSpec:
     input: Placement | None = None
     source: str = ""
     statistics: str = "global"  # BatchNorm: global-batch or per-sample-block statistics
+    pipeline: int = 1  # conv: chunks of samples its collectives are pipelined over
 
 
 @dataclass

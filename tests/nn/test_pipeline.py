@@ -186,3 +186,110 @@ def test_repr_shows_the_pipeline() -> None:
     reprs = run_threads(lambda c: repr(_layer(c, {"C": 2}, algorithm="stationary-x",
                                               pipeline=3)), 2)
     assert "pipeline=3" in reprs[0]
+
+
+# ------------------------------------------------------------------ whole networks and pricing
+def _pipelined_config() -> dict:
+    from tests.parallel.cases import RESNET_CONFIG
+
+    layers = [dict(e, pipeline=2 + i % 2) if e["algorithm"].startswith("stationary") else e
+              for i, e in enumerate(RESNET_CONFIG["layers"])]
+    return {"layers": layers}
+
+
+def _resnet_pipelined(comm, explained):  # noqa: ANN001, ANN202
+    from tests.parallel.cases import counted_step, reference_step, resnet_case
+
+    model, x, y = resnet_case()
+    ref = reference_step(model, x, y)
+    got = counted_step(comm, model, _pipelined_config(), x, y)
+    return {"out": (got["out"] - ref["out"][got["rows"]]).abs().max().item(),
+            "grads": max((got["grads"][k] - g).abs().max().item()
+                         for k, g in ref["grads"].items()),
+            "counted": got["counted"], "explained": tuple(explained[comm.rank])}
+
+
+def test_a_pipelined_network_trains_as_one_process_and_moves_what_explain_says() -> None:
+    from distconv.parallel.explain import explain
+    from tests.parallel.cases import RESNET_SHAPE, TOL, resnet_case
+
+    plan = explain(resnet_case()[0], _pipelined_config(), RESNET_SHAPE, world_size=4)
+    assert sum("pipeline" in lay.note for lay in plan.layers) >= 4
+    explained = [tuple(plan.rank_bytes(r).values()) for r in range(4)]
+    for r in run_threads(_resnet_pipelined, 4, explained):
+        assert r["out"] < TOL and r["grads"] < TOL, r
+        assert r["counted"] == r["explained"], r
+
+
+@pytest.mark.parametrize("entry, message", [
+    ({"match": "layer2.*", "grid": {"N": 4}, "algorithm": "sample", "pipeline": 2},
+     "has none to overlap"),
+    ({"match": "layer2.*", "grid": {"N": 2, "C": 2}, "algorithm": "stationary-x",
+      "pipeline": 0}, "positive int"),
+    ({"match": "layer2.*", "grid": {"N": 2, "C": 2}, "algorithm": "stationary-x",
+      "pipeline": "2"}, "positive int"),
+    ({"match": "layer2.*", "pipeline": 2}, "needs a grid"),
+])
+def test_bad_pipeline_entries_are_refused_naming_the_entry(entry, message) -> None:  # noqa: ANN001
+    from distconv.parallel.config import ParallelConfig
+
+    with pytest.raises(ValueError, match=rf"layers\[0\].*{message}"):
+        ParallelConfig({"layers": [entry]}, world_size=4)
+
+
+def test_the_model_prices_the_overlap_by_hand() -> None:
+    """One chunk's allgather g, conv c and reduce-scatter r; forward g + c + r + (k-1)max(c, g+r),
+    written out for a flat machine (alpha 0: the bytes split exactly)."""
+    from distconv.perfmodel import ConvProblem, Machine, conv_cost
+
+    pb = ConvProblem(4, 8, 8, 6, 6, 3, 1, 1)  # stationary-w on C=2, F=2: all four collectives
+    m = Machine(alpha=0.0, beta=1e-9, flop_rate=1e9)
+    plain = conv_cost(pb, {"C": 2, "F": 2}, "stationary-w", m)
+    piped = conv_cost(pb, {"C": 2, "F": 2}, "stationary-w", m, pipeline=2)
+    conv = plain.steps["local conv forward"]
+    s = plain.steps
+    g, r = s["allgather x over F"], s["reduce-scatter y over C"]
+    gb, rb = s["allgather dL/dy over C"], s["reduce-scatter dL/dx over F"]
+    grads = s["allreduce dL/dw"] if "allreduce dL/dw" in s else 0.0
+    assert plain.forward == pytest.approx(g + conv + r)
+    assert piped.forward == pytest.approx(g / 2 + conv / 2 + r / 2 + max(conv / 2, (g + r) / 2))
+    assert piped.backward == pytest.approx(
+        grads + gb / 2 + conv / 2 + max(conv / 2, (gb + rb) / 2) + max(conv, rb / 2))
+    # more chunks than samples: as many as there are
+    assert conv_cost(pb, {"C": 2, "F": 2}, "stationary-w", m, pipeline=9).forward == (
+        pytest.approx(conv_cost(pb, {"C": 2, "F": 2}, "stationary-w", m, pipeline=4).forward))
+
+
+def test_explain_prices_the_pipeline_on_lassen() -> None:
+    from distconv.parallel.explain import explain
+    from tests.parallel.cases import RESNET_SHAPE, resnet_case
+
+    model = resnet_case()[0]
+    piped = explain(model, _pipelined_config(), RESNET_SHAPE, world_size=4, machine="lassen")
+    from tests.parallel.cases import RESNET_CONFIG
+
+    plain = explain(model, RESNET_CONFIG, RESNET_SHAPE, world_size=4, machine="lassen")
+    hidden = sum(sum(lay.overlap.values()) for lay in piped.layers)
+    assert hidden != 0 and all(not lay.overlap for lay in plain.layers)
+    assert piped.timeline().step < plain.timeline().step
+    assert piped.timeline().forward + piped.timeline().backward == pytest.approx(
+        plain.timeline().forward + plain.timeline().backward - hidden)
+
+
+def test_the_planner_pipelines_a_layer_where_the_model_says_it_pays() -> None:
+    from distconv.models import resnet_mini
+    from distconv.parallel.explain import explain
+    from distconv.planner import layer_cost, plan_network
+
+    shape = (8, 3, 16, 16)
+    plan = plan_network(resnet_mini(), shape, world_size=4, machine="lassen")
+    piped = [lp for lp in plan.layers if lp.choice.pipeline > 1]
+    assert piped, plan.config()
+    for lp in piped:
+        plain = layer_cost(lp.conv, dataclasses.replace(lp.choice, pipeline=1), plan.machine)
+        assert lp.cost.total < plain.total
+        entry = next(e for e in plan.config()["layers"] if e["match"] == lp.conv.name)
+        assert entry["pipeline"] == lp.choice.pipeline
+    # the config it writes runs: explain (parallelize's analysis) takes it and prices the overlap
+    priced = explain(resnet_mini(), plan.config(), shape, world_size=4, machine="lassen")
+    assert any(lay.overlap for lay in priced.layers)
