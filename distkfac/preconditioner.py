@@ -41,6 +41,7 @@ import torch
 from torch import Tensor, nn
 
 import distconv.comm
+from distconv.nn.channel_conv import DistChannelConv
 from distconv.nn.conv import DistConv2d
 from distkfac.comm import FactorReducer, PayloadBroadcaster
 from distkfac.factors import RunningFactor
@@ -336,6 +337,12 @@ class KFAC:
             if isinstance(module, DistConv2d):
                 self._register_dist(name, module)
                 continue
+            if isinstance(module, DistChannelConv):
+                raise NotImplementedError(
+                    f"distkfac: {name!r} is a {module.kind} split over channels and filters "
+                    f"({module.algorithm} on {dict(module.grid.layout)}); K-FAC factors for it "
+                    f"are not implemented. Run it sample-parallel in the config, or leave it "
+                    f"unpreconditioned with skip_layers=[{name!r}]")
             if not isinstance(module, (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)):
                 continue
             adapter = adapter_for(module, name)

@@ -3,8 +3,9 @@ CNN, an SE-ResNet and a MobileNet-style net -- trained one step by the user's lo
 per-layer configs on random grids of 2 to 8 thread ranks, with uneven batches: the output, every
 gradient and the state after an SGD-with-momentum step equal one process on the global batch
 (fp64, the suite's tolerance). The 2-D networks' Conv2d layers draw any algorithm and grid; the
-3-D layers run sample-parallel (model-parallel 3-D convolution is not implemented), on a data grid
-that may replicate them over a second grid dim."""
+3-D networks' Conv3d and ConvTranspose3d layers draw sample parallelism or stationary-x, -y, -w on
+grids of samples, channels and filters (spatial splits of 3-D layers are not implemented), and
+the data grid may replicate them over a second grid dim."""
 
 from __future__ import annotations
 
@@ -91,7 +92,8 @@ def cases(draw: st.DrawFn, networks: dict, model_parallel: bool) -> tuple:
     model = make().double()
     config: dict = {"layers": []}
     if model_parallel:
-        convs = [(n, m) for n, m in model.named_modules() if type(m) is nn.Conv2d]
+        kinds = (nn.Conv2d, nn.Conv3d, nn.ConvTranspose3d)
+        convs = [(n, m) for n, m in model.named_modules() if type(m) in kinds]
         for n, m in draw(st.lists(st.sampled_from(convs), unique_by=lambda c: c[0],
                                   max_size=len(convs))):
             def fits(c: dict, m: nn.Conv2d = m) -> bool:
@@ -100,6 +102,8 @@ def cases(draw: st.DrawFn, networks: dict, model_parallel: bool) -> tuple:
                 blocks = c["grid"].get("C", 1) * c["grid"].get("F", 1)
                 if blocks > min(m.in_channels, m.out_channels):
                     return False
+                if type(m) is not nn.Conv2d:  # channels and filters only: no halos in 3-D
+                    return set(c["grid"]) <= {"N", "C", "F"} and c["algorithm"] != "spatial"
                 return m.groups == 1 or c["algorithm"] in ("sample", "spatial") or (
                     c["algorithm"] != "stationary-w" and m.in_channels % blocks == 0)
 
@@ -130,7 +134,7 @@ def test_2d_networks_under_random_configs_equal_one_process(case: tuple) -> None
 
 
 @settings(max_examples=6, suppress_health_check=[HealthCheck.too_slow], deadline=None)
-@given(cases(NETWORKS_3D, model_parallel=False))
+@given(cases(NETWORKS_3D, model_parallel=True))
 def test_3d_networks_on_random_grids_equal_one_process(case: tuple) -> None:
     _check(case)
 
@@ -138,15 +142,22 @@ def test_3d_networks_on_random_grids_equal_one_process(case: tuple) -> None:
 @pytest.mark.parametrize("name", sorted({**NETWORKS_2D, **NETWORKS_3D}))
 def test_each_network_on_four_ranks_equals_one_process(name: str) -> None:
     """Every network at least once, whatever hypothesis draws: a fixed hybrid on 4 ranks (the 2-D
-    networks' 3×3 convolutions spatial over rows, their 1×1 ones channel-split)."""
+    networks' 3×3 convolutions spatial over rows, their 1×1 ones channel-split; the 3-D
+    networks' convolutions each on the next of stationary-x, -y, -w, transposed ones too)."""
     make, shape, kind = {**NETWORKS_2D, **NETWORKS_3D}[name]
     torch.manual_seed(1)
     model = make().double()
     config: dict = {"default": {"grid": {"N": 4}, "algorithm": "sample"}, "layers": []}
+    volume = iter([({"N": 2, "C": 2}, "stationary-x"), ({"N": 2, "F": 2}, "stationary-y"),
+                   ({"C": 2, "F": 2}, "stationary-w")] * 20)
     for n, m in model.named_modules():
         if type(m) is nn.Conv2d and m.groups == 1:
             grid, alg = (({"N": 2, "H": 2}, "spatial") if m.kernel_size != (1, 1)
                          else ({"N": 2, "C": 2}, "stationary-x"))
+            config["layers"].append({"match": n, "grid": grid, "algorithm": alg})
+        elif type(m) in (nn.Conv3d, nn.ConvTranspose3d) and min(m.in_channels,
+                                                                 m.out_channels) >= 2:
+            grid, alg = next(volume)
             config["layers"].append({"match": n, "grid": grid, "algorithm": alg})
     gen = torch.Generator().manual_seed(2)
     x = torch.randn(5, *shape, generator=gen, dtype=torch.float64)

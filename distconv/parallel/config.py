@@ -33,8 +33,10 @@ chunks of each rank's samples, each chunk's collectives overlapping the next chu
 Grids name dims among N (samples), C (channels), F (filters), H and W (rows, columns); their
 extents multiply to the world size. Algorithms: ``sample`` (grid ``{N: P}``), ``spatial`` (dims
 among N, H, W), ``stationary-x`` (C > 1, F = 1), ``stationary-y`` (F > 1, C = 1), ``stationary-w``
-(C and F) and ``auto`` (chosen per layer by the §4 model; needs the input shape). Only ``Conv2d``
-and ``Linear`` modules take entries; batch norm, pooling and pointwise layers follow their input.
+(C and F) and ``auto`` (chosen per layer by the §4 model; needs the input shape). Only
+convolutions and ``Linear`` modules take entries (``Conv1d``, ``Conv3d`` and the transposed
+convolutions: ``sample``, or ``stationary-x``/``-y``/``-w`` on grids of N, C and F); batch norm,
+pooling and pointwise layers follow their input.
 ``Linear`` layers run sample-parallel. ``data`` defaults to ``{N: P}``: each rank its own samples.
 """
 
