@@ -16,7 +16,6 @@ from hypothesis import strategies as st
 from torch import nn
 
 from distconv import models
-from distconv.data import sample_block
 from distconv.grid import ProcessorGrid
 from distconv.nn.channel_conv import DistChannelConv
 from distconv.parallel import parallelize
@@ -121,34 +120,24 @@ def _unet() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
 def unet_run(comm: Any, explained: list | None = None, case: tuple | None = None) -> dict:
     """Thread ranks pass ``case`` (and ``explained``) from outside: they share torch's generator
     and its tracer, so they must not draw a model or trace one at once."""
+    from tests.parallel.cases import counted_step
+
     model, x, y = case if case is not None else _unet()
     ref = copy.deepcopy(model)
     out_ref = ref(x)
     F.cross_entropy(out_ref, y).backward()
-    pmodel = parallelize(copy.deepcopy(model), UNET_CONFIG, comm=comm)
-    kinds = {type(m).__name__ for m in pmodel.modules()}
-    rows = sample_block(x.shape[0], pmodel.data_grid)
-    b0 = comm.stats.total_bytes()
-    out = pmodel(x[rows])
-    b1 = comm.stats.total_bytes()
-    F.cross_entropy(out, y[rows]).backward()
-    b2 = comm.stats.total_bytes()
-    from tests.parallel.cases import _gathered_grads
-
-    grads = _gathered_grads(pmodel)
-    ref_grads = dict(ref.named_parameters())
+    got = counted_step(comm, model, UNET_CONFIG, x, y)
     if explained is None:
         plan = explain(model, UNET_CONFIG, UNET_SHAPE, world_size=comm.size)
         explained = [tuple(plan.rank_bytes(r).values()) for r in range(comm.size)]
-    return {"out": (out.detach() - out_ref.detach()[rows]).abs().max().item(),
-            "grads": max((grads[k] - p.grad).abs().max().item() for k, p in ref_grads.items()),
-            "counted": (b1 - b0, b2 - b1), "explained": tuple(explained[comm.rank]),
-            "channel layers": "DistChannelConv" in kinds}
+    return {"out": (got["out"] - out_ref.detach()[got["rows"]]).abs().max().item(),
+            "grads": max((got["grads"][k] - p.grad).abs().max().item()
+                         for k, p in ref.named_parameters()),
+            "counted": got["counted"], "explained": tuple(explained[comm.rank])}
 
 
 def _check_unet(results: list[dict]) -> None:
     for r in results:
-        assert r["channel layers"]
         assert r["out"] < TOL and r["grads"] < TOL, r
         assert r["counted"] == r["explained"], r
 
@@ -158,6 +147,8 @@ def test_a_3d_unet_split_over_channels_trains_as_one_process_moving_what_explain
     plan = explain(model, UNET_CONFIG, UNET_SHAPE, world_size=4)
     text = str(plan)
     assert "reduce-scatter y over C" in text and "allgather x over F" in text, text
+    kinds = {lay.name: lay.algorithm for lay in plan.layers}
+    assert kinds["bottom.3"] == "stationary-w" and kinds["up.0"] == "stationary-y", kinds
     _check_unet(run_threads(unet_run, 4, [tuple(plan.rank_bytes(r).values())
                                           for r in range(4)], _unet()))
 
