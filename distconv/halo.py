@@ -19,7 +19,7 @@ import torch
 
 from distconv.conv_geometry import HaloPlan
 
-__all__ = ["HaloExchange", "halo_exchange", "halo_accumulate"]
+__all__ = ["HaloExchange", "halo_accumulate", "halo_adjoint", "halo_exchange", "halo_forward"]
 
 
 def _with_len(t: torch.Tensor, dim: int, n: int) -> tuple[int, ...]:
@@ -155,6 +155,24 @@ def _gather_adjoint(
     return out
 
 
+def halo_forward(x: torch.Tensor, comm: Any, plan: HaloPlan, dim: int
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The halo exchange on plain tensors: the local input, and what its adjoint needs (the
+    row index of a copying padding mode; None for zeros)."""
+    if plan.mode == "zeros":
+        return _exchange_forward(x, comm, plan, dim), None
+    return _gather_forward(x, comm, plan, dim)
+
+
+def halo_adjoint(g: torch.Tensor, comm: Any, plan: HaloPlan, dim: int,
+                 index: torch.Tensor | None) -> torch.Tensor:
+    """The adjoint of :func:`halo_forward`: the gradient of the owned block from the gradient
+    ``g`` of the local input (``index``: what :func:`halo_forward` returned with it)."""
+    if plan.mode == "zeros":
+        return halo_accumulate(g.contiguous(), comm, plan, dim)
+    return _gather_adjoint(g.contiguous(), comm, plan, dim, index)
+
+
 class HaloExchange(torch.autograd.Function):
     """Halo exchange along tensor dim ``dim`` over the ranks of ``comm`` (one grid dim).
 
@@ -170,20 +188,14 @@ class HaloExchange(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, comm: Any, plan: HaloPlan, dim: int) -> torch.Tensor:
         ctx.comm, ctx.plan, ctx.dim = comm, plan, dim
-        if plan.mode == "zeros":
-            return _exchange_forward(x, comm, plan, dim)
-        out, ctx.index = _gather_forward(x, comm, plan, dim)
+        out, ctx.index = halo_forward(x, comm, plan, dim)
         return out
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None]:
         if not ctx.needs_input_grad[0]:
             return None, None, None, None
-        if ctx.plan.mode == "zeros":
-            gx = halo_accumulate(g.contiguous(), ctx.comm, ctx.plan, ctx.dim)
-        else:
-            gx = _gather_adjoint(g.contiguous(), ctx.comm, ctx.plan, ctx.dim, ctx.index)
-        return gx, None, None, None
+        return halo_adjoint(g, ctx.comm, ctx.plan, ctx.dim, ctx.index), None, None, None
 
 
 def halo_exchange(x: torch.Tensor, comm: Any, plan: HaloPlan, dim: int) -> torch.Tensor:

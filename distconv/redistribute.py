@@ -140,10 +140,7 @@ class AllGather:
     prefix: tuple[str, ...]
 
     def run(self, x: torch.Tensor, ctx: _Ctx) -> torch.Tensor:
-        sizes = ctx.parts(self.dim, self.prefix, self.g)
-        shapes = [_with(x.shape, self.dim, s) for s in sizes]
-        parts = ctx.comm([self.g]).allgather(x, shapes=shapes, meta=f"{self} in {ctx.where}")
-        return _concat(parts, self.dim)
+        return self.start(x, ctx).wait()
 
     def start(self, x: torch.Tensor, ctx: _Ctx) -> Work:
         """:meth:`run` started without blocking; the handle's ``wait()`` gives its result."""
@@ -175,9 +172,7 @@ class ReduceScatter:
     prefix: tuple[str, ...]
 
     def run(self, x: torch.Tensor, ctx: _Ctx) -> torch.Tensor:
-        sizes = ctx.parts(self.dim, self.prefix, self.g)
-        chunks = _send_chunks(x, sizes, self.dim)
-        return ctx.comm([self.g]).reduce_scatter(chunks, meta=f"{self} in {ctx.where}")
+        return self.start(x, ctx).wait()
 
     def start(self, x: torch.Tensor, ctx: _Ctx) -> Work:
         """:meth:`run` started without blocking; the handle's ``wait()`` gives its result."""

@@ -198,3 +198,68 @@ def _kfac_refusal(comm: Any, case: tuple) -> str:
 def test_kfac_refuses_a_layer_split_over_channels_it_has_no_factors_for() -> None:
     """Never silently unpreconditioned: K-FAC names the layer and what works."""
     run_threads(_kfac_refusal, 4, _unet())
+
+
+def _frozen_step(comm: Any, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> dict:
+    from distconv.data import sample_block
+
+    pmodel = parallelize(copy.deepcopy(model), UNET_CONFIG, comm=comm)
+    opt = torch.optim.SGD([p for p in pmodel.parameters() if p.requires_grad], lr=0.1)
+    rows = sample_block(x.shape[0], pmodel.data_grid)
+    F.cross_entropy(pmodel(x[rows]), y[rows]).backward()
+    opt.step()
+    return {"no grad": [n for n, p in pmodel.named_parameters() if p.grad is None],
+            "state": pmodel.gather_state_dict()}
+
+
+def test_frozen_channel_split_layers_stay_frozen_and_the_rest_trains_as_one_process() -> None:
+    """The freeze idiom: ``requires_grad_(False)`` before ``parallelize`` on a layer split over
+    channels and one over filters; the step equals one process's, the frozen ones untouched."""
+    model, x, y = _unet()
+    names = ("bottom.0", "up.0")
+    for name in names:
+        model.get_submodule(name).requires_grad_(False)
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD([p for p in ref.parameters() if p.requires_grad], lr=0.1)
+    F.cross_entropy(ref(x), y).backward()
+    opt.step()
+    frozen = sorted(n for n, p in ref.named_parameters() if p.grad is None)
+    assert frozen == sorted(f"{m}.{n}" for m in names
+                            for n, _ in model.get_submodule(m).named_parameters())
+    for got in run_threads(_frozen_step, 4, model, x, y):
+        assert sorted(got["no grad"]) == frozen
+        for k, v in ref.state_dict().items():
+            torch.testing.assert_close(got["state"][k], v, rtol=TOL, atol=TOL, msg=k)
+        for k in frozen:
+            assert torch.equal(got["state"][k], model.state_dict()[k]), k
+
+
+def test_bf16_autocast_of_a_channel_split_3d_unet_is_as_one_process() -> None:
+    """Under autocast as one process under it (``tests/test_amp.py``'s tolerance: at most 3x one
+    process's error against float64, plus one bf16 ulp)."""
+    from tests.test_amp import _check, _step, parallel_step
+
+    model, x, y = _unet()
+    model, x = model.float(), x.float()
+    one = _step(copy.deepcopy(model), x, y, torch.bfloat16)
+    exact = _step(copy.deepcopy(model).double(), x.double(), y, None)
+    for got in run_threads(parallel_step, 4, model, UNET_CONFIG, x, y, torch.bfloat16):
+        _check(got, one, exact, torch.bfloat16)
+
+
+def test_the_compute_of_a_channel_split_layer_is_priced_by_hand() -> None:
+    """Each weight element of the rank's block meets each output position of its samples once,
+    two FLOPs each (a transposed layer: each input position); backward twice that."""
+    from distconv.perfmodel import Machine
+
+    m = Machine(flop_rate=1e9)
+    for module, shape, positions in (
+            (nn.Conv3d(4, 6, 3), (4, 4, 5, 5, 5), 3 * 3 * 3),
+            (nn.ConvTranspose3d(4, 6, 2, stride=2), (4, 4, 5, 5, 5), 5 * 5 * 5)):
+        config = {"layers": [{"match": "0", "grid": {"N": 2, "C": 2},
+                              "algorithm": "stationary-x"}]}
+        lay = next(la for la in explain(nn.Sequential(module), config, shape, world_size=4,
+                                        machine=m).layers if la.name == "0")
+        block = module.weight.numel() // 2  # its input channels over C=2
+        assert lay.forward_seconds == pytest.approx(2 * 2 * positions * block / 1e9)
+        assert lay.backward_seconds == pytest.approx(2 * lay.forward_seconds)

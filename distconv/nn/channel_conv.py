@@ -17,7 +17,7 @@ local convolution, a reduce-scatter of y over C after it, and their adjoints in 
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -143,12 +143,14 @@ class DistChannelConv(nn.Module):
             self.register_parameter("bias", None)
         keep_requires_grad(self, conv, ("weight", "bias"))
         self._shapes: dict[tuple[int, ...], tuple[int, ...]] = {}
+        #: (input block shape, global shape) pairs checked once: global shape -> output shape
+        self._checked: dict[tuple[Any, Any], tuple[int, ...]] = {}
         redundant = tuple(d for d in self.weight_dist.redundant(grid) if grid.shape[d] > 1)
         where = f"{kind}({self.in_channels}, {self.out_channels}, {algorithm})"
         self.grad_sync = GradSync(grid.subcomm(redundant), where=where) if redundant else None
-        if self.grad_sync is not None:
+        if self.grad_sync is not None:  # a frozen shard (requires_grad False) has no hook
             for p in (self.weight, self.bias):
-                if p is not None:
+                if p is not None and p.requires_grad:
                     self.grad_sync.register(p)
         register_parameter_specs(self, grid.comm)
 
@@ -193,15 +195,29 @@ class DistChannelConv(nn.Module):
     def forward(self, x: torch.Tensor, global_shape: Sequence[int]) -> torch.Tensor:
         """This rank's block of y (:attr:`output_dist`) from its block ``x``
         (:attr:`input_dist`) of the global input of ``global_shape``."""
-        shape = as_shape(global_shape, f"{self.kind}.forward: global_shape")
-        y_shape = self.output_shape(shape)
+        key = (x.shape, global_shape) if type(global_shape) is tuple else None
+        y_shape = self._checked.get(key) if key is not None else None
+        if y_shape is None:  # a block and global shape not seen yet: checked once
+            shape = as_shape(global_shape, f"{self.kind}.forward: global_shape")
+            y_shape = self.output_shape(shape)
+            expected = self.input_dist.local_shape(shape, self.grid)
+            if tuple(x.shape) != expected:
+                raise ValueError(
+                    f"rank {self.grid.rank} (coords {self.grid.coords}) got an input block of "
+                    f"shape {tuple(x.shape)}, but {self.input_dist.format('x')} of the global "
+                    f"shape {shape} gives it {expected}")
+            if len(self._checked) > 64:
+                self._checked.clear()
+            self._checked[(x.shape, tuple(shape))] = y_shape
+        shape = tuple(global_shape)
         if self._gather_x:
             x = redistribute(x, self.grid, self.input_dist, self.work_dist, shape)
         y = self._local(x, self.weight, None if self._reduce_y else self.bias, self.groups)
         if self._reduce_y:
             y = redistribute(y, self.grid, self.partial_dist, self.output_dist, y_shape)
             if self.bias is not None:
-                y = y + self.bias.view(1, -1, *([1] * self.spatial))
+                # in y's dtype, as autocast's convolution adds it
+                y = y + self.bias.to(y.dtype).view(1, -1, *([1] * self.spatial))
         return y
 
     def gather_weight(self) -> torch.Tensor:

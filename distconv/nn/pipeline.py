@@ -34,8 +34,8 @@ from torch.autograd.function import once_differentiable
 
 from distconv.comm.base import Work, eager
 from distconv.distribution import balanced_block
-from distconv.halo import _exchange_forward, _gather_adjoint, _gather_forward, halo_accumulate
-from distconv.redistribute import AllGather, ReduceScatter, _Ctx, plan_redistribution
+from distconv.halo import halo_adjoint, halo_forward
+from distconv.redistribute import AllGather, ReduceScatter, _concat, _Ctx, plan_redistribution
 
 __all__ = ["chunk_sizes", "pipelined_conv"]
 
@@ -85,16 +85,12 @@ class _Pipelined(torch.autograd.Function):
         for i in range(len(chunks)):
             nxt = _start(gather, chunks[i + 1], xctx) if i + 1 < len(chunks) else None
             xi = pending.wait()
-            index = []
+            index: list[Any] = []
             for d, plan in enumerate(geo.halo):
-                if plan is None:
-                    index.append(None)
-                elif plan.mode == "zeros":
-                    xi = _exchange_forward(xi, layer._halo_comms[d], plan, 2 + d)
-                    index.append(None)
-                else:
-                    xi, idx = _gather_forward(xi, layer._halo_comms[d], plan, 2 + d)
-                    index.append(idx)
+                idx = None
+                if plan is not None and not plan.is_identity:
+                    xi, idx = halo_forward(xi, layer._halo_comms[d], plan, 2 + d)
+                index.append(idx)
             indices.append(index)
             unpadded.append(tuple(xi.shape))
             if geo.explicit_pad is not None:
@@ -138,8 +134,7 @@ class _Pipelined(torch.autograd.Function):
             pending = nxt  # type: ignore[assignment]
         dw = db = None
         if need_w or need_b:  # once, from the whole tensors: the unpipelined layer's arithmetic
-            x_all = inputs[0] if len(inputs) == 1 else torch.cat(inputs, 0)
-            g_all = gathered[0] if len(gathered) == 1 else torch.cat(gathered, 0)
+            x_all, g_all = _concat(inputs, 0), _concat(gathered, 0)
             _, dw, db = torch.ops.aten.convolution_backward(
                 g_all, x_all, weight, output_mask=[False, bool(need_w), bool(need_b)], **args)
         dx = torch.cat([w.wait() for w in works], 0) if need_x else None
@@ -160,13 +155,8 @@ def _unpad_and_accumulate(g: torch.Tensor, layer: Any, geo: Any, unpadded: tuple
                 (g,) = torch.autograd.grad(F.pad(z, geo.explicit_pad, mode=mode), z, g)
     for d in (1, 0):
         plan = geo.halo[d]
-        if plan is None:
-            continue
-        comm = layer._halo_comms[d]
-        if plan.mode == "zeros":
-            g = halo_accumulate(g.contiguous(), comm, plan, 2 + d)
-        else:
-            g = _gather_adjoint(g.contiguous(), comm, plan, 2 + d, index[d])
+        if plan is not None and not plan.is_identity:
+            g = halo_adjoint(g, layer._halo_comms[d], plan, 2 + d, index[d])
     return g
 
 

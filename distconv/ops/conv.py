@@ -70,8 +70,9 @@ class ConvHandler(Handler):
             if src.layout == choice.layout and src.dist.entries[1] == ("F", "C"):
                 roles["C"], roles["F"] = "F", "C"
         dists = conv_dists(algorithm, roles, grouped)
-        if choice.pipeline > 1 and (grouped and algorithm != "stationary-w" or not any(
-                ext.get(roles[r], 1) > 1 for r in ("C", "F"))):
+        moves = [Placement(choice.layout, dists[a]) != Placement(choice.layout, dists[b])
+                 for a, b in (("input", "work"), ("partial", "output"))]
+        if choice.pipeline > 1 and not any(moves):  # no allgather over F, no reduce-scatter
             an.fail(node, f"{choice.source} asks for pipeline: {choice.pipeline}, but this "
                     f"{'grouped ' if grouped else ''}{algorithm} convolution on "
                     f"{dict(choice.layout)} moves no data to overlap (each rank's channel block "
