@@ -45,7 +45,7 @@ from distconv.distribution import Dist
 from distconv.machines import resolve_machine
 from distconv.machines.base import Machine, group_of
 from distconv.nn.conv import conv_dists
-from distconv.ops.conv import memory_elements
+from distconv.ops.conv import memory_elements, moves_data
 from distconv.ops.elementwise import meeting
 from distconv.ops.pricing import largest_block
 from distconv.parallel.placement import (
@@ -301,9 +301,8 @@ class Choice:
     @property
     def communicates(self) -> bool:
         """Whether it runs a collective of its own that pipelining can overlap."""
-        ext = self.extents
-        return (self.algorithm.startswith("stationary-") and not self.groups_aligned
-                and ext.get("C", 1) * ext.get("F", 1) > 1)
+        roles = {d: d for d in "NCFHW"}
+        return moves_data(self.grid, conv_dists(self.conv_algorithm, roles, self.groups_aligned))
 
     def __str__(self) -> str:
         grid = "×".join(f"{n}{e}" for n, e in self.grid)

@@ -610,7 +610,7 @@ class DistConv2d(nn.Module):
                 and autocast_dtype(x.device.type) is None):
             y = pipelined_conv(self, x, geo, shape, None if self._reduce_y else self.bias)
             if self._reduce_y and self.bias is not None:
-                y = y + self.bias.view(1, -1, 1, 1)
+                y = y + self.bias.to(y.dtype).view(1, -1, 1, 1)
             return y
         if self._gather_x:
             x = redistribute(x, self.grid, self.input_dist, self.work_dist, shape)

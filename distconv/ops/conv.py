@@ -19,7 +19,7 @@ from distconv.ops.pricing import CommStep, largest_block
 from distconv.parallel.placement import Placement, paper_grid
 from distconv.perfmodel import ConvProblem, conv_cost, conv_traffic
 
-__all__ = ["ConvHandler"]
+__all__ = ["ConvHandler", "memory_elements", "moves_data"]
 
 
 def _dists(step: Any, conv: nn.Conv2d) -> dict[str, Any]:
@@ -27,6 +27,14 @@ def _dists(step: Any, conv: nn.Conv2d) -> dict[str, Any]:
     ext = dict(spec.layout)
     grouped = conv.groups > 1 and ext.get("C", 1) * ext.get("F", 1) > 1
     return conv_dists(spec.algorithm, dict(spec.roles), grouped)
+
+
+def moves_data(layout: Any, dists: dict[str, Any]) -> bool:
+    """Whether a convolution with ``dists`` (:func:`~distconv.nn.conv.conv_dists`) on
+    ``layout`` runs a collective of its own (an allgather of x over F, a reduce-scatter of y over
+    C): what pipelining can overlap."""
+    return any(Placement(layout, dists[a]) != Placement(layout, dists[b])
+               for a, b in (("input", "work"), ("partial", "output")))
 
 
 def memory_elements(layout: Any, dists: dict[str, Any], conv: Any,
@@ -70,9 +78,7 @@ class ConvHandler(Handler):
             if src.layout == choice.layout and src.dist.entries[1] == ("F", "C"):
                 roles["C"], roles["F"] = "F", "C"
         dists = conv_dists(algorithm, roles, grouped)
-        moves = [Placement(choice.layout, dists[a]) != Placement(choice.layout, dists[b])
-                 for a, b in (("input", "work"), ("partial", "output"))]
-        if choice.pipeline > 1 and not any(moves):  # no allgather over F, no reduce-scatter
+        if choice.pipeline > 1 and not moves_data(choice.layout, dists):
             an.fail(node, f"{choice.source} asks for pipeline: {choice.pipeline}, but this "
                     f"{'grouped ' if grouped else ''}{algorithm} convolution on "
                     f"{dict(choice.layout)} moves no data to overlap (each rank's channel block "

@@ -116,8 +116,7 @@ class SampleLayerHandler(LinearHandler):
             if choice.pipeline > 1:
                 an.fail(node, f"{choice.source} asks for pipeline: {choice.pipeline}, which is "
                         f"implemented for Conv2d; leave it out for this {kind}", ValueError)
-            dists = channel_conv_dists(choice.algorithm, _ROLES, module.weight.dim() - 2,
-                                       _transposed(module))
+            dists = self._dists(choice.algorithm, module)
             args = an.tensor_args(node)
             need = Placement(choice.layout, dists["input"])
             spec = LayerSpec("channel-conv", name, choice.layout, choice.algorithm,
@@ -141,13 +140,12 @@ class SampleLayerHandler(LinearHandler):
     def param_dists(self, step: Any, module: Any) -> dict[str, Any] | None:
         if step.layer is None or step.layer.kind != "channel-conv":
             return super().param_dists(step, module)
-        d = self._dists(step, module)
+        d = self._dists(step.layer.algorithm, module)
         return {"weight": d["weight"], "bias": d["bias"]}
 
     @staticmethod
-    def _dists(step: Any, module: Any) -> dict[str, Any]:
-        return channel_conv_dists(step.layer.algorithm, _ROLES, module.weight.dim() - 2,
-                                  _transposed(module))
+    def _dists(algorithm: str, module: Any) -> dict[str, Any]:
+        return channel_conv_dists(algorithm, _ROLES, module.weight.dim() - 2, _transposed(module))
 
     def price(self, report: Any, step: Any, module: Any, ctx: PriceContext) -> None:
         if step.layer is None or step.layer.kind != "channel-conv":
@@ -155,7 +153,7 @@ class SampleLayerHandler(LinearHandler):
             report.dists["w"] = "w[" + ",".join("*" * module.weight.dim()) + "]"
             compute(report, step, module, ctx)
             return
-        layout, d = step.layer.layout, self._dists(step, module)
+        layout, d = step.layer.layout, self._dists(step.layer.algorithm, module)
         x, y = tuple(ctx.in_shape), tuple(ctx.out_shape or ())
         report.dists = {k: Placement(layout, d[v]).dist.format(k)
                         for k, v in (("x", "input"), ("w", "weight"), ("y", "output"))}
