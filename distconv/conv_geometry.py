@@ -24,6 +24,7 @@ __all__ = [
     "PADDING_MODES",
     "ConvDim",
     "HaloPlan",
+    "TransposedConvDim",
     "block_range",
     "check_padding_mode",
     "conv_dims",
@@ -125,6 +126,58 @@ class ConvDim:
         return lo, hi
 
 
+@dataclass(frozen=True)
+class TransposedConvDim:
+    """One spatial dim of a transposed convolution: global input ``length`` and its parameters.
+
+    Input row ``i`` scatters into output rows ``i·stride - padding + k·dilation`` for
+    ``k < kernel``; the output has ``(length - 1)·stride - 2·padding + dilation·(kernel - 1) +
+    output_padding + 1`` rows (torch's). An output block is computed from the input rows that
+    scatter into it (:meth:`input_range`), on which the local transposed convolution runs
+    unpadded; its rows are then cropped (or, where no input row reaches, zero-filled) to the
+    block. There is no padding row: a :class:`HaloPlan` of it only exchanges halo.
+    """
+
+    length: int
+    kernel: int
+    stride: int = 1
+    dilation: int = 1
+    padding: int = 0
+    output_padding: int = 0
+    pad_before = 0
+    pad_after = 0
+
+    @property
+    def span(self) -> int:
+        """Output rows one input row writes: ``dilation * (kernel - 1) + 1``."""
+        return self.dilation * (self.kernel - 1) + 1
+
+    @property
+    def out_length(self) -> int:
+        n = ((self.length - 1) * self.stride - 2 * self.padding + self.span
+             + self.output_padding)
+        return max(n, 0)
+
+    def first_output(self, in_start: int) -> int:
+        """The global output row of the first row the unpadded local transposed convolution of
+        input rows from ``in_start`` writes."""
+        return in_start * self.stride - self.padding
+
+    def input_range(self, out_start: int, out_stop: int) -> tuple[int, int]:
+        """Input rows ``[lo, hi)`` that scatter into output rows ``[out_start, out_stop)``,
+        within ``[0, length)``; at least one row (where none reaches, the nearest, whose
+        contribution the crop drops), so that every rank runs the local convolution."""
+        if out_stop <= out_start:
+            return (0, 0)
+        s, L = self.stride, self.length
+        lo = max(0, -(-(out_start + self.padding - self.span + 1) // s))
+        hi = min(L, (out_stop - 1 + self.padding) // s + 1)
+        if hi <= lo:
+            lo = min(lo, L - 1)
+            hi = lo + 1
+        return lo, hi
+
+
 def conv_dims(
     input_hw: tuple[int, int],
     kernel_size: tuple[int, int],
@@ -152,7 +205,7 @@ class HaloPlan:
     lists what travels (for ``'zeros'`` it is exactly ``transfer``).
     """
 
-    dim: ConvDim
+    dim: ConvDim | TransposedConvDim
     parts: int
     mode: str = "zeros"
 

@@ -11,7 +11,7 @@ if TYPE_CHECKING:
 __all__ = ["CANONICAL_DIMS", "ProcessorGrid"]
 
 #: Grid dims a layer may refer to even when the grid leaves them out (their extent is then 1).
-CANONICAL_DIMS = ("N", "C", "F", "H", "W")
+CANONICAL_DIMS = ("N", "C", "F", "D", "H", "W")
 
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 

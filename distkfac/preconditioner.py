@@ -41,7 +41,7 @@ import torch
 from torch import Tensor, nn
 
 import distconv.comm
-from distconv.nn.channel_conv import DistChannelConv
+from distconv.nn.conv_nd import DistConvNd
 from distconv.nn.conv import DistConv2d
 from distkfac.comm import FactorReducer, PayloadBroadcaster
 from distkfac.factors import RunningFactor
@@ -337,7 +337,7 @@ class KFAC:
             if isinstance(module, DistConv2d):
                 self._register_dist(name, module)
                 continue
-            if isinstance(module, DistChannelConv):
+            if isinstance(module, DistConvNd):
                 raise NotImplementedError(
                     f"distkfac: {name!r} is a {module.kind} split over channels and filters "
                     f"({module.algorithm} on {dict(module.grid.layout)}); K-FAC factors for it "

@@ -1,7 +1,7 @@
 """Distributed layers: :class:`DistConv2d`, :class:`Redistribute` and gradient completion."""
 
 from distconv.nn.batchnorm import DistBatchNorm, DistBatchNorm1d, DistBatchNorm2d, DistBatchNorm3d
-from distconv.nn.channel_conv import DistChannelConv
+from distconv.nn.conv_nd import DistConvNd
 from distconv.nn.clip import clip_grad_norm_
 from distconv.nn.conv import ALGORITHMS, DistConv2d, UnsupportedConvError
 from distconv.nn.dropout import DistDropout, DistDropout2d
@@ -10,7 +10,7 @@ from distconv.nn.pool import DistAdaptiveAvgPool2d, DistAvgPool2d, DistMaxPool2d
 from distconv.nn.redistribute import Redistribute
 from distconv.nn.sharding import ShardSpec, shard_specs
 
-__all__ = ["ALGORITHMS", "DistChannelConv", "DistConv2d", "GradSync", "Redistribute", "UnsupportedConvError",
+__all__ = ["ALGORITHMS", "DistConvNd", "DistConv2d", "GradSync", "Redistribute", "UnsupportedConvError",
            "ShardSpec", "clip_grad_norm_", "finish_grad_sync", "shard_specs"]
 __all__ += ["DistAdaptiveAvgPool2d", "DistAvgPool2d", "DistBatchNorm", "DistBatchNorm1d",
             "DistBatchNorm2d", "DistBatchNorm3d", "DistDropout", "DistDropout2d", "DistMaxPool2d"]

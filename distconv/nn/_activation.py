@@ -1,4 +1,4 @@
-"""What the layers around DistConv2d share: checking a 4-d activation's Dist, its local block and
+"""What the layers around DistConv2d share: checking an activation's Dist, its local block and
 its global shape, the communicator of one of its entries, and printing it in the paper's notation.
 """
 
@@ -32,17 +32,21 @@ def check_grid(layer: str, grid: object) -> ProcessorGrid:
     return grid
 
 
-def check_activation_dist(layer: str, grid: ProcessorGrid, input_dist: object) -> Dist:
-    """``input_dist`` as a 4-entry (N, C, H, W) Dist on ``grid`` with no pending dims."""
+def check_activation_dist(layer: str, grid: ProcessorGrid, input_dist: object,
+                          ndims: Sequence[int] = (4,)) -> Dist:
+    """``input_dist`` as a Dist of one of ``ndims`` entries (N, C and the spatial dims; default:
+    4, (N, C, H, W)) on ``grid`` with no pending dims."""
+    want = " or ".join(map(str, ndims))
     if not isinstance(input_dist, Dist):
         raise TypeError(
-            f"{layer}: input_dist must be a distconv.Dist with 4 entries (N, C, H, W), e.g. "
-            f"Dist.parse('x[o,o_C,o,o]', 'NCHW'); got {type(input_dist).__name__}"
+            f"{layer}: input_dist must be a distconv.Dist with {want} entries (N, C and the "
+            f"spatial dims), e.g. Dist.parse('x[o,o_C,o,o]', 'NCHW'); got "
+            f"{type(input_dist).__name__}"
         )
-    if input_dist.ndim != 4:
+    if input_dist.ndim not in ndims:
         raise ValueError(
-            f"{layer}: input_dist must have 4 entries (N, C, H, W), got {input_dist} with "
-            f"{input_dist.ndim}"
+            f"{layer}: input_dist must have {want} entries (N, C and the spatial dims), got "
+            f"{input_dist} with {input_dist.ndim}"
         )
     if input_dist.pending:
         raise ValueError(
@@ -103,8 +107,8 @@ def local_shape(grid: ProcessorGrid, dist: Dist, shape: tuple[int, ...]) -> tupl
 def resolve_shape(
     layer: str, grid: ProcessorGrid, dist: Dist, x: torch.Tensor,
     global_shape: Sequence[int] | None, memo: dict[Any, Any] | None = None,
-) -> tuple[int, int, int, int]:
-    """The global (N, C, H, W), checked against this rank's block ``x`` in ``dist``. ``memo``: the
+) -> tuple[int, ...]:
+    """The global shape ((N, C, H, W) for a 4-d ``dist``), checked against this rank's block ``x`` in ``dist``. ``memo``: the
     calling layer's own dict of the (block shape, global shape) pairs it has checked (a layer is
     called with the same pair every step, and its grid and dist never change)."""
     key = (x.shape, global_shape) if memo is not None and type(global_shape) is tuple else None
@@ -123,22 +127,24 @@ def resolve_shape(
 def _resolve_shape(
     layer: str, grid: ProcessorGrid, dist: Dist, x: torch.Tensor,
     global_shape: Sequence[int] | None,
-) -> tuple[int, int, int, int]:
-    if x.dim() != 4:
-        raise ValueError(f"{layer} takes a 4-d (N, C, H, W) block, got shape {tuple(x.shape)}")
+) -> tuple[int, ...]:
+    nd = dist.ndim
+    form = "(N, C, H, W)" if nd == 4 else "(N, C, spatial...)"
+    if x.dim() != nd:
+        raise ValueError(f"{layer} takes a {nd}-d {form} block, got shape {tuple(x.shape)}")
     if global_shape is None:
-        if any(split_dims(grid, dist, d) for d in range(4)):
+        if any(split_dims(grid, dist, d) for d in range(nd)):
             raise ValueError(
                 f"{layer}: pass global_shape to forward: {show(dist, 'x')} splits the tensor over "
                 "the grid, and local block sizes alone do not determine the global shape"
             )
-        return tuple(x.shape)  # type: ignore[return-value]
+        return tuple(x.shape)
     shape = tuple(global_shape)
-    if len(shape) != 4 or not all(
+    if len(shape) != nd or not all(
         isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape
     ):
         raise ValueError(
-            f"{layer}: global_shape must be 4 non-negative ints (N, C, H, W), got {global_shape!r}"
+            f"{layer}: global_shape must be {nd} non-negative ints {form}, got {global_shape!r}"
         )
     expected = local_shape(grid, dist, shape)
     if tuple(x.shape) != expected:
@@ -147,7 +153,7 @@ def _resolve_shape(
             f"{tuple(x.shape)}, but {show(dist, 'x')} of the global shape {shape} gives it "
             f"{expected}"
         )
-    return shape  # type: ignore[return-value]
+    return shape
 
 
 def connected_zeros(like: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:

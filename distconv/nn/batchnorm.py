@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any, Sequence
 
 import torch
@@ -79,8 +80,9 @@ class DistBatchNorm(nn.modules.batchnorm._BatchNorm):
         num_features, eps, momentum, affine, track_running_stats, device, dtype: as
             ``nn.BatchNorm2d`` (``num_features`` is the global channel count).
         grid: the :class:`~distconv.grid.ProcessorGrid` over all ranks.
-        input_dist: the Dist of the input (4 entries N, C, H, W, no pending dims); the output has
-            the same Dist.
+        input_dist: the Dist of the input (N, C and the spatial dims: 4 entries N, C, H, W for
+            :class:`DistBatchNorm2d`, 5 for ``3d``, 2 or 3 for ``1d``; no pending dims); the
+            output has the same Dist.
         statistics: ``'global'`` (default): the statistics of the whole global batch, as above.
             ``'local'``: each sample block's own statistics (the segment is the grid dims of the
             H and W entries only), DDP's plain-BN semantics; the running statistics are sample
@@ -91,7 +93,7 @@ class DistBatchNorm(nn.modules.batchnorm._BatchNorm):
     Raises:
         TypeError: ``grid`` or ``input_dist`` of the wrong type.
         ValueError: a bad ``num_features``, ``eps``, ``momentum`` or ``statistics``, an
-            ``input_dist`` without 4 entries, with pending dims or naming grid dims ``grid``
+            ``input_dist`` with the wrong number of entries, with pending dims or naming grid dims ``grid``
             lacks.
     """
 
@@ -125,14 +127,15 @@ class DistBatchNorm(nn.modules.batchnorm._BatchNorm):
         self.num_features, self.eps, self.momentum = num_features, float(eps), momentum
         self.affine, self.track_running_stats = bool(affine), bool(track_running_stats)
         self.grid = check_grid(name, grid)
-        #: the (N, C, H, W) distribution the statistics are computed on (a BatchNorm1d/3d's
-        #: input is viewed so, its whole spatial dims folded into H and W)
-        self._dist = check_activation_dist(name, grid, self._folded(input_dist))
-        self.input_dist = self.output_dist = input_dist if self._dist is not input_dist else (
-            self._dist)
+        self._dist = check_activation_dist(name, grid, input_dist, self._ndims)
+        self.input_dist = self.output_dist = self._dist
         self.param_dist = Dist((self._dist.entries[1],))
+        nd = self._dist.ndim
+        #: the dims a channel's statistics reduce over (all but the channels)
+        self._reduce = (0, *range(2, nd))
+        self._view = (1, -1, *([1] * (nd - 2)))  # a per-channel vector against x
         # Sub-communicators are created collectively, in the same order on every rank.
-        over = (0, 2, 3) if statistics == "global" else (2, 3)
+        over = self._reduce if statistics == "global" else tuple(range(2, nd))
         segment = [g for d in over for g in split_dims(grid, self._dist, d)]
         self._stats_comm = grid.subcomm(segment) if segment else None
         # local statistics: the running statistics are sample block 0's (DDP's broadcast
@@ -147,11 +150,6 @@ class DistBatchNorm(nn.modules.batchnorm._BatchNorm):
         self.grad_sync = GradSync(grid.subcomm(redundant), where=where) if redundant else None
         self._make_state(device, dtype)
         register_parameter_specs(self, grid.comm)  # for distconv.clip_grad_norm_
-
-    @classmethod
-    def _folded(cls, input_dist: Dist) -> Dist:
-        """The (N, C, H, W) distribution the statistics are computed on, from the input's."""
-        return input_dist
 
     # ------------------------------------------------------------------ state
     def _make_state(self, device: Any, dtype: torch.dtype | None) -> None:
@@ -219,9 +217,11 @@ class DistBatchNorm(nn.modules.batchnorm._BatchNorm):
         if num_batches_tracked is not None and self.num_batches_tracked is not None:
             self.num_batches_tracked.fill_(int(num_batches_tracked))
 
-    #: the plain module this layer shards, and the modules it takes (set by each subclass)
+    #: the plain module this layer shards, the modules it takes and its input's numbers of dims
+    #: (set by each subclass)
     _plain: type[nn.Module] = nn.BatchNorm2d
     _plain_types: tuple[type[nn.Module], ...] = (nn.BatchNorm2d, nn.SyncBatchNorm)
+    _ndims: tuple[int, ...] = (4,)
 
     @classmethod
     def from_module(
@@ -307,7 +307,8 @@ class DistBatchNorm(nn.modules.batchnorm._BatchNorm):
         self._check_dtype(x)
         if not self.training and self.track_running_stats:
             return self._normalize_with_running_stats(x)
-        count = shape[0] * shape[2] * shape[3]
+        spatial = math.prod(shape[2:])
+        count = shape[0] * spatial
         if self.training and count <= 1:
             raise ValueError(
                 f"{type(self).__name__}: expected more than 1 value per channel when training, got "
@@ -322,12 +323,12 @@ class DistBatchNorm(nn.modules.batchnorm._BatchNorm):
             factor = (1.0 / float(self.num_batches_tracked) if self.momentum is None
                       else float(self.momentum))
         if self.statistics == "local":
-            count = x.shape[0] * shape[2] * shape[3]  # this sample block's values per channel
+            count = x.shape[0] * spatial  # this sample block's values per channel
             if self.training and count <= 1:
                 raise ValueError(
                     f"{type(self).__name__}: expected more than 1 value per channel of a sample block "
                     f"when training with local statistics, got {x.shape[0]} sample(s) of "
-                    f"{shape[2]}x{shape[3]}")
+                    f"{'x'.join(map(str, shape[2:])) or 'one value'}")
         if self._stats_comm is None and x.numel() and self._same_dtype(x):
             # every value of this rank's channels (of its sample block) is local: torch's own
             # kernel is exact (its backward is linear in dy, so a pending-sum cotangent gives
@@ -339,7 +340,7 @@ class DistBatchNorm(nn.modules.batchnorm._BatchNorm):
             y = F.batch_norm(x, None, None, self.weight, self.bias, True, 0.0, self.eps)
             if running:
                 with torch.no_grad():
-                    var, mean = torch.var_mean(x, dim=(0, 2, 3), correction=1)
+                    var, mean = torch.var_mean(x, dim=self._reduce, correction=1)
                     self._send_running(torch.cat([mean, var]), factor)
             return y
         y, mean, var = _BatchNorm.apply(
@@ -399,10 +400,11 @@ class DistBatchNorm(nn.modules.batchnorm._BatchNorm):
         )
 
     def _normalize_with_running_stats(self, x: torch.Tensor) -> torch.Tensor:
+        v = self._view
         scale = (self.running_var + self.eps).rsqrt()
-        y = (x - self.running_mean.view(1, -1, 1, 1)) * scale.view(1, -1, 1, 1)
+        y = (x - self.running_mean.view(v)) * scale.view(v)
         if self.affine:
-            y = y * self.weight.view(1, -1, 1, 1) + self.bias.view(1, -1, 1, 1)
+            y = y * self.weight.view(v) + self.bias.view(v)
         return y
 
     def extra_repr(self) -> str:
@@ -433,73 +435,25 @@ class DistBatchNorm2d(DistBatchNorm, nn.BatchNorm2d):
         return self.to_plain()
 
 
-class _FoldedBatchNorm(DistBatchNorm):
-    """A batch norm of ``2 + k`` dims whose spatial dims are whole on every rank: the statistics
-    of a channel are those of the values of its (N, C) block over all the spatial positions, so
-    the block is viewed as ``(N, C, S, L)`` (the spatial dims folded, L the last, or 1) and
-    normalised as :class:`DistBatchNorm2d` normalises it; the output takes the input's shape."""
-
-    #: how many spatial dims the input may have
-    _spatial: tuple[int, ...] = ()
-
-    @classmethod
-    def _folded(cls, input_dist: Dist) -> Dist:
-        name = cls.__name__
-        if not isinstance(input_dist, Dist):
-            raise TypeError(f"{name}: input_dist must be a Dist, got {type(input_dist).__name__}")
-        ranks = [2 + k for k in cls._spatial]
-        if input_dist.ndim not in ranks:
-            raise ValueError(f"{name}: input_dist must have {' or '.join(map(str, ranks))} "
-                             f"entries (N, C and the spatial dims), got {input_dist.ndim}")
-        split = [i for i in range(2, input_dist.ndim) if input_dist.grid_dims_of(i)]
-        if split:
-            raise ValueError(
-                f"{name}: input_dist splits spatial dim(s) {split}; the layer takes its spatial "
-                "dims whole (parallelize makes them so, an allgather before it)")
-        return Dist((*input_dist.entries[:2], None, None), input_dist.pending, "NCHW")
-
-    @staticmethod
-    def _fold(shape: Sequence[int]) -> tuple[int, int, int, int]:
-        spatial = tuple(int(s) for s in shape[2:])
-        last = spatial[-1] if spatial else 1
-        rest = 1
-        for s in spatial[:-1]:
-            rest *= s
-        return (int(shape[0]), int(shape[1]), rest, last)
-
-    def forward(self, x: torch.Tensor, global_shape: Sequence[int] | None = None) -> torch.Tensor:
-        """Normalise this rank's block ``x`` of the global tensor of shape ``global_shape`` (in
-        :attr:`input_dist`, spatial dims whole); returns this rank's block of the output."""
-        if not isinstance(x, torch.Tensor) or x.dim() != self.input_dist.ndim:
-            got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-            raise ValueError(f"{type(self).__name__} takes a {self.input_dist.ndim}-d block "
-                             f"(its input_dist's), got {got}")
-        if global_shape is not None:
-            if len(tuple(global_shape)) != x.dim():
-                raise ValueError(f"{type(self).__name__}: global_shape must have {x.dim()} "
-                                 f"entries, got {tuple(global_shape)!r}")
-            global_shape = self._fold(global_shape)
-        return super().forward(x.reshape(self._fold(x.shape)), global_shape).reshape(x.shape)
-
-
-class DistBatchNorm3d(_FoldedBatchNorm, nn.BatchNorm3d):
-    """``nn.BatchNorm3d`` on a distributed activation ``x[N, C, D, H, W]`` whose spatial dims are
-    whole (``x[o_N,o_C,*,*,*]`` and the like), with the statistics of the whole global batch
-    (:class:`DistBatchNorm`); an ``nn.BatchNorm3d`` for ``isinstance``."""
+class DistBatchNorm3d(DistBatchNorm, nn.BatchNorm3d):
+    """``nn.BatchNorm3d`` on a distributed activation ``x[N, C, D, H, W]`` in ``input_dist`` (any
+    of its dims split: ``x[o,o_C,o,o,*]`` over N, C, D and H, and the like), with the statistics
+    of the whole global batch (:class:`DistBatchNorm`: the statistics segment is the grid dims of
+    the N, D, H and W entries); an ``nn.BatchNorm3d`` for ``isinstance``."""
 
     _plain = nn.BatchNorm3d
     _plain_types = (nn.BatchNorm3d, nn.SyncBatchNorm)
-    _spatial = (3,)
+    _ndims = (5,)
 
 
-class DistBatchNorm1d(_FoldedBatchNorm, nn.BatchNorm1d):
-    """``nn.BatchNorm1d`` on a distributed activation ``x[N, C]`` or ``x[N, C, L]`` with ``L``
-    whole, with the statistics of the whole global batch (:class:`DistBatchNorm`); an
+class DistBatchNorm1d(DistBatchNorm, nn.BatchNorm1d):
+    """``nn.BatchNorm1d`` on a distributed activation ``x[N, C]`` or ``x[N, C, L]`` (its length
+    split or whole), with the statistics of the whole global batch (:class:`DistBatchNorm`); an
     ``nn.BatchNorm1d`` for ``isinstance``."""
 
     _plain = nn.BatchNorm1d
     _plain_types = (nn.BatchNorm1d, nn.SyncBatchNorm)
-    _spatial = (0, 1)
+    _ndims = (2, 3)
 
 
 class RunningBroadcast:
@@ -533,12 +487,19 @@ def broadcast_running(entries: list[tuple[DistBatchNorm, torch.Tensor, float]]) 
             offset += stats.numel()
 
 
+def _layout(x: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The dims a channel's statistics of ``x`` reduce over, and the view of a per-channel
+    vector against ``x``."""
+    return (0, *range(2, x.dim())), (1, -1, *([1] * (x.dim() - 2)))
+
+
 def _moments(x: torch.Tensor, comm: Any, count: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-channel mean and biased variance over the N×H×W of the whole segment."""
-    n = x.shape[0] * x.shape[2] * x.shape[3]
+    """Per-channel mean and biased variance over every other dim of the whole segment."""
+    dims, view = _layout(x)
+    n = x.shape[0] * math.prod(x.shape[2:])
     if n:
-        mean = x.mean((0, 2, 3))
-        m2 = (x - mean.view(1, -1, 1, 1)).square().sum((0, 2, 3))
+        mean = x.mean(dims)
+        m2 = (x - mean.view(view)).square().sum(dims)
     else:
         mean = x.new_zeros(x.shape[1])
         m2 = x.new_zeros(x.shape[1])
@@ -564,10 +525,11 @@ class _BatchNorm(torch.autograd.Function):
                 comm: Any, eps: float, count: int) -> tuple[torch.Tensor, ...]:
         work = x.float() if x.dtype in _LOW_PRECISION else x
         mean, var = _moments(work, comm, count)
+        _, v = _layout(x)
         invstd = (var + eps).rsqrt()
-        y = (work - mean.view(1, -1, 1, 1)) * invstd.view(1, -1, 1, 1)
+        y = (work - mean.view(v)) * invstd.view(v)
         if weight is not None:
-            y = y * weight.view(1, -1, 1, 1) + bias.view(1, -1, 1, 1)
+            y = y * weight.view(v) + bias.view(v)
         ctx.comm, ctx.count = comm, count
         ctx.save_for_backward(x, weight, mean, invstd)
         ctx.mark_non_differentiable(mean, var)
@@ -579,17 +541,18 @@ class _BatchNorm(torch.autograd.Function):
         x, weight, mean, invstd = ctx.saved_tensors
         work = x.float() if x.dtype in _LOW_PRECISION else x
         dy_w = dy.to(work.dtype)
-        xhat = (work - mean.view(1, -1, 1, 1)) * invstd.view(1, -1, 1, 1)
-        sum_dy = dy_w.sum((0, 2, 3))
-        sum_dy_xhat = (dy_w * xhat).sum((0, 2, 3))
+        dims, v = _layout(x)
+        xhat = (work - mean.view(v)) * invstd.view(v)
+        sum_dy = dy_w.sum(dims)
+        sum_dy_xhat = (dy_w * xhat).sum(dims)
         dx = None
         if ctx.needs_input_grad[0]:
             sums = torch.stack([sum_dy, sum_dy_xhat])
             if ctx.comm is not None:
                 sums = ctx.comm.allreduce(sums, meta="DistBatchNorm backward sums")
             scale = invstd if weight is None else invstd * weight
-            dx = (dy_w - (sums[0] / ctx.count).view(1, -1, 1, 1)
-                  - xhat * (sums[1] / ctx.count).view(1, -1, 1, 1)) * scale.view(1, -1, 1, 1)
+            dx = (dy_w - (sums[0] / ctx.count).view(v)
+                  - xhat * (sums[1] / ctx.count).view(v)) * scale.view(v)
             dx = dx.to(x.dtype)
         # Local sums: the parameters' gradient sync completes them over the segment and replicas.
         dw = sum_dy_xhat.to(weight.dtype) if ctx.needs_input_grad[1] else None

@@ -13,8 +13,9 @@ from torch import nn
 
 from distconv.ops.base import Handler, PriceContext, Sample, Unsupported
 from distconv.ops.conv import ConvHandler
+from distconv.ops.conv_nd import ConvNdHandler
 from distconv.ops.elementwise import BinaryHandler, CatHandler, DropoutHandler, PointwiseHandler
-from distconv.ops.linear import LinearHandler, SampleLayerHandler
+from distconv.ops.linear import LinearHandler
 from distconv.ops.norm import (
     BatchNormHandler, GroupNormHandler, InstanceNormHandler, LayerNormHandler,
 )
@@ -27,7 +28,7 @@ __all__ = ["CONFIGURABLE", "REGISTRY", "Handler", "PriceContext", "Sample", "Uns
 
 #: Every op family, in matching order (the first that binds a node handles it).
 REGISTRY: tuple[Handler, ...] = (
-    ConvHandler(), LinearHandler(), SampleLayerHandler(), BatchNormHandler(),
+    ConvHandler(), LinearHandler(), ConvNdHandler(), BatchNormHandler(),
     GroupNormHandler(), LayerNormHandler(), InstanceNormHandler(), PoolHandler(),
     AdaptiveAvgPoolHandler(), MeanHandler(), ResampleHandler(), DropoutHandler(),
     FlattenHandler(), ReshapeHandler(), NewAxisHandler(), PointwiseHandler(), BinaryHandler(),
@@ -37,7 +38,7 @@ REGISTRY: tuple[Handler, ...] = (
 
 #: The module types a config entry may name (their grid and algorithm are configurable).
 CONFIGURABLE: tuple[type, ...] = (
-    ConvHandler.modules + LinearHandler.modules + SampleLayerHandler.modules)
+    ConvHandler.modules + LinearHandler.modules + ConvNdHandler.modules)
 
 
 def handler_for(node: fx.Node, module: nn.Module | None) -> Handler | None:

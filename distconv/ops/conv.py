@@ -71,6 +71,10 @@ class ConvHandler(Handler):
             choice.algorithm)
         roles = {"N": "N", "C": "C", "F": "F", "H": "H", "W": "W"}
         ext = dict(choice.layout)
+        if ext.get("D", 1) > 1:
+            an.fail(node, f"{choice.source} splits D on {dict(choice.layout)}, but a Conv2d's "
+                    "spatial dims are H and W: split those (D splits a volume's depth)",
+                    ValueError)
         grouped = module.groups > 1 and ext.get("C", 1) * ext.get("F", 1) > 1
         args = an.tensor_args(node)
         if algorithm == "stationary-w" and args:

@@ -1,10 +1,10 @@
 """Normalisation: ``BatchNorm1d/2d/3d`` and ``SyncBatchNorm`` with the statistics of the whole
 global batch (:class:`~distconv.nn.DistBatchNorm2d`, ``3d``, ``1d``), in its input's distribution
-(a BatchNorm1d/3d's spatial dims made whole first); GroupNorm, LayerNorm and InstanceNorm1d/2d/3d
+(any dim split; the statistics reduced over the grid dims of every entry but the channels'); GroupNorm, LayerNorm and InstanceNorm1d/2d/3d
 on local blocks with the dims they reduce over whole.
 
 Per rank: forward, an allgather of (count, mean, M2) per local channel over the statistics
-segment (the grid dims of the N, H and W entries); backward, an allreduce of (Σdy, Σdy·x̂).
+segment (the grid dims of the N and spatial entries); backward, an allreduce of (Σdy, Σdy·x̂).
 """
 
 from __future__ import annotations
@@ -37,11 +37,6 @@ class BatchNormHandler(Handler):
         if dist.ndim not in (2, 3, 4, 5):
             an.fail(node, f"{type(module).__name__} takes (N, C) to (N, C, D, H, W) inputs, got "
                     f"{dist.ndim} dims")
-        if dist.ndim != 4 and any(dist.grid_dims_of(d) for d in range(2, dist.ndim)):
-            # a BatchNorm1d/3d takes its spatial dims whole: an allgather before it
-            entries = dist.entries[:2] + (None,) * (dist.ndim - 2)
-            p = Placement(step.out.layout, Dist(entries, frozenset(), dist.tensor_dims))
-            step.out, step.needs = p, {a: p for a in step.needs}
         step.layer = LayerSpec("batchnorm", name, step.out.layout, input=step.out,
                                statistics=an.config.statistics(name))
         return step

@@ -30,13 +30,14 @@ A stationary-x, -y or -w entry may ask for ``pipeline: k``: the local convolutio
 chunks of each rank's samples, each chunk's collectives overlapping the next chunk's compute
 (:mod:`distconv.nn.pipeline`; the same bytes and results). Default 1.
 
-Grids name dims among N (samples), C (channels), F (filters), H and W (rows, columns); their
-extents multiply to the world size. Algorithms: ``sample`` (grid ``{N: P}``), ``spatial`` (dims
-among N, H, W), ``stationary-x`` (C > 1, F = 1), ``stationary-y`` (F > 1, C = 1), ``stationary-w``
-(C and F) and ``auto`` (chosen per layer by the §4 model; needs the input shape). Only
-convolutions and ``Linear`` modules take entries (``Conv1d``, ``Conv3d`` and the transposed
-convolutions: ``sample``, or ``stationary-x``/``-y``/``-w`` on grids of N, C and F); batch norm,
-pooling and pointwise layers follow their input.
+Grids name dims among N (samples), C (channels), F (filters), D, H and W (depth, rows, columns:
+a volume's spatial dims are D, H, W, an image's H, W, a signal's W); their extents multiply to the
+world size. Algorithms: ``sample`` (grid ``{N: P}``), ``spatial`` (dims among N, D, H, W),
+``stationary-x`` (C > 1, F = 1), ``stationary-y`` (F > 1, C = 1), ``stationary-w`` (C and F; each
+with the spatial dims too) and ``auto`` (chosen per layer by the §4 model for ``Conv2d``; needs
+the input shape). Only convolutions and ``Linear`` modules take entries (``Conv1d``, ``Conv3d``
+and the transposed convolutions take every algorithm but ``auto``; a stationary default leaves
+them sample-parallel); batch norm, pooling and pointwise layers follow their input.
 ``Linear`` layers run sample-parallel. ``data`` defaults to ``{N: P}``: each rank its own samples.
 """
 
@@ -51,7 +52,7 @@ from typing import Any, Mapping, Sequence
 __all__ = ["ALGORITHMS", "GRID_DIMS", "STATISTICS", "LayerChoice", "ParallelConfig",
            "load_config"]
 
-GRID_DIMS = ("N", "C", "F", "H", "W")
+GRID_DIMS = ("N", "C", "F", "D", "H", "W")
 ALGORITHMS = ("sample", "spatial", "stationary-x", "stationary-y", "stationary-w", "auto")
 _KEYS = frozenset({"default", "data", "layers"})
 _ENTRY_KEYS = frozenset({"match", "grid", "algorithm", "statistics", "checkpoint", "pipeline"})
@@ -151,9 +152,9 @@ def _check_algorithm(layout: Layout, algorithm: Any, where: str) -> str:
         problem = (f"algorithm 'sample' splits only samples, but the grid splits "
                    f"{sorted(live - {'N'})}; use {{N: {math.prod(ext.values())}}}, or 'spatial' "
                    "for N, H, W grids, or a stationary-* algorithm for C and F")
-    elif algorithm == "spatial" and live - {"N", "H", "W"}:
-        problem = (f"algorithm 'spatial' splits N, H and W only, but the grid splits "
-                   f"{sorted(live - {'N', 'H', 'W'})}; use stationary-x (C), stationary-y (F) or "
+    elif algorithm == "spatial" and live - {"N", "D", "H", "W"}:
+        problem = (f"algorithm 'spatial' splits N, D, H and W only, but the grid splits "
+                   f"{sorted(live - {'N', 'D', 'H', 'W'})}; use stationary-x (C), stationary-y (F) or "
                    "stationary-w (C and F)")
     elif algorithm == "stationary-x" and f > 1:
         problem = "stationary-x splits channels only (F must be 1); use stationary-w for C and F"

@@ -1,11 +1,12 @@
 """Channel and filter parallelism for Conv1d, Conv3d and the transposed convolutions
-(:class:`distconv.nn.channel_conv.DistChannelConv`): every algorithm equals the module on one
+(:class:`distconv.nn.conv_nd.DistConvNd`): every algorithm equals the module on one
 process (fp64), moves exactly what ``explain`` says inside a network, and what is not implemented
 is refused naming the layer."""
 
 from __future__ import annotations
 
 import copy
+import math
 from typing import Any
 
 import pytest
@@ -17,7 +18,7 @@ from torch import nn
 
 from distconv import models
 from distconv.grid import ProcessorGrid
-from distconv.nn.channel_conv import DistChannelConv
+from distconv.nn.conv_nd import DistConvNd, spatial_roles
 from distconv.parallel import parallelize
 from distconv.parallel.explain import explain
 from distconv.redistribute import gather
@@ -33,28 +34,41 @@ KINDS = {(1, False): nn.Conv1d, (2, False): nn.Conv2d, (3, False): nn.Conv3d,
 def layers(draw: st.DrawFn) -> tuple:
     dims, transposed = draw(st.sampled_from(sorted(KINDS)))
     algorithm = draw(st.sampled_from(["stationary-x", "stationary-y", "stationary-w"]))
-    pc = draw(st.integers(1, 3)) if algorithm != "stationary-y" else 1
-    pf = draw(st.integers(1, 4 // pc if algorithm == "stationary-w" else 3)) if (
-        algorithm != "stationary-x") else 1
-    pn = draw(st.integers(1, max(1, 8 // (pc * pf))))
-    grid = draw(st.permutations([("N", pn), ("C", pc), ("F", pf)]))
+    rows = spatial_roles(dims)
+    # mostly one or two spatial dims split (sometimes none), at most 8 ranks in all
+    split = draw(st.lists(st.sampled_from(rows), unique=True, max_size=min(2, dims),
+                          min_size=0 if draw(st.integers(0, 4)) == 0 else 1))
+    ps = {r: draw(st.integers(2, 3 if len(split) == 1 else 2)) for r in split}
+    room = 8 // math.prod(ps.values())
+    pc = draw(st.integers(1, min(3, room))) if algorithm != "stationary-y" else 1
+    pf = draw(st.integers(1, min(3, room // pc))) if algorithm != "stationary-x" else 1
+    pn = draw(st.integers(1, max(1, room // (pc * pf))))
+    grid = draw(st.permutations([("N", pn), ("C", pc), ("F", pf), *ps.items()]))
     cin = draw(st.integers(pc * pf, pc * pf + 3))
     cout = draw(st.integers(pc * pf, pc * pf + 3))
     kernel = tuple(draw(st.integers(1, 3)) for _ in range(dims))
-    stride = tuple(draw(st.integers(1, 2)) for _ in range(dims))
+    stride = tuple(draw(st.integers(1, 3)) for _ in range(dims))
     dilation = tuple(draw(st.integers(1, 2)) for _ in range(dims))
-    padding = tuple(draw(st.integers(0, 1)) for _ in range(dims))
-    kw: dict[str, Any] = {"stride": stride, "padding": padding, "dilation": dilation,
-                          "bias": draw(st.booleans())}
-    sizes = tuple(draw(st.integers(3, 5)) for _ in range(dims))
+    kw: dict[str, Any] = {"stride": stride, "dilation": dilation, "bias": draw(st.booleans())}
+    sizes = tuple(draw(st.integers(3, 7)) for _ in range(dims))
     if transposed:  # output_padding < stride or dilation
+        kw["padding"] = tuple(  # the output at least one row
+            min(draw(st.integers(0, 2)), ((n - 1) * s + dl * (k - 1)) // 2)
+            for n, s, k, dl in zip(sizes, stride, kernel, dilation))
         kw["output_padding"] = tuple(
             draw(st.integers(0, max(s, d) - 1)) for s, d in zip(stride, dilation))
     else:
         kw["padding_mode"] = draw(st.sampled_from(["zeros", "reflect", "replicate", "circular"]))
-        sizes = tuple(max(n, dl * (k - 1) + 1) for n, k, dl in zip(sizes, kernel, dilation))
+        same = kw["padding_mode"] == "zeros" and set(stride) == {1} and draw(st.booleans())
+        kw["padding"] = "same" if same else tuple(draw(st.integers(0, 2)) for _ in range(dims))
+        sizes = tuple(max(n, dl * (k - 1) + 1, 3) for n, k, dl in zip(sizes, kernel, dilation))
     torch.manual_seed(draw(st.integers(0, 2**16)))
     module = KINDS[(dims, transposed)](cin, cout, kernel, **kw).double()
+    # every rank at least one input and one output row on each split dim
+    out = module(torch.zeros(1, cin, *sizes, dtype=torch.float64)).shape[2:]
+    for i, r in enumerate(rows):
+        if r in ps and min(sizes[i], out[i]) < ps[r]:
+            grid = [(n, e if n != r else 1) for n, e in grid]
     batch = draw(st.integers(pn, pn + 2))
     return module, (batch, cin, *sizes), tuple(grid), algorithm, draw(st.integers(0, 2**16))
 
@@ -62,7 +76,7 @@ def layers(draw: st.DrawFn) -> tuple:
 def _one_layer(comm: Any, module: nn.Module, shape: tuple, grid: tuple, algorithm: str,
                x: torch.Tensor, g: torch.Tensor) -> dict:
     G = ProcessorGrid(dict(grid), comm=comm)
-    layer = DistChannelConv.from_module(module, grid=G, algorithm=algorithm)
+    layer = DistConvNd.from_module(module, grid=G, algorithm=algorithm)
     xl = x[layer.input_dist.local_slices(shape, G)].clone().requires_grad_(True)
     y_shape = layer.output_shape(shape)
     y = layer(xl, shape)
@@ -78,7 +92,7 @@ def _one_layer(comm: Any, module: nn.Module, shape: tuple, grid: tuple, algorith
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(layers())
-def test_every_convolution_split_over_channels_and_filters_equals_one_process(case) -> None:  # noqa: ANN001
+def test_every_convolution_split_over_channels_filters_and_space_equals_one_process(case) -> None:  # noqa: ANN001
     module, shape, grid, algorithm, seed = case
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(shape, generator=gen, dtype=torch.float64).requires_grad_(True)
@@ -142,6 +156,46 @@ def _check_unet(results: list[dict]) -> None:
         assert r["counted"] == r["explained"], r
 
 
+#: the 3-D U-Net spatially parallel over D×H (each rank a quarter of every volume), its
+#: bottleneck over channels and depth, its up-convolution over filters and depth
+SPATIAL_CONFIG = {"default": {"grid": {"D": 2, "H": 2}, "algorithm": "spatial"},
+                  "data": {"N": 1, "D": 2, "H": 2}, "layers": [
+                      {"match": "bottom.0", "grid": {"C": 2, "D": 2}, "algorithm": "stationary-x"},
+                      {"match": "up.0", "grid": {"F": 2, "D": 2}, "algorithm": "stationary-y"}]}
+SPATIAL_SHAPE = (3, 1, 8, 6, 4)
+
+
+def _spatial_unet() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    torch.manual_seed(5)
+    model = models.unet3d(in_channels=1, base=2, depth=1, norm="batch").double()
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(SPATIAL_SHAPE, generator=gen, dtype=torch.float64)
+    y = torch.randint(0, 2, (SPATIAL_SHAPE[0], *SPATIAL_SHAPE[2:]), generator=gen)
+    return model, x, y
+
+
+def spatial_unet_run(comm: Any, explained: list | None = None, case: tuple | None = None
+                     ) -> dict:
+    from tests.parallel.cases import counted_step
+
+    model, x, y = case if case is not None else _spatial_unet()
+    ref = copy.deepcopy(model)
+    out_ref = ref(x)
+    F.cross_entropy(out_ref, y).backward()
+    got = counted_step(comm, model, SPATIAL_CONFIG, x, y)
+    if explained is None:
+        plan = explain(model, SPATIAL_CONFIG, SPATIAL_SHAPE, world_size=comm.size)
+        explained = [tuple(plan.rank_bytes(r).values()) for r in range(comm.size)]
+    return {"out": (got["out"] - out_ref.detach()[got["rows"]]).abs().max().item(),
+            "grads": max((got["grads"][k] - p.grad).abs().max().item()
+                         for k, p in ref.named_parameters()),
+            "counted": got["counted"], "explained": tuple(explained[comm.rank])}
+
+
+def both_unets(comm: Any) -> list[dict]:
+    return [unet_run(comm), spatial_unet_run(comm)]
+
+
 def test_a_3d_unet_split_over_channels_trains_as_one_process_moving_what_explain_says() -> None:
     model = _unet()[0]
     plan = explain(model, UNET_CONFIG, UNET_SHAPE, world_size=4)
@@ -153,28 +207,54 @@ def test_a_3d_unet_split_over_channels_trains_as_one_process_moving_what_explain
                                           for r in range(4)], _unet()))
 
 
+def test_a_3d_unet_split_over_depth_and_rows_trains_as_one_process_moving_what_explain_says(
+        ) -> None:
+    """Halos over D and H (6 rows over 2: 3 pooled rows, blocks of 2 and 1), the
+    bottleneck over channels and depth, the up-convolution over filters and depth."""
+    model = _spatial_unet()[0]
+    plan = explain(model, SPATIAL_CONFIG, SPATIAL_SHAPE, world_size=4)
+    text = str(plan)
+    for what in ("halo exchange D", "halo exchange H", "halo accumulate D",
+                 "reduce-scatter y over C", "allgather x over F"):
+        assert what in text, what
+    dists = {lay.name: lay.dists.get("x") for lay in plan.layers}
+    assert dists["down.0.0"] == "x[*,*,o_D,o_H,*]", dists
+    _check_unet(run_threads(spatial_unet_run, 4, [tuple(plan.rank_bytes(r).values())
+                                                  for r in range(4)], _spatial_unet()))
+
+
 @pytest.mark.gloo
-def test_a_3d_unet_split_over_channels_on_gloo(gloo4) -> None:  # noqa: ANN001
-    _check_unet(gloo4.run(unet_run))
+def test_3d_unets_split_over_channels_and_space_on_gloo(gloo4) -> None:  # noqa: ANN001
+    for results in zip(*gloo4.run(both_unets)):
+        _check_unet(list(results))
 
 
 @pytest.mark.mpi
-def test_a_3d_unet_split_over_channels_on_mpi(mpi4) -> None:  # noqa: ANN001
-    _check_unet(mpi4.run(unet_run))
+def test_3d_unets_split_over_channels_and_space_on_mpi(mpi4) -> None:  # noqa: ANN001
+    for results in zip(*mpi4.run(both_unets)):
+        _check_unet(list(results))
 
 
-@pytest.mark.parametrize("entry, message", [
-    ({"match": "bottom.0", "grid": {"N": 2, "H": 2}, "algorithm": "spatial"},
-     r"'bottom.0'.*spatial.*implemented for Conv2d"),
-    ({"match": "bottom.0", "grid": {"C": 2, "H": 2}, "algorithm": "stationary-x"},
-     r"'bottom.0'.*splits its spatial dims over \['H'\]"),
-    ({"match": "bottom.0", "grid": {"N": 2, "C": 2}, "algorithm": "stationary-x",
-      "pipeline": 2}, r"'bottom.0'.*pipeline: 2.*implemented for Conv2d"),
+@pytest.mark.parametrize("model, shape, entry, message", [
+    (nn.Sequential(nn.Conv3d(2, 2, 3)), (2, 2, 5, 5, 5),
+     {"grid": {"N": 2, "C": 2}, "algorithm": "stationary-x", "pipeline": 2},
+     r"'0'.*pipeline: 2.*implemented for Conv2d"),
+    (nn.Sequential(nn.Conv2d(2, 2, 3)), (2, 2, 5, 5), {"grid": {"N": 2, "D": 2},
+                                                       "algorithm": "spatial"},
+     r"'0'.*splits D.*Conv2d's spatial dims are H and W"),
+    (nn.Sequential(nn.Conv1d(2, 2, 3)), (2, 2, 9), {"grid": {"N": 2, "H": 2},
+                                                    "algorithm": "spatial"},
+     r"'0'.*splits \['H'\].*1 spatial dim\(s\), split over grid dims \['W'\]"),
+    (nn.Sequential(nn.ConvTranspose3d(2, 2, 2, stride=2)), (2, 2, 2, 3, 3),
+     {"grid": {"D": 4}, "algorithm": "spatial"}, r"D=4 exceeds what this layer can split"),
+    (nn.Sequential(nn.Conv3d(2, 2, 3)), (2, 2, 3, 5, 5),
+     {"grid": {"D": 2, "N": 2}, "algorithm": "spatial"}, r"D=2 exceeds.*use D <= 1"),
 ])
-def test_what_is_not_implemented_is_refused_naming_the_layer(entry, message) -> None:  # noqa: ANN001
-    config = {"default": {"grid": {"N": 4}, "algorithm": "sample"}, "layers": [entry]}
+def test_what_is_not_implemented_is_refused_naming_the_layer(model, shape, entry,  # noqa: ANN001
+                                                              message) -> None:  # noqa: ANN001
+    config = {"layers": [{"match": "0", **entry}]}
     with pytest.raises(ValueError, match=message):
-        explain(_unet()[0], config, UNET_SHAPE, world_size=4)
+        explain(model, config, shape, world_size=4)
 
 
 def test_a_grouped_3d_convolution_split_over_channels_is_refused() -> None:
@@ -191,7 +271,7 @@ def _kfac_refusal(comm: Any, case: tuple) -> str:
     with pytest.raises(NotImplementedError, match=r"'bottom.0'.*skip_layers") as info:
         distkfac.KFAC(pmodel)
     distkfac.KFAC(pmodel, skip_layers=[n for n, m in pmodel.named_modules()
-                                       if isinstance(m, DistChannelConv)])
+                                       if isinstance(m, DistConvNd)])
     return str(info.value)
 
 

@@ -1,0 +1,219 @@
+"""Convolutions over 1, 2 or 3 spatial dims other than a ``Conv2d`` -- ``Conv1d``, ``Conv3d``,
+``ConvTranspose1d/2d/3d`` -- on their config entry's grid and algorithm
+(:class:`~distconv.nn.conv_nd.DistConvNd`).
+
+* ``spatial`` (the default's too) or ``stationary-x``/``-y``/``-w`` on a grid of N, C, F and the
+  layer's spatial dims (``D``, ``H``, ``W`` of a volume; ``H``, ``W`` of an image; ``W`` of a
+  signal): the layer split so, with halo exchanges over the split spatial dims; priced from the
+  plans it runs.
+* ``sample`` (and a stationary default, which plans the ``Conv2d`` layers): sample-parallel
+  (``x[o_N,*,...]``), the weights replicated and their gradients completed by the bucketed
+  allreduce, on the entry's grid or the data grid.
+
+Their inputs arrive in any distribution and are converted. A grouped convolution split over
+channels or filters, and ``pipeline``, are refused by name.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+from torch import nn
+
+from distconv.nn.conv_nd import DistConvNd, conv_nd_dists, halo_bytes, spatial_roles
+from distconv.ops.base import SAMPLE_GRIDS, PriceContext, Sample
+from distconv.ops.linear import LinearHandler, compute
+from distconv.ops.pricing import CommStep, largest_block
+from distconv.parallel.placement import Placement, paper_grid
+from distconv.redistribute import plan_redistribution
+
+__all__ = ["ConvNdHandler"]
+
+
+def _roles(module: Any) -> dict[str, str]:
+    rows = spatial_roles(module.weight.dim() - 2)
+    return {"N": "N", "C": "C", "F": "F", **{r: r for r in rows}}
+
+
+def _dists(algorithm: str, module: Any) -> dict[str, Any]:
+    return conv_nd_dists(algorithm, _roles(module), module.weight.dim() - 2,
+                         bool(module.transposed))
+
+
+class ConvNdHandler(LinearHandler):
+    """``Conv1d``, ``Conv3d`` and the transposed convolutions (module docstring)."""
+
+    modules = (nn.Conv1d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
+
+    def place(self, an: Any, node: Any, module: Any) -> Any:
+        from distconv.parallel.graph import LayerSpec, Step
+
+        name = str(node.target)
+        choice = an.config.choice(name)
+        kind = type(module).__name__
+        live = {d for d, e in (choice.layout or ()) if e > 1}
+        # a stationary default plans the Conv2d layers: these run sample-parallel under it
+        split = choice.algorithm == "spatial" or (
+            choice.algorithm.startswith("stationary-") and choice.source != "default")
+        if split and live - {"N"}:
+            roles = _roles(module)
+            rows = [r for r in roles if r not in ("N", "C", "F")]
+            stray = sorted(live - set(roles))
+            if stray:
+                an.fail(node, f"{choice.source} splits {stray} on {dict(choice.layout)}, but "
+                        f"this {kind} has {len(rows)} spatial dim(s), split over grid dims "
+                        f"{rows}: name those (and N, C, F)", ValueError)
+            if module.groups > 1 and live & {"C", "F"}:
+                an.fail(node, f"{choice.source} asks for {choice.algorithm} on "
+                        f"{dict(choice.layout)}, but this {kind} is grouped "
+                        f"(groups={module.groups}); split it over N and {rows} only, or give "
+                        "it groups=1", ValueError)
+            if choice.pipeline > 1:
+                an.fail(node, f"{choice.source} asks for pipeline: {choice.pipeline}, which is "
+                        f"implemented for Conv2d; leave it out for this {kind}", ValueError)
+            algorithm = "stationary-x" if choice.algorithm == "spatial" else choice.algorithm
+            dists = _dists(algorithm, module)
+            args = an.tensor_args(node)
+            need = Placement(choice.layout, dists["input"])
+            spec = LayerSpec("conv-nd", name, choice.layout, algorithm,
+                             tuple(sorted(roles.items())), need, choice.source)
+            return Step(node, "conv", Placement(choice.layout, dists["output"]),
+                        {args[0]: need}, spec)
+        if choice.algorithm not in ("sample", "auto") and choice.source != "default":
+            an.fail(node, f"{choice.source} asks for {choice.algorithm} on "
+                    f"{dict(choice.layout or ())}, but {kind} runs sample-parallel, spatially "
+                    "parallel or split over channels and filters", ValueError)
+        step = super().place(an, node, module)
+        step.kind = "sample-layer"
+        return step
+
+    def build(self, module: Any, node: Any, step: Any, grid: Any) -> Any:
+        if step.layer.kind != "conv-nd":
+            return super().build(module, node, step, grid)
+        return DistConvNd.from_module(module, grid=grid, algorithm=step.layer.algorithm)
+
+    def param_dists(self, step: Any, module: Any) -> dict[str, Any] | None:
+        if step.layer is None or step.layer.kind != "conv-nd":
+            return super().param_dists(step, module)
+        d = _dists(step.layer.algorithm, module)
+        return {"weight": d["weight"], "bias": d["bias"]}
+
+    def price(self, report: Any, step: Any, module: Any, ctx: PriceContext) -> None:
+        if step.layer is None or step.layer.kind != "conv-nd":
+            report.param_elements = sum(p.numel() for p in module.parameters())
+            report.dists["w"] = "w[" + ",".join("*" * module.weight.dim()) + "]"
+            compute(report, step, module, ctx)
+            return
+        layout, d = step.layer.layout, _dists(step.layer.algorithm, module)
+        x, y = tuple(ctx.in_shape), tuple(ctx.out_shape or ())
+        report.dists = {k: Placement(layout, d[v]).dist.format(k)
+                        for k, v in (("x", "input"), ("w", "weight"), ("y", "output"))}
+        report.param_elements = largest_block(Placement(layout, d["weight"]),
+                                              tuple(module.weight.shape))
+        if module.bias is not None:
+            report.param_elements += largest_block(Placement(layout, d["bias"]),
+                                                   (module.out_channels,))
+        ext = dict(layout)
+        halos = {r: halo_bytes(module, d, layout, x, r, ctx.itemsize) for r in ctx.ranks}
+        order = [dim for dim, _, _ in halos[ctx.ranks[0]]]
+        self._collective(report, ctx, layout, "forward", "allgather x over F", "allgather",
+                         "F", d["input"], d["work"], x)
+        self._halo(report, ctx, layout, halos, order, "forward")
+        self._collective(report, ctx, layout, "forward", "reduce-scatter y over C",
+                         "reduce_scatter", "C", d["partial"], d["output"], y)
+        self._collective(report, ctx, layout, "backward", "allgather dL/dy over C", "allgather",
+                         "C", d["output"], d["partial"], y, dual=True)
+        if ctx.grad_in:
+            self._halo(report, ctx, layout, halos, order[::-1], "backward")
+            self._collective(report, ctx, layout, "backward", "reduce-scatter dL/dx over F",
+                             "reduce_scatter", "F", d["work"], d["input"], x, dual=True)
+        if d["work"] != d["input"]:  # the gathered input the weight gradient keeps
+            report.activation_elements += largest_block(Placement(layout, d["work"]), x)
+        if ctx.machine is not None and y:  # each weight element meets each position once
+            # (the input's positions, for a transposed layer: each scatters through the weight)
+            shape = x if module.transposed else y
+            rows = spatial_roles(len(shape) - 2)
+            positions = -(-shape[0] // ext.get("N", 1)) * math.prod(
+                -(-n // ext.get(r, 1)) for n, r in zip(shape[2:], rows))
+            block = largest_block(Placement(layout, d["weight"]), tuple(module.weight.shape))
+            report.forward_seconds = 2 * positions * block / ctx.machine.flop_rate
+            report.backward_seconds = 2 * report.forward_seconds
+
+    @staticmethod
+    def _collective(report: Any, ctx: PriceContext, layout: Any, phase: str, what: str, op: str,
+                    dim: str, src: Any, dst: Any, shape: tuple[int, ...],
+                    dual: bool = False) -> None:
+        ext = dict(layout)
+        if ext.get(dim, 1) == 1 or src == dst:
+            return
+        per = {}
+        for r in ctx.ranks:
+            g = paper_grid(layout, r)
+            a, b = (src.dual(g), dst.dual(g)) if dual else (src, dst)
+            per[r] = plan_redistribution(layout, a, b, shape).received_bytes(g, ctx.itemsize)
+        report.steps.append(CommStep(phase, what, op, per, ext[dim], layout, (dim,)))
+
+    @staticmethod
+    def _halo(report: Any, ctx: PriceContext, layout: Any, halos: dict, order: list[str],
+              phase: str) -> None:
+        what = "halo exchange" if phase == "forward" else "halo accumulate"
+        for dim in order:
+            per = {r: next(f if phase == "forward" else b for g, f, b in halos[r] if g == dim)
+                   for r in ctx.ranks}
+            report.steps.append(CommStep(phase, f"{what} {dim}", "alltoall", per,
+                                         dict(layout)[dim], layout, (dim,)))
+
+    def samples(self) -> Sequence[Sample]:
+        from distconv.ops.base import SampleNet
+
+        return (
+            Sample("conv-transpose2d",
+                   lambda: SampleNet(nn.ConvTranspose2d(4, 4, 3, stride=2, padding=1,
+                                                        output_padding=1), 4),
+                   (5, 4, 7, 6), SAMPLE_GRIDS),
+            Sample("conv3d-transpose3d", lambda: _Volume(), (5, 2, 5, 6, 4),
+                   _split(SAMPLE_GRIDS, ("conv", "up"))),
+            Sample("conv1d-transpose1d", lambda: _Signal(), (5, 3, 11),
+                   _split(_SIGNAL_GRIDS, ("conv",))),  # its up-convolution is grouped
+        )
+
+
+#: a signal's length is split over W
+_SIGNAL_GRIDS = tuple(
+    (size, {k: ({**v, "grid": {"N": 1, "W": 2}} if k == "default" else {"N": 1, "W": 2})
+            for k, v in config.items()}) if config["default"]["algorithm"] == "spatial"
+    else (size, config) for size, config in SAMPLE_GRIDS)
+def _split(grids: Sequence[tuple[int, dict]], names: Sequence[str]
+           ) -> tuple[tuple[int, dict], ...]:
+    """``grids`` with their stationary defaults also given as an entry for the layers ``names``,
+    so that those convolutions of a sample split over channels and filters."""
+    out = []
+    for size, config in grids:
+        out.append((size, config))
+        default = config["default"]
+        if default["algorithm"].startswith("stationary-"):
+            out.append((size, {**config, "layers": [{"match": n, **default} for n in names]}))
+    return tuple(out)
+
+
+class _Volume(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv3d(2, 4, 3, padding=1, stride=(1, 2, 1))
+        self.up = nn.ConvTranspose3d(4, 3, 2, stride=2, groups=1)
+        self.head = nn.Linear(3, 3)
+
+    def forward(self, x: Any) -> Any:
+        return self.head(self.up(self.conv(x).relu()).mean((2, 3, 4)))
+
+
+class _Signal(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv1d(3, 4, 5, padding=2, dilation=1)
+        self.up = nn.ConvTranspose1d(4, 4, 4, stride=2, padding=1, groups=2)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x: Any) -> Any:
+        return self.head(self.up(self.conv(x).tanh()).mean(2))
