@@ -1,16 +1,24 @@
-"""Distributed layers: :class:`DistConv2d`, :class:`Redistribute` and gradient completion."""
+"""Distributed layers: :class:`DistConv2d`, :class:`DistConvNd`, the normalisation, pooling and
+dropout layers around them, :class:`Redistribute` and gradient completion."""
 
 from distconv.nn.batchnorm import DistBatchNorm, DistBatchNorm1d, DistBatchNorm2d, DistBatchNorm3d
-from distconv.nn.conv_nd import DistConvNd
 from distconv.nn.clip import clip_grad_norm_
 from distconv.nn.conv import ALGORITHMS, DistConv2d, UnsupportedConvError
+from distconv.nn.conv_nd import DistConvNd
 from distconv.nn.dropout import DistDropout, DistDropout2d
 from distconv.nn.grad_sync import GradSync, finish_grad_sync
-from distconv.nn.pool import DistAdaptiveAvgPool2d, DistAvgPool2d, DistMaxPool2d
+from distconv.nn.groupnorm import DistGroupNorm
+from distconv.nn.pool import (
+    DistAdaptiveAvgPool2d, DistAvgPool1d, DistAvgPool2d, DistAvgPool3d, DistMaxPool1d,
+    DistMaxPool2d, DistMaxPool3d,
+)
 from distconv.nn.redistribute import Redistribute
 from distconv.nn.sharding import ShardSpec, shard_specs
 
-__all__ = ["ALGORITHMS", "DistConvNd", "DistConv2d", "GradSync", "Redistribute", "UnsupportedConvError",
-           "ShardSpec", "clip_grad_norm_", "finish_grad_sync", "shard_specs"]
-__all__ += ["DistAdaptiveAvgPool2d", "DistAvgPool2d", "DistBatchNorm", "DistBatchNorm1d",
-            "DistBatchNorm2d", "DistBatchNorm3d", "DistDropout", "DistDropout2d", "DistMaxPool2d"]
+__all__ = ["ALGORITHMS", "DistConv2d", "DistConvNd", "GradSync", "Redistribute",
+           "UnsupportedConvError", "ShardSpec", "clip_grad_norm_", "finish_grad_sync",
+           "shard_specs"]
+__all__ += ["DistAdaptiveAvgPool2d", "DistAvgPool1d", "DistAvgPool2d", "DistAvgPool3d",
+            "DistBatchNorm", "DistBatchNorm1d", "DistBatchNorm2d", "DistBatchNorm3d",
+            "DistDropout", "DistDropout2d", "DistGroupNorm", "DistMaxPool1d", "DistMaxPool2d",
+            "DistMaxPool3d"]

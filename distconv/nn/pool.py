@@ -1,5 +1,5 @@
-"""Pooling of a distributed activation: max and average pooling with spatial halos, and global
-average pooling over spatial blocks."""
+"""Pooling of a distributed activation: max and average pooling over 1, 2 or 3 spatial dims with
+spatial halos, and global average pooling over spatial blocks."""
 
 from __future__ import annotations
 
@@ -22,7 +22,8 @@ from distconv.nn._activation import (
 from distconv.nn.sharding import ShardSpec
 
 __all__ = [
-    "DistAdaptiveAvgPool2d", "DistAvgPool2d", "DistMaxPool2d", "from_function", "from_module",
+    "POOLS", "DistAdaptiveAvgPool2d", "DistAvgPool1d", "DistAvgPool2d", "DistAvgPool3d",
+    "DistMaxPool1d", "DistMaxPool2d", "DistMaxPool3d", "from_function", "from_module",
 ]
 
 
@@ -81,50 +82,66 @@ class _NestedHaloPlan(HaloPlan):
 class _Geometry:
     """What a forward pass derives from the global input shape (cached per shape)."""
 
-    out_shape: tuple[int, int, int, int]
-    plans: tuple[_NestedHaloPlan, _NestedHaloPlan]
+    out_shape: tuple[int, ...]
+    plans: tuple[_NestedHaloPlan, ...]
 
 
-def _positive_pair(value: Any, name: str, minimum: int = 1) -> tuple[int, int]:
-    p = pair(value, name)
+def _positive_tuple(value: Any, name: str, dims: int, minimum: int = 1) -> tuple[int, ...]:
+    """``value`` (an int or ``dims`` ints) as ``dims`` ints of at least ``minimum``."""
+    if dims == 2:
+        p = pair(value, name)
+    elif isinstance(value, int) and not isinstance(value, bool):
+        p = (value,) * dims
+    elif isinstance(value, (tuple, list)) and len(value) == dims and all(
+            isinstance(v, int) and not isinstance(v, bool) for v in value):
+        p = tuple(int(v) for v in value)
+    else:
+        raise TypeError(f"{name} must be an int or {dims} ints, got {value!r}")
     if min(p) < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value!r}")
     return p
 
 
-# --------------------------------------------------------------------------- windowed pooling
-class _DistPool2d(nn.Module):
-    """Shared by max and average pooling: the halo geometry and the forward pass.
+_MAX = {1: F.max_pool1d, 2: F.max_pool2d, 3: F.max_pool3d}
+_AVG = {1: F.avg_pool1d, 2: F.avg_pool2d, 3: F.avg_pool3d}
 
-    Each rank owns the blocks of output rows and columns that the input's H and W entries give it
-    (nested balanced blocks of the output length) and gathers, by halo exchange over the grid dims
-    of each entry (H, then W, so corners travel with the W exchange), the input rows its windows
-    read; it then adds the global padding itself (-inf for max, zeros for average, including a
-    ``ceil_mode`` overhang) and pools without padding. Channel and sample dims are untouched:
-    pooling is channel-wise, so channel distributions move no data.
+
+# --------------------------------------------------------------------------- windowed pooling
+class _DistPool(nn.Module):
+    """Shared by max and average pooling over ``_dims`` spatial dims: the halo geometry and the
+    forward pass.
+
+    Each rank owns the blocks of output rows that the input's spatial entries give it (nested
+    balanced blocks of the output length) and gathers, by halo exchange over the grid dims of
+    each entry (dim after dim, e.g. H, then W, so corners travel with the later exchange), the
+    input rows its windows read; it then adds the global padding itself (-inf for max, zeros for
+    average, including a ``ceil_mode`` overhang) and pools without padding. Channel and sample
+    dims are untouched: pooling is channel-wise, so channel distributions move no data.
     """
 
     _name = "pool"
     _fill = 0.0
+    _dims = 2
 
     def _setup(self, grid: ProcessorGrid, input_dist: Dist, kernel_size: Any, stride: Any,
                padding: Any, dilation: Any) -> None:
+        k = self._dims
         self.grid = check_grid(self._name, grid)
-        self.input_dist = check_activation_dist(self._name, grid, input_dist)
+        self.input_dist = check_activation_dist(self._name, grid, input_dist, (2 + k,))
         self.output_dist = self.input_dist
-        self.kernel_size = _positive_pair(kernel_size, "kernel_size")
+        self.kernel_size = _positive_tuple(kernel_size, "kernel_size", k)
         if stride is None or (isinstance(stride, (tuple, list)) and len(stride) == 0):
             stride = self.kernel_size
-        self.stride = _positive_pair(stride, "stride")
-        self.padding = _positive_pair(padding, "padding", minimum=0)
-        self.dilation = _positive_pair(dilation, "dilation")
-        for k, p in zip(self.kernel_size, self.padding):
-            if p > k // 2:
+        self.stride = _positive_tuple(stride, "stride", k)
+        self.padding = _positive_tuple(padding, "padding", k, minimum=0)
+        self.dilation = _positive_tuple(dilation, "dilation", k)
+        for size, p in zip(self.kernel_size, self.padding):
+            if p > size // 2:
                 raise ValueError(
                     f"{self._name}: padding must be at most half the kernel size (as PyTorch "
                     f"requires), got padding={self.padding} for kernel_size={self.kernel_size}"
                 )
-        self._split = tuple(split_dims(grid, self.input_dist, d) for d in (2, 3))
+        self._split = tuple(split_dims(grid, self.input_dist, d) for d in range(2, 2 + k))
         # Sub-communicators are created collectively, in the same order on every rank.
         self._comms = tuple(entry_comm(grid, dims) for dims in self._split)
         self._geometries: dict[tuple[int, ...], _Geometry] = {}
@@ -134,14 +151,14 @@ class _DistPool2d(nn.Module):
         if geo is not None:
             return geo
         dims = []
-        for i in range(2):
+        for i in range(self._dims):
             length = shape[2 + i]
             args = (self.kernel_size[i], self.stride[i], self.padding[i], self.dilation[i],
                     self.ceil_mode)
             if pool_out_length(length, *args) < 1:
                 raise ValueError(
                     f"{self._name}: the input {shape} is too small: no output on dim "
-                    f"{'HW'[i]} (kernel_size={self.kernel_size}, stride={self.stride}, "
+                    f"{'DHW'[3 - self._dims + i]} (kernel_size={self.kernel_size}, stride={self.stride}, "
                     f"padding={self.padding}, dilation={self.dilation}, "
                     f"ceil_mode={self.ceil_mode})"
                 )
@@ -150,13 +167,12 @@ class _DistPool2d(nn.Module):
             _NestedHaloPlan(d, max(1, _prod(self.grid, s)), extents=tuple(
                 self.grid.extent(g) for g in s)) for d, s in zip(dims, self._split)
         )
-        geo = _Geometry((shape[0], shape[1], dims[0].out_length, dims[1].out_length),
-                        plans)  # type: ignore[arg-type]
+        geo = _Geometry((shape[0], shape[1], *(d.out_length for d in dims)), plans)
         self._geometries[shape] = geo
         return geo
 
-    def output_shape(self, global_shape: Sequence[int]) -> tuple[int, int, int, int]:
-        """Global output shape for the global input shape ``(N, C, H, W)``."""
+    def output_shape(self, global_shape: Sequence[int]) -> tuple[int, ...]:
+        """Global output shape for the global input shape ``(N, C, *spatial)``."""
         return self._geometry(tuple(int(s) for s in global_shape)).out_shape
 
     def _shard_specs(self) -> dict[str, ShardSpec]:
@@ -188,7 +204,7 @@ class _DistPool2d(nn.Module):
         if 0 in local_out:
             return self._empty(x, local_out)
         # (x may hold no rows here: a dilated max window can read only padding)
-        x = F.pad(x, (*pads[1], *pads[0]), value=self._fill)
+        x = F.pad(x, [p for pad in reversed(pads) for p in pad], value=self._fill)
         return self._windows(x, geo)
 
     def _empty(self, x: torch.Tensor, shape: Sequence[int]) -> Any:
@@ -212,9 +228,9 @@ def _prod(grid: ProcessorGrid, dims: Sequence[str]) -> int:
     return out
 
 
-class DistMaxPool2d(_DistPool2d, nn.MaxPool2d):
-    """``nn.MaxPool2d`` on a distributed activation: ``x[...] -> y[...]`` with the same Dist.
-    (An ``nn.MaxPool2d`` for ``isinstance``.)
+class _DistMaxPool(_DistPool):
+    """``nn.MaxPool1d/2d/3d`` on a distributed activation: ``x[...] -> y[...]`` with the same
+    Dist. (An ``nn.MaxPool2d`` (``1d``, ``3d``) for ``isinstance``.)
 
     Spatial dims blocked over grid dims gather the input rows their output block reads by halo
     exchange and pad with -inf, so every window sees exactly the values it sees on one process
@@ -224,19 +240,19 @@ class DistMaxPool2d(_DistPool2d, nn.MaxPool2d):
     dropped, where PyTorch sends it to an element outside the window.)
 
     Args:
-        kernel_size, stride, padding, dilation, return_indices, ceil_mode: as ``nn.MaxPool2d``.
-            ``return_indices=True`` is implemented when no spatial dim is split (the indices are
-            then the single-process ones).
+        kernel_size, stride, padding, dilation, return_indices, ceil_mode: as ``nn.MaxPool2d``
+            (``1d``, ``3d``). ``return_indices=True`` is implemented when no spatial dim is
+            split (the indices are then the single-process ones).
         grid: the :class:`~distconv.grid.ProcessorGrid` over all ranks.
-        input_dist: the Dist of the input (4 entries N, C, H, W, no pending dims).
+        input_dist: the Dist of the input (N, C and the spatial dims, no pending dims).
 
     Raises:
         TypeError / ValueError: bad arguments (as PyTorch refuses them), naming the argument.
         NotImplementedError: ``return_indices=True`` with a spatially split input.
     """
 
-    _name = "DistMaxPool2d"
     _fill = float("-inf")
+    _plain: type[nn.Module] = nn.MaxPool2d
 
     def __init__(
         self,
@@ -255,29 +271,29 @@ class DistMaxPool2d(_DistPool2d, nn.MaxPool2d):
         self._setup(grid, input_dist, kernel_size, stride, padding, dilation)
         if self.return_indices and any(self._split):
             raise NotImplementedError(
-                f"DistMaxPool2d: return_indices=True is not implemented when the spatial dims "
+                f"{self._name}: return_indices=True is not implemented when the spatial dims "
                 f"are split ({show(self.input_dist, 'x')}); indices into a haloed local block "
-                "are not the single-process ones. Use return_indices=False, or keep H and W "
-                "unsplit (e.g. x[o,o_C,*,*])"
+                "are not the single-process ones. Use return_indices=False, or keep the spatial "
+                "dims unsplit (e.g. x[o,o_C,*,*])"
             )
 
     @classmethod
-    def from_maxpool2d(
-        cls, layer: nn.MaxPool2d, *, grid: ProcessorGrid, input_dist: Dist
-    ) -> DistMaxPool2d:
-        if not isinstance(layer, nn.MaxPool2d):
-            raise TypeError(f"layer must be an nn.MaxPool2d, got {type(layer).__name__}")
+    def from_plain(cls, layer: nn.Module, *, grid: ProcessorGrid, input_dist: Dist) -> Any:
+        """Shard the plain pooling module of this class's kind (no parameters)."""
+        if not isinstance(layer, cls._plain):
+            raise TypeError(f"layer must be an nn.{cls._plain.__name__}, got "
+                            f"{type(layer).__name__}")
         return cls(layer.kernel_size, layer.stride, layer.padding, layer.dilation,
                    layer.return_indices, layer.ceil_mode, grid=grid, input_dist=input_dist)
 
-    def to_maxpool2d(self) -> nn.MaxPool2d:
-        """The plain ``nn.MaxPool2d`` (no parameters, so no communication)."""
-        return nn.MaxPool2d(self.kernel_size, self.stride, self.padding, self.dilation,
-                            self.return_indices, self.ceil_mode)
+    def to_plain(self) -> nn.Module:
+        """The plain torch module (no parameters, so no communication)."""
+        return self._plain(self.kernel_size, self.stride, self.padding, self.dilation,
+                           self.return_indices, self.ceil_mode)
 
     def _torch_pool(self, x: torch.Tensor) -> Any:
-        return F.max_pool2d(x, self.kernel_size, self.stride, self.padding, self.dilation,
-                            ceil_mode=self.ceil_mode, return_indices=self.return_indices)
+        return _MAX[self._dims](x, self.kernel_size, self.stride, self.padding, self.dilation,
+                                ceil_mode=self.ceil_mode, return_indices=self.return_indices)
 
     def _empty(self, x: torch.Tensor, shape: Sequence[int]) -> Any:
         y = connected_zeros(x, shape)
@@ -286,7 +302,7 @@ class DistMaxPool2d(_DistPool2d, nn.MaxPool2d):
         return y
 
     def _windows(self, x: torch.Tensor, geo: _Geometry) -> torch.Tensor:
-        return F.max_pool2d(x, self.kernel_size, self.stride, 0, self.dilation)
+        return _MAX[self._dims](x, self.kernel_size, self.stride, 0, self.dilation)
 
     def extra_repr(self) -> str:
         return (
@@ -296,9 +312,9 @@ class DistMaxPool2d(_DistPool2d, nn.MaxPool2d):
         )
 
 
-class DistAvgPool2d(_DistPool2d, nn.AvgPool2d):
-    """``nn.AvgPool2d`` on a distributed activation: ``x[...] -> y[...]`` with the same Dist.
-    (An ``nn.AvgPool2d`` for ``isinstance``.)
+class _DistAvgPool(_DistPool):
+    """``nn.AvgPool1d/2d/3d`` on a distributed activation: ``x[...] -> y[...]`` with the same
+    Dist. (An ``nn.AvgPool2d`` (``1d``, ``3d``) for ``isinstance``.)
 
     Spatial dims blocked over grid dims gather their windows' rows by halo exchange and pad with
     zeros; each window's sum is divided by PyTorch's divisor for that window, computed from its
@@ -307,15 +323,15 @@ class DistAvgPool2d(_DistPool2d, nn.AvgPool2d):
 
     Args:
         kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override: as
-            ``nn.AvgPool2d``.
+            ``nn.AvgPool2d`` (``1d``: no ``divisor_override``; ``3d``).
         grid: the :class:`~distconv.grid.ProcessorGrid` over all ranks.
-        input_dist: the Dist of the input (4 entries N, C, H, W, no pending dims).
+        input_dist: the Dist of the input (N, C and the spatial dims, no pending dims).
 
     Raises:
         TypeError / ValueError: bad arguments (as PyTorch refuses them), naming the argument.
     """
 
-    _name = "DistAvgPool2d"
+    _plain: type[nn.Module] = nn.AvgPool2d
 
     def __init__(
         self,
@@ -342,31 +358,45 @@ class DistAvgPool2d(_DistPool2d, nn.AvgPool2d):
         self._setup(grid, input_dist, kernel_size, stride, padding, 1)
 
     @classmethod
-    def from_avgpool2d(
-        cls, layer: nn.AvgPool2d, *, grid: ProcessorGrid, input_dist: Dist
-    ) -> DistAvgPool2d:
-        if not isinstance(layer, nn.AvgPool2d):
-            raise TypeError(f"layer must be an nn.AvgPool2d, got {type(layer).__name__}")
+    def from_plain(cls, layer: nn.Module, *, grid: ProcessorGrid, input_dist: Dist) -> Any:
+        """Shard the plain pooling module of this class's kind (no parameters)."""
+        if not isinstance(layer, cls._plain):
+            raise TypeError(f"layer must be an nn.{cls._plain.__name__}, got "
+                            f"{type(layer).__name__}")
         return cls(layer.kernel_size, layer.stride, layer.padding, layer.ceil_mode,
-                   layer.count_include_pad, layer.divisor_override, grid=grid,
+                   layer.count_include_pad, getattr(layer, "divisor_override", None), grid=grid,
                    input_dist=input_dist)
 
-    def to_avgpool2d(self) -> nn.AvgPool2d:
-        """The plain ``nn.AvgPool2d`` (no parameters, so no communication)."""
-        return nn.AvgPool2d(self.kernel_size, self.stride, self.padding, self.ceil_mode,
-                            self.count_include_pad, self.divisor_override)
+    def to_plain(self) -> nn.Module:
+        """The plain torch module (no parameters, so no communication)."""
+        if self._dims == 1:
+            return nn.AvgPool1d(self.kernel_size, self.stride, self.padding, self.ceil_mode,
+                                self.count_include_pad)
+        return self._plain(self.kernel_size, self.stride, self.padding, self.ceil_mode,
+                           self.count_include_pad, self.divisor_override)
 
     def _torch_pool(self, x: torch.Tensor) -> torch.Tensor:
-        return F.avg_pool2d(x, self.kernel_size, self.stride, self.padding, self.ceil_mode,
-                            self.count_include_pad, self.divisor_override)
+        if self._dims == 1:  # avg_pool1d takes no divisor_override
+            return F.avg_pool1d(x, self.kernel_size, self.stride, self.padding, self.ceil_mode,
+                                self.count_include_pad)
+        return _AVG[self._dims](x, self.kernel_size, self.stride, self.padding, self.ceil_mode,
+                                self.count_include_pad, self.divisor_override)
 
     def _windows(self, x: torch.Tensor, geo: _Geometry) -> torch.Tensor:
+        k = self._dims
         if self.divisor_override is not None:
-            return F.avg_pool2d(x, self.kernel_size, self.stride, 0,
-                                divisor_override=self.divisor_override)
-        sums = F.avg_pool2d(x, self.kernel_size, self.stride, 0, divisor_override=1)
-        rows, cols = (self._divisors(geo.plans[i], i, x) for i in range(2))
-        return sums / (rows.view(-1, 1) * cols.view(1, -1))
+            return _AVG[k](x, self.kernel_size, self.stride, 0,
+                           divisor_override=self.divisor_override)
+        if k == 1:  # each window's sum (avg_pool1d takes no divisor_override)
+            sums = F.avg_pool2d(x.unsqueeze(-1), (self.kernel_size[0], 1), (self.stride[0], 1),
+                                0, divisor_override=1).squeeze(-1)
+        else:
+            sums = _AVG[k](x, self.kernel_size, self.stride, 0, divisor_override=1)
+        divisor = None
+        for i in range(k):  # the product of the per-dim window sizes
+            d = self._divisors(geo.plans[i], i, x).view(*([1] * i), -1, *([1] * (k - 1 - i)))
+            divisor = d if divisor is None else divisor * d
+        return sums / divisor
 
     def _divisors(self, plan: _NestedHaloPlan, i: int, x: torch.Tensor) -> torch.Tensor:
         """PyTorch's per-dim window size for each of this rank's output rows on spatial dim i."""
@@ -387,6 +417,53 @@ class DistAvgPool2d(_DistPool2d, nn.AvgPool2d):
             f"ceil_mode={self.ceil_mode}, count_include_pad={self.count_include_pad}, "
             f"divisor_override={self.divisor_override}, {self._describe()}"
         )
+
+
+class DistMaxPool1d(_DistMaxPool, nn.MaxPool1d):
+    """``nn.MaxPool1d`` on a distributed activation (:class:`_DistMaxPool`); an
+    ``nn.MaxPool1d`` for ``isinstance``."""
+
+    _name, _plain, _dims = "DistMaxPool1d", nn.MaxPool1d, 1
+
+
+class DistMaxPool2d(_DistMaxPool, nn.MaxPool2d):
+    """``nn.MaxPool2d`` on a distributed activation (:class:`_DistMaxPool`); an
+    ``nn.MaxPool2d`` for ``isinstance``."""
+
+    _name, _plain, _dims = "DistMaxPool2d", nn.MaxPool2d, 2
+
+
+class DistMaxPool3d(_DistMaxPool, nn.MaxPool3d):
+    """``nn.MaxPool3d`` on a distributed activation (:class:`_DistMaxPool`); an
+    ``nn.MaxPool3d`` for ``isinstance``."""
+
+    _name, _plain, _dims = "DistMaxPool3d", nn.MaxPool3d, 3
+
+
+class DistAvgPool1d(_DistAvgPool, nn.AvgPool1d):
+    """``nn.AvgPool1d`` on a distributed activation (:class:`_DistAvgPool`); an
+    ``nn.AvgPool1d`` for ``isinstance``."""
+
+    _name, _plain, _dims = "DistAvgPool1d", nn.AvgPool1d, 1
+
+
+class DistAvgPool2d(_DistAvgPool, nn.AvgPool2d):
+    """``nn.AvgPool2d`` on a distributed activation (:class:`_DistAvgPool`); an
+    ``nn.AvgPool2d`` for ``isinstance``."""
+
+    _name, _plain, _dims = "DistAvgPool2d", nn.AvgPool2d, 2
+
+
+class DistAvgPool3d(_DistAvgPool, nn.AvgPool3d):
+    """``nn.AvgPool3d`` on a distributed activation (:class:`_DistAvgPool`); an
+    ``nn.AvgPool3d`` for ``isinstance``."""
+
+    _name, _plain, _dims = "DistAvgPool3d", nn.AvgPool3d, 3
+
+
+#: the distributed layer of each plain windowed pooling module
+POOLS: dict[type, type] = {c._plain: c for c in (DistMaxPool1d, DistMaxPool2d, DistMaxPool3d,
+                                                 DistAvgPool1d, DistAvgPool2d, DistAvgPool3d)}
 
 
 # --------------------------------------------------------------------------- global pooling
@@ -433,14 +510,14 @@ class DistAdaptiveAvgPool2d(nn.AdaptiveAvgPool2d):
         self._split = bool(spatial)
 
     @classmethod
-    def from_adaptiveavgpool2d(
+    def from_plain(
         cls, layer: nn.AdaptiveAvgPool2d, *, grid: ProcessorGrid, input_dist: Dist
     ) -> DistAdaptiveAvgPool2d:
         if not isinstance(layer, nn.AdaptiveAvgPool2d):
             raise TypeError(f"layer must be an nn.AdaptiveAvgPool2d, got {type(layer).__name__}")
         return cls(layer.output_size, grid=grid, input_dist=input_dist)
 
-    def to_adaptiveavgpool2d(self) -> nn.AdaptiveAvgPool2d:
+    def to_plain(self) -> nn.AdaptiveAvgPool2d:
         """The plain ``nn.AdaptiveAvgPool2d`` (no parameters, so no communication)."""
         return nn.AdaptiveAvgPool2d(self.output_size)
 
@@ -469,31 +546,35 @@ class DistAdaptiveAvgPool2d(nn.AdaptiveAvgPool2d):
 
 # --------------------------------------------------------------------------- conversion
 def from_module(m: nn.Module, *, grid: ProcessorGrid, input_dist: Dist) -> nn.Module:
-    """The distributed layer for an ``nn.MaxPool2d``, ``nn.AvgPool2d`` or
+    """The distributed layer for an ``nn.MaxPool1d/2d/3d``, ``nn.AvgPool1d/2d/3d`` or
     ``nn.AdaptiveAvgPool2d`` whose input is distributed as ``input_dist``."""
-    if isinstance(m, nn.MaxPool2d):
-        return DistMaxPool2d.from_maxpool2d(m, grid=grid, input_dist=input_dist)
-    if isinstance(m, nn.AvgPool2d):
-        return DistAvgPool2d.from_avgpool2d(m, grid=grid, input_dist=input_dist)
+    cls = POOLS.get(type(m)) or next((c for p, c in POOLS.items() if isinstance(m, p)), None)
+    if cls is not None:
+        return cls.from_plain(m, grid=grid, input_dist=input_dist)
     if isinstance(m, nn.AdaptiveAvgPool2d):
-        return DistAdaptiveAvgPool2d.from_adaptiveavgpool2d(m, grid=grid, input_dist=input_dist)
+        return DistAdaptiveAvgPool2d.from_plain(m, grid=grid, input_dist=input_dist)
     raise TypeError(
-        "from_module takes an nn.MaxPool2d, nn.AvgPool2d or nn.AdaptiveAvgPool2d, got "
-        f"{type(m).__name__}"
+        "from_module takes an nn.MaxPool1d/2d/3d, nn.AvgPool1d/2d/3d or nn.AdaptiveAvgPool2d, "
+        f"got {type(m).__name__}"
     )
 
 
-def _max_pool2d(kernel_size: Any, stride: Any = None, padding: Any = 0, dilation: Any = 1,
-                ceil_mode: bool = False, return_indices: bool = False) -> dict[str, Any]:
+def _max_pool(kernel_size: Any, stride: Any = None, padding: Any = 0, dilation: Any = 1,
+              ceil_mode: bool = False, return_indices: bool = False) -> dict[str, Any]:
     return {"kernel_size": kernel_size, "stride": stride, "padding": padding,
             "dilation": dilation, "ceil_mode": ceil_mode, "return_indices": return_indices}
 
 
-def _avg_pool2d(kernel_size: Any, stride: Any = None, padding: Any = 0, ceil_mode: bool = False,
-                count_include_pad: bool = True, divisor_override: Any = None) -> dict[str, Any]:
+def _avg_pool(kernel_size: Any, stride: Any = None, padding: Any = 0, ceil_mode: bool = False,
+              count_include_pad: bool = True, divisor_override: Any = None) -> dict[str, Any]:
     return {"kernel_size": kernel_size, "stride": stride, "padding": padding,
             "ceil_mode": ceil_mode, "count_include_pad": count_include_pad,
             "divisor_override": divisor_override}
+
+
+def _avg_pool1d(kernel_size: Any, stride: Any = None, padding: Any = 0, ceil_mode: bool = False,
+                count_include_pad: bool = True) -> dict[str, Any]:
+    return _avg_pool(kernel_size, stride, padding, ceil_mode, count_include_pad)
 
 
 def _adaptive_avg_pool2d(output_size: Any) -> dict[str, Any]:
@@ -503,9 +584,11 @@ def _adaptive_avg_pool2d(output_size: Any) -> dict[str, Any]:
 # The functional forms a traced model calls, with their own argument order (F.max_pool2d puts
 # ceil_mode before return_indices, nn.MaxPool2d the other way round).
 _FUNCTIONS: dict[Any, tuple[type, Callable[..., dict[str, Any]]]] = {
-    F.max_pool2d: (DistMaxPool2d, _max_pool2d),
-    torch.max_pool2d: (DistMaxPool2d, _max_pool2d),
-    F.avg_pool2d: (DistAvgPool2d, _avg_pool2d),
+    F.max_pool1d: (DistMaxPool1d, _max_pool), torch.max_pool1d: (DistMaxPool1d, _max_pool),
+    F.max_pool2d: (DistMaxPool2d, _max_pool), torch.max_pool2d: (DistMaxPool2d, _max_pool),
+    F.max_pool3d: (DistMaxPool3d, _max_pool), torch.max_pool3d: (DistMaxPool3d, _max_pool),
+    F.avg_pool1d: (DistAvgPool1d, _avg_pool1d), F.avg_pool2d: (DistAvgPool2d, _avg_pool),
+    F.avg_pool3d: (DistAvgPool3d, _avg_pool),
     F.adaptive_avg_pool2d: (DistAdaptiveAvgPool2d, _adaptive_avg_pool2d),
 }
 
@@ -514,14 +597,14 @@ def from_function(
     fn: Any, args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None, *,
     grid: ProcessorGrid, input_dist: Dist,
 ) -> nn.Module:
-    """The distributed layer for a call ``fn(x, *args, **kwargs)`` of ``F.max_pool2d``,
-    ``torch.max_pool2d``, ``F.avg_pool2d`` or ``F.adaptive_avg_pool2d`` (``args`` leave out the
-    input), e.g. from a ``torch.fx`` ``call_function`` node."""
+    """The distributed layer for a call ``fn(x, *args, **kwargs)`` of ``F.max_pool1d/2d/3d``
+    (or ``torch.``'s), ``F.avg_pool1d/2d/3d`` or ``F.adaptive_avg_pool2d`` (``args`` leave out
+    the input), e.g. from a ``torch.fx`` ``call_function`` node."""
     entry = _FUNCTIONS.get(fn)
     if entry is None:
         raise TypeError(
-            "from_function takes F.max_pool2d, torch.max_pool2d, F.avg_pool2d or "
-            f"F.adaptive_avg_pool2d; got {getattr(fn, '__name__', fn)!r}"
+            "from_function takes F.max_pool1d/2d/3d, torch.max_pool1d/2d/3d, F.avg_pool1d/2d/3d "
+            f"or F.adaptive_avg_pool2d; got {getattr(fn, '__name__', fn)!r}"
         )
     cls, bind = entry
     try:

@@ -28,7 +28,8 @@ from torch import nn
 if TYPE_CHECKING:
     from distconv.parallel.graph import Step
 
-__all__ = ["SAMPLE_GRIDS", "Handler", "PriceContext", "Sample", "SampleNet", "Unsupported"]
+__all__ = ["SAMPLE_GRIDS", "SIGNAL_GRIDS", "VOLUME_GRIDS", "Handler", "PoolNet", "PriceContext",
+           "Sample", "SampleNet", "Unsupported"]
 
 
 class Unsupported(NotImplementedError):
@@ -72,6 +73,39 @@ SAMPLE_GRIDS: tuple[tuple[int, dict], ...] = (
     (4, {"default": {"grid": {"N": 2, "F": 2}, "algorithm": "stationary-y"}}),
     (4, {"default": {"grid": {"C": 2, "F": 2}, "algorithm": "stationary-w"}}),
 )
+
+
+#: the options of a volume's layers (N, C, D, H, W): sample-parallel, replicated over C (a
+#: sample-parallel stem leaves it so), split over depth, over depth and rows
+VOLUME_GRIDS: tuple[tuple[int, dict], ...] = (
+    (2, {"default": {"grid": {"N": 2}, "algorithm": "sample"}}),
+    (4, {"default": {"grid": {"N": 2, "C": 2}, "algorithm": "stationary-x"}}),
+    (2, {"default": {"grid": {"N": 1, "D": 2}, "algorithm": "spatial"},
+         "data": {"N": 1, "D": 2}}),
+    (4, {"default": {"grid": {"D": 2, "H": 2}, "algorithm": "spatial"},
+         "data": {"N": 1, "D": 2, "H": 2}}),
+)
+
+#: the options of a signal's layers (N, C, W): sample-parallel, split over its length
+SIGNAL_GRIDS: tuple[tuple[int, dict], ...] = (
+    (2, {"default": {"grid": {"N": 2}, "algorithm": "sample"}}),
+    (4, {"default": {"grid": {"N": 2, "W": 2}, "algorithm": "spatial"}}),
+)
+
+
+class PoolNet(nn.Module):
+    """A conformance sample over ``dims`` spatial dims: a 1x1 stem convolution (placed by the
+    config), the layer, a spatial mean and a head."""
+
+    def __init__(self, layer: nn.Module, channels: int, dims: int) -> None:
+        super().__init__()
+        self.stem = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}[dims](channels, channels, 1)
+        self.layer = layer
+        self.head = nn.Linear(channels, 3)
+        self.dims = tuple(range(2, 2 + dims))
+
+    def forward(self, x: Any) -> Any:
+        return self.head(self.layer(self.stem(x)).mean(self.dims))
 
 
 @dataclass

@@ -22,7 +22,7 @@ from typing import Any, Sequence
 from torch import nn
 
 from distconv.nn.conv_nd import DistConvNd, conv_nd_dists, halo_bytes, spatial_roles
-from distconv.ops.base import SAMPLE_GRIDS, PriceContext, Sample
+from distconv.ops.base import SAMPLE_GRIDS, VOLUME_GRIDS, PriceContext, Sample
 from distconv.ops.linear import LinearHandler, compute
 from distconv.ops.pricing import CommStep, largest_block
 from distconv.parallel.placement import Placement, paper_grid
@@ -173,7 +173,7 @@ class ConvNdHandler(LinearHandler):
                                                         output_padding=1), 4),
                    (5, 4, 7, 6), SAMPLE_GRIDS),
             Sample("conv3d-transpose3d", lambda: _Volume(), (5, 2, 5, 6, 4),
-                   _split(SAMPLE_GRIDS, ("conv", "up"))),
+                   _split(SAMPLE_GRIDS, ("conv", "up")) + VOLUME_GRIDS[2:]),
             Sample("conv1d-transpose1d", lambda: _Signal(), (5, 3, 11),
                    _split(_SIGNAL_GRIDS, ("conv",))),  # its up-convolution is grouped
         )

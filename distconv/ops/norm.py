@@ -1,10 +1,14 @@
 """Normalisation: ``BatchNorm1d/2d/3d`` and ``SyncBatchNorm`` with the statistics of the whole
 global batch (:class:`~distconv.nn.DistBatchNorm2d`, ``3d``, ``1d``), in its input's distribution
-(any dim split; the statistics reduced over the grid dims of every entry but the channels'); GroupNorm, LayerNorm and InstanceNorm1d/2d/3d
-on local blocks with the dims they reduce over whole.
+(any dim split; the statistics reduced over the grid dims of every entry but the channels');
+GroupNorm and InstanceNorm1d/2d/3d without running statistics on a spatially split input in place
+(:class:`~distconv.nn.groupnorm.DistGroupNorm`: the statistics of each sample's group reduced over
+the spatial grid dims, the channels made whole first); otherwise these and LayerNorm on local
+blocks with the dims they reduce over whole.
 
-Per rank: forward, an allgather of (count, mean, M2) per local channel over the statistics
-segment (the grid dims of the N and spatial entries); backward, an allreduce of (Σdy, Σdy·x̂).
+Per rank: forward, an allgather of (count, mean, M2) per local channel (per local sample and
+group) over the statistics segment (the grid dims of the N and spatial entries; of the spatial
+entries); backward, an allreduce of the two sums the gradient needs.
 """
 
 from __future__ import annotations
@@ -17,7 +21,10 @@ from torch import nn
 from distconv.comm.base import allreduce_bytes
 from distconv.distribution import Dist
 from distconv.nn.batchnorm import DistBatchNorm1d, DistBatchNorm2d, DistBatchNorm3d
-from distconv.ops.base import SAMPLE_GRIDS, Handler, PriceContext, Sample, SampleNet
+from distconv.nn.groupnorm import DistGroupNorm
+from distconv.ops.base import (
+    SAMPLE_GRIDS, SIGNAL_GRIDS, VOLUME_GRIDS, Handler, PriceContext, Sample, SampleNet,
+)
 from distconv.ops.pricing import CommStep, segment_rank
 from distconv.parallel.placement import Placement, paper_grid
 
@@ -83,21 +90,13 @@ class BatchNormHandler(Handler):
                 math.prod(ext[g] for g in blocks), p.layout, tuple(blocks)))
 
     def samples(self) -> Sequence[Sample]:
-        volume = _VOLUME
         return (Sample("batchnorm", lambda: SampleNet(nn.BatchNorm2d(4), 4), (5, 4, 7, 6),
                        SAMPLE_GRIDS),
                 Sample("batchnorm3d", lambda: _VolumeNorm(nn.BatchNorm3d(4, momentum=None)),
-                       (5, 2, 3, 4, 3), volume),
+                       (5, 2, 3, 4, 3), VOLUME_GRIDS),
                 Sample("batchnorm1d-features", lambda: _FeatureNorm(), (5, 4, 7, 6),
                        SAMPLE_GRIDS),
-                Sample("batchnorm1d-signal", lambda: _SignalNorm(), (5, 3, 9), volume))
-
-
-#: the options of a volume's layers (sample-parallel): on the samples alone, and replicated
-#: over C (replicas of the statistics are never counted twice)
-_VOLUME: tuple[tuple[int, dict], ...] = (
-    (2, {"default": {"grid": {"N": 2}, "algorithm": "sample"}}),
-    (4, {"default": {"grid": {"N": 2, "C": 2}, "algorithm": "stationary-x"}}))
+                Sample("batchnorm1d-signal", lambda: _SignalNorm(), (5, 3, 9), SIGNAL_GRIDS))
 
 
 class _VolumeNorm(nn.Module):
@@ -145,7 +144,8 @@ class _LocalNorm(Handler):
     per-channel affine weights, the channels). Where its input splits them, they are made whole
     first (an allgather over the grid dims that split them, priced as the conversion it is), so
     every rank of such a group normalises the whole of its samples; the next layer takes its own
-    blocks of the output (a local slice)."""
+    blocks of the output (a local slice) -- except where :meth:`in_place` says the layer
+    normalises a spatially split input where it is (:class:`DistGroupNorm`)."""
 
     #: tensor dims (of N, C, H, W) the statistics reduce over
     reduces: tuple[int, ...] = ()
@@ -154,9 +154,25 @@ class _LocalNorm(Handler):
         """The dims a rank must hold whole: those reduced over (and more for some settings)."""
         return self.reduces
 
+    #: whether a spatially split input is normalised in place (:class:`DistGroupNorm`)
+    def in_place(self, module: Any) -> bool:
+        return False
+
     def place(self, an: Any, node: Any, module: Any) -> Any:
+        from distconv.parallel.graph import LayerSpec
+
         step = an.keep(node, "norm")
         dist = step.out.dist
+        ext = dict(step.out.layout)
+        spatial = [g for d in range(2, dist.ndim) for g in dist.grid_dims_of(d)
+                   if ext.get(g, 1) > 1]
+        if spatial and dist.ndim > 2 and self.in_place(module):
+            # the statistics reduced over the spatial grid dims; only the channels made whole
+            entries = (dist.entries[0], None, *dist.entries[2:])
+            p = Placement(step.out.layout, Dist(entries, frozenset(), dist.tensor_dims))
+            step.out, step.needs = p, {a: p for a in step.needs}
+            step.layer = LayerSpec("groupnorm", str(node.target), p.layout, input=p)
+            return step
         whole = self.whole(module, dist.ndim)
         ext = dict(step.out.layout)
         split = {d: [g for g in dist.grid_dims_of(d) if ext.get(g, 1) > 1] for d in whole}
@@ -170,12 +186,40 @@ class _LocalNorm(Handler):
             step.out, step.needs = p, {a: p for a in step.needs}
         return step
 
+    def build(self, module: Any, node: Any, step: Any, grid: Any) -> Any:
+        if step.layer is None or step.layer.kind != "groupnorm":
+            return None  # the plain module on local blocks
+        return DistGroupNorm.from_module(module, grid=grid, input_dist=step.layer.input.dist)
+
     def price(self, report: Any, step: Any, module: Any, ctx: PriceContext) -> None:
         report.param_elements = sum(p.numel() for p in module.parameters())
+        if step.layer is None or step.layer.kind != "groupnorm":
+            return
+        p = step.out
+        ext = dict(p.layout)
+        seg = [g for d in range(2, p.dist.ndim) for g in p.dist.grid_dims_of(d)]
+        s = math.prod(ext[g] for g in seg)
+        groups = module.num_groups if isinstance(module, nn.GroupNorm) else module.num_features
+        fwd, bwd = {}, {}
+        for r in ctx.ranks:
+            g = paper_grid(p.layout, r)
+            stats = p.dist.local_shape(ctx.in_shape, g)[0] * groups  # (sample, group) pairs
+            fwd[r] = (s - 1) * (1 + 2 * stats) * ctx.itemsize
+            bwd[r] = allreduce_bytes(2 * stats, segment_rank(p.layout, seg, g.coords), s,
+                                     ctx.itemsize) if ctx.grad_in else 0
+        report.steps.append(CommStep("forward", f"statistics allgather over {'×'.join(seg)}",
+                                     "allgather", fwd, s, p.layout, tuple(seg)))
+        if ctx.grad_in:
+            report.steps.append(CommStep("backward", f"Σdx̂, Σdx̂·x̂ allreduce over "
+                                         f"{'×'.join(seg)}", "allreduce", bwd, s, p.layout,
+                                         tuple(seg)))
 
 
 class GroupNormHandler(_LocalNorm):
     modules = (nn.GroupNorm,)
+
+    def in_place(self, module: Any) -> bool:
+        return True
 
     def whole(self, module: Any, ndim: int) -> tuple[int, ...]:
         return tuple(range(1, ndim))  # each group's channels and every spatial dim
@@ -184,7 +228,7 @@ class GroupNormHandler(_LocalNorm):
         return (Sample("groupnorm", lambda: SampleNet(nn.GroupNorm(2, 4), 4), (5, 4, 7, 6),
                        SAMPLE_GRIDS),
                 Sample("groupnorm3d", lambda: _VolumeNorm(nn.GroupNorm(2, 4)), (5, 2, 3, 4, 3),
-                       _VOLUME))
+                       VOLUME_GRIDS))
 
 
 class LayerNormHandler(_LocalNorm):
@@ -203,6 +247,9 @@ class LayerNormHandler(_LocalNorm):
 class InstanceNormHandler(_LocalNorm):
     modules = (nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)
 
+    def in_place(self, module: Any) -> bool:
+        return not module.track_running_stats  # running statistics average over samples
+
     def whole(self, module: Any, ndim: int) -> tuple[int, ...]:
         # the spatial dims of each sample and channel; per-channel weights need the channels;
         # running statistics average over the samples
@@ -218,4 +265,4 @@ class InstanceNormHandler(_LocalNorm):
                        (5, 4, 7, 6), (SAMPLE_GRIDS[1], SAMPLE_GRIDS[4])),
                 Sample("instancenorm3d",
                        lambda: _VolumeNorm(nn.InstanceNorm3d(4, affine=True)), (5, 2, 3, 4, 3),
-                       _VOLUME))
+                       VOLUME_GRIDS))

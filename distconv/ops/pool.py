@@ -13,8 +13,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from distconv.distribution import Dist
-from distconv.ops.base import SAMPLE_GRIDS, Handler, PriceContext, Sample, SampleNet
-from distconv.ops.pricing import CommStep, block_index, pair
+from distconv.ops.base import (
+    SAMPLE_GRIDS, SIGNAL_GRIDS, VOLUME_GRIDS, Handler, PoolNet, PriceContext, Sample, SampleNet,
+)
+from distconv.ops.pricing import CommStep, block_index
 from distconv.parallel.placement import Placement, paper_grid
 
 __all__ = ["AdaptiveAvgPoolHandler", "MeanHandler", "PoolHandler"]
@@ -24,24 +26,38 @@ def _as_module(node: Any) -> nn.Module:
     """The pooling module a functional call (``F.max_pool2d(x, ...)``) stands for."""
     from distconv.nn.pool import _FUNCTIONS
 
-    _, bind = _FUNCTIONS[node.target]
+    cls, bind = _FUNCTIONS[node.target]
     o = bind(*node.args[1:], **node.kwargs)
     if "dilation" in o:
-        return nn.MaxPool2d(o["kernel_size"], o["stride"], o["padding"], o["dilation"],
-                            o["return_indices"], o["ceil_mode"])
-    return nn.AvgPool2d(o["kernel_size"], o["stride"], o["padding"], o["ceil_mode"],
-                        o["count_include_pad"], o["divisor_override"])
+        return cls._plain(o["kernel_size"], o["stride"], o["padding"], o["dilation"],
+                          o["return_indices"], o["ceil_mode"])
+    if cls._dims == 1:
+        return cls._plain(o["kernel_size"], o["stride"], o["padding"], o["ceil_mode"],
+                          o["count_include_pad"])
+    return cls._plain(o["kernel_size"], o["stride"], o["padding"], o["ceil_mode"],
+                      o["count_include_pad"], o["divisor_override"])
+
+
+def _tuple(value: Any, k: int) -> tuple[int, ...]:
+    return tuple(value) if isinstance(value, (tuple, list)) else (value,) * k
 
 
 class PoolHandler(Handler):
-    modules = (nn.MaxPool2d, nn.AvgPool2d)
-    functions = frozenset({F.max_pool2d, torch.max_pool2d, F.avg_pool2d})
+    """Max and average pooling over 1, 2 or 3 spatial dims, in their input's distribution
+    (halo exchanges over the split spatial dims: :mod:`distconv.nn.pool`)."""
+
+    modules = (nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d, nn.AvgPool1d, nn.AvgPool2d,
+               nn.AvgPool3d)
+    functions = frozenset({F.max_pool1d, F.max_pool2d, F.max_pool3d, torch.max_pool1d,
+                           torch.max_pool2d, torch.max_pool3d, F.avg_pool1d, F.avg_pool2d,
+                           F.avg_pool3d})
 
     def place(self, an: Any, node: Any, module: Any) -> Any:
         from distconv.parallel.graph import LayerSpec
 
         step = an.keep(node, "pool")
-        split = any(step.out.dist.entries[i] is not None for i in (2, 3))
+        dist = step.out.dist
+        split = any(dist.entries[i] is not None for i in range(2, dist.ndim))
         name = str(node.target) if module is not None else node.name
         step.layer = LayerSpec("pool" if split else "local", name, step.out.layout,
                                input=step.out)
@@ -49,7 +65,7 @@ class PoolHandler(Handler):
 
     def build(self, module: Any, node: Any, step: Any, grid: Any) -> Any:
         if step.layer.kind != "pool":
-            return None  # rows and columns whole: the plain call runs on local blocks
+            return None  # spatial dims whole: the plain call runs on local blocks
         from distconv.nn import pool
 
         if module is None:
@@ -65,31 +81,35 @@ class PoolHandler(Handler):
         if module is None:
             module = _as_module(step.node)
         p, isz, ranks, x_shape = step.out, ctx.itemsize, ctx.ranks, ctx.in_shape
-        k = pair(module.kernel_size)
-        st = pair(module.stride if module.stride else module.kernel_size)
-        pad = pair(module.padding)
-        dil = pair(getattr(module, "dilation", 1))
+        nd = len(x_shape) - 2
+        k = _tuple(module.kernel_size, nd)
+        st = _tuple(module.stride if module.stride else module.kernel_size, nd)
+        pad = _tuple(module.padding, nd)
+        dil = _tuple(getattr(module, "dilation", 1), nd)
         ext = dict(p.layout)
-        splits = [tuple(g for g in p.dist.grid_dims_of(i) if ext.get(g, 1) > 1) for i in (2, 3)]
+        splits = [tuple(g for g in p.dist.grid_dims_of(2 + i) if ext.get(g, 1) > 1)
+                  for i in range(nd)]
         plans = [_NestedHaloPlan(pool_dim(x_shape[2 + i], k[i], st[i], pad[i], dil[i],
                                           module.ceil_mode),
                                  max(1, math.prod(ext[g] for g in s)),
                                  extents=tuple(ext[g] for g in s)) for i, s in enumerate(splits)]
         rows: dict[str, list[dict[int, int]]] = {
-            ph: [{r: 0 for r in ranks}, {r: 0 for r in ranks}] for ph in ("forward", "backward")}
+            ph: [{r: 0 for r in ranks} for _ in range(nd)] for ph in ("forward", "backward")}
         for r in ranks:
             g = paper_grid(p.layout, r)
-            n, c, h, w = p.dist.local_shape(x_shape, g)
+            local = p.dist.local_shape(x_shape, g)
             idx = [block_index(s, ext, g.coords) for s in splits]
-            lo, hi = plans[0].needed[idx[0]]
-            widths = (w, hi - lo)
-            for i in range(2):
+            # the widths when dim i is exchanged: earlier dims haloed, later ones as owned
+            widths = [plans[j].needed[idx[j]][1] - plans[j].needed[idx[j]][0]
+                      for j in range(nd)]
+            for i in range(nd):
                 if splits[i]:
-                    rows["forward"][i][r] = (plans[i].halo_rows_received(idx[i]) * n * c
-                                             * widths[i] * isz)
-                    rows["backward"][i][r] = (plans[i].halo_rows_sent(idx[i]) * n * c
-                                              * widths[i] * isz)
-        for i, dim in enumerate("HW"):
+                    other = local[0] * local[1] * math.prod(
+                        widths[j] if j < i else local[2 + j] for j in range(nd) if j != i)
+                    rows["forward"][i][r] = plans[i].halo_rows_received(idx[i]) * other * isz
+                    rows["backward"][i][r] = plans[i].halo_rows_sent(idx[i]) * other * isz
+        names = "DHW"[3 - nd:]
+        for i, dim in enumerate(names):
             if splits[i]:
                 peers = plans[i].parts
                 report.steps.append(CommStep("forward", f"halo exchange {dim}", "alltoall",
@@ -107,7 +127,18 @@ class PoolHandler(Handler):
                 Sample("F.max_pool2d", lambda: SampleNet(_Functional(F.max_pool2d, 3, 2, 1), 4),
                        (5, 4, 9, 8), SAMPLE_GRIDS),
                 Sample("F.avg_pool2d", lambda: SampleNet(_Functional(F.avg_pool2d, 2), 4),
-                       (5, 4, 8, 7), SAMPLE_GRIDS))
+                       (5, 4, 8, 7), SAMPLE_GRIDS),
+                Sample("maxpool3d", lambda: PoolNet(nn.MaxPool3d(3, 2, 1, ceil_mode=True), 2, 3),
+                       (5, 2, 7, 6, 5), VOLUME_GRIDS),
+                Sample("avgpool3d", lambda: PoolNet(nn.AvgPool3d((2, 3, 2), 2, (1, 1, 0),
+                                                                 count_include_pad=False), 2, 3),
+                       (5, 2, 7, 6, 5), VOLUME_GRIDS),
+                Sample("F.max_pool3d", lambda: PoolNet(_Functional(F.max_pool3d, 2), 2, 3),
+                       (5, 2, 6, 5, 4), VOLUME_GRIDS[2:]),
+                Sample("maxpool1d", lambda: PoolNet(nn.MaxPool1d(3, 2, 1, 2), 3, 1), (5, 3, 11),
+                       SIGNAL_GRIDS),
+                Sample("avgpool1d", lambda: PoolNet(nn.AvgPool1d(3, 2, 1, ceil_mode=True), 3, 1),
+                       (5, 3, 10), SIGNAL_GRIDS))
 
 
 class AdaptiveAvgPoolHandler(Handler):

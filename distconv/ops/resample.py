@@ -1,6 +1,6 @@
 """Resampling: ``nn.Upsample`` / ``F.interpolate`` (every mode torch has for 4-d inputs, ``size``
 or ``scale_factor``, ``align_corners`` both ways) on values in any distribution; and the pooling
-layers the halo-exchanging ones do not cover (1-D and 3-D, adaptive max pooling).
+layers the halo-exchanging ones do not cover (adaptive pooling to other sizes than 1).
 
 Interpolation mixes rows and columns but never samples or channels: the value keeps its sample
 and channel blocks, and its rows and columns are made whole on each rank first (an allgather over
@@ -29,11 +29,9 @@ class ResampleHandler(Handler):
     only, run with those dims whole."""
 
     modules = (nn.Upsample,  # UpsamplingNearest2d / UpsamplingBilinear2d are subclasses
-               nn.MaxPool1d, nn.MaxPool3d, nn.AvgPool1d, nn.AvgPool3d, nn.AdaptiveAvgPool1d,
-               nn.AdaptiveAvgPool3d, nn.AdaptiveMaxPool1d, nn.AdaptiveMaxPool2d,
-               nn.AdaptiveMaxPool3d)
+               nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool3d, nn.AdaptiveMaxPool1d,
+               nn.AdaptiveMaxPool2d, nn.AdaptiveMaxPool3d)
     functions = frozenset({F.interpolate, F.upsample, F.upsample_nearest, F.upsample_bilinear,
-                           F.max_pool1d, F.max_pool3d, F.avg_pool1d, F.avg_pool3d,
                            F.adaptive_avg_pool1d, F.adaptive_avg_pool3d, F.adaptive_max_pool1d,
                            F.adaptive_max_pool2d, F.adaptive_max_pool3d})
 

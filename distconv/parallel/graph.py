@@ -239,12 +239,13 @@ class _Analyser:
 
 def _distributed_modules() -> tuple[type, ...]:
     from distconv.nn import (
-        DistAdaptiveAvgPool2d, DistAvgPool2d, DistBatchNorm, DistConv2d, DistDropout,
-        DistDropout2d, DistMaxPool2d, Redistribute,
+        DistAdaptiveAvgPool2d, DistBatchNorm, DistConv2d, DistConvNd, DistDropout,
+        DistDropout2d, DistGroupNorm, Redistribute,
     )
+    from distconv.nn.pool import POOLS
 
-    return (DistConv2d, DistBatchNorm, DistMaxPool2d, DistAvgPool2d, DistAdaptiveAvgPool2d,
-            DistDropout, DistDropout2d, Redistribute)
+    return (DistConv2d, DistConvNd, DistBatchNorm, DistGroupNorm, *POOLS.values(),
+            DistAdaptiveAvgPool2d, DistDropout, DistDropout2d, Redistribute)
 
 
 def _target(node: fx.Node) -> str:

@@ -82,10 +82,10 @@ def dist_layer(case: LayerCase, layer: nn.Module, grid: ProcessorGrid) -> nn.Mod
     if case.kind == "bn":
         return DistBatchNorm2d.from_batchnorm2d(layer, **kw)
     if case.kind == "max":
-        return DistMaxPool2d.from_maxpool2d(layer, **kw)
+        return DistMaxPool2d.from_plain(layer, **kw)
     if case.kind == "avg":
-        return DistAvgPool2d.from_avgpool2d(layer, **kw)
-    return DistAdaptiveAvgPool2d.from_adaptiveavgpool2d(layer, **kw)
+        return DistAvgPool2d.from_plain(layer, **kw)
+    return DistAdaptiveAvgPool2d.from_plain(layer, **kw)
 
 
 #: BN runs three phases (two in training, one in eval); pooling one.

@@ -1,0 +1,144 @@
+"""Group and instance normalisation of an activation whose spatial dims are split.
+
+``nn.GroupNorm`` normalises each sample's group of channels over the group's channels and every
+spatial position; ``nn.InstanceNorm1d/2d/3d`` (without running statistics) each sample's channel
+over its spatial positions: a group norm with one channel per group. With the channels whole on
+every rank and the samples and spatial dims blocked over grid dims, the statistics of a
+(sample, group) are those of its blocks on the ranks that split its spatial dims::
+
+    forward   1. n, mean_r, M2_r of each local (sample, group) block                   local
+              2. {n, mean, M2}_r <- every rank of the spatial segment                 allgather
+              3. mean, M2 combined (Chan et al.), y = (x - mean) / sqrt(M2/M + eps)   local
+              4. y · w + b (per channel, w and b replicated)                          local
+    backward  1. Σdx̂, Σdx̂·x̂ of each local (sample, group) block                       local
+              2. Σdx̂, Σdx̂·x̂ <- Σ over the spatial segment                            allreduce
+              3. dL/dx = (dx̂ - Σdx̂/M - x̂ Σdx̂·x̂/M) / sqrt(var + eps)                   local
+
+with M the group's channels times the global spatial positions. Samples are independent: the
+sample dim's grid dims take no part. The weight's and bias's gradients are local sums completed
+with the other replicated parameters' (the bucketed allreduce over every rank).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+
+from distconv.distribution import Dist
+from distconv.grid import ProcessorGrid
+from distconv.nn._activation import (
+    check_activation_dist, check_grid, resolve_shape, show, split_dims,
+)
+from distconv.nn._amp import autocast_dtype
+from distconv.nn.batchnorm import _BatchNorm
+
+__all__ = ["DistGroupNorm"]
+
+
+class DistGroupNorm(nn.Module):
+    """``nn.GroupNorm`` or an ``nn.InstanceNorm1d/2d/3d`` without running statistics on an
+    activation in ``input_dist`` (channels whole; samples and spatial dims split any way), its
+    output in the same Dist (module docstring). Build it with :meth:`from_module`.
+
+    Args:
+        num_groups: groups of channels (an instance norm: one per channel).
+        num_channels: the global channel count.
+        eps: as the module's.
+        affine: whether there are a per-channel weight and bias (replicated on every rank).
+        grid: the :class:`~distconv.grid.ProcessorGrid` over all ranks.
+        input_dist: the input's Dist (3 to 5 entries: N, C and the spatial dims; the channel
+            entry whole, no pending dims).
+
+    Raises:
+        TypeError: ``grid`` or ``input_dist`` of the wrong type.
+        ValueError: a channel entry that splits the channels, channels not divisible by the
+            groups, a bad ``eps``.
+    """
+
+    def __init__(self, num_groups: int, num_channels: int, eps: float = 1e-5,
+                 affine: bool = True, device: Any = None, dtype: torch.dtype | None = None, *,
+                 grid: ProcessorGrid, input_dist: Dist) -> None:
+        super().__init__()
+        name = type(self).__name__
+        for what, v in (("num_groups", num_groups), ("num_channels", num_channels)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name}: {what} must be a positive int, got {v!r}")
+        if num_channels % num_groups:
+            raise ValueError(f"{name}: num_channels ({num_channels}) must be divisible by "
+                             f"num_groups ({num_groups})")
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0:
+            raise ValueError(f"{name}: eps must be a non-negative number, got {eps!r}")
+        self.grid = check_grid(name, grid)
+        self.input_dist = self.output_dist = check_activation_dist(name, grid, input_dist,
+                                                                   (3, 4, 5))
+        if split_dims(grid, self.input_dist, 1):
+            raise ValueError(f"{name}: {show(self.input_dist, 'x')} splits the channels; a "
+                             "group's statistics need its channels whole on every rank")
+        self.num_groups, self.num_channels = num_groups, num_channels
+        self.eps, self.affine = float(eps), bool(affine)
+        kw = {"device": device, "dtype": dtype}
+        if self.affine:
+            self.weight: nn.Parameter | None = nn.Parameter(torch.ones(num_channels, **kw))
+            self.bias: nn.Parameter | None = nn.Parameter(torch.zeros(num_channels, **kw))
+        else:
+            self.register_parameter("weight", None)
+            self.register_parameter("bias", None)
+        # the spatial segment: created collectively, in the same order on every rank
+        segment = [g for d in range(2, self.input_dist.ndim)
+                   for g in split_dims(grid, self.input_dist, d)]
+        self._comm = grid.subcomm(segment) if segment else None
+        self._resolved: dict[Any, Any] = {}
+
+    @classmethod
+    def from_module(cls, module: nn.Module, *, grid: ProcessorGrid,
+                    input_dist: Dist) -> DistGroupNorm:
+        """The layer for an ``nn.GroupNorm`` or an ``nn.InstanceNorm1d/2d/3d`` without running
+        statistics (the same on every rank), with its weight and bias."""
+        if isinstance(module, nn.GroupNorm):
+            groups, channels = module.num_groups, module.num_channels
+        elif isinstance(module, nn.modules.instancenorm._InstanceNorm):
+            if module.track_running_stats:
+                raise ValueError("an instance norm with running statistics averages them over "
+                                 "the samples; DistGroupNorm takes track_running_stats=False")
+            groups = channels = module.num_features
+        else:
+            raise TypeError(f"module must be an nn.GroupNorm or nn.InstanceNorm1d/2d/3d, got "
+                            f"{type(module).__name__}")
+        ref = module.weight
+        out = cls(groups, channels, module.eps, module.affine,
+                  None if ref is None else ref.device, None if ref is None else ref.dtype,
+                  grid=grid, input_dist=input_dist)
+        if module.affine:
+            with torch.no_grad():
+                out.weight.copy_(module.weight)
+                out.bias.copy_(module.bias)
+            out.weight.requires_grad_(module.weight.requires_grad)
+            out.bias.requires_grad_(module.bias.requires_grad)
+        return out.train(module.training)
+
+    def forward(self, x: torch.Tensor, global_shape: Sequence[int] | None = None) -> torch.Tensor:
+        """This rank's block of the normalised activation from its block ``x`` of the global
+        input of ``global_shape`` (in :attr:`input_dist`)."""
+        shape = resolve_shape(type(self).__name__, self.grid, self.input_dist, x, global_shape,
+                              self._resolved)
+        if shape[1] != self.num_channels:
+            raise ValueError(f"{type(self).__name__}: the input has {shape[1]} channels, "
+                             f"expected {self.num_channels}")
+        if autocast_dtype(x.device.type) is not None:
+            x = x.float()  # autocast runs group_norm in float32, as here
+        n, g = x.shape[0], self.num_groups
+        count = (self.num_channels // g) * math.prod(shape[2:])
+        y, _, _ = _BatchNorm.apply(x.reshape(1, n * g, -1), None, None, self._comm, self.eps,
+                                   count)
+        y = y.reshape(x.shape)
+        if self.affine:
+            view = (1, -1, *([1] * (x.dim() - 2)))
+            y = y * self.weight.to(y.dtype).view(view) + self.bias.to(y.dtype).view(view)
+        return y
+
+    def extra_repr(self) -> str:
+        return (f"{self.num_groups}, {self.num_channels}, eps={self.eps}, affine={self.affine}, "
+                f"grid={dict(self.grid.layout)}, x={show(self.input_dist, 'x')}")
