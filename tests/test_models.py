@@ -3,9 +3,10 @@ CNN, an SE-ResNet and a MobileNet-style net -- trained one step by the user's lo
 per-layer configs on random grids of 2 to 8 thread ranks, with uneven batches: the output, every
 gradient and the state after an SGD-with-momentum step equal one process on the global batch
 (fp64, the suite's tolerance). The 2-D networks' Conv2d layers draw any algorithm and grid; the
-3-D networks' Conv3d and ConvTranspose3d layers draw sample parallelism or stationary-x, -y, -w on
-grids of samples, channels and filters (spatial splits of 3-D layers are not implemented), and
-the data grid may replicate them over a second grid dim."""
+3-D networks' Conv3d and ConvTranspose3d layers draw sample or spatial parallelism (over D, H and
+W) or stationary-x, -y, -w on grids of samples, channels, filters and spatial dims, wherever every
+rank keeps an input and an output row; the data grid may replicate them over a second grid
+dim."""
 
 from __future__ import annotations
 
@@ -91,32 +92,63 @@ def cases(draw: st.DrawFn, networks: dict, model_parallel: bool) -> tuple:
     torch.manual_seed(draw(st.integers(0, 2**16)))
     model = make().double()
     config: dict = {"layers": []}
+    batch = draw(st.integers(p, p + 3))
     if model_parallel:
         kinds = (nn.Conv2d, nn.Conv3d, nn.ConvTranspose3d)
         convs = [(n, m) for n, m in model.named_modules() if type(m) in kinds]
+        sizes = _spatial_sizes(model, (batch, *shape), kinds)
         for n, m in draw(st.lists(st.sampled_from(convs), unique_by=lambda c: c[0],
                                   max_size=len(convs))):
-            def fits(c: dict, m: nn.Conv2d = m) -> bool:
-                """Every rank holds a channel or filter block; a depthwise layer's blocks hold
-                whole groups and it takes no stationary-w (refused by name, tested apart)."""
+            def fits(c: dict, m: nn.Module = m, n: str = n) -> bool:
+                """Every rank holds a channel or filter block and, on a split spatial dim, an
+                input and an output row; a depthwise layer's blocks hold whole groups and it
+                takes no stationary-w (refused by name, tested apart)."""
                 blocks = c["grid"].get("C", 1) * c["grid"].get("F", 1)
                 if blocks > min(m.in_channels, m.out_channels):
                     return False
-                if type(m) is not nn.Conv2d:  # channels and filters only: no halos in 3-D
-                    return set(c["grid"]) <= {"N", "C", "F"} and c["algorithm"] != "spatial"
+                if type(m) is not nn.Conv2d:
+                    return all(c["grid"].get(d, 1) <= min(sizes[n][0][i], sizes[n][1][i])
+                               for i, d in enumerate("DHW")) and (m.groups == 1 or blocks == 1)
                 return m.groups == 1 or c["algorithm"] in ("sample", "spatial") or (
                     c["algorithm"] != "stationary-w" and m.in_channels % blocks == 0)
 
-            choice = draw(layer_choices(p).filter(fits))
+            draws = layer_choices(p) if type(m) is nn.Conv2d else volume_choices(p)
+            choice = draw(draws.filter(fits))
             config["layers"].append({"match": n, **choice})
     if draw(st.booleans()):
         config["data"] = _factor(draw, p, ["N", "C"])  # samples replicated over C
-    batch = draw(st.integers(p, p + 3))
     gen = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
     x = torch.randn(batch, *shape, generator=gen, dtype=torch.float64)
     with torch.no_grad():
         out_shape = tuple(copy.deepcopy(model).eval()(x).shape)
     return name, p, model, config, x, _targets(kind, out_shape, gen), kind
+
+
+@st.composite
+def volume_choices(draw: st.DrawFn, p: int) -> dict:
+    """A 3-D layer's entry: any algorithm, on grids that may split D, H and W."""
+    algorithm = draw(st.sampled_from(
+        ["sample", "spatial", "stationary-x", "stationary-y", "stationary-w"]))
+    names = {"sample": ["N"], "spatial": ["N", "D", "H", "W"], "stationary-x": ["C", "N", "D"],
+             "stationary-y": ["F", "H", "D"], "stationary-w": ["C", "F", "W"]}[algorithm]
+    return {"grid": _factor(draw, p, names), "algorithm": algorithm}
+
+
+def _spatial_sizes(model: nn.Module, shape: tuple[int, ...], kinds: tuple[type, ...]
+                   ) -> dict[str, tuple[tuple[int, ...], tuple[int, ...]]]:
+    """Each convolution's input and output spatial sizes on an input of ``shape``."""
+    sizes, hooks = {}, []
+    for name, m in model.named_modules():
+        if type(m) in kinds:
+            hooks.append(m.register_forward_hook(
+                lambda mod, args, out, name=name: sizes.__setitem__(
+                    name, (tuple(args[0].shape[2:]), tuple(out.shape[2:])))))
+    with torch.no_grad():
+        model.eval()(torch.zeros(shape, dtype=torch.float64))
+    model.train()
+    for h in hooks:
+        h.remove()
+    return sizes
 
 
 def _check(case: tuple) -> None:
@@ -143,13 +175,14 @@ def test_3d_networks_on_random_grids_equal_one_process(case: tuple) -> None:
 def test_each_network_on_four_ranks_equals_one_process(name: str) -> None:
     """Every network at least once, whatever hypothesis draws: a fixed hybrid on 4 ranks (the 2-D
     networks' 3×3 convolutions spatial over rows, their 1×1 ones channel-split; the 3-D
-    networks' convolutions each on the next of stationary-x, -y, -w, transposed ones too)."""
+    networks' convolutions each on the next of spatial over depth, stationary-x, -y (with depth),
+    -w, transposed ones too)."""
     make, shape, kind = {**NETWORKS_2D, **NETWORKS_3D}[name]
     torch.manual_seed(1)
     model = make().double()
     config: dict = {"default": {"grid": {"N": 4}, "algorithm": "sample"}, "layers": []}
-    volume = iter([({"N": 2, "C": 2}, "stationary-x"), ({"N": 2, "F": 2}, "stationary-y"),
-                   ({"C": 2, "F": 2}, "stationary-w")] * 20)
+    volume = iter([({"N": 2, "D": 2}, "spatial"), ({"N": 2, "C": 2}, "stationary-x"),
+                   ({"D": 2, "F": 2}, "stationary-y"), ({"C": 2, "F": 2}, "stationary-w")] * 20)
     for n, m in model.named_modules():
         if type(m) is nn.Conv2d and m.groups == 1:
             grid, alg = (({"N": 2, "H": 2}, "spatial") if m.kernel_size != (1, 1)

@@ -47,7 +47,7 @@ class ConvNdHandler(LinearHandler):
     modules = (nn.Conv1d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
 
     def place(self, an: Any, node: Any, module: Any) -> Any:
-        from distconv.parallel.graph import LayerSpec, Step
+        from distconv.parallel.graph import LayerSpec, Step, sample_dist
 
         name = str(node.target)
         choice = an.config.choice(name)
@@ -80,13 +80,16 @@ class ConvNdHandler(LinearHandler):
                              tuple(sorted(roles.items())), need, choice.source)
             return Step(node, "conv", Placement(choice.layout, dists["output"]),
                         {args[0]: need}, spec)
-        if choice.algorithm not in ("sample", "auto") and choice.source != "default":
-            an.fail(node, f"{choice.source} asks for {choice.algorithm} on "
-                    f"{dict(choice.layout or ())}, but {kind} runs sample-parallel, spatially "
-                    "parallel or split over channels and filters", ValueError)
-        step = super().place(an, node, module)
-        step.kind = "sample-layer"
-        return step
+        # sample-parallel: on the entry's grid where it is a sample entry or names a grid that
+        # splits samples only (spatial, stationary), else on the data grid
+        own = choice.layout is not None and (choice.algorithm == "sample" or (
+            choice.source != "default" and choice.algorithm != "auto"))
+        layout = choice.layout if own else an.config.data
+        args = an.tensor_args(node)
+        need = Placement(layout, sample_dist(an.placement(args[0]).ndim))
+        return Step(node, "sample-layer", need, {args[0]: need},
+                    LayerSpec("linear", name, layout, "sample", input=need,
+                              source=choice.source if own else "data"))
 
     def build(self, module: Any, node: Any, step: Any, grid: Any) -> Any:
         if step.layer.kind != "conv-nd":
