@@ -19,7 +19,8 @@ import torch
 
 from distconv.conv_geometry import HaloPlan
 
-__all__ = ["HaloExchange", "halo_accumulate", "halo_adjoint", "halo_exchange", "halo_forward"]
+__all__ = ["HaloExchange", "halo_accumulate", "halo_adjoint", "halo_exchange", "halo_forward",
+           "halo_parts"]
 
 
 def _with_len(t: torch.Tensor, dim: int, n: int) -> tuple[int, ...]:
@@ -46,29 +47,40 @@ def _swap_rows(
     return comm.alltoall(chunks, recv_shapes=shapes, meta=meta)
 
 
-def _exchange_forward(x: torch.Tensor, comm: Any, plan: HaloPlan, dim: int) -> torch.Tensor:
-    """Zero padding: the local input is contiguous rows, so slices and one concatenation do."""
+def halo_parts(x: torch.Tensor, comm: Any, plan: HaloPlan, dim: int
+               ) -> tuple[torch.Tensor, tuple[int, int], torch.Tensor]:
+    """Zero padding: the rank's local input is ``cat([before, x.narrow(dim, *own), after])`` --
+    global padding and the halo rows from lower ranks, the own rows it reads, the halo rows from
+    higher ranks and padding. Returns ``(before, own, after)`` (one all-to-all)."""
     r = comm.rank
-    off, cnt = plan.send_rows(r, r)
-    pieces = []
+    own = plan.send_rows(r, r)
+    before, after = [], []
     if plan.exchanges:
         recv = _swap_rows(
             x, comm, plan.parts, dim, lambda q: plan.send_rows(r, q),
             lambda q: plan.recv_rows(q, r)[1], f"halo exchange dim {dim}",
         )
-        for q in range(plan.parts):
-            if q == r:
-                if cnt:
-                    pieces.append(x.narrow(dim, off, cnt))
-            elif recv[q].shape[dim]:
-                pieces.append(recv[q])
-    elif cnt:
-        pieces.append(x.narrow(dim, off, cnt))
-    before, after = plan.pad[r]
-    if before:
-        pieces.insert(0, x.new_zeros(_with_len(x, dim, before)))
-    if after:
-        pieces.append(x.new_zeros(_with_len(x, dim, after)))
+        for q in range(plan.parts):  # the owners' blocks are in rank order
+            if q != r and recv[q].shape[dim]:
+                (before if q < r else after).append(recv[q])
+    pad_before, pad_after = plan.pad[r]
+    if pad_before:
+        before.insert(0, x.new_zeros(_with_len(x, dim, pad_before)))
+    if pad_after:
+        after.append(x.new_zeros(_with_len(x, dim, pad_after)))
+
+    def joined(pieces: list[torch.Tensor]) -> torch.Tensor:
+        if not pieces:
+            return x.new_zeros(_with_len(x, dim, 0))
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim)
+
+    return joined(before), own, joined(after)
+
+
+def _exchange_forward(x: torch.Tensor, comm: Any, plan: HaloPlan, dim: int) -> torch.Tensor:
+    """Zero padding: the local input is contiguous rows, so slices and one concatenation do."""
+    before, (off, cnt), after = halo_parts(x, comm, plan, dim)
+    pieces = [p for p in (before, x.narrow(dim, off, cnt), after) if p.shape[dim]]
     if not pieces:  # a rank whose output block is empty reads no rows
         return x.new_zeros(_with_len(x, dim, 0))
     if len(pieces) == 1:

@@ -339,7 +339,8 @@ class KFAC:
                 continue
             if isinstance(module, DistConvNd):
                 raise NotImplementedError(
-                    f"distkfac: {name!r} is a {module.kind} split over channels and filters "
+                    f"distkfac: {name!r} is a {module.kind} split over "
+                    f"{'×'.join(d for d, e in module.grid.layout if e > 1)} "
                     f"({module.algorithm} on {dict(module.grid.layout)}); K-FAC factors for it "
                     f"are not implemented. Run it sample-parallel in the config, or leave it "
                     f"unpreconditioned with skip_layers=[{name!r}]")

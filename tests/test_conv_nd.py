@@ -343,3 +343,52 @@ def test_the_compute_of_a_channel_split_layer_is_priced_by_hand() -> None:
         block = module.weight.numel() // 2  # its input channels over C=2
         assert lay.forward_seconds == pytest.approx(2 * 2 * positions * block / 1e9)
         assert lay.backward_seconds == pytest.approx(2 * lay.forward_seconds)
+
+
+def test_bf16_autocast_of_a_spatially_split_3d_unet_is_as_one_process() -> None:
+    """GroupNorm and the halo convolutions of a U-Net over D×H under bf16 autocast, as one
+    process under it (``tests/test_amp.py``'s tolerance)."""
+    from tests.test_amp import _check, _step, parallel_step
+
+    torch.manual_seed(7)
+    model = models.unet3d(in_channels=1, base=2, depth=1).float()  # GroupNorm
+    gen = torch.Generator().manual_seed(8)
+    x = torch.randn(SPATIAL_SHAPE, generator=gen)
+    y = torch.randint(0, 2, (SPATIAL_SHAPE[0], *SPATIAL_SHAPE[2:]), generator=gen)
+    one = _step(copy.deepcopy(model), x, y, torch.bfloat16)
+    exact = _step(copy.deepcopy(model).double(), x.double(), y, None)
+    for got in run_threads(parallel_step, 4, model, SPATIAL_CONFIG, x, y, torch.bfloat16):
+        _check(got, one, exact, torch.bfloat16)
+
+
+def _kept_for_backward(comm: Any, conv: nn.Module, shape: tuple, grid: dict) -> dict:
+    """The bytes autograd keeps for backward on this rank in one forward of the layer split over
+    ``grid``: in the input block's own storage, and in every other storage (parameters aside)."""
+    G = ProcessorGrid(grid, comm=comm)
+    layer = DistConvNd.from_module(conv, grid=G, algorithm="stationary-x")
+    block = torch.randn(layer.input_dist.local_shape(shape, G), dtype=torch.float64,
+                        requires_grad=True)
+    kept: dict[int, int] = {}
+    params = {p.untyped_storage().data_ptr() for p in layer.parameters()}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        s = t.untyped_storage()
+        if s.data_ptr() not in params:
+            kept[s.data_ptr()] = s.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = layer(block, shape)
+    y.sum().backward()
+    own = kept.pop(block.untyped_storage().data_ptr(), 0)
+    return {"own": own, "other": sum(kept.values()), "block": block.numel() * 8,
+            "row": block[:, :, :1].numel() * 8}
+
+
+def test_a_spatially_split_convolution_keeps_its_block_and_its_halo_rows_not_a_copy() -> None:
+    """One process's convolution keeps its input for backward, which the layer before keeps
+    anyway; split over D, a rank keeps its input block (the same storage) and the two rows around
+    it (a halo row received, a padding row) -- not a haloed copy of its block."""
+    conv = nn.Conv3d(2, 3, 3, padding=1).double()
+    for got in run_threads(_kept_for_backward, 2, conv, (2, 2, 8, 5, 4), {"D": 2}):
+        assert got["own"] == got["block"] and got["other"] == 2 * got["row"], got

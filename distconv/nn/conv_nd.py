@@ -42,7 +42,8 @@ from distconv.conv_geometry import (
 )
 from distconv.distribution import Dist, as_shape
 from distconv.grid import ProcessorGrid
-from distconv.halo import halo_exchange
+from distconv.halo import halo_adjoint, halo_exchange, halo_parts
+from distconv.nn._amp import autocast_dtype
 from distconv.nn.clip import register_parameter_specs
 from distconv.nn.conv import ALGORITHMS, UnsupportedConvError, conv_dists
 from distconv.nn.grad_sync import GradSync
@@ -352,32 +353,40 @@ class DistConvNd(nn.Module):
         return self._geometry(as_shape(input_shape, "input_shape")).y_shape
 
     # ------------------------------------------------------------------ forward
+    def _conv_args(self, geo: _Geometry) -> tuple[Any, Any]:
+        """The local convolution's padding and (transposed) output padding: none on the split
+        dims, the module's on the whole ones (direct: 0 where ``geo.explicit`` pads first)."""
+        if self.transposed:
+            return (tuple(0 if c is not None else p for c, p in zip(geo.crop, self.padding)),
+                    tuple(0 if c is not None else p
+                          for c, p in zip(geo.crop, self.output_padding)))
+        return (geo.padding if geo.explicit is None else 0), None
+
+    def _crop(self, y: torch.Tensor, geo: _Geometry, b: torch.Tensor | None) -> torch.Tensor:
+        """A transposed layer's output cropped (zero-filled where no input row reaches) to this
+        rank's block on the split dims, then its bias."""
+        pads = [0] * (2 * self.spatial)
+        for i, c in enumerate(geo.crop):
+            if c is not None:  # drop the rows before the block, zero-fill past the last
+                j = 2 * (self.spatial - 1 - i)
+                pads[j], pads[j + 1] = -c[0], c[0] + c[1] - y.shape[2 + i]
+        y = F.pad(y, pads)
+        if b is not None:
+            y = y + b.to(y.dtype).view(1, -1, *([1] * self.spatial))
+        return y
+
     def _local(self, x: torch.Tensor, geo: _Geometry, b: torch.Tensor | None) -> torch.Tensor:
         """The local convolution of the haloed input ``x`` (split dims unpadded)."""
+        padding, out_pad = self._conv_args(geo)
         if self.transposed:
-            padding = tuple(0 if c is not None else p for c, p in zip(geo.crop, self.padding))
-            out_pad = tuple(0 if c is not None else p
-                            for c, p in zip(geo.crop, self.output_padding))
             cropped = any(c is not None for c in geo.crop)
             y = _TRANSPOSED[self.spatial](x, self.weight, None if cropped else b, self.stride,
                                           padding, out_pad, self.groups, self.dilation)
-            if not cropped:
-                return y
-            pads = [0] * (2 * self.spatial)
-            for i, c in enumerate(geo.crop):
-                if c is not None:  # drop the rows before the block, zero-fill past the last
-                    j = 2 * (self.spatial - 1 - i)
-                    pads[j], pads[j + 1] = -c[0], c[0] + c[1] - y.shape[2 + i]
-            y = F.pad(y, pads)
-            if b is not None:
-                y = y + b.to(y.dtype).view(1, -1, *([1] * self.spatial))
-            return y
+            return self._crop(y, geo, b) if cropped else y
         if geo.explicit is not None:
             mode = "constant" if self.padding_mode == "zeros" else self.padding_mode
             x = F.pad(x, geo.explicit, mode=mode)
-            return _CONV[self.spatial](x, self.weight, b, self.stride, 0, self.dilation,
-                                       self.groups)
-        return _CONV[self.spatial](x, self.weight, b, self.stride, geo.padding, self.dilation,
+        return _CONV[self.spatial](x, self.weight, b, self.stride, padding, self.dilation,
                                    self.groups)
 
     def forward(self, x: torch.Tensor, global_shape: Sequence[int]) -> torch.Tensor:
@@ -400,10 +409,18 @@ class DistConvNd(nn.Module):
         shape = tuple(global_shape)
         if self._gather_x:
             x = redistribute(x, self.grid, self.input_dist, self.work_dist, shape)
-        for i, plan in enumerate(geo.plans):  # dim after dim: corners travel with the later
-            if plan is not None:
-                x = halo_exchange(x, self._halo_comms[i], plan, 2 + i)
-        y = self._local(x, geo, None if self._reduce_y else self.bias)
+        b = None if self._reduce_y else self.bias
+        if self.padding_mode == "zeros" and any(geo.plans) and (
+                autocast_dtype(x.device.type) is None):
+            cropped = self.transposed and any(c is not None for c in geo.crop)
+            y = _HaloConv.apply(x, self.weight, None if cropped else b, self, geo)
+            if cropped:
+                y = self._crop(y, geo, b)
+        else:
+            for i, plan in enumerate(geo.plans):  # dim after dim: corners travel with the later
+                if plan is not None:
+                    x = halo_exchange(x, self._halo_comms[i], plan, 2 + i)
+            y = self._local(x, geo, b)
         if self._reduce_y:
             y = redistribute(y, self.grid, self.partial_dist, self.output_dist, geo.y_shape)
             if self.bias is not None:
@@ -425,3 +442,65 @@ class DistConvNd(nn.Module):
                 f"grid={dict(self.grid.layout)}, algorithm={self.algorithm!r}, "
                 f"x={self.input_dist.format('x')}, w={self.weight_dist.format('w')}, "
                 f"y={self.output_dist.format('y')}")
+
+
+class _HaloConv(torch.autograd.Function):
+    """The halo exchanges of a zero-padded layer and its local convolution as one step that
+    keeps for backward the rank's own block (which the layer before keeps anyway: one process's
+    convolution keeps no more) and the halo rows it received, not the haloed copy of the block;
+    backward rebuilds the copy without communication, then runs the convolution's backward and
+    the halo accumulates (the same collectives as the separate steps)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                layer: DistConvNd, geo: _Geometry) -> torch.Tensor:
+        parts, pieces, xh = [], [], x
+        for i, plan in enumerate(geo.plans):  # dim after dim: corners travel with the later
+            if plan is None:
+                continue
+            before, own, after = halo_parts(xh, layer._halo_comms[i], plan, 2 + i)
+            parts.append((2 + i, own))
+            pieces += [before, after]
+            xh = torch.cat([before, xh.narrow(2 + i, *own), after], 2 + i)
+        if geo.explicit is not None:
+            xh = F.pad(xh, geo.explicit)
+        padding, out_pad = layer._conv_args(geo)
+        if layer.transposed:
+            y = _TRANSPOSED[layer.spatial](xh, weight, bias, layer.stride, padding, out_pad,
+                                           layer.groups, layer.dilation)
+        else:
+            y = _CONV[layer.spatial](xh, weight, bias, layer.stride, padding, layer.dilation,
+                                     layer.groups)
+        ctx.layer, ctx.geo, ctx.parts = layer, geo, parts
+        ctx.padding, ctx.out_pad = padding, out_pad
+        ctx.has_bias = bias is not None
+        ctx.save_for_backward(x, weight, *pieces)
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, weight, *pieces = ctx.saved_tensors
+        layer, geo = ctx.layer, ctx.geo
+        xh = x
+        for k, (d, own) in enumerate(ctx.parts):  # the haloed block, rebuilt
+            xh = torch.cat([pieces[2 * k], xh.narrow(d, *own), pieces[2 * k + 1]], d)
+        if geo.explicit is not None:
+            xh = F.pad(xh, geo.explicit)
+        k = layer.spatial
+        as_tuple = (lambda v: tuple(v) if isinstance(v, (tuple, list)) else (v,) * k)
+        mask = [ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.has_bias and (
+            ctx.needs_input_grad[2])]
+        gx, gw, gb = torch.ops.aten.convolution_backward(
+            dy.contiguous(), xh, weight, [weight.shape[1 if layer.transposed else 0]]
+            if ctx.has_bias else None, list(layer.stride), list(as_tuple(ctx.padding)),
+            list(layer.dilation), layer.transposed,
+            list(as_tuple(ctx.out_pad if ctx.out_pad is not None else 0)), layer.groups, mask)
+        if gx is not None:
+            if geo.explicit is not None:  # the adjoint of the explicit padding: its rows dropped
+                for i in range(k):
+                    lo, hi = geo.explicit[2 * (k - 1 - i)], geo.explicit[2 * (k - 1 - i) + 1]
+                    gx = gx.narrow(2 + i, lo, gx.shape[2 + i] - lo - hi)
+            for d, _ in reversed(ctx.parts):
+                i = d - 2
+                gx = halo_adjoint(gx, layer._halo_comms[i], geo.plans[i], d, None)
+        return gx, gw, gb, None, None

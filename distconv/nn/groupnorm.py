@@ -33,7 +33,7 @@ from distconv.nn._activation import (
     check_activation_dist, check_grid, resolve_shape, show, split_dims,
 )
 from distconv.nn._amp import autocast_dtype
-from distconv.nn.batchnorm import _BatchNorm
+from distconv.nn.batchnorm import _moments
 
 __all__ = ["DistGroupNorm"]
 
@@ -129,16 +129,58 @@ class DistGroupNorm(nn.Module):
                              f"expected {self.num_channels}")
         if autocast_dtype(x.device.type) is not None:
             x = x.float()  # autocast runs group_norm in float32, as here
-        n, g = x.shape[0], self.num_groups
-        count = (self.num_channels // g) * math.prod(shape[2:])
-        y, _, _ = _BatchNorm.apply(x.reshape(1, n * g, -1), None, None, self._comm, self.eps,
-                                   count)
-        y = y.reshape(x.shape)
-        if self.affine:
-            view = (1, -1, *([1] * (x.dim() - 2)))
-            y = y * self.weight.to(y.dtype).view(view) + self.bias.to(y.dtype).view(view)
-        return y
+        count = (self.num_channels // self.num_groups) * math.prod(shape[2:])
+        return _GroupNorm.apply(x, self.weight, self.bias, self._comm, self.eps,
+                                self.num_groups, count)
 
     def extra_repr(self) -> str:
         return (f"{self.num_groups}, {self.num_channels}, eps={self.eps}, affine={self.affine}, "
                 f"grid={dict(self.grid.layout)}, x={show(self.input_dist, 'x')}")
+
+
+class _GroupNorm(torch.autograd.Function):
+    """Training-mode group normalisation over the segment of ``comm`` with the per-channel affine
+    fused in (module docstring): saves the input and the per-(sample, group) statistics only, as
+    torch's own kernel does."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor | None,
+                bias: torch.Tensor | None, comm: Any, eps: float, groups: int,
+                count: int) -> torch.Tensor:
+        n = x.shape[0]
+        work = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+        flat = work.reshape(1, n * groups, -1)
+        mean, var = _moments(flat, comm, count)
+        invstd = (var + eps).rsqrt()
+        y = ((flat - mean.view(1, -1, 1)) * invstd.view(1, -1, 1)).view(x.shape)
+        if weight is not None:
+            view = (1, -1, *([1] * (x.dim() - 2)))
+            y.mul_(weight.to(y.dtype).view(view)).add_(bias.to(y.dtype).view(view))
+        ctx.comm, ctx.groups, ctx.count = comm, groups, count
+        ctx.save_for_backward(x, weight, mean, invstd)
+        return y.to(x.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, weight, mean, invstd = ctx.saved_tensors
+        n, groups = x.shape[0], ctx.groups
+        work = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+        dy = dy.to(work.dtype)
+        xhat = ((work.reshape(1, n * groups, -1) - mean.view(1, -1, 1))
+                * invstd.view(1, -1, 1)).view(x.shape)
+        others = (0, *range(2, x.dim()))
+        dw = (dy * xhat).sum(others).to(weight.dtype) if ctx.needs_input_grad[1] else None
+        db = dy.sum(others).to(weight.dtype) if ctx.needs_input_grad[2] else None
+        dx = None
+        if ctx.needs_input_grad[0]:
+            view = (1, -1, *([1] * (x.dim() - 2)))
+            dxhat = dy * weight.to(dy.dtype).view(view) if weight is not None else dy
+            d = dxhat.reshape(1, n * groups, -1)
+            h = xhat.reshape(1, n * groups, -1)
+            sums = torch.stack([d.sum((0, 2)), (d * h).sum((0, 2))])
+            if ctx.comm is not None:
+                sums = ctx.comm.allreduce(sums, meta="DistGroupNorm backward sums")
+            dx = ((d - (sums[0] / ctx.count).view(1, -1, 1)
+                   - h * (sums[1] / ctx.count).view(1, -1, 1))
+                  * invstd.view(1, -1, 1)).view(x.shape).to(x.dtype)
+        return dx, dw, db, None, None, None, None

@@ -204,7 +204,9 @@ class _DistPool(nn.Module):
         if 0 in local_out:
             return self._empty(x, local_out)
         # (x may hold no rows here: a dilated max window can read only padding)
-        x = F.pad(x, [p for pad in reversed(pads) for p in pad], value=self._fill)
+        flat = [p for pad in reversed(pads) for p in pad]
+        if any(flat):  # (a copy: only where there is padding to add)
+            x = F.pad(x, flat, value=self._fill)
         return self._windows(x, geo)
 
     def _empty(self, x: torch.Tensor, shape: Sequence[int]) -> Any:
