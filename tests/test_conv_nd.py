@@ -93,6 +93,18 @@ def _one_layer(comm: Any, module: nn.Module, shape: tuple, grid: tuple, algorith
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(layers())
 def test_every_convolution_split_over_channels_filters_and_space_equals_one_process(case) -> None:  # noqa: ANN001
+    _equals_one_process(case)
+
+
+def test_a_transposed_block_no_input_row_reaches_is_zeros_and_bias() -> None:
+    """Stride 3 > kernel 1 with padding 2: rank 1's output row 2 receives from no input row (its
+    local convolution's rows all lie past it); it is the bias alone, as on one process."""
+    torch.manual_seed(0)
+    module = nn.ConvTranspose2d(1, 2, 1, stride=(3, 1), padding=(2, 0)).double()
+    _equals_one_process((module, (1, 1, 3, 3), (("N", 1), ("H", 2)), "stationary-x", 0))
+
+
+def _equals_one_process(case: tuple) -> None:
     module, shape, grid, algorithm, seed = case
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(shape, generator=gen, dtype=torch.float64).requires_grad_(True)
@@ -363,9 +375,14 @@ def test_bf16_autocast_of_a_spatially_split_3d_unet_is_as_one_process() -> None:
 
 def _kept_for_backward(comm: Any, conv: nn.Module, shape: tuple, grid: dict) -> dict:
     """The bytes autograd keeps for backward on this rank in one forward of the layer split over
-    ``grid``: in the input block's own storage, and in every other storage (parameters aside)."""
+    ``grid`` (a Conv2d: :class:`DistConv2d`): in the input block's own storage, and in every
+    other storage (parameters aside)."""
+    from distconv.nn import DistConv2d
+
     G = ProcessorGrid(grid, comm=comm)
-    layer = DistConvNd.from_module(conv, grid=G, algorithm="stationary-x")
+    layer = (DistConv2d.from_conv2d(conv, grid=G, algorithm="stationary-x")
+             if type(conv) is nn.Conv2d else
+             DistConvNd.from_module(conv, grid=G, algorithm="stationary-x"))
     block = torch.randn(layer.input_dist.local_shape(shape, G), dtype=torch.float64,
                         requires_grad=True)
     kept: dict[int, int] = {}
@@ -385,10 +402,18 @@ def _kept_for_backward(comm: Any, conv: nn.Module, shape: tuple, grid: dict) -> 
             "row": block[:, :, :1].numel() * 8}
 
 
-def test_a_spatially_split_convolution_keeps_its_block_and_its_halo_rows_not_a_copy() -> None:
+@pytest.mark.parametrize("conv, shape, grid, rows", [
+    (nn.Conv3d(2, 3, 3, padding=1), (2, 2, 8, 5, 4), {"D": 2}, (2, 2)),
+    (nn.Conv2d(2, 3, 3, padding=1), (2, 2, 8, 5), {"H": 2}, (2, 2)),
+    # output rows 0-7 of 15 read input rows 0-4, rows 8-14 read rows 4-7
+    (nn.ConvTranspose1d(2, 3, 3, stride=2, padding=1), (2, 2, 8), {"W": 2}, (1, 0)),
+], ids=["Conv3d-D", "Conv2d-H", "ConvTranspose1d-W"])
+def test_a_spatially_split_convolution_keeps_its_block_and_its_halo_rows_not_a_copy(
+        conv: nn.Module, shape: tuple, grid: dict, rows: tuple) -> None:
     """One process's convolution keeps its input for backward, which the layer before keeps
-    anyway; split over D, a rank keeps its input block (the same storage) and the two rows around
-    it (a halo row received, a padding row) -- not a haloed copy of its block."""
-    conv = nn.Conv3d(2, 3, 3, padding=1).double()
-    for got in run_threads(_kept_for_backward, 2, conv, (2, 2, 8, 5, 4), {"D": 2}):
-        assert got["own"] == got["block"] and got["other"] == 2 * got["row"], got
+    anyway; split over a spatial dim, a rank keeps its input block (the same storage) and the
+    rows around it (a 3-wide kernel: a halo row received and a padding row) -- not a haloed copy
+    of its block."""
+    conv = conv.double()
+    for rank, got in enumerate(run_threads(_kept_for_backward, 2, conv, shape, grid)):
+        assert got["own"] == got["block"] and got["other"] == rows[rank] * got["row"], got

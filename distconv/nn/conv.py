@@ -21,6 +21,7 @@ from distconv.halo import halo_exchange
 from distconv.nn._activation import local_shape
 from distconv.nn.clip import register_parameter_specs
 from distconv.nn.grad_sync import GradSync
+from distconv.nn.halo_conv import HaloConvSpec, halo_conv
 from distconv.nn.pipeline import pipelined_conv
 from distconv.nn.sharding import ShardSpec, keep_requires_grad
 from distconv.perfmodel import ConvProblem, conv_traffic
@@ -277,6 +278,7 @@ class DistConv2d(nn.Module):
         self.work_hook: Any = None
         self.input_shape = None if input_shape is None else self._check_input_shape(input_shape)
         self._geometries: dict[tuple[int, ...], _Geometry] = {}
+        self._specs: dict[tuple[int, ...], HaloConvSpec] = {}  # per global input shape
         #: (input block shape, given global shape) -> the global shape, once checked
         self._checked: dict[tuple[Any, tuple[int, ...]], tuple[int, ...]] = {}
         if self.input_shape is not None:
@@ -614,25 +616,38 @@ class DistConv2d(nn.Module):
             return y
         if self._gather_x:
             x = redistribute(x, self.grid, self.input_dist, self.work_dist, shape)
-        for i, plan in enumerate(geo.halo):
-            if plan is not None:
-                x = halo_exchange(x, self._halo_comms[i], plan, 2 + i)
-        if geo.explicit_pad is not None:
-            mode = "constant" if self.padding_mode == "zeros" else self.padding_mode
-            x = F.pad(x, geo.explicit_pad, mode=mode)
         fused_bias = None if self._reduce_y else self.bias
-        y = F.conv2d(
-            x, self.weight, fused_bias, self.stride, geo.conv_padding, self.dilation,
-            self._local_groups,
-        )
-        if self.work_hook is not None:
-            (ph, pw) = geo.conv_padding
-            self.work_hook(self, x, (pw, pw, ph, ph), y, geo.y_shape)
+        if (self.padding_mode == "zeros" and self.work_hook is None and any(geo.halo)
+                and autocast_dtype(x.device.type) is None):
+            # the exchanges and the convolution as one step: no haloed copy kept for backward
+            y = halo_conv(x, self.weight, fused_bias, self._halo_spec(geo))
+        else:
+            for i, plan in enumerate(geo.halo):
+                if plan is not None:
+                    x = halo_exchange(x, self._halo_comms[i], plan, 2 + i)
+            if geo.explicit_pad is not None:
+                mode = "constant" if self.padding_mode == "zeros" else self.padding_mode
+                x = F.pad(x, geo.explicit_pad, mode=mode)
+            y = F.conv2d(
+                x, self.weight, fused_bias, self.stride, geo.conv_padding, self.dilation,
+                self._local_groups,
+            )
+            if self.work_hook is not None:
+                (ph, pw) = geo.conv_padding
+                self.work_hook(self, x, (pw, pw, ph, ph), y, geo.y_shape)
         if self._reduce_y:
             y = redistribute(y, self.grid, self.partial_dist, self.output_dist, geo.y_shape)
             if self.bias is not None:  # in y's dtype, as autocast's conv adds it
                 y = y + self.bias.to(y.dtype).view(1, -1, 1, 1)
         return y
+
+    def _halo_spec(self, geo: _Geometry) -> HaloConvSpec:
+        spec = self._specs.get(geo.x_shape)
+        if spec is None:
+            spec = self._specs[geo.x_shape] = HaloConvSpec(
+                self._halo_comms, geo.halo, geo.explicit_pad, self.stride, geo.conv_padding,
+                self.dilation, self._local_groups)
+        return spec
 
     def _check_input(self, x: object) -> None:
         if not isinstance(x, torch.Tensor):

@@ -42,11 +42,12 @@ from distconv.conv_geometry import (
 )
 from distconv.distribution import Dist, as_shape
 from distconv.grid import ProcessorGrid
-from distconv.halo import halo_adjoint, halo_exchange, halo_parts
+from distconv.halo import halo_exchange
 from distconv.nn._amp import autocast_dtype
 from distconv.nn.clip import register_parameter_specs
 from distconv.nn.conv import ALGORITHMS, UnsupportedConvError, conv_dists
 from distconv.nn.grad_sync import GradSync
+from distconv.nn.halo_conv import HaloConvSpec, halo_conv
 from distconv.nn.sharding import ShardSpec, keep_requires_grad
 from distconv.redistribute import gather, redistribute
 
@@ -252,7 +253,7 @@ class DistConvNd(nn.Module):
             self.register_parameter("bias", None)
         keep_requires_grad(self, conv, ("weight", "bias"))
         self._geometries: dict[tuple[int, ...], _Geometry] = {}
-        #: (input block shape, global shape) pairs checked once: global shape -> geometry
+        self._specs: dict[int, HaloConvSpec] = {}  # id of a cached geometry -> its spec
         self._checked: dict[tuple[Any, Any], _Geometry] = {}
         # sub-communicators are created collectively, in the same order on every rank
         self._halo_comms = tuple(grid.subcomm([d]) if d else None for d in self.spatial_dims)
@@ -332,6 +333,7 @@ class DistConvNd(nn.Module):
                         tuple(explicit) if pad_first else None, tuple(crop))
         if len(self._geometries) > 64:
             self._geometries.clear()
+            self._specs.clear()
         self._geometries[shape] = geo
         return geo
 
@@ -362,15 +364,29 @@ class DistConvNd(nn.Module):
                           for c, p in zip(geo.crop, self.output_padding)))
         return (geo.padding if geo.explicit is None else 0), None
 
+    def _halo_spec(self, geo: _Geometry) -> HaloConvSpec:
+        spec = self._specs.get(id(geo))
+        if spec is None:
+            padding, out_pad = self._conv_args(geo)
+            spec = self._specs[id(geo)] = HaloConvSpec(
+                self._halo_comms, geo.plans, geo.explicit, self.stride, padding, self.dilation,
+                self.groups, self.transposed, out_pad)
+        return spec
+
     def _crop(self, y: torch.Tensor, geo: _Geometry, b: torch.Tensor | None) -> torch.Tensor:
         """A transposed layer's output cropped (zero-filled where no input row reaches) to this
-        rank's block on the split dims, then its bias."""
-        pads = [0] * (2 * self.spatial)
+        rank's block on the split dims, then its bias. (Where none of the local output falls in
+        the block, an empty slice of it is padded: the backward still reaches the exchanges.)"""
         for i, c in enumerate(geo.crop):
-            if c is not None:  # drop the rows before the block, zero-fill past the last
-                j = 2 * (self.spatial - 1 - i)
-                pads[j], pads[j + 1] = -c[0], c[0] + c[1] - y.shape[2 + i]
-        y = F.pad(y, pads)
+            if c is None:
+                continue
+            d, (start, rows) = 2 + i, c  # the block: local rows [start, start + rows)
+            lo, hi = max(start, 0), min(start + rows, y.shape[d])
+            if hi > lo:
+                piece, fill = y.narrow(d, lo, hi - lo), [lo - start, start + rows - hi]
+            else:
+                piece, fill = y.narrow(d, 0, 0), [rows, 0]
+            y = F.pad(piece, [0] * (2 * (y.dim() - 1 - d)) + fill)
         if b is not None:
             y = y + b.to(y.dtype).view(1, -1, *([1] * self.spatial))
         return y
@@ -413,7 +429,7 @@ class DistConvNd(nn.Module):
         if self.padding_mode == "zeros" and any(geo.plans) and (
                 autocast_dtype(x.device.type) is None):
             cropped = self.transposed and any(c is not None for c in geo.crop)
-            y = _HaloConv.apply(x, self.weight, None if cropped else b, self, geo)
+            y = halo_conv(x, self.weight, None if cropped else b, self._halo_spec(geo))
             if cropped:
                 y = self._crop(y, geo, b)
         else:
@@ -443,64 +459,3 @@ class DistConvNd(nn.Module):
                 f"x={self.input_dist.format('x')}, w={self.weight_dist.format('w')}, "
                 f"y={self.output_dist.format('y')}")
 
-
-class _HaloConv(torch.autograd.Function):
-    """The halo exchanges of a zero-padded layer and its local convolution as one step that
-    keeps for backward the rank's own block (which the layer before keeps anyway: one process's
-    convolution keeps no more) and the halo rows it received, not the haloed copy of the block;
-    backward rebuilds the copy without communication, then runs the convolution's backward and
-    the halo accumulates (the same collectives as the separate steps)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                layer: DistConvNd, geo: _Geometry) -> torch.Tensor:
-        parts, pieces, xh = [], [], x
-        for i, plan in enumerate(geo.plans):  # dim after dim: corners travel with the later
-            if plan is None:
-                continue
-            before, own, after = halo_parts(xh, layer._halo_comms[i], plan, 2 + i)
-            parts.append((2 + i, own))
-            pieces += [before, after]
-            xh = torch.cat([before, xh.narrow(2 + i, *own), after], 2 + i)
-        if geo.explicit is not None:
-            xh = F.pad(xh, geo.explicit)
-        padding, out_pad = layer._conv_args(geo)
-        if layer.transposed:
-            y = _TRANSPOSED[layer.spatial](xh, weight, bias, layer.stride, padding, out_pad,
-                                           layer.groups, layer.dilation)
-        else:
-            y = _CONV[layer.spatial](xh, weight, bias, layer.stride, padding, layer.dilation,
-                                     layer.groups)
-        ctx.layer, ctx.geo, ctx.parts = layer, geo, parts
-        ctx.padding, ctx.out_pad = padding, out_pad
-        ctx.has_bias = bias is not None
-        ctx.save_for_backward(x, weight, *pieces)
-        return y
-
-    @staticmethod
-    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        x, weight, *pieces = ctx.saved_tensors
-        layer, geo = ctx.layer, ctx.geo
-        xh = x
-        for k, (d, own) in enumerate(ctx.parts):  # the haloed block, rebuilt
-            xh = torch.cat([pieces[2 * k], xh.narrow(d, *own), pieces[2 * k + 1]], d)
-        if geo.explicit is not None:
-            xh = F.pad(xh, geo.explicit)
-        k = layer.spatial
-        as_tuple = (lambda v: tuple(v) if isinstance(v, (tuple, list)) else (v,) * k)
-        mask = [ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.has_bias and (
-            ctx.needs_input_grad[2])]
-        gx, gw, gb = torch.ops.aten.convolution_backward(
-            dy.contiguous(), xh, weight, [weight.shape[1 if layer.transposed else 0]]
-            if ctx.has_bias else None, list(layer.stride), list(as_tuple(ctx.padding)),
-            list(layer.dilation), layer.transposed,
-            list(as_tuple(ctx.out_pad if ctx.out_pad is not None else 0)), layer.groups, mask)
-        if gx is not None:
-            if geo.explicit is not None:  # the adjoint of the explicit padding: its rows dropped
-                for i in range(k):
-                    lo, hi = geo.explicit[2 * (k - 1 - i)], geo.explicit[2 * (k - 1 - i) + 1]
-                    gx = gx.narrow(2 + i, lo, gx.shape[2 + i] - lo - hi)
-            for d, _ in reversed(ctx.parts):
-                i = d - 2
-                gx = halo_adjoint(gx, layer._halo_comms[i], geo.plans[i], d, None)
-        return gx, gw, gb, None, None
