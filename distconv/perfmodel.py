@@ -195,11 +195,15 @@ def conv_traffic(
     pb = problem
     C, Fo, g = pb.in_channels, pb.out_channels, pb.groups
     pc, pf, c, f = P["channel"], P["filter"], at["channel"], at["filter"]
-    aligned_groups = g > 1 and pc * pf > 1 and algorithm != "stationary-w"
+    aligned_groups = g > 1 and pc * pf > 1
     if aligned_groups:  # each rank's channel block holds whole groups: a local grouped conv
-        p, i = (pc, c) if algorithm == "stationary-x" else (pf, f)
-        cx = cg = _blk(C, p, i)
-        fp = fy = fw = _blk(Fo, p, i)
+        if algorithm == "stationary-w":  # blocks over C, then F within
+            cx = cg = _blk2(C, [pc, pf], [c, f])
+            fp = fy = fw = _blk2(Fo, [pc, pf], [c, f])
+        else:
+            p, i = (pc, c) if algorithm == "stationary-x" else (pf, f)
+            cx = cg = _blk(C, p, i)
+            fp = fy = fw = _blk(Fo, p, i)
         cw = C // g
     elif algorithm == "stationary-x":
         cx = _blk(C, pc, c)

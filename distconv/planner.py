@@ -372,7 +372,7 @@ def _valid(pb: ConvProblem, ch: Choice, ho: int, wo: int) -> Choice | None:
     if e.get("H", 1) > ho or e.get("W", 1) > wo or c * f > min(pb.in_channels, pb.out_channels):
         return None
     if pb.groups > 1 and c * f > 1:
-        if ch.algorithm == "stationary-w" or pb.groups % (c * f):
+        if pb.groups % (c * f):
             return None
         return Choice(ch.grid, ch.algorithm, groups_aligned=True)
     return ch

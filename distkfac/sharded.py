@@ -261,8 +261,8 @@ class ShardAdapter(_WorkHookAdapter):
         super().__init__(module, name)
         self.geo = geo
         self._bias = geo.bias and geo.C == 1
-        # a grouped layer split over C or F holds whole groups: its share of them
-        self._groups = module.groups // (geo.C * geo.F) if module.groups > 1 else 1
+        # a grouped layer split over C or F (or both) holds whole groups: its share of them
+        self._groups = module.groups // module._group_parts if module.groups > 1 else 1
         self.positions, self.prescaled = 1, False
 
     @property

@@ -101,8 +101,8 @@ def cases(draw: st.DrawFn, networks: dict, model_parallel: bool) -> tuple:
                                   max_size=len(convs))):
             def fits(c: dict, m: nn.Module = m, n: str = n) -> bool:
                 """Every rank holds a channel or filter block and, on a split spatial dim, an
-                input and an output row; a depthwise layer's blocks hold whole groups and it
-                takes no stationary-w (refused by name, tested apart)."""
+                input and an output row; a grouped layer's blocks hold whole groups (else
+                refused by name, tested apart)."""
                 blocks = c["grid"].get("C", 1) * c["grid"].get("F", 1)
                 if blocks > min(m.in_channels, m.out_channels):
                     return False
@@ -110,7 +110,7 @@ def cases(draw: st.DrawFn, networks: dict, model_parallel: bool) -> tuple:
                     return all(c["grid"].get(d, 1) <= min(sizes[n][0][i], sizes[n][1][i])
                                for i, d in enumerate("DHW")) and (m.groups == 1 or blocks == 1)
                 return m.groups == 1 or c["algorithm"] in ("sample", "spatial") or (
-                    c["algorithm"] != "stationary-w" and m.in_channels % blocks == 0)
+                    m.groups % blocks == 0)
 
             draws = layer_choices(p) if type(m) is nn.Conv2d else volume_choices(p)
             choice = draw(draws.filter(fits))

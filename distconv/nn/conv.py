@@ -95,9 +95,11 @@ class DistConv2d(nn.Module):
                    4. dL/dw[o_F,o_C] = conv_bwd_filter(x[o,o_C,o,o], dL/dy[o,o_F,o,o])
 
     **Grouped convolutions** (``groups > 1``) run under sample and spatial parallelism, and under
-    stationary-x (-y) when ``groups`` is divisible by C (F): each rank's channel block then holds
-    whole groups and its filters form its block of y, so ``x[o,o_C,o,o] -> y[o,o_C,o,o]`` with
-    ``w[o_C,*]`` is a local grouped convolution with no communication (depthwise included).
+    stationary-x (-y, -w) when ``groups`` is divisible by C (F, C×F): each rank's channel block
+    then holds whole groups and its filters form its block of y, so ``x[o,o_C,o,o] ->
+    y[o,o_C,o,o]`` with ``w[o_C,*]`` (stationary-w: ``x[o,o_{C×F},o,o] -> y[o,o_{C×F},o,o]``
+    with ``w[o_{C×F},*]``) is a local grouped convolution with no communication (depthwise
+    included).
 
     Stationary-x and -y are stationary-w with F = 1 and C = 1. Because y's channel dim is blocked
     ``o_{F×C}``, a following stationary-w layer built with ``channel_dim="F", filter_dim="C"``
@@ -325,13 +327,13 @@ class DistConv2d(nn.Module):
         self._group_parts = 1
         if self.groups > 1 and (c > 1 or f > 1):
             p = c * f
-            if self.algorithm == "stationary-w" or self.groups % p:
+            if self.groups % p:
                 raise UnsupportedConvError(
                     f"groups={self.groups} with {self.algorithm} on {roles['channel_dim']}={c}, "
                     f"{roles['filter_dim']}={f} is not implemented; grouped convolutions work "
-                    "under sample and spatial parallelism, and with stationary-x or stationary-y "
+                    "under sample and spatial parallelism, and with stationary-x, -y or -w "
                     "when the channel/filter blocks hold whole groups (groups divisible by "
-                    f"{roles['channel_dim']} or {roles['filter_dim']})"
+                    f"{roles['channel_dim']}×{roles['filter_dim']} = {p})"
                 )
             self._group_parts = p
         parts = c * f
@@ -761,7 +763,7 @@ def conv_dists(algorithm: str, roles: dict[str, str | None], grouped: bool = Fal
     y_out = {"stationary-x": c, "stationary-y": f, "stationary-w": both(f, c)}[algorithm]
     pending = frozenset({c}) if c is not None and algorithm != "stationary-y" else frozenset()
     if grouped:
-        role = c if algorithm == "stationary-x" else f
+        role = {"stationary-x": c, "stationary-y": f, "stationary-w": both(c, f)}[algorithm]
         x_in = x_work = y_part = y_out = role
         w_rows, w_cols, pending = role, None, frozenset()
 

@@ -153,5 +153,8 @@ class ConvHandler(Handler):
                 Sample("conv-strided-grouped",
                        lambda: SampleNet(nn.Conv2d(4, 6, 3, stride=2, groups=2, bias=False),
                                          4, 6),
-                       (5, 4, 9, 8), SAMPLE_GRIDS[:4]))
+                       (5, 4, 9, 8), SAMPLE_GRIDS[:4]),
+                Sample("conv-grouped-stationary-w",  # 4 groups over C×F: one a rank
+                       lambda: SampleNet(nn.Conv2d(4, 8, 3, padding=1, groups=4), 4, 8),
+                       (5, 4, 7, 6), SAMPLE_GRIDS[4:]))
 

@@ -114,12 +114,13 @@ GROUPED_SHAPE = (4, 4, 5, 6)
 @pytest.mark.parametrize("grid_dims, algorithm, groups", [
     ({"C": 2}, "stationary-x", 2), ({"N": 2, "C": 2}, "stationary-x", 4),
     ({"F": 2}, "stationary-y", 4), ({"H": 2, "C": 2}, "stationary-x", 2),
+    ({"C": 2, "F": 2}, "stationary-w", 4),
 ])
 def test_grouped_layers_split_over_groups_equal_single_process(grid_dims, algorithm, groups,
                                                               layout):
     """A grouped layer's K-FAC is block-diagonal by group; split over C or F each rank holds
     whole groups, so in either layout its factors are its groups' and the result is exact
-    (depthwise included: groups = 4 channels)."""
+    (depthwise included: groups = 4 channels; stationary-w: one group a rank)."""
     conv_kw = dict(kernel_size=3, padding=1, groups=groups)
     kw = dict(kl_clip=1e-2, damping=1e-2, factor_decay=0.7)
     ref = single_run(conv_kw, kw, 2, GROUPED_SHAPE, fo=8)
@@ -128,7 +129,8 @@ def test_grouped_layers_split_over_groups_equal_single_process(grid_dims, algori
     assert_exact(results, ref)
     for *_, kfac in results:
         (layer,) = kfac.layers
-        assert layer.a.value.shape[0] == groups // 2 and not kfac.exact_layers
+        blocks = grid_dims.get("C", 1) * grid_dims.get("F", 1)
+        assert layer.a.value.shape[0] == groups // blocks and not kfac.exact_layers
 
 
 # ---------------------------------------------------------------- 'block'
