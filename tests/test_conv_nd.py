@@ -46,10 +46,15 @@ def layers(draw: st.DrawFn) -> tuple:
     grid = draw(st.permutations([("N", pn), ("C", pc), ("F", pf), *ps.items()]))
     cin = draw(st.integers(pc * pf, pc * pf + 3))
     cout = draw(st.integers(pc * pf, pc * pf + 3))
+    groups = 1
+    if draw(st.integers(0, 2)) == 0:  # grouped: the channel blocks hold whole groups
+        groups = pc * pf * draw(st.integers(1, 2))
+        cin, cout = groups * draw(st.integers(1, 2)), groups * draw(st.integers(1, 2))
     kernel = tuple(draw(st.integers(1, 3)) for _ in range(dims))
     stride = tuple(draw(st.integers(1, 3)) for _ in range(dims))
     dilation = tuple(draw(st.integers(1, 2)) for _ in range(dims))
-    kw: dict[str, Any] = {"stride": stride, "dilation": dilation, "bias": draw(st.booleans())}
+    kw: dict[str, Any] = {"stride": stride, "dilation": dilation, "bias": draw(st.booleans()),
+                          "groups": groups}
     sizes = tuple(draw(st.integers(3, 7)) for _ in range(dims))
     if transposed:  # output_padding < stride or dilation
         kw["padding"] = tuple(  # the output at least one row
@@ -269,11 +274,11 @@ def test_what_is_not_implemented_is_refused_naming_the_layer(model, shape, entry
         explain(model, config, shape, world_size=4)
 
 
-def test_a_grouped_3d_convolution_split_over_channels_is_refused() -> None:
-    model = nn.Sequential(nn.Conv3d(4, 4, 3, padding=1, groups=2))
+def test_a_grouped_3d_convolution_whose_blocks_split_groups_is_refused() -> None:
+    model = nn.Sequential(nn.Conv3d(6, 6, 3, padding=1, groups=3))
     config = {"layers": [{"match": "0", "grid": {"N": 2, "C": 2}, "algorithm": "stationary-x"}]}
-    with pytest.raises(ValueError, match=r"'0'.*grouped \(groups=2\)"):
-        explain(model, config, (4, 4, 3, 3, 3), world_size=4)
+    with pytest.raises(ValueError, match=r"'0'.*grouped \(groups=3\).*not hold whole groups"):
+        explain(model, config, (4, 6, 3, 3, 3), world_size=4)
 
 
 def _kfac_refusal(comm: Any, case: tuple) -> str:

@@ -119,12 +119,12 @@ def halo_bytes(conv: Any, dists: dict[str, Dist], layout: Any, input_shape: Sequ
 
 
 def conv_nd_dists(algorithm: str, roles: dict[str, str | None], spatial: int,
-                  transposed: bool) -> dict[str, Dist]:
+                  transposed: bool, grouped: bool = False) -> dict[str, Dist]:
     """The distributions of a :class:`DistConvNd` over ``spatial`` spatial dims: ``input``,
     ``work``, ``partial``, ``output``, ``weight`` and ``bias`` (see the module docstring).
     ``roles`` maps ``N``, ``C`` and ``F`` to grid dims, and each spatial role
     (:func:`spatial_roles`) it names to the grid dim that splits it (a role left out: whole)."""
-    base = conv_dists(algorithm, {**roles, "H": None, "W": None})
+    base = conv_dists(algorithm, {**roles, "H": None, "W": None}, grouped)
     rows = tuple(roles.get(r) for r in spatial_roles(spatial))
     out = {}
     for key, d in base.items():
@@ -133,7 +133,7 @@ def conv_nd_dists(algorithm: str, roles: dict[str, str | None], spatial: int,
             continue
         head = list(d.entries[:2])
         if key == "weight":
-            if transposed:
+            if transposed and not grouped:  # grouped: dim 0 holds the groups either way
                 head.reverse()
             out[key] = Dist((*head, *([None] * spatial)), pending=d.pending)
         else:
@@ -184,7 +184,10 @@ class DistConvNd(nn.Module):
             use, more ranks on a dim than channels or filters; at the first forward of a shape,
             more ranks on a spatial dim than input or output rows, or a padding mode that cannot
             pad the input (each message says what would work).
-        UnsupportedConvError: a grouped convolution split over channels or filters.
+        UnsupportedConvError: a grouped convolution split into channel blocks that do not hold
+            whole groups (groups not divisible by C×F). One whose blocks hold whole groups is a
+            local grouped convolution (``x[o,o_C,..] -> y[o,o_C,..]`` and the like, no
+            communication).
     """
 
     def __init__(self, conv: nn.Module, *, grid: ProcessorGrid, algorithm: str,
@@ -217,10 +220,15 @@ class DistConvNd(nn.Module):
             raise ValueError(f"{algorithm} cannot use the grid {dict(grid.layout)}: "
                              "stationary-x splits channels only, stationary-y filters only; use "
                              "stationary-w for both")
-        if conv.groups > 1 and ext["C"] * ext["F"] > 1:
+        #: channel blocks that each hold whole groups (a grouped layer split over C, F or C×F:
+        #: a local grouped convolution); 1 otherwise
+        self._group_parts = ext["C"] * ext["F"] if conv.groups > 1 else 1
+        if conv.groups % self._group_parts:
             raise UnsupportedConvError(
-                f"a grouped {kind} (groups={conv.groups}) split over channels or filters is not "
-                "implemented; run it sample- or spatially parallel")
+                f"a grouped {kind} (groups={conv.groups}) split into {self._group_parts} channel "
+                f"blocks is not implemented: the blocks must hold whole groups (groups divisible "
+                f"by {'×'.join(roles[r] for r in ('C', 'F') if ext[r] > 1)}); run it sample- or "
+                "spatially parallel")
         for role, size in (("C", conv.in_channels), ("F", conv.out_channels)):
             if ext[role] > size:
                 raise ValueError(f"grid dim {roles[role]}={ext[role]} has more ranks than the "
@@ -236,12 +244,14 @@ class DistConvNd(nn.Module):
         self.roles = roles
         #: the grid dims splitting each spatial dim (None: whole)
         self.spatial_dims = tuple(roles[r] for r in rows)
-        dists = conv_nd_dists(algorithm, roles, self.spatial, self.transposed)
+        grouped = self._group_parts > 1
+        dists = conv_nd_dists(algorithm, roles, self.spatial, self.transposed, grouped)
         self.input_dist, self.work_dist = dists["input"], dists["work"]
         self.partial_dist, self.output_dist = dists["partial"], dists["output"]
         self.weight_dist, self.bias_dist = dists["weight"], dists["bias"]
-        self._gather_x = algorithm != "stationary-x" and ext["F"] > 1
-        self._reduce_y = algorithm != "stationary-y" and ext["C"] > 1
+        self._gather_x = not grouped and algorithm != "stationary-x" and ext["F"] > 1
+        self._reduce_y = not grouped and algorithm != "stationary-y" and ext["C"] > 1
+        self._local_groups = conv.groups // self._group_parts
         self.weight_shape = tuple(conv.weight.shape)
         w = conv.weight.detach()
         self.weight = nn.Parameter(w[self.weight_dist.local_slices(w.shape, grid)].clone())
@@ -370,7 +380,7 @@ class DistConvNd(nn.Module):
             padding, out_pad = self._conv_args(geo)
             spec = self._specs[id(geo)] = HaloConvSpec(
                 self._halo_comms, geo.plans, geo.explicit, self.stride, padding, self.dilation,
-                self.groups, self.transposed, out_pad)
+                self._local_groups, self.transposed, out_pad)
         return spec
 
     def _crop(self, y: torch.Tensor, geo: _Geometry, b: torch.Tensor | None) -> torch.Tensor:
@@ -397,13 +407,13 @@ class DistConvNd(nn.Module):
         if self.transposed:
             cropped = any(c is not None for c in geo.crop)
             y = _TRANSPOSED[self.spatial](x, self.weight, None if cropped else b, self.stride,
-                                          padding, out_pad, self.groups, self.dilation)
+                                          padding, out_pad, self._local_groups, self.dilation)
             return self._crop(y, geo, b) if cropped else y
         if geo.explicit is not None:
             mode = "constant" if self.padding_mode == "zeros" else self.padding_mode
             x = F.pad(x, geo.explicit, mode=mode)
         return _CONV[self.spatial](x, self.weight, b, self.stride, padding, self.dilation,
-                                   self.groups)
+                                   self._local_groups)
 
     def forward(self, x: torch.Tensor, global_shape: Sequence[int]) -> torch.Tensor:
         """This rank's block of y (:attr:`output_dist`) from its block ``x``

@@ -36,9 +36,11 @@ def _roles(module: Any) -> dict[str, str]:
     return {"N": "N", "C": "C", "F": "F", **{r: r for r in rows}}
 
 
-def _dists(algorithm: str, module: Any) -> dict[str, Any]:
+def _dists(algorithm: str, module: Any, layout: Any = ()) -> dict[str, Any]:
+    ext = dict(layout or ())
+    grouped = module.groups > 1 and ext.get("C", 1) * ext.get("F", 1) > 1
     return conv_nd_dists(algorithm, _roles(module), module.weight.dim() - 2,
-                         bool(module.transposed))
+                         bool(module.transposed), grouped)
 
 
 class ConvNdHandler(LinearHandler):
@@ -64,16 +66,19 @@ class ConvNdHandler(LinearHandler):
                 an.fail(node, f"{choice.source} splits {stray} on {dict(choice.layout)}, but "
                         f"this {kind} has {len(rows)} spatial dim(s), split over grid dims "
                         f"{rows}: name those (and N, C, F)", ValueError)
-            if module.groups > 1 and live & {"C", "F"}:
+            ext = dict(choice.layout)
+            blocks = ext.get("C", 1) * ext.get("F", 1)
+            if module.groups > 1 and module.groups % blocks:
                 an.fail(node, f"{choice.source} asks for {choice.algorithm} on "
                         f"{dict(choice.layout)}, but this {kind} is grouped "
-                        f"(groups={module.groups}); split it over N and {rows} only, or give "
-                        "it groups=1", ValueError)
+                        f"(groups={module.groups}) and its {blocks} channel blocks would not "
+                        f"hold whole groups; use C×F dividing {module.groups}, or split it over "
+                        f"N and {rows} only", ValueError)
             if choice.pipeline > 1:
                 an.fail(node, f"{choice.source} asks for pipeline: {choice.pipeline}, which is "
                         f"implemented for Conv2d; leave it out for this {kind}", ValueError)
             algorithm = "stationary-x" if choice.algorithm == "spatial" else choice.algorithm
-            dists = _dists(algorithm, module)
+            dists = _dists(algorithm, module, choice.layout)
             args = an.tensor_args(node)
             need = Placement(choice.layout, dists["input"])
             spec = LayerSpec("conv-nd", name, choice.layout, algorithm,
@@ -99,7 +104,7 @@ class ConvNdHandler(LinearHandler):
     def param_dists(self, step: Any, module: Any) -> dict[str, Any] | None:
         if step.layer is None or step.layer.kind != "conv-nd":
             return super().param_dists(step, module)
-        d = _dists(step.layer.algorithm, module)
+        d = _dists(step.layer.algorithm, module, step.layer.layout)
         return {"weight": d["weight"], "bias": d["bias"]}
 
     def price(self, report: Any, step: Any, module: Any, ctx: PriceContext) -> None:
@@ -108,7 +113,8 @@ class ConvNdHandler(LinearHandler):
             report.dists["w"] = "w[" + ",".join("*" * module.weight.dim()) + "]"
             compute(report, step, module, ctx)
             return
-        layout, d = step.layer.layout, _dists(step.layer.algorithm, module)
+        layout = step.layer.layout
+        d = _dists(step.layer.algorithm, module, layout)
         x, y = tuple(ctx.in_shape), tuple(ctx.out_shape or ())
         report.dists = {k: Placement(layout, d[v]).dist.format(k)
                         for k, v in (("x", "input"), ("w", "weight"), ("y", "output"))}
@@ -178,7 +184,9 @@ class ConvNdHandler(LinearHandler):
             Sample("conv3d-transpose3d", lambda: _Volume(), (5, 2, 5, 6, 4),
                    _split(SAMPLE_GRIDS, ("conv", "up")) + VOLUME_GRIDS[2:]),
             Sample("conv1d-transpose1d", lambda: _Signal(), (5, 3, 11),
-                   _split(_SIGNAL_GRIDS, ("conv",))),  # its up-convolution is grouped
+                   _split(_SIGNAL_GRIDS, ("conv",))),  # its up-convolution: 2 groups
+            Sample("grouped-volume", lambda: _Volume(groups=4), (5, 4, 4, 5, 3),
+                   _split(SAMPLE_GRIDS, ("conv", "up")) + VOLUME_GRIDS[2:]),
         )
 
 
@@ -201,11 +209,17 @@ def _split(grids: Sequence[tuple[int, dict]], names: Sequence[str]
 
 
 class _Volume(nn.Module):
-    def __init__(self) -> None:
+    """A Conv3d and a ConvTranspose3d (``groups``: both grouped, 4 channels each)."""
+
+    def __init__(self, groups: int = 1) -> None:
         super().__init__()
-        self.conv = nn.Conv3d(2, 4, 3, padding=1, stride=(1, 2, 1))
-        self.up = nn.ConvTranspose3d(4, 3, 2, stride=2, groups=1)
-        self.head = nn.Linear(3, 3)
+        if groups == 1:
+            self.conv = nn.Conv3d(2, 4, 3, padding=1, stride=(1, 2, 1))
+            self.up = nn.ConvTranspose3d(4, 3, 2, stride=2)
+        else:
+            self.conv = nn.Conv3d(4, 4, 3, padding=1, stride=(1, 2, 1), groups=groups)
+            self.up = nn.ConvTranspose3d(4, 4, 2, stride=2, groups=groups)
+        self.head = nn.Linear(self.up.out_channels, 3)
 
     def forward(self, x: Any) -> Any:
         return self.head(self.up(self.conv(x).relu()).mean((2, 3, 4)))
