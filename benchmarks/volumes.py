@@ -14,7 +14,8 @@ memory per rank -- the bytes of the tensors autograd keeps for backward (distinc
 parameters left out), the most any rank keeps -- against one process's (target for spatial: at
 most 1/P + 10%); and whether the bytes each rank's communicator counted equal ``explain``'s.
 
-Writes ``benchmarks/results/volumes.{json,md}`` and prints the table.
+Writes ``benchmarks/results/volumes.{json,md,png}`` (the plot: activation memory per rank
+against one process, with the target) and prints the table.
 
     .venv/bin/python benchmarks/volumes.py                  # ~6 min
     .venv/bin/python benchmarks/volumes.py --quick          # a smoke run
@@ -201,6 +202,32 @@ def _markdown(results: dict) -> str:
     return "\n".join(lines)
 
 
+def plot(results: dict, path: Path) -> None:
+    """Activation memory per rank against one process, per network, world and side, with the
+    target line 1/P + 0.10 of the spatial side."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [(b, r) for b, rs in results["rows"].items() for r in rs]
+    fig, ax = plt.subplots(figsize=(max(6.4, 0.9 * len(rows)), 4.2), layout="constrained")
+    sides, width = ("sample", "spatial", "hybrid"), 0.27
+    for i, side in enumerate(sides):
+        ax.bar([x + (i - 1) * width for x in range(len(rows))],
+               [r[side]["activation_share"] for _, r in rows], width, label=side)
+    for x, (_, r) in enumerate(rows):
+        target = 1 / r["ranks"] + 0.10
+        ax.plot([x - 1.5 * width, x + 1.5 * width], [target, target], "k--", lw=1,
+                label="target 1/P + 0.10" if x == 0 else None)
+    ax.set_xticks(range(len(rows)), [f"{b} {r['network']} P={r['ranks']}" for b, r in rows],
+                  rotation=20, ha="right", fontsize=8)
+    ax.set_ylabel("activations kept per rank / one process's")
+    ax.set_title("3-D networks: activation memory per rank")
+    ax.legend(fontsize=8)
+    fig.savefig(path, dpi=120)
+
+
 def main(argv: list[str] | None = None) -> dict:
     from tqdm import tqdm
 
@@ -233,6 +260,7 @@ def main(argv: list[str] | None = None) -> dict:
     (args.out / "volumes.json").write_text(json.dumps(results, indent=1))
     table = _markdown(results)
     (args.out / "volumes.md").write_text(table + "\n")
+    plot(results, args.out / "volumes.png")
     print(table)
     return results
 
