@@ -62,6 +62,7 @@ from distkfac.sharded import (
     BlockLayout,
     ExactLayer,
     ShardAdapter,
+    SpatialShardAdapter,
     ShardGeometry,
     attach,
     exchange_exact,
@@ -337,13 +338,19 @@ class KFAC:
             if isinstance(module, DistConv2d):
                 self._register_dist(name, module)
                 continue
+            if isinstance(module, DistConvNd) and not module.transposed and all(
+                    module.grid.extent(module.roles[r]) == 1 for r in ("C", "F")):
+                self._register_spatial(name, module)
+                continue
             if isinstance(module, DistConvNd):
                 raise NotImplementedError(
                     f"distkfac: {name!r} is a {module.kind} split over "
                     f"{'×'.join(d for d, e in module.grid.layout if e > 1)} "
                     f"({module.algorithm} on {dict(module.grid.layout)}); K-FAC factors for it "
-                    f"are not implemented. Run it sample-parallel in the config, or leave it "
-                    f"unpreconditioned with skip_layers=[{name!r}]")
+                    f"are implemented split over samples and spatial dims only (not over "
+                    f"channels or filters, nor for a transposed convolution). Run it sample- or "
+                    f"spatially parallel in the config, or leave it unpreconditioned with "
+                    f"skip_layers=[{name!r}]")
             if not isinstance(module, (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)):
                 continue
             adapter = adapter_for(module, name)
@@ -401,6 +408,19 @@ class KFAC:
                                                 comm_dtype=self.factor_comm_dtype)
             self._broadcasters[key] = PayloadBroadcaster(comm)
         return self._reducers[key]
+
+    def _register_spatial(self, name: str, module: DistConvNd) -> None:
+        """A DistConvNd split over samples and spatial dims: one block, its rows summed over
+        the ranks that hold the weight (the work hook's statistics)."""
+        if not (module.weight.requires_grad and
+                (module.bias is None or module.bias.requires_grad)):
+            self.skipped[name] = "its parameters are frozen"
+            warnings.warn(f"distkfac: skipping module {name!r}: frozen", stacklevel=4)
+            return
+        comm = redundant_comm(module)
+        target = self._add_layer(SpatialShardAdapter(module, name), comm)
+        attach(module, self._work_hook([(target.adapter, target.name)],
+                                       self._reducers[id(comm)]))
 
     def _register_dist(self, name: str, module: DistConv2d) -> None:
         if not (module.weight.requires_grad and
@@ -516,7 +536,7 @@ class KFAC:
             scale = None if n is None else float(n * self.accumulation_steps) ** 2
             deferred = []
             for target, name in targets:
-                target.positions = y_shape[2] * y_shape[3]
+                target.positions = math.prod(y_shape[2:])
                 target.prescaled = scale is not None
                 a, rows = target.work_a(x, padding, y, self.factor_dtype)
                 if callable(a):  # still being reduced: added when the gradient arrives

@@ -81,10 +81,12 @@ the reductions over N, H, W.
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from distconv.distribution import balanced_block
@@ -92,7 +94,7 @@ from distkfac.layers import LayerAdapter, conv_input_cov
 from distkfac.lowprec import reduce_scatter
 
 __all__ = ["LAYOUTS", "BlockLayout", "ShardAdapter", "BiasShardAdapter", "ExactLayer", "precondition_exact",
-           "redundant_comm", "shard_geometry"]
+           "SpatialShardAdapter", "redundant_comm", "shard_geometry"]
 
 LAYOUTS = ("exact", "block")
 
@@ -295,6 +297,56 @@ class ShardAdapter(_WorkHookAdapter):
         """``G = sum / rows * N^2``: N^2 already applied in the hook when the global batch was
         known there, else ``N = rows / (global output positions per sample)``."""
         return 1.0 if self.prescaled else (rows / self.positions) ** 2
+
+
+class SpatialShardAdapter(_WorkHookAdapter):
+    """A ``DistConvNd`` split over samples and spatial dims only (its weight whole on every
+    rank) as one K-FAC block: the im2col rows of the rank's output block, from the haloed input
+    its work hook hands over, summed over the ranks that split samples and space as the rows of
+    one process's batch are; ``G`` likewise from the output block's gradient."""
+
+    def __init__(self, module: nn.Module, name: str) -> None:
+        super().__init__(module, name)
+        self.positions, self.prescaled = 1, False
+
+    @property
+    def has_bias(self) -> bool:
+        return self.module.bias is not None
+
+    @property
+    def groups(self) -> int:
+        return self.module.groups
+
+    @property
+    def a_dim(self) -> int:
+        m = self.module
+        return m.weight.shape[1] * math.prod(m.kernel_size) + int(self.has_bias)
+
+    @property
+    def g_dim(self) -> int:
+        return self.module.weight.shape[0] // self.groups
+
+    def work_a(self, x: Tensor, padding: tuple[int, ...], y: Tensor,
+               dtype: torch.dtype) -> tuple[Tensor, int]:
+        m, g = self.module, self.groups
+        x = x.detach().to(dtype)
+        if any(padding):
+            x = F.pad(x, padding)
+        for i, (k, s, d) in enumerate(zip(m.kernel_size, m.stride, m.dilation)):
+            x = x.unfold(2 + i, d * (k - 1) + 1, s)[..., ::d]  # windows as a trailing dim
+        nd, c = len(m.kernel_size), x.shape[1]
+        order = (0, *range(2, 2 + nd), 1, *range(2 + nd, 2 + 2 * nd))
+        rows = x.permute(order).reshape(-1, g, c // g * math.prod(m.kernel_size)).transpose(0, 1)
+        if self.has_bias:
+            rows = torch.cat([rows, rows.new_ones(*rows.shape[:2], 1)], dim=2)
+        return rows.transpose(1, 2) @ rows, rows.shape[1]
+
+    def work_g(self, gy: Tensor, dtype: torch.dtype) -> tuple[Tensor, int]:
+        n, f = gy.shape[:2]
+        rows = gy.detach().to(dtype).reshape(n, self.groups, f // self.groups, -1)
+        return (rows @ rows.transpose(-1, -2)).sum(0), n * rows.shape[-1]
+
+    g_scale = ShardAdapter.g_scale
 
 
 class BiasShardAdapter(_WorkHookAdapter):

@@ -264,6 +264,10 @@ class DistConvNd(nn.Module):
         keep_requires_grad(self, conv, ("weight", "bias"))
         self._geometries: dict[tuple[int, ...], _Geometry] = {}
         self._specs: dict[int, HaloConvSpec] = {}  # id of a cached geometry -> its spec
+        #: Called after the local convolution of a direct layer as ``work_hook(layer, x,
+        #: padding, y, y_shape)`` (:class:`~distconv.nn.DistConv2d`'s; distkfac reads its factors
+        #: here). Default None.
+        self.work_hook: Any = None
         self._checked: dict[tuple[Any, Any], _Geometry] = {}
         # sub-communicators are created collectively, in the same order on every rank
         self._halo_comms = tuple(grid.subcomm([d]) if d else None for d in self.spatial_dims)
@@ -401,6 +405,24 @@ class DistConvNd(nn.Module):
             y = y + b.to(y.dtype).view(1, -1, *([1] * self.spatial))
         return y
 
+    def _hooked(self, x: torch.Tensor, geo: _Geometry, b: torch.Tensor | None) -> torch.Tensor:
+        """A direct layer's halo exchanges and local convolution as separate steps, the
+        convolution's input handed to :attr:`work_hook` with the zero padding it still applies
+        (``F.pad``'s list, last dim first)."""
+        for i, plan in enumerate(geo.plans):
+            if plan is not None:
+                x = halo_exchange(x, self._halo_comms[i], plan, 2 + i)
+        if geo.explicit is not None:
+            mode = "constant" if self.padding_mode == "zeros" else self.padding_mode
+            x = F.pad(x, geo.explicit, mode=mode)
+        padding, _ = self._conv_args(geo)
+        pads = [0] * (2 * self.spatial) if isinstance(padding, int) else [
+            p for i in reversed(range(self.spatial)) for p in (padding[i], padding[i])]
+        y = _CONV[self.spatial](x, self.weight, b, self.stride, padding, self.dilation,
+                                self._local_groups)
+        self.work_hook(self, x, tuple(pads), y, geo.y_shape)
+        return y
+
     def _local(self, x: torch.Tensor, geo: _Geometry, b: torch.Tensor | None) -> torch.Tensor:
         """The local convolution of the haloed input ``x`` (split dims unpadded)."""
         padding, out_pad = self._conv_args(geo)
@@ -436,7 +458,9 @@ class DistConvNd(nn.Module):
         if self._gather_x:
             x = redistribute(x, self.grid, self.input_dist, self.work_dist, shape)
         b = None if self._reduce_y else self.bias
-        if self.padding_mode == "zeros" and any(geo.plans) and (
+        if self.work_hook is not None:
+            y = self._hooked(x, geo, b)
+        elif self.padding_mode == "zeros" and any(geo.plans) and (
                 autocast_dtype(x.device.type) is None):
             cropped = self.transposed and any(c is not None for c in geo.crop)
             y = halo_conv(x, self.weight, None if cropped else b, self._halo_spec(geo))

@@ -172,18 +172,25 @@ def _volume_run(comm, config, case):
     return _gathered_grads(pmodel), [type(ly.adapter).__name__ for ly in kfac.layers]
 
 
-@pytest.mark.parametrize("size, config", [
-    (2, {"default": {"grid": {"N": 2}, "algorithm": "sample"}}),
-    (4, {"default": {"grid": {"N": 2, "C": 2}, "algorithm": "stationary-x"}}),
+@pytest.mark.parametrize("size, config, kind", [
+    (2, {"default": {"grid": {"N": 2}, "algorithm": "sample"}}, "ConvNdAdapter"),
+    (4, {"default": {"grid": {"N": 2, "C": 2}, "algorithm": "stationary-x"}}, "ConvNdAdapter"),
+    (2, {"default": {"grid": {"N": 1, "D": 2}, "algorithm": "spatial"},
+         "data": {"N": 1, "D": 2}}, "SpatialShardAdapter"),
+    (4, {"default": {"grid": {"N": 2, "D": 2}, "algorithm": "spatial"}}, "SpatialShardAdapter"),
+    (4, {"default": {"grid": {"D": 2, "H": 2}, "algorithm": "spatial"},
+         "data": {"N": 1, "D": 2, "H": 2}}, "SpatialShardAdapter"),
 ])
-def test_conv3d_layers_of_a_parallelized_volume_network_equal_single_process(size, config):
-    """A CosmoFlow-style network's Conv3d layers run sample-parallel inside the parallel model
-    (replicated over C on 4 ranks): their K-FAC factors are the global batch's, and two steps
-    end with one process's gradients."""
+def test_conv3d_layers_of_a_parallelized_volume_network_equal_single_process(size, config,
+                                                                             kind):
+    """A CosmoFlow-style network's Conv3d layers sample-parallel inside the parallel model
+    (replicated over C on 4 ranks), or split over depth and rows (their factors summed from
+    each rank's output block over the ranks of a volume): their K-FAC factors are the global
+    batch's, and two steps end with one process's gradients."""
     from distconv.testing.threads import run_threads
 
     want = reference(_volume_case)
     for grads, kinds in run_threads(_volume_run, size, config, _volume_case()):
-        assert "ConvNdAdapter" in kinds
+        assert kind in kinds, kinds
         for k, g in want.items():
             torch.testing.assert_close(grads[k], g, rtol=1e-9, atol=1e-11, msg=k)
