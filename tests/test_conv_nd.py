@@ -422,3 +422,49 @@ def test_a_spatially_split_convolution_keeps_its_block_and_its_halo_rows_not_a_c
     conv = conv.double()
     for rank, got in enumerate(run_threads(_kept_for_backward, 2, conv, shape, grid)):
         assert got["own"] == got["block"] and got["other"] == rows[rank] * got["row"], got
+
+
+def _trained_then_saved(comm: Any, case: tuple, config: dict, path: str) -> None:
+    import distconv
+    from distconv.data import sample_block
+
+    model, x, y = case
+    pmodel = parallelize(copy.deepcopy(model), config, comm=comm)
+    opt = torch.optim.SGD(pmodel.parameters(), lr=0.1, momentum=0.9)
+    rows = sample_block(x.shape[0], pmodel.data_grid)
+    F.cross_entropy(pmodel(x[rows]), y[rows]).backward()
+    opt.step()
+    distconv.save(pmodel, path, optimizer=opt, comm=comm)
+
+
+def _resumed(comm: Any, model: nn.Module, config: dict, path: str) -> dict:
+    import distconv
+
+    pmodel = parallelize(copy.deepcopy(model), config, comm=comm)
+    opt = torch.optim.SGD(pmodel.parameters(), lr=0.1, momentum=0.9)
+    distconv.load(pmodel, path, optimizer=opt)
+    return pmodel.gather_state_dict()
+
+
+def test_a_spatially_split_3d_unet_checkpoint_resumes_on_another_layout(tmp_path) -> None:  # noqa: ANN001
+    """Saved after a step over D×H on 4 ranks (its bottleneck over channels), loaded on 2
+    ranks split over channels only, and consolidated on one process: the state is one
+    process's after the same step."""
+    import distconv
+
+    case = _spatial_unet()
+    model, x, y = case
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    F.cross_entropy(ref(x), y).backward()
+    opt.step()
+    path = str(tmp_path / "unet")
+    run_threads(_trained_then_saved, 4, case, SPATIAL_CONFIG, path)
+    other = {"default": {"grid": {"N": 2}, "algorithm": "sample"}, "layers": [
+        {"match": "dec.*", "grid": {"C": 2}, "algorithm": "stationary-x"}]}
+    for got in run_threads(_resumed, 2, model, other, path):
+        for k, v in ref.state_dict().items():
+            torch.testing.assert_close(got[k], v, rtol=TOL, atol=TOL, msg=k)
+    plain = distconv.consolidate(path)
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(plain[k], v, rtol=TOL, atol=TOL, msg=k)
