@@ -20,7 +20,7 @@ import torch
 from distconv.conv_geometry import HaloPlan
 
 __all__ = ["HaloExchange", "halo_accumulate", "halo_adjoint", "halo_exchange", "halo_forward",
-           "halo_parts"]
+           "halo_parts", "haloed"]
 
 
 def _with_len(t: torch.Tensor, dim: int, n: int) -> tuple[int, ...]:
@@ -208,6 +208,21 @@ class HaloExchange(torch.autograd.Function):
         if not ctx.needs_input_grad[0]:
             return None, None, None, None
         return halo_adjoint(g, ctx.comm, ctx.plan, ctx.dim, ctx.index), None, None, None
+
+
+def haloed(x: torch.Tensor, comms: Sequence[Any], plans: Sequence[HaloPlan | None],
+           explicit: Sequence[int] | None, padding_mode: str) -> torch.Tensor:
+    """A convolution's local input as separate differentiable steps: the halo exchange of each
+    split spatial dim (``plans[i]`` over ``comms[i]``; None: whole), dim after dim so that
+    corners travel with the later exchange, then the padding of the whole dims (``explicit``,
+    ``F.pad``'s list; None: none) in ``padding_mode``."""
+    for i, plan in enumerate(plans):
+        if plan is not None:
+            x = halo_exchange(x, comms[i], plan, 2 + i)
+    if explicit is not None:
+        x = torch.nn.functional.pad(
+            x, list(explicit), mode="constant" if padding_mode == "zeros" else padding_mode)
+    return x
 
 
 def halo_exchange(x: torch.Tensor, comm: Any, plan: HaloPlan, dim: int) -> torch.Tensor:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import abc
 import math
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -208,6 +209,20 @@ def _nd_padding(conv: nn.Module) -> list[int]:
     return [p for i in reversed(range(len(k))) for p in (conv.padding[i], conv.padding[i])]
 
 
+def windows(x: Tensor, kernel: Sequence[int], stride: Sequence[int], dilation: Sequence[int],
+            groups: int) -> Tensor:
+    """The im2col rows of a convolution over the already padded ``x`` (N, C, *spatial):
+    ``(groups, rows, C/groups * prod(kernel))``, taken with ``Tensor.unfold`` along each
+    spatial dim and ordered like ``weight.reshape(F, -1)``'s columns."""
+    for i, (k, s, d) in enumerate(zip(kernel, stride, dilation)):
+        x = x.unfold(2 + i, d * (k - 1) + 1, s)[..., ::d]  # windows as a trailing dim
+    nd, c = len(kernel), x.shape[1]
+    # (N, C, *out, *kernel) -> (N, *out, C, *kernel) -> (groups, rows, C/g * prod(kernel))
+    order = (0, *range(2, 2 + nd), 1, *range(2 + nd, 2 + 2 * nd))
+    rows = x.permute(order).reshape(-1, groups, c // groups * math.prod(kernel))
+    return rows.transpose(0, 1)
+
+
 class ConvNdAdapter(LayerAdapter):
     """``nn.Conv1d`` and ``nn.Conv3d`` (and any ``nn.ConvNd``) with any stride, padding (ints,
     ``'same'``, ``'valid'``, any padding mode), dilation, kernel and groups: the im2col rows are
@@ -245,14 +260,7 @@ class ConvNdAdapter(LayerAdapter):
         if any(pads):
             mode = "constant" if m.padding_mode == "zeros" else m.padding_mode
             x = F.pad(x, pads, mode=mode)
-        for i, (k, s, d) in enumerate(zip(m.kernel_size, m.stride, m.dilation)):
-            x = x.unfold(2 + i, d * (k - 1) + 1, s)[..., ::d]  # windows as a trailing dim
-        n, c = x.shape[:2]
-        nd = self.spatial
-        # (N, C, *out, *kernel) -> (N, *out, C, *kernel) -> (groups, rows, C/g * prod(kernel))
-        order = (0, *range(2, 2 + nd), 1, *range(2 + nd, 2 + 2 * nd))
-        rows = x.permute(order).reshape(-1, m.groups, c // m.groups * math.prod(m.kernel_size))
-        return rows.transpose(0, 1)
+        return windows(x, m.kernel_size, m.stride, m.dilation, m.groups)
 
     def a_sum(self, x: Tensor, dtype: torch.dtype) -> tuple[Tensor, int]:
         rows = self.patches(self._batched(x.detach()).to(dtype))

@@ -90,7 +90,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from distconv.distribution import balanced_block
-from distkfac.layers import LayerAdapter, conv_input_cov
+from distkfac.layers import LayerAdapter, conv_input_cov, windows
 from distkfac.lowprec import reduce_scatter
 
 __all__ = ["LAYOUTS", "BlockLayout", "ShardAdapter", "BiasShardAdapter", "ExactLayer", "precondition_exact",
@@ -328,15 +328,11 @@ class SpatialShardAdapter(_WorkHookAdapter):
 
     def work_a(self, x: Tensor, padding: tuple[int, ...], y: Tensor,
                dtype: torch.dtype) -> tuple[Tensor, int]:
-        m, g = self.module, self.groups
+        m = self.module
         x = x.detach().to(dtype)
         if any(padding):
             x = F.pad(x, padding)
-        for i, (k, s, d) in enumerate(zip(m.kernel_size, m.stride, m.dilation)):
-            x = x.unfold(2 + i, d * (k - 1) + 1, s)[..., ::d]  # windows as a trailing dim
-        nd, c = len(m.kernel_size), x.shape[1]
-        order = (0, *range(2, 2 + nd), 1, *range(2 + nd, 2 + 2 * nd))
-        rows = x.permute(order).reshape(-1, g, c // g * math.prod(m.kernel_size)).transpose(0, 1)
+        rows = windows(x, m.kernel_size, m.stride, m.dilation, self.groups)
         if self.has_bias:
             rows = torch.cat([rows, rows.new_ones(*rows.shape[:2], 1)], dim=2)
         return rows.transpose(1, 2) @ rows, rows.shape[1]

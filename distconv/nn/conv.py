@@ -17,7 +17,7 @@ from distconv.comm.base import agree_on_value, get_debug
 from distconv.distribution import Dist, Entry, as_shape
 from distconv.grid import ProcessorGrid
 from distconv.nn._amp import autocast_dtype
-from distconv.halo import halo_exchange
+from distconv.halo import haloed
 from distconv.nn._activation import local_shape
 from distconv.nn.clip import register_parameter_specs
 from distconv.nn.grad_sync import GradSync
@@ -624,12 +624,7 @@ class DistConv2d(nn.Module):
             # the exchanges and the convolution as one step: no haloed copy kept for backward
             y = halo_conv(x, self.weight, fused_bias, self._halo_spec(geo))
         else:
-            for i, plan in enumerate(geo.halo):
-                if plan is not None:
-                    x = halo_exchange(x, self._halo_comms[i], plan, 2 + i)
-            if geo.explicit_pad is not None:
-                mode = "constant" if self.padding_mode == "zeros" else self.padding_mode
-                x = F.pad(x, geo.explicit_pad, mode=mode)
+            x = haloed(x, self._halo_comms, geo.halo, geo.explicit_pad, self.padding_mode)
             y = F.conv2d(
                 x, self.weight, fused_bias, self.stride, geo.conv_padding, self.dilation,
                 self._local_groups,

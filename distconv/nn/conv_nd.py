@@ -42,7 +42,7 @@ from distconv.conv_geometry import (
 )
 from distconv.distribution import Dist, as_shape
 from distconv.grid import ProcessorGrid
-from distconv.halo import halo_exchange
+from distconv.halo import haloed
 from distconv.nn._amp import autocast_dtype
 from distconv.nn.clip import register_parameter_specs
 from distconv.nn.conv import ALGORITHMS, UnsupportedConvError, conv_dists
@@ -409,12 +409,7 @@ class DistConvNd(nn.Module):
         """A direct layer's halo exchanges and local convolution as separate steps, the
         convolution's input handed to :attr:`work_hook` with the zero padding it still applies
         (``F.pad``'s list, last dim first)."""
-        for i, plan in enumerate(geo.plans):
-            if plan is not None:
-                x = halo_exchange(x, self._halo_comms[i], plan, 2 + i)
-        if geo.explicit is not None:
-            mode = "constant" if self.padding_mode == "zeros" else self.padding_mode
-            x = F.pad(x, geo.explicit, mode=mode)
+        x = haloed(x, self._halo_comms, geo.plans, geo.explicit, self.padding_mode)
         padding, _ = self._conv_args(geo)
         pads = [0] * (2 * self.spatial) if isinstance(padding, int) else [
             p for i in reversed(range(self.spatial)) for p in (padding[i], padding[i])]
@@ -467,9 +462,7 @@ class DistConvNd(nn.Module):
             if cropped:
                 y = self._crop(y, geo, b)
         else:
-            for i, plan in enumerate(geo.plans):  # dim after dim: corners travel with the later
-                if plan is not None:
-                    x = halo_exchange(x, self._halo_comms[i], plan, 2 + i)
+            x = haloed(x, self._halo_comms, geo.plans, None, self.padding_mode)
             y = self._local(x, geo, b)
         if self._reduce_y:
             y = redistribute(y, self.grid, self.partial_dist, self.output_dist, geo.y_shape)
