@@ -412,21 +412,23 @@ class KFAC:
     def _register_spatial(self, name: str, module: DistConvNd) -> None:
         """A DistConvNd split over samples and spatial dims: one block, its rows summed over
         the ranks that hold the weight (the work hook's statistics)."""
-        if not (module.weight.requires_grad and
-                (module.bias is None or module.bias.requires_grad)):
-            self.skipped[name] = "its parameters are frozen"
-            warnings.warn(f"distkfac: skipping module {name!r}: frozen", stacklevel=4)
+        if self._frozen(name, module):
             return
         comm = redundant_comm(module)
         target = self._add_layer(SpatialShardAdapter(module, name), comm)
         attach(module, self._work_hook([(target.adapter, target.name)],
                                        self._reducers[id(comm)]))
 
+    def _frozen(self, name: str, module: nn.Module) -> bool:
+        """Whether a distributed layer's parameters are frozen (then skipped, with a warning)."""
+        if module.weight.requires_grad and (module.bias is None or module.bias.requires_grad):
+            return False
+        self.skipped[name] = "its parameters are frozen"
+        warnings.warn(f"distkfac: skipping module {name!r}: frozen", stacklevel=5)
+        return True
+
     def _register_dist(self, name: str, module: DistConv2d) -> None:
-        if not (module.weight.requires_grad and
-                (module.bias is None or module.bias.requires_grad)):
-            self.skipped[name] = "its parameters are frozen"
-            warnings.warn(f"distkfac: skipping module {name!r}: frozen", stacklevel=4)
+        if self._frozen(name, module):
             return
         geo = ShardGeometry(module)
         comm = redundant_comm(module)

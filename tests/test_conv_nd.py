@@ -148,18 +148,22 @@ def _unet() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
     return model, x, y
 
 
-def unet_run(comm: Any, explained: list | None = None, case: tuple | None = None) -> dict:
-    """Thread ranks pass ``case`` (and ``explained``) from outside: they share torch's generator
-    and its tracer, so they must not draw a model or trace one at once."""
+def unet_run(comm: Any, explained: list | None = None, case: tuple | None = None,
+             config: dict | None = None) -> dict:
+    """One step of the U-Net of ``case`` under ``config`` (default: ``UNET_CONFIG``) against one
+    process, and the bytes counted and explained. Thread ranks pass ``case`` (and
+    ``explained``) from outside: they share torch's generator and its tracer, so they must not
+    draw a model or trace one at once."""
     from tests.parallel.cases import counted_step
 
     model, x, y = case if case is not None else _unet()
+    config = config or UNET_CONFIG
     ref = copy.deepcopy(model)
     out_ref = ref(x)
     F.cross_entropy(out_ref, y).backward()
-    got = counted_step(comm, model, UNET_CONFIG, x, y)
+    got = counted_step(comm, model, config, x, y)
     if explained is None:
-        plan = explain(model, UNET_CONFIG, UNET_SHAPE, world_size=comm.size)
+        plan = explain(model, config, tuple(x.shape), world_size=comm.size)
         explained = [tuple(plan.rank_bytes(r).values()) for r in range(comm.size)]
     return {"out": (got["out"] - out_ref.detach()[got["rows"]]).abs().max().item(),
             "grads": max((got["grads"][k] - p.grad).abs().max().item()
@@ -193,20 +197,8 @@ def _spatial_unet() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
 
 def spatial_unet_run(comm: Any, explained: list | None = None, case: tuple | None = None
                      ) -> dict:
-    from tests.parallel.cases import counted_step
-
-    model, x, y = case if case is not None else _spatial_unet()
-    ref = copy.deepcopy(model)
-    out_ref = ref(x)
-    F.cross_entropy(out_ref, y).backward()
-    got = counted_step(comm, model, SPATIAL_CONFIG, x, y)
-    if explained is None:
-        plan = explain(model, SPATIAL_CONFIG, SPATIAL_SHAPE, world_size=comm.size)
-        explained = [tuple(plan.rank_bytes(r).values()) for r in range(comm.size)]
-    return {"out": (got["out"] - out_ref.detach()[got["rows"]]).abs().max().item(),
-            "grads": max((got["grads"][k] - p.grad).abs().max().item()
-                         for k, p in ref.named_parameters()),
-            "counted": got["counted"], "explained": tuple(explained[comm.rank])}
+    return unet_run(comm, explained, case if case is not None else _spatial_unet(),
+                    SPATIAL_CONFIG)
 
 
 def both_unets(comm: Any) -> list[dict]:
