@@ -76,6 +76,45 @@ def test_split_dropout_equals_one_process(dropout: nn.Module, name: str) -> None
             assert (got["grads"][k] - g).abs().max() < TOL, k
 
 
+class Volume(nn.Module):
+    """A Conv3d or Conv1d, channel dropout, a convolution and a head."""
+
+    def __init__(self, dims: int, dropout: nn.Module) -> None:
+        super().__init__()
+        conv = {1: nn.Conv1d, 3: nn.Conv3d}[dims]
+        self.c1, self.drop, self.c2 = conv(2, 4, 3, padding=1), dropout, conv(4, 4, 1)
+        self.head = nn.Linear(4, 3)
+        self.dims = tuple(range(2, 2 + dims))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.c2(self.drop(torch.relu(self.c1(x)))).mean(self.dims))
+
+
+@pytest.mark.parametrize("dims, dropout, config", [
+    (3, nn.Dropout3d(0.4), {"default": {"grid": {"D": 2, "H": 2}, "algorithm": "spatial"},
+                            "data": {"N": 1, "D": 2, "H": 2}}),
+    (3, nn.Dropout3d(0.4), {"default": {"grid": {"N": 4}, "algorithm": "sample"}, "layers": [
+        {"match": "c*", "grid": {"N": 2, "C": 2}, "algorithm": "stationary-x"}]}),
+    (1, nn.Dropout1d(0.4), {"default": {"grid": {"N": 2, "W": 2}, "algorithm": "spatial"},
+                            "data": {"N": 2, "W": 2}}),
+    (3, nn.Dropout(0.4), {"default": {"grid": {"N": 2, "D": 2}, "algorithm": "spatial"},
+                          "data": {"N": 2, "D": 2}}),
+], ids=["Dropout3d-DxH", "Dropout3d-C", "Dropout1d-W", "Dropout-D"])
+def test_split_dropout_of_volumes_and_signals_equals_one_process(dims: int, dropout: nn.Module,
+                                                                 config: dict) -> None:
+    gen = torch.Generator().manual_seed(3)
+    model = Volume(dims, dropout).double()
+    x = torch.randn((4, 2, 4, 5, 3) if dims == 3 else (4, 2, 9), generator=gen,
+                    dtype=torch.float64)
+    ref = _reference(model, x)
+    torch.manual_seed(SEED)
+    for got in run_threads(_step, 4, model, config, x):
+        assert f"Dist{type(dropout).__name__}" in got["kinds"], got["kinds"]
+        assert (got["out"] - ref["out"][got["rows"]]).abs().max() < TOL
+        for k, g in ref["grads"].items():
+            assert (got["grads"][k] - g).abs().max() < TOL, k
+
+
 def test_masks_really_drop_and_eval_is_identity() -> None:
     """A mask of the global tensor, blocks kept: the zeros of each rank's block are where one
     process's mask has them; in eval mode nothing changes."""

@@ -19,7 +19,7 @@ from torch.nn.modules.dropout import _DropoutNd
 from distconv.distribution import Dist
 from distconv.grid import ProcessorGrid
 
-__all__ = ["DistDropout", "DistDropout2d"]
+__all__ = ["DistDropout", "DistDropout1d", "DistDropout2d", "DistDropout3d"]
 
 
 class _DistDropout(_DropoutNd):
@@ -79,5 +79,19 @@ class DistDropout2d(_DistDropout, nn.Dropout2d):
     """``nn.Dropout2d`` (whole channels of a sample) on this rank's block of an activation
     distributed as ``input_dist``; an ``nn.Dropout2d`` for ``isinstance``. Arguments and
     ``forward`` as :class:`DistDropout`, the global mask being ``[N, C, 1, 1]``."""
+
+    features = True
+
+
+class DistDropout1d(_DistDropout, nn.Dropout1d):
+    """``nn.Dropout1d`` (whole channels of a signal) as :class:`DistDropout2d`, the global mask
+    being ``[N, C, 1]``; an ``nn.Dropout1d`` for ``isinstance``."""
+
+    features = True
+
+
+class DistDropout3d(_DistDropout, nn.Dropout3d):
+    """``nn.Dropout3d`` (whole channels of a volume) as :class:`DistDropout2d`, the global mask
+    being ``[N, C, 1, 1, 1]``; an ``nn.Dropout3d`` for ``isinstance``."""
 
     features = True

@@ -47,13 +47,14 @@ class PointwiseHandler(Handler):
 
 
 class DropoutHandler(Handler):
-    """``Dropout`` and ``Dropout2d`` (module or ``F.*``). On values split over sample dims only,
+    """``Dropout`` and ``Dropout1d/2d/3d`` (module or ``F.*``). On values split over sample dims
+    only,
     each rank draws its own block's mask from torch's generator, as DDP does; on values split
     over model-parallel dims (channels, rows, ...), :class:`~distconv.nn.DistDropout` draws the
     global mask from a generator every rank shares and keeps its block: one process's masks."""
 
-    modules = (nn.Dropout, nn.Dropout2d)
-    functions = frozenset({F.dropout, F.dropout2d})
+    modules = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d)
+    functions = frozenset({F.dropout, F.dropout1d, F.dropout2d, F.dropout3d})
 
     def place(self, an: Any, node: Any, module: Any) -> Any:
         from distconv.parallel.graph import LayerSpec
@@ -66,11 +67,15 @@ class DropoutHandler(Handler):
         return step
 
     def build(self, module: Any, node: Any, step: Any, grid: Any) -> Any:
-        from distconv.nn.dropout import DistDropout, DistDropout2d
+        from distconv.nn.dropout import (
+            DistDropout, DistDropout1d, DistDropout2d, DistDropout3d,
+        )
 
-        features = isinstance(module, nn.Dropout2d) or node.target is F.dropout2d
-        layer = (DistDropout2d if features else DistDropout)(
-            _drop_p(node, module), grid=grid, input_dist=step.layer.input.dist)
+        kinds = {nn.Dropout1d: DistDropout1d, nn.Dropout2d: DistDropout2d,
+                 nn.Dropout3d: DistDropout3d, F.dropout1d: DistDropout1d,
+                 F.dropout2d: DistDropout2d, F.dropout3d: DistDropout3d}
+        cls = kinds.get(type(module) if module is not None else node.target, DistDropout)
+        layer = cls(_drop_p(node, module), grid=grid, input_dist=step.layer.input.dist)
         if module is not None:
             layer.train(module.training)
         elif not bool(node.kwargs.get("training", node.args[2] if len(node.args) > 2 else True)):

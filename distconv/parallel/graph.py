@@ -239,13 +239,14 @@ class _Analyser:
 
 def _distributed_modules() -> tuple[type, ...]:
     from distconv.nn import (
-        DistAdaptiveAvgPool2d, DistBatchNorm, DistConv2d, DistConvNd, DistDropout,
-        DistDropout2d, DistGroupNorm, Redistribute,
+        DistAdaptiveAvgPool2d, DistBatchNorm, DistConv2d, DistConvNd, DistGroupNorm,
+        Redistribute,
     )
+    from distconv.nn.dropout import _DistDropout
     from distconv.nn.pool import POOLS
 
     return (DistConv2d, DistConvNd, DistBatchNorm, DistGroupNorm, *POOLS.values(),
-            DistAdaptiveAvgPool2d, DistDropout, DistDropout2d, Redistribute)
+            DistAdaptiveAvgPool2d, _DistDropout, Redistribute)
 
 
 def _target(node: fx.Node) -> str:
