@@ -277,6 +277,67 @@ class ConvNdAdapter(LayerAdapter):
         return cov * (batch * batch), n * per_sample.shape[-1]
 
 
+class ConvTransposeAdapter(ConvNdAdapter):
+    """``nn.ConvTranspose1d/2d/3d`` with any stride, padding, output padding, dilation, kernel and
+    groups, as the direct convolution it equals: over the input with ``stride - 1`` zeros
+    between its rows, padded by ``dilation (kernel - 1) - padding`` before and that plus the
+    output padding after (cropped where negative), with the kernel flipped and the weight's
+    channel dims swapped per group, stride 1. The im2col rows are that convolution's windows;
+    :meth:`grad_matrix` and :meth:`set_grad` map the weight ``(in, out/groups, k...)`` to the
+    ``(groups, out/groups, in/groups · prod(k))`` matrix and back."""
+
+    @property
+    def a_dim(self) -> int:
+        m = self.module
+        return m.in_channels // m.groups * math.prod(m.kernel_size) + int(self.has_bias)
+
+    def patches(self, x: Tensor) -> Tensor:
+        m = self.module
+        k = self.spatial
+        for i, s in enumerate(m.stride):  # zeros between the rows
+            if s > 1:
+                shape = list(x.shape)
+                shape[2 + i] = (shape[2 + i] - 1) * s + 1
+                stuffed = x.new_zeros(shape)
+                stuffed[(slice(None),) * (2 + i) + (slice(None, None, s),)] = x
+                x = stuffed
+        pads = []
+        for i in reversed(range(k)):
+            before = m.dilation[i] * (m.kernel_size[i] - 1) - m.padding[i]
+            pads += [before, before + m.output_padding[i]]
+        if any(pads):
+            x = F.pad(x, pads)
+        return windows(x, m.kernel_size, (1,) * k, m.dilation, m.groups)
+
+    def _to_direct(self, w: Tensor) -> Tensor:
+        """``(in, out/g, k...)`` -> ``(g, out/g, in/g · prod(k))``, the kernel flipped."""
+        g, k = self.groups, self.spatial
+        w = w.reshape(g, w.shape[0] // g, *w.shape[1:]).transpose(1, 2)
+        return w.flip(list(range(3, 3 + k))).reshape(g, w.shape[1], -1)
+
+    def grad_matrix(self, dtype: torch.dtype) -> Tensor | None:
+        w = self.module.weight
+        if w.grad is None:
+            return None
+        mat = self._to_direct(w.grad.detach()).to(dtype)
+        if self.has_bias:
+            b = self.module.bias.grad
+            b = torch.zeros(self.module.out_channels, dtype=dtype, device=w.device) if (
+                b is None) else b
+            mat = torch.cat([mat, b.detach().reshape(self.groups, -1, 1).to(dtype)], dim=2)
+        return mat
+
+    def set_grad(self, mat: Tensor) -> None:
+        w, g, k = self.module.weight, self.groups, self.spatial
+        ncol = mat.shape[2] - (1 if self.has_bias else 0)
+        og, ig = w.shape[1], w.shape[0] // g
+        direct = mat[:, :, :ncol].reshape(g, og, ig, *w.shape[2:]).flip(list(range(3, 3 + k)))
+        w.grad.copy_(direct.transpose(1, 2).reshape(w.shape).to(w.grad.dtype))
+        if self.has_bias and self.module.bias.grad is not None:
+            b = self.module.bias
+            b.grad.copy_(mat[:, :, ncol].reshape(b.shape).to(b.grad.dtype))
+
+
 def conv_input_cov(xp: Tensor, kernel_size: tuple[int, int], *, stride: tuple[int, int],
                    dilation: tuple[int, int], groups: int = 1, bias: bool = False,
                    padding: tuple[int, int, int, int] = (0, 0, 0, 0)) -> tuple[Tensor, int]:
@@ -516,7 +577,8 @@ def _cov_by_2d_lags(x: Tensor, padding: tuple[int, int, int, int],
 
 def adapter_for(module: nn.Module, name: str) -> LayerAdapter | str:
     """The adapter for ``module``, or the reason it cannot be preconditioned."""
-    if not isinstance(module, (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)):
+    if not isinstance(module, (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d,
+                               nn.modules.conv._ConvTransposeNd)):
         return f"{type(module).__name__} is not a supported layer type"
     if isinstance(module, torch.jit.ScriptModule):
         return "scripted modules do not run Python hooks"
@@ -528,6 +590,8 @@ def adapter_for(module: nn.Module, name: str) -> LayerAdapter | str:
     b = getattr(module, "bias", None)
     if b is not None and not b.requires_grad:
         return "its bias is frozen while its weight is trained"
+    if isinstance(module, nn.modules.conv._ConvTransposeNd):
+        return ConvTransposeAdapter(module, name)
     if isinstance(module, nn.Conv2d):
         return Conv2dAdapter(module, name)
     if isinstance(module, (nn.Conv1d, nn.Conv3d)):

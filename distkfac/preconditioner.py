@@ -351,7 +351,8 @@ class KFAC:
                     f"channels or filters, nor for a transposed convolution). Run it sample- or "
                     f"spatially parallel in the config, or leave it unpreconditioned with "
                     f"skip_layers=[{name!r}]")
-            if not isinstance(module, (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)):
+            if not isinstance(module, (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d,
+                                       nn.modules.conv._ConvTransposeNd)):
                 continue
             adapter = adapter_for(module, name)
             if isinstance(adapter, str):

@@ -367,3 +367,99 @@ def test_stale_decompositions_and_changing_damping(method):
     lam = damping[1] if method == "eigen" else damping[0]
     for m, (A, G), v in zip((model[0], model[3]), ref, raw):
         torch.testing.assert_close(grad_matrix(m), dense_precondition(A, G, v, lam))
+
+
+TRANSPOSED = [
+    (nn.ConvTranspose1d, dict(kernel_size=3, stride=2, padding=1, output_padding=1)),
+    (nn.ConvTranspose1d, dict(kernel_size=2, stride=3, padding=2, dilation=2, groups=2,
+                              bias=False)),
+    (nn.ConvTranspose2d, dict(kernel_size=(3, 2), stride=(2, 1), padding=(0, 1))),
+    (nn.ConvTranspose3d, dict(kernel_size=2, stride=2, groups=4)),
+]
+
+
+def _transposed_case(cls: type, conv_kw: dict) -> tuple:
+    torch.manual_seed(0)
+    conv = cls(4, 4, **conv_kw).double()
+    g = torch.Generator().manual_seed(1)
+    dims = {nn.ConvTranspose1d: (5,), nn.ConvTranspose2d: (4, 3),
+            nn.ConvTranspose3d: (3, 2, 3)}[cls]
+    x = torch.randn(3, 4, *dims, generator=g, dtype=torch.float64)
+    y = conv(x)
+    t = torch.randn(y.shape, generator=g, dtype=torch.float64)
+    (y * t).sum().backward()
+    return conv, x, t
+
+
+@pytest.mark.parametrize("cls, conv_kw", TRANSPOSED)
+def test_transposed_patches_and_output_gradients_give_the_weight_gradient(cls, conv_kw):
+    """K-FAC's premise for a transposed convolution: the weight gradient autograd computes is
+    the sum over output positions of the output gradient times that position's patch (the
+    im2col row of the equivalent direct convolution); and the weight maps to the factors'
+    matrix and back unchanged."""
+    conv, x, t = _transposed_case(cls, conv_kw)
+    adapter = layers.adapter_for(conv, "up")
+    assert isinstance(adapter, layers.ConvTransposeAdapter)
+    rows = adapter.patches(x)  # (groups, rows, in/g * prod(k))
+    if adapter.has_bias:
+        rows = torch.cat([rows, rows.new_ones(*rows.shape[:2], 1)], dim=2)
+    g = adapter.groups
+    d = t.reshape(t.shape[0], g, -1, math.prod(t.shape[2:])).permute(1, 0, 3, 2).reshape(
+        g, rows.shape[1], -1)  # (groups, rows, out/g) in the rows' order
+    want = adapter.grad_matrix(torch.float64)
+    torch.testing.assert_close(d.transpose(1, 2) @ rows, want, rtol=1e-10, atol=1e-12)
+    before = conv.weight.grad.clone()
+    adapter.set_grad(want)
+    assert torch.equal(conv.weight.grad, before)
+
+
+def test_transposed_patches_of_a_signal_by_their_definition():
+    """ConvTranspose1d: row q of the patches holds x[i, p] at kernel offset k where the input
+    row p scatters through offset K-1-k of the flipped kernel into q (p·s - padding + (K-1-k)·d
+    = q), zero elsewhere -- written out index by index."""
+    conv, x, _ = _transposed_case(*TRANSPOSED[0])
+    adapter = layers.adapter_for(conv, "up")
+    K, s, pad, dil = conv.kernel_size[0], conv.stride[0], conv.padding[0], conv.dilation[0]
+    out_len = conv(x).shape[2]
+    want = torch.zeros(x.shape[0] * out_len, 4 * K, dtype=torch.float64)
+    for n in range(x.shape[0]):
+        for q in range(out_len):
+            for i in range(4):
+                for k in range(K):
+                    for p in range(x.shape[2]):
+                        if p * s - pad + (K - 1 - k) * dil == q:
+                            want[n * out_len + q, i * K + k] = x[n, i, p]
+    torch.testing.assert_close(adapter.patches(x)[0], want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("cls, conv_kw", TRANSPOSED[:3])
+def test_kfac_preconditions_a_transposed_convolution_by_the_dense_solve(cls, conv_kw):
+    """One step of K-FAC on a network with a transposed convolution: A is the mean outer
+    product of its patches, G of ``N dL/dy`` over the output positions, and its preconditioned
+    gradient is the dense Kronecker solve of them."""
+    conv, x, _ = _transposed_case(cls, conv_kw)
+    conv.zero_grad()
+    model = nn.Sequential(conv, nn.Tanh(), nn.Flatten(), nn.LazyLinear(3)).double()
+    y = torch.randint(0, 3, (x.shape[0],), generator=torch.Generator().manual_seed(2))
+    model(x)
+    damping = 3e-2
+    kfac = distkfac.KFAC(model, factor_dtype=torch.float64, damping=damping, kl_clip=None)
+    out = conv(x)
+    out.retain_grad()
+    F.cross_entropy(model[1:](out), y).backward()
+    adapter = next(ly.adapter for ly in kfac.layers if ly.adapter.module is conv)
+    raw = adapter.grad_matrix(torch.float64).clone()
+    kfac.step()
+    layer = next(ly for ly in kfac.layers if ly.adapter.module is conv)
+    rows = adapter.patches(x)
+    if adapter.has_bias:
+        rows = torch.cat([rows, rows.new_ones(*rows.shape[:2], 1)], dim=2)
+    torch.testing.assert_close(layer.a.value, rows.transpose(1, 2) @ rows / rows.shape[1],
+                               rtol=1e-10, atol=1e-12)
+    g = adapter.groups
+    d = (x.shape[0] * out.grad).reshape(x.shape[0], g, -1, math.prod(out.shape[2:]))
+    G = torch.einsum("ngip,ngjp->gij", d, d) / (x.shape[0] * d.shape[-1])
+    torch.testing.assert_close(layer.g.value, G, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(adapter.grad_matrix(torch.float64),
+                               dense_precondition(layer.a.value, G, raw, damping),
+                               rtol=1e-8, atol=1e-10)

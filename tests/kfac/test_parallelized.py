@@ -194,3 +194,33 @@ def test_conv3d_layers_of_a_parallelized_volume_network_equal_single_process(siz
         assert kind in kinds, kinds
         for k, g in want.items():
             torch.testing.assert_close(grads[k], g, rtol=1e-9, atol=1e-11, msg=k)
+
+
+def _unet_case():
+    from distconv.models import unet3d
+
+    torch.manual_seed(5)
+    model = unet3d(in_channels=1, num_classes=3, base=2, depth=1, norm="none").double()
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(4, 1, 4, 4, 2, generator=gen, dtype=torch.float64)
+    y = torch.randint(0, 3, (4, 4, 4, 2), generator=gen)
+    return model, x, y
+
+
+@pytest.mark.parametrize("size, config", [
+    (2, {"default": {"grid": {"N": 2}, "algorithm": "sample"}}),
+    (4, {"default": {"grid": {"D": 2, "H": 2}, "algorithm": "spatial"},
+         "data": {"N": 1, "D": 2, "H": 2}, "layers": [
+             {"match": "up.*", "grid": {"N": 4}, "algorithm": "sample"}]}),
+])
+def test_a_3d_unet_with_transposed_convolutions_equals_single_process(size, config):
+    """K-FAC preconditions a U-Net's ConvTranspose3d (the direct convolution it equals) next to
+    its Conv3d layers, sample-parallel or split over depth and rows: two steps end with one
+    process's gradients."""
+    from distconv.testing.threads import run_threads
+
+    want = reference(_unet_case)
+    for grads, kinds in run_threads(_volume_run, size, config, _unet_case()):
+        assert "ConvTransposeAdapter" in kinds, kinds
+        for k, g in want.items():
+            torch.testing.assert_close(grads[k], g, rtol=1e-9, atol=1e-11, msg=k)
