@@ -460,3 +460,9 @@ def test_a_spatially_split_3d_unet_checkpoint_resumes_on_another_layout(tmp_path
     plain = distconv.consolidate(path)
     for k, v in ref.state_dict().items():
         torch.testing.assert_close(plain[k], v, rtol=TOL, atol=TOL, msg=k)
+
+
+def test_an_auto_entry_for_a_3d_convolution_is_refused_naming_it() -> None:
+    config = {"layers": [{"match": "0", "algorithm": "auto"}]}
+    with pytest.raises(ValueError, match=r"'0'.*'auto'.*Conv2d.*give this Conv3d"):
+        explain(nn.Sequential(nn.Conv3d(2, 2, 3)), config, (2, 2, 5, 5, 5), world_size=2)

@@ -6,12 +6,12 @@
   layer's spatial dims (``D``, ``H``, ``W`` of a volume; ``H``, ``W`` of an image; ``W`` of a
   signal): the layer split so, with halo exchanges over the split spatial dims; priced from the
   plans it runs.
-* ``sample`` (and a stationary default, which plans the ``Conv2d`` layers): sample-parallel
-  (``x[o_N,*,...]``), the weights replicated and their gradients completed by the bucketed
-  allreduce, on the entry's grid or the data grid.
+* ``sample`` (and a stationary or ``auto`` default, which plans the ``Conv2d`` layers):
+  sample-parallel (``x[o_N,*,...]``), the weights replicated and their gradients completed by
+  the bucketed allreduce, on the entry's grid or the data grid.
 
-Their inputs arrive in any distribution and are converted. A grouped convolution split over
-channels or filters, and ``pipeline``, are refused by name.
+Their inputs arrive in any distribution and are converted. A grouped convolution whose channel
+blocks would not hold whole groups, ``pipeline`` and an explicit ``auto`` are refused by name.
 """
 
 from __future__ import annotations
@@ -55,6 +55,10 @@ class ConvNdHandler(LinearHandler):
         choice = an.config.choice(name)
         kind = type(module).__name__
         live = {d for d, e in (choice.layout or ()) if e > 1}
+        if choice.algorithm == "auto" and choice.source != "default":
+            an.fail(node, f"{choice.source} asks for algorithm 'auto', which the §4 model "
+                    f"chooses for Conv2d layers; give this {kind} sample, spatial or "
+                    "stationary-x/-y/-w", ValueError)
         # a stationary default plans the Conv2d layers: these run sample-parallel under it
         split = choice.algorithm == "spatial" or (
             choice.algorithm.startswith("stationary-") and choice.source != "default")
