@@ -36,8 +36,9 @@ world size. Algorithms: ``sample`` (grid ``{N: P}``), ``spatial`` (dims among N,
 ``stationary-x`` (C > 1, F = 1), ``stationary-y`` (F > 1, C = 1), ``stationary-w`` (C and F; each
 with the spatial dims too) and ``auto`` (chosen per layer by the §4 model for ``Conv2d``; needs
 the input shape). Only convolutions and ``Linear`` modules take entries (``Conv1d``, ``Conv3d``
-and the transposed convolutions take every algorithm but ``auto``; a stationary or auto default leaves
-them sample-parallel); batch norm, pooling and pointwise layers follow their input.
+and the transposed convolutions take every algorithm but ``auto``; a stationary or ``auto``
+default leaves them sample-parallel); batch norm, pooling and pointwise layers follow their
+input.
 ``Linear`` layers run sample-parallel. ``data`` defaults to ``{N: P}``: each rank its own samples.
 """
 
