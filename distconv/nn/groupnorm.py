@@ -33,9 +33,12 @@ from distconv.nn._activation import (
     check_activation_dist, check_grid, resolve_shape, show, split_dims,
 )
 from distconv.nn._amp import autocast_dtype
+from distconv.nn.clip import register_parameter_specs
+from distconv.nn.grad_sync import GradSync
+from distconv.nn.sharding import ShardSpec
 from distconv.nn.batchnorm import _moments
 
-__all__ = ["DistGroupNorm"]
+__all__ = ["DistGroupNorm", "DistLayerNorm"]
 
 
 class DistGroupNorm(nn.Module):
@@ -184,3 +187,105 @@ class _GroupNorm(torch.autograd.Function):
                    - h * (sums[1] / ctx.count).view(1, -1, 1))
                   * invstd.view(1, -1, 1)).view(x.shape).to(x.dtype)
         return dx, dw, db, None, None, None, None
+
+
+class DistLayerNorm(nn.Module):
+    """``nn.LayerNorm`` over every dim but the samples (``(C, H, W)`` of an image, ``(C, D, H,
+    W)`` of a volume) on an activation in ``input_dist``, any of its dims split; the output in the
+    same Dist. Each sample's statistics are those of its blocks on the ranks that split its
+    channels and spatial dims (the allgather and allreduce of :class:`DistGroupNorm` with one
+    group, over the grid dims of every entry but the samples'). The elementwise weight and bias
+    (shape ``normalized_shape``) are sharded like the activation's entries after the samples'
+    (``w[o_C,o_H,*]`` and the like), replicated over the other grid dims, whose gradient
+    allreduce completes them. Build it with :meth:`from_module`.
+
+    Raises:
+        TypeError: ``grid`` or ``input_dist`` of the wrong type.
+        ValueError: a ``normalized_shape`` that is not every dim but the samples.
+    """
+
+    def __init__(self, normalized_shape: Sequence[int], eps: float = 1e-5,
+                 elementwise_affine: bool = True, bias: bool = True, device: Any = None,
+                 dtype: torch.dtype | None = None, *, grid: ProcessorGrid,
+                 input_dist: Dist) -> None:
+        super().__init__()
+        name = type(self).__name__
+        self.grid = check_grid(name, grid)
+        self.normalized_shape = tuple(int(s) for s in normalized_shape)
+        self.input_dist = self.output_dist = check_activation_dist(
+            name, grid, input_dist, (len(self.normalized_shape) + 1,))
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0:
+            raise ValueError(f"{name}: eps must be a non-negative number, got {eps!r}")
+        self.eps = float(eps)
+        #: the weight's and bias's Dist: the activation's entries after the samples'
+        self.param_dist = Dist(self.input_dist.entries[1:])
+        kw = {"device": device, "dtype": dtype}
+        local = self.param_dist.local_shape(self.normalized_shape, grid)
+        self.weight: nn.Parameter | None = (nn.Parameter(torch.ones(local, **kw))
+                                            if elementwise_affine else None)
+        self.bias: nn.Parameter | None = (nn.Parameter(torch.zeros(local, **kw))
+                                          if elementwise_affine and bias else None)
+        if self.weight is None:
+            self.register_parameter("weight", None)
+        if self.bias is None:
+            self.register_parameter("bias", None)
+        # created collectively, in the same order on every rank
+        segment = [g for d in range(1, self.input_dist.ndim)
+                   for g in split_dims(grid, self.input_dist, d)]
+        self._comm = grid.subcomm(segment) if segment else None
+        redundant = [d for d in self.param_dist.redundant(grid) if grid.extent(d) > 1]
+        self.grad_sync = (GradSync(grid.subcomm(redundant), where=f"{name} over "
+                                   f"{'×'.join(redundant)}") if redundant else None)
+        for p in (self.weight, self.bias):
+            if p is not None and self.grad_sync is not None:
+                self.grad_sync.register(p)
+        register_parameter_specs(self, grid.comm)
+        self._resolved: dict[Any, Any] = {}
+
+    @classmethod
+    def from_module(cls, module: nn.LayerNorm, *, grid: ProcessorGrid,
+                    input_dist: Dist) -> DistLayerNorm:
+        """The layer for an ``nn.LayerNorm`` (the same on every rank) with its shards."""
+        if not isinstance(module, nn.LayerNorm):
+            raise TypeError(f"module must be an nn.LayerNorm, got {type(module).__name__}")
+        ref = module.weight
+        out = cls(module.normalized_shape, module.eps, module.elementwise_affine,
+                  module.bias is not None, None if ref is None else ref.device,
+                  None if ref is None else ref.dtype, grid=grid, input_dist=input_dist)
+        slices = out.param_dist.local_slices(out.normalized_shape, grid)
+        with torch.no_grad():
+            for mine, theirs in ((out.weight, module.weight), (out.bias, module.bias)):
+                if mine is not None:
+                    mine.copy_(theirs[slices])
+                    mine.requires_grad_(theirs.requires_grad)
+        return out.train(module.training)
+
+    def _shard_specs(self) -> dict[str, ShardSpec]:
+        return {n: ShardSpec(self.grid, self.param_dist, self.normalized_shape)
+                for n in ("weight", "bias") if getattr(self, n) is not None}
+
+    def finish_grad_sync(self) -> None:
+        """Finish pending gradient allreduces (``loss.backward()`` does this itself)."""
+        if self.grad_sync is not None:
+            self.grad_sync.finish()
+
+    def forward(self, x: torch.Tensor, global_shape: Sequence[int] | None = None) -> torch.Tensor:
+        """This rank's block of the normalised activation from its block ``x`` of the global
+        input of ``global_shape`` (in :attr:`input_dist`)."""
+        shape = resolve_shape(type(self).__name__, self.grid, self.input_dist, x, global_shape,
+                              self._resolved)
+        if tuple(shape[1:]) != self.normalized_shape:
+            raise ValueError(f"{type(self).__name__}: the input {shape} does not end in "
+                             f"normalized_shape {self.normalized_shape}")
+        if autocast_dtype(x.device.type) is not None:
+            x = x.float()  # autocast runs layer_norm in float32, as here
+        y = _GroupNorm.apply(x, None, None, self._comm, self.eps, 1, math.prod(shape[1:]))
+        if self.weight is not None:
+            y = y * self.weight.to(y.dtype)
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        return y
+
+    def extra_repr(self) -> str:
+        return (f"{self.normalized_shape}, eps={self.eps}, grid={dict(self.grid.layout)}, "
+                f"x={show(self.input_dist, 'x')}, w={self.param_dist.format('w')}")

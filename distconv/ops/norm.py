@@ -21,11 +21,11 @@ from torch import nn
 from distconv.comm.base import allreduce_bytes
 from distconv.distribution import Dist
 from distconv.nn.batchnorm import DistBatchNorm1d, DistBatchNorm2d, DistBatchNorm3d
-from distconv.nn.groupnorm import DistGroupNorm
+from distconv.nn.groupnorm import DistGroupNorm, DistLayerNorm
 from distconv.ops.base import (
     SAMPLE_GRIDS, SIGNAL_GRIDS, VOLUME_GRIDS, Handler, PriceContext, Sample, SampleNet,
 )
-from distconv.ops.pricing import CommStep, segment_rank
+from distconv.ops.pricing import CommStep, largest_block, segment_rank
 from distconv.parallel.placement import Placement, paper_grid
 
 __all__ = ["BatchNormHandler", "GroupNormHandler", "InstanceNormHandler", "LayerNormHandler"]
@@ -232,16 +232,73 @@ class GroupNormHandler(_LocalNorm):
 
 
 class LayerNormHandler(_LocalNorm):
-    """``nn.LayerNorm`` over the trailing dims of an activation (e.g. ``(C, H, W)``)."""
+    """``nn.LayerNorm`` over the trailing dims of an activation. Over every dim but the samples
+    (``(C, H, W)``) with any of them split, in place (:class:`DistLayerNorm`: the statistics
+    reduced over the grid dims that split them, the elementwise weight sharded like them);
+    otherwise on local blocks with the dims it reduces over whole."""
 
     modules = (nn.LayerNorm,)
+
+    def place(self, an: Any, node: Any, module: Any) -> Any:
+        from distconv.parallel.graph import LayerSpec
+
+        step = an.keep(node, "norm")
+        dist, ext = step.out.dist, dict(step.out.layout)
+        split = [g for d in range(1, dist.ndim) for g in dist.grid_dims_of(d)
+                 if ext.get(g, 1) > 1]
+        if split and len(module.normalized_shape) == dist.ndim - 1:
+            step.layer = LayerSpec("layernorm", str(node.target), step.out.layout,
+                                   input=step.out)
+            return step
+        return super().place(an, node, module)
+
+    def build(self, module: Any, node: Any, step: Any, grid: Any) -> Any:
+        if step.layer is not None and step.layer.kind == "layernorm":
+            return DistLayerNorm.from_module(module, grid=grid,
+                                             input_dist=step.layer.input.dist)
+        return super().build(module, node, step, grid)
+
+    def param_dists(self, step: Any, module: Any) -> dict[str, Any] | None:
+        if step.layer is None or step.layer.kind != "layernorm":
+            return None
+        d = Dist(step.layer.input.dist.entries[1:])
+        return {"weight": d, "bias": d}
+
+    def price(self, report: Any, step: Any, module: Any, ctx: PriceContext) -> None:
+        if step.layer is None or step.layer.kind != "layernorm":
+            super().price(report, step, module, ctx)
+            return
+        p = step.out
+        ext = dict(p.layout)
+        seg = [g for d in range(1, p.dist.ndim) for g in p.dist.grid_dims_of(d)]
+        s = math.prod(ext[g] for g in seg)
+        w = Placement(p.layout, Dist(p.dist.entries[1:]))
+        report.param_elements = sum(largest_block(w, tuple(t.shape))
+                                    for t in module.parameters())
+        fwd, bwd = {}, {}
+        for r in ctx.ranks:
+            g = paper_grid(p.layout, r)
+            n = p.dist.local_shape(ctx.in_shape, g)[0]  # one set of statistics per sample
+            fwd[r] = (s - 1) * (1 + 2 * n) * ctx.itemsize
+            bwd[r] = allreduce_bytes(2 * n, segment_rank(p.layout, seg, g.coords), s,
+                                     ctx.itemsize)
+        report.steps.append(CommStep("forward", f"statistics allgather over {'×'.join(seg)}",
+                                     "allgather", fwd, s, p.layout, tuple(seg)))
+        if ctx.grad_in:
+            report.steps.append(CommStep("backward", f"Σdx̂, Σdx̂·x̂ allreduce over "
+                                         f"{'×'.join(seg)}", "allreduce", bwd, s, p.layout,
+                                         tuple(seg)))
 
     def whole(self, module: Any, ndim: int) -> tuple[int, ...]:
         return tuple(range(ndim - len(module.normalized_shape), ndim))
 
     def samples(self) -> Sequence[Sample]:
         return (Sample("layernorm-chw", lambda: SampleNet(nn.LayerNorm((4, 7, 6)), 4),
-                       (5, 4, 7, 6), SAMPLE_GRIDS),)
+                       (5, 4, 7, 6), SAMPLE_GRIDS),
+                Sample("layernorm-cdhw", lambda: _VolumeNorm(nn.LayerNorm((4, 3, 4, 3))),
+                       (5, 2, 3, 4, 3), VOLUME_GRIDS),
+                Sample("layernorm-w", lambda: SampleNet(nn.LayerNorm(6, bias=False), 4),
+                       (5, 4, 7, 6), SAMPLE_GRIDS[1:2]))
 
 
 class InstanceNormHandler(_LocalNorm):

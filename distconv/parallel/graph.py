@@ -240,13 +240,13 @@ class _Analyser:
 def _distributed_modules() -> tuple[type, ...]:
     from distconv.nn import (
         DistAdaptiveAvgPool2d, DistBatchNorm, DistConv2d, DistConvNd, DistGroupNorm,
-        Redistribute,
+        DistLayerNorm, Redistribute,
     )
     from distconv.nn.dropout import _DistDropout
     from distconv.nn.pool import POOLS
 
-    return (DistConv2d, DistConvNd, DistBatchNorm, DistGroupNorm, *POOLS.values(),
-            DistAdaptiveAvgPool2d, _DistDropout, Redistribute)
+    return (DistConv2d, DistConvNd, DistBatchNorm, DistGroupNorm, DistLayerNorm,
+            *POOLS.values(), DistAdaptiveAvgPool2d, _DistDropout, Redistribute)
 
 
 def _target(node: fx.Node) -> str:
