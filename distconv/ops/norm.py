@@ -195,24 +195,31 @@ class _LocalNorm(Handler):
         report.param_elements = sum(p.numel() for p in module.parameters())
         if step.layer is None or step.layer.kind != "groupnorm":
             return
-        p = step.out
-        ext = dict(p.layout)
-        seg = [g for d in range(2, p.dist.ndim) for g in p.dist.grid_dims_of(d)]
-        s = math.prod(ext[g] for g in seg)
         groups = module.num_groups if isinstance(module, nn.GroupNorm) else module.num_features
-        fwd, bwd = {}, {}
-        for r in ctx.ranks:
-            g = paper_grid(p.layout, r)
-            stats = p.dist.local_shape(ctx.in_shape, g)[0] * groups  # (sample, group) pairs
-            fwd[r] = (s - 1) * (1 + 2 * stats) * ctx.itemsize
-            bwd[r] = allreduce_bytes(2 * stats, segment_rank(p.layout, seg, g.coords), s,
-                                     ctx.itemsize) if ctx.grad_in else 0
-        report.steps.append(CommStep("forward", f"statistics allgather over {'×'.join(seg)}",
-                                     "allgather", fwd, s, p.layout, tuple(seg)))
-        if ctx.grad_in:
-            report.steps.append(CommStep("backward", f"Σdx̂, Σdx̂·x̂ allreduce over "
-                                         f"{'×'.join(seg)}", "allreduce", bwd, s, p.layout,
-                                         tuple(seg)))
+        _sample_statistics(report, step.out, ctx, 2, groups)  # per (sample, group)
+
+
+def _sample_statistics(report: Any, p: Placement, ctx: PriceContext, first: int,
+                       per_sample: int) -> None:
+    """The collectives of statistics kept per sample (``per_sample`` sets of each) and reduced
+    over the grid dims of the entries from ``first`` on: the forward allgather of (count, mean,
+    M2) and the backward allreduce of the two sums."""
+    ext = dict(p.layout)
+    seg = [g for d in range(first, p.dist.ndim) for g in p.dist.grid_dims_of(d)]
+    s = math.prod(ext[g] for g in seg)
+    fwd, bwd = {}, {}
+    for r in ctx.ranks:
+        g = paper_grid(p.layout, r)
+        stats = p.dist.local_shape(ctx.in_shape, g)[0] * per_sample
+        fwd[r] = (s - 1) * (1 + 2 * stats) * ctx.itemsize
+        bwd[r] = allreduce_bytes(2 * stats, segment_rank(p.layout, seg, g.coords), s,
+                                 ctx.itemsize)
+    report.steps.append(CommStep("forward", f"statistics allgather over {'×'.join(seg)}",
+                                 "allgather", fwd, s, p.layout, tuple(seg)))
+    if ctx.grad_in:
+        report.steps.append(CommStep("backward", f"Σdx̂, Σdx̂·x̂ allreduce over "
+                                     f"{'×'.join(seg)}", "allreduce", bwd, s, p.layout,
+                                     tuple(seg)))
 
 
 class GroupNormHandler(_LocalNorm):
@@ -268,26 +275,10 @@ class LayerNormHandler(_LocalNorm):
         if step.layer is None or step.layer.kind != "layernorm":
             super().price(report, step, module, ctx)
             return
-        p = step.out
-        ext = dict(p.layout)
-        seg = [g for d in range(1, p.dist.ndim) for g in p.dist.grid_dims_of(d)]
-        s = math.prod(ext[g] for g in seg)
-        w = Placement(p.layout, Dist(p.dist.entries[1:]))
+        w = Placement(step.out.layout, Dist(step.out.dist.entries[1:]))
         report.param_elements = sum(largest_block(w, tuple(t.shape))
                                     for t in module.parameters())
-        fwd, bwd = {}, {}
-        for r in ctx.ranks:
-            g = paper_grid(p.layout, r)
-            n = p.dist.local_shape(ctx.in_shape, g)[0]  # one set of statistics per sample
-            fwd[r] = (s - 1) * (1 + 2 * n) * ctx.itemsize
-            bwd[r] = allreduce_bytes(2 * n, segment_rank(p.layout, seg, g.coords), s,
-                                     ctx.itemsize)
-        report.steps.append(CommStep("forward", f"statistics allgather over {'×'.join(seg)}",
-                                     "allgather", fwd, s, p.layout, tuple(seg)))
-        if ctx.grad_in:
-            report.steps.append(CommStep("backward", f"Σdx̂, Σdx̂·x̂ allreduce over "
-                                         f"{'×'.join(seg)}", "allreduce", bwd, s, p.layout,
-                                         tuple(seg)))
+        _sample_statistics(report, step.out, ctx, 1, 1)  # one set per sample
 
     def whole(self, module: Any, ndim: int) -> tuple[int, ...]:
         return tuple(range(ndim - len(module.normalized_shape), ndim))
