@@ -263,7 +263,11 @@ class ConvNdAdapter(LayerAdapter):
         return windows(x, m.kernel_size, m.stride, m.dilation, m.groups)
 
     def a_sum(self, x: Tensor, dtype: torch.dtype) -> tuple[Tensor, int]:
-        rows = self.patches(self._batched(x.detach()).to(dtype))
+        return self.rows_cov(self.patches(self._batched(x.detach()).to(dtype)))
+
+    def rows_cov(self, rows: Tensor) -> tuple[Tensor, int]:
+        """``(sum of a a^T, rows)`` for the im2col ``rows`` (groups, rows, columns), the bias's
+        1 appended to each row when the layer has one."""
         if self.has_bias:
             rows = torch.cat([rows, rows.new_ones(*rows.shape[:2], 1)], dim=2)
         return rows.transpose(1, 2) @ rows, rows.shape[1]

@@ -90,7 +90,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from distconv.distribution import balanced_block
-from distkfac.layers import LayerAdapter, conv_input_cov, windows
+from distkfac.layers import ConvNdAdapter, LayerAdapter, conv_input_cov, windows
 from distkfac.lowprec import reduce_scatter
 
 __all__ = ["LAYOUTS", "BlockLayout", "ShardAdapter", "BiasShardAdapter", "ExactLayer", "precondition_exact",
@@ -235,9 +235,10 @@ def redundant_comm(m: nn.Module):
 
 
 def _g_cov(gy: Tensor, groups: int, dtype: torch.dtype) -> tuple[Tensor, int]:
-    n, f, ho, wo = gy.shape
-    rows = gy.detach().to(dtype).reshape(n, groups, f // groups, ho * wo)
-    return (rows @ rows.transpose(-1, -2)).sum(0), n * ho * wo
+    """Per group, the sum over samples and output positions of ``d d^T``, and the rows."""
+    n, f = gy.shape[:2]
+    rows = gy.detach().to(dtype).reshape(n, groups, f // groups, math.prod(gy.shape[2:]))
+    return (rows @ rows.transpose(-1, -2)).sum(0), n * rows.shape[-1]
 
 
 class _WorkHookAdapter(LayerAdapter):
@@ -299,7 +300,7 @@ class ShardAdapter(_WorkHookAdapter):
         return 1.0 if self.prescaled else (rows / self.positions) ** 2
 
 
-class SpatialShardAdapter(_WorkHookAdapter):
+class SpatialShardAdapter(_WorkHookAdapter, ConvNdAdapter):
     """A ``DistConvNd`` split over samples and spatial dims only (its weight whole on every
     rank) as one K-FAC block: the im2col rows of the rank's output block, from the haloed input
     its work hook hands over, summed over the ranks that split samples and space as the rows of
@@ -309,38 +310,16 @@ class SpatialShardAdapter(_WorkHookAdapter):
         super().__init__(module, name)
         self.positions, self.prescaled = 1, False
 
-    @property
-    def has_bias(self) -> bool:
-        return self.module.bias is not None
-
-    @property
-    def groups(self) -> int:
-        return self.module.groups
-
-    @property
-    def a_dim(self) -> int:
-        m = self.module
-        return m.weight.shape[1] * math.prod(m.kernel_size) + int(self.has_bias)
-
-    @property
-    def g_dim(self) -> int:
-        return self.module.weight.shape[0] // self.groups
-
     def work_a(self, x: Tensor, padding: tuple[int, ...], y: Tensor,
                dtype: torch.dtype) -> tuple[Tensor, int]:
         m = self.module
         x = x.detach().to(dtype)
         if any(padding):
             x = F.pad(x, padding)
-        rows = windows(x, m.kernel_size, m.stride, m.dilation, self.groups)
-        if self.has_bias:
-            rows = torch.cat([rows, rows.new_ones(*rows.shape[:2], 1)], dim=2)
-        return rows.transpose(1, 2) @ rows, rows.shape[1]
+        return self.rows_cov(windows(x, m.kernel_size, m.stride, m.dilation, self.groups))
 
     def work_g(self, gy: Tensor, dtype: torch.dtype) -> tuple[Tensor, int]:
-        n, f = gy.shape[:2]
-        rows = gy.detach().to(dtype).reshape(n, self.groups, f // self.groups, -1)
-        return (rows @ rows.transpose(-1, -2)).sum(0), n * rows.shape[-1]
+        return _g_cov(gy, self.groups, dtype)
 
     g_scale = ShardAdapter.g_scale
 

@@ -29,6 +29,7 @@ and are added there (halo accumulate).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -154,6 +155,8 @@ class _Geometry:
     explicit: tuple[int, ...] | None
     #: transposed, per split spatial dim: (rows to drop before, rows the block has)
     crop: tuple[tuple[int, int] | None, ...]
+    #: the halo-convolution step of this shape (zero padding with a split dim), else None
+    spec: HaloConvSpec | None = None
 
 
 class DistConvNd(nn.Module):
@@ -263,7 +266,6 @@ class DistConvNd(nn.Module):
             self.register_parameter("bias", None)
         keep_requires_grad(self, conv, ("weight", "bias"))
         self._geometries: dict[tuple[int, ...], _Geometry] = {}
-        self._specs: dict[int, HaloConvSpec] = {}  # id of a cached geometry -> its spec
         #: Called after the local convolution of a direct layer as ``work_hook(layer, x,
         #: padding, y, y_shape)`` (:class:`~distconv.nn.DistConv2d`'s; distkfac reads its factors
         #: here). Default None.
@@ -345,9 +347,13 @@ class DistConvNd(nn.Module):
         geo = _Geometry(y_shape, tuple(plans),
                         None if pad_first else tuple(max(p, 0) for p in padding),
                         tuple(explicit) if pad_first else None, tuple(crop))
+        if self.padding_mode == "zeros" and any(plans):
+            conv_padding, out_pad = self._conv_args(geo)
+            geo = dataclasses.replace(geo, spec=HaloConvSpec(
+                self._halo_comms, geo.plans, geo.explicit, self.stride, conv_padding,
+                self.dilation, self._local_groups, self.transposed, out_pad))
         if len(self._geometries) > 64:
             self._geometries.clear()
-            self._specs.clear()
         self._geometries[shape] = geo
         return geo
 
@@ -378,15 +384,6 @@ class DistConvNd(nn.Module):
                           for c, p in zip(geo.crop, self.output_padding)))
         return (geo.padding if geo.explicit is None else 0), None
 
-    def _halo_spec(self, geo: _Geometry) -> HaloConvSpec:
-        spec = self._specs.get(id(geo))
-        if spec is None:
-            padding, out_pad = self._conv_args(geo)
-            spec = self._specs[id(geo)] = HaloConvSpec(
-                self._halo_comms, geo.plans, geo.explicit, self.stride, padding, self.dilation,
-                self._local_groups, self.transposed, out_pad)
-        return spec
-
     def _crop(self, y: torch.Tensor, geo: _Geometry, b: torch.Tensor | None) -> torch.Tensor:
         """A transposed layer's output cropped (zero-filled where no input row reaches) to this
         rank's block on the split dims, then its bias. (Where none of the local output falls in
@@ -410,25 +407,21 @@ class DistConvNd(nn.Module):
         convolution's input handed to :attr:`work_hook` with the zero padding it still applies
         (``F.pad``'s list, last dim first)."""
         x = haloed(x, self._halo_comms, geo.plans, geo.explicit, self.padding_mode)
+        y = self._local(x, geo, b)
         padding, _ = self._conv_args(geo)
         pads = [0] * (2 * self.spatial) if isinstance(padding, int) else [
             p for i in reversed(range(self.spatial)) for p in (padding[i], padding[i])]
-        y = _CONV[self.spatial](x, self.weight, b, self.stride, padding, self.dilation,
-                                self._local_groups)
         self.work_hook(self, x, tuple(pads), y, geo.y_shape)
         return y
 
     def _local(self, x: torch.Tensor, geo: _Geometry, b: torch.Tensor | None) -> torch.Tensor:
-        """The local convolution of the haloed input ``x`` (split dims unpadded)."""
+        """The local convolution of the haloed and padded input ``x`` (:func:`haloed`)."""
         padding, out_pad = self._conv_args(geo)
         if self.transposed:
             cropped = any(c is not None for c in geo.crop)
             y = _TRANSPOSED[self.spatial](x, self.weight, None if cropped else b, self.stride,
                                           padding, out_pad, self._local_groups, self.dilation)
             return self._crop(y, geo, b) if cropped else y
-        if geo.explicit is not None:
-            mode = "constant" if self.padding_mode == "zeros" else self.padding_mode
-            x = F.pad(x, geo.explicit, mode=mode)
         return _CONV[self.spatial](x, self.weight, b, self.stride, padding, self.dilation,
                                    self._local_groups)
 
@@ -455,14 +448,13 @@ class DistConvNd(nn.Module):
         b = None if self._reduce_y else self.bias
         if self.work_hook is not None:
             y = self._hooked(x, geo, b)
-        elif self.padding_mode == "zeros" and any(geo.plans) and (
-                autocast_dtype(x.device.type) is None):
+        elif geo.spec is not None and autocast_dtype(x.device.type) is None:
             cropped = self.transposed and any(c is not None for c in geo.crop)
-            y = halo_conv(x, self.weight, None if cropped else b, self._halo_spec(geo))
+            y = halo_conv(x, self.weight, None if cropped else b, geo.spec)
             if cropped:
                 y = self._crop(y, geo, b)
         else:
-            x = haloed(x, self._halo_comms, geo.plans, None, self.padding_mode)
+            x = haloed(x, self._halo_comms, geo.plans, geo.explicit, self.padding_mode)
             y = self._local(x, geo, b)
         if self._reduce_y:
             y = redistribute(y, self.grid, self.partial_dist, self.output_dist, geo.y_shape)

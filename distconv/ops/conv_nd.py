@@ -22,7 +22,9 @@ from typing import Any, Sequence
 from torch import nn
 
 from distconv.nn.conv_nd import DistConvNd, conv_nd_dists, halo_bytes, spatial_roles
-from distconv.ops.base import SAMPLE_GRIDS, VOLUME_GRIDS, PriceContext, Sample
+from distconv.ops.base import (
+    SAMPLE_GRIDS, SIGNAL_GRIDS, VOLUME_GRIDS, PriceContext, Sample, SampleNet,
+)
 from distconv.ops.linear import LinearHandler, compute
 from distconv.ops.pricing import CommStep, largest_block
 from distconv.parallel.placement import Placement, paper_grid
@@ -178,8 +180,6 @@ class ConvNdHandler(LinearHandler):
                                          dict(layout)[dim], layout, (dim,)))
 
     def samples(self) -> Sequence[Sample]:
-        from distconv.ops.base import SampleNet
-
         return (
             Sample("conv-transpose2d",
                    lambda: SampleNet(nn.ConvTranspose2d(4, 4, 3, stride=2, padding=1,
@@ -187,18 +187,13 @@ class ConvNdHandler(LinearHandler):
                    (5, 4, 7, 6), SAMPLE_GRIDS),
             Sample("conv3d-transpose3d", lambda: _Volume(), (5, 2, 5, 6, 4),
                    _split(SAMPLE_GRIDS, ("conv", "up")) + VOLUME_GRIDS[2:]),
-            Sample("conv1d-transpose1d", lambda: _Signal(), (5, 3, 11),
-                   _split(_SIGNAL_GRIDS, ("conv",))),  # its up-convolution: 2 groups
+            Sample("conv1d-transpose1d", lambda: _Signal(), (5, 3, 11),  # its up-conv: 2 groups
+                   _split(SAMPLE_GRIDS[:1] + SAMPLE_GRIDS[2:], ("conv",)) + SIGNAL_GRIDS[1:]),
             Sample("grouped-volume", lambda: _Volume(groups=4), (5, 4, 4, 5, 3),
                    _split(SAMPLE_GRIDS, ("conv", "up")) + VOLUME_GRIDS[2:]),
         )
 
 
-#: a signal's length is split over W
-_SIGNAL_GRIDS = tuple(
-    (size, {k: ({**v, "grid": {"N": 1, "W": 2}} if k == "default" else {"N": 1, "W": 2})
-            for k, v in config.items()}) if config["default"]["algorithm"] == "spatial"
-    else (size, config) for size, config in SAMPLE_GRIDS)
 def _split(grids: Sequence[tuple[int, dict]], names: Sequence[str]
            ) -> tuple[tuple[int, dict], ...]:
     """``grids`` with their stationary defaults also given as an entry for the layers ``names``,
