@@ -466,3 +466,26 @@ def test_an_auto_entry_for_a_3d_convolution_is_refused_naming_it() -> None:
     config = {"layers": [{"match": "0", "algorithm": "auto"}]}
     with pytest.raises(ValueError, match=r"'0'.*'auto'.*Conv2d.*give this Conv3d"):
         explain(nn.Sequential(nn.Conv3d(2, 2, 3)), config, (2, 2, 5, 5, 5), world_size=2)
+
+
+def _no_decay_names(comm: Any, model: nn.Module, config: dict) -> list[str]:
+    pmodel = parallelize(copy.deepcopy(model), config, comm=comm)
+    norms = [(name, m) for name, m in pmodel.named_modules()
+             if isinstance(m, (nn.GroupNorm, nn.InstanceNorm3d, nn.LayerNorm))]
+    assert any(type(m).__name__.startswith("Dist") for _, m in norms), norms
+    return sorted(n for name, m in norms for n, _ in m.named_parameters(prefix=name))
+
+
+@pytest.mark.parametrize("norm", ["group", "instance"])
+def test_the_norm_idioms_find_the_split_norms(norm: str) -> None:
+    """``isinstance(m, (nn.GroupNorm, nn.InstanceNorm3d, nn.LayerNorm))`` (the tutorial's
+    parameter group without weight decay) finds the same parameters in the model split over
+    D×H as in the plain model: each distributed norm is an instance of its torch class."""
+    torch.manual_seed(9)
+    model = models.unet3d(in_channels=1, base=2, depth=1, norm=norm).double()
+    want = sorted(n for name, m in model.named_modules()
+                  if isinstance(m, (nn.GroupNorm, nn.InstanceNorm3d, nn.LayerNorm))
+                  for n, _ in m.named_parameters(prefix=name))
+    assert want
+    for got in run_threads(_no_decay_names, 4, model, SPATIAL_CONFIG):
+        assert got == want

@@ -7,7 +7,9 @@ from distconv.nn.conv import ALGORITHMS, DistConv2d, UnsupportedConvError
 from distconv.nn.conv_nd import DistConvNd
 from distconv.nn.dropout import DistDropout, DistDropout1d, DistDropout2d, DistDropout3d
 from distconv.nn.grad_sync import GradSync, finish_grad_sync
-from distconv.nn.groupnorm import DistGroupNorm, DistLayerNorm
+from distconv.nn.groupnorm import (
+    DistGroupNorm, DistInstanceNorm1d, DistInstanceNorm2d, DistInstanceNorm3d, DistLayerNorm,
+)
 from distconv.nn.pool import (
     DistAdaptiveAvgPool2d, DistAvgPool1d, DistAvgPool2d, DistAvgPool3d, DistMaxPool1d,
     DistMaxPool2d, DistMaxPool3d,
@@ -21,4 +23,4 @@ __all__ = ["ALGORITHMS", "DistConv2d", "DistConvNd", "GradSync", "Redistribute",
 __all__ += ["DistAdaptiveAvgPool2d", "DistAvgPool1d", "DistAvgPool2d", "DistAvgPool3d",
             "DistBatchNorm", "DistBatchNorm1d", "DistBatchNorm2d", "DistBatchNorm3d",
             "DistDropout", "DistDropout1d", "DistDropout2d", "DistDropout3d", "DistGroupNorm",
-            "DistLayerNorm", "DistMaxPool1d", "DistMaxPool2d", "DistMaxPool3d"]
+            "DistInstanceNorm1d", "DistInstanceNorm2d", "DistInstanceNorm3d", "DistLayerNorm", "DistMaxPool1d", "DistMaxPool2d", "DistMaxPool3d"]

@@ -35,16 +35,19 @@ from distconv.nn._activation import (
 from distconv.nn._amp import autocast_dtype
 from distconv.nn.clip import register_parameter_specs
 from distconv.nn.grad_sync import GradSync
-from distconv.nn.sharding import ShardSpec
+from distconv.nn.sharding import ShardSpec, keep_requires_grad
 from distconv.nn.batchnorm import _moments
 
-__all__ = ["DistGroupNorm", "DistLayerNorm"]
+__all__ = ["DistGroupNorm", "DistInstanceNorm1d", "DistInstanceNorm2d", "DistInstanceNorm3d",
+           "DistLayerNorm", "from_module"]
 
 
-class DistGroupNorm(nn.Module):
+class _GroupedNorm(nn.Module):
     """``nn.GroupNorm`` or an ``nn.InstanceNorm1d/2d/3d`` without running statistics on an
     activation in ``input_dist`` (channels whole; samples and spatial dims split any way), its
-    output in the same Dist (module docstring). Build it with :meth:`from_module`.
+    output in the same Dist (module docstring). Build one with :func:`from_module`; each is an
+    instance of its torch class (:class:`DistGroupNorm`, :class:`DistInstanceNorm2d`, ...), so the
+    idioms written for one process find it.
 
     Args:
         num_groups: groups of channels (an instance norm: one per channel).
@@ -64,7 +67,7 @@ class DistGroupNorm(nn.Module):
     def __init__(self, num_groups: int, num_channels: int, eps: float = 1e-5,
                  affine: bool = True, device: Any = None, dtype: torch.dtype | None = None, *,
                  grid: ProcessorGrid, input_dist: Dist) -> None:
-        super().__init__()
+        nn.Module.__init__(self)  # the torch class's init would allocate the global state
         name = type(self).__name__
         for what, v in (("num_groups", num_groups), ("num_channels", num_channels)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -95,32 +98,6 @@ class DistGroupNorm(nn.Module):
         self._comm = grid.subcomm(segment) if segment else None
         self._resolved: dict[Any, Any] = {}
 
-    @classmethod
-    def from_module(cls, module: nn.Module, *, grid: ProcessorGrid,
-                    input_dist: Dist) -> DistGroupNorm:
-        """The layer for an ``nn.GroupNorm`` or an ``nn.InstanceNorm1d/2d/3d`` without running
-        statistics (the same on every rank), with its weight and bias."""
-        if isinstance(module, nn.GroupNorm):
-            groups, channels = module.num_groups, module.num_channels
-        elif isinstance(module, nn.modules.instancenorm._InstanceNorm):
-            if module.track_running_stats:
-                raise ValueError("an instance norm with running statistics averages them over "
-                                 "the samples; DistGroupNorm takes track_running_stats=False")
-            groups = channels = module.num_features
-        else:
-            raise TypeError(f"module must be an nn.GroupNorm or nn.InstanceNorm1d/2d/3d, got "
-                            f"{type(module).__name__}")
-        ref = module.weight
-        out = cls(groups, channels, module.eps, module.affine,
-                  None if ref is None else ref.device, None if ref is None else ref.dtype,
-                  grid=grid, input_dist=input_dist)
-        if module.affine:
-            with torch.no_grad():
-                out.weight.copy_(module.weight)
-                out.bias.copy_(module.bias)
-            out.weight.requires_grad_(module.weight.requires_grad)
-            out.bias.requires_grad_(module.bias.requires_grad)
-        return out.train(module.training)
 
     def forward(self, x: torch.Tensor, global_shape: Sequence[int] | None = None) -> torch.Tensor:
         """This rank's block of the normalised activation from its block ``x`` of the global
@@ -139,6 +116,72 @@ class DistGroupNorm(nn.Module):
     def extra_repr(self) -> str:
         return (f"{self.num_groups}, {self.num_channels}, eps={self.eps}, affine={self.affine}, "
                 f"grid={dict(self.grid.layout)}, x={show(self.input_dist, 'x')}")
+
+
+class DistGroupNorm(_GroupedNorm, nn.GroupNorm):
+    """``nn.GroupNorm`` on a spatially split activation (:class:`_GroupedNorm`); an
+    ``nn.GroupNorm`` for ``isinstance``."""
+
+
+class _DistInstanceNorm(_GroupedNorm):
+    """An instance norm without running statistics: one group per channel."""
+
+    momentum, track_running_stats = None, False
+
+    def __init__(self, num_features: int, eps: float = 1e-5, affine: bool = False,
+                 device: Any = None, dtype: torch.dtype | None = None, *,
+                 grid: ProcessorGrid, input_dist: Dist) -> None:
+        super().__init__(num_features, num_features, eps, affine, device, dtype, grid=grid,
+                         input_dist=input_dist)
+        self.num_features = num_features
+        self.register_buffer("running_mean", None)
+        self.register_buffer("running_var", None)
+
+
+class DistInstanceNorm1d(_DistInstanceNorm, nn.InstanceNorm1d):
+    """``nn.InstanceNorm1d`` (no running statistics) on a split signal; an
+    ``nn.InstanceNorm1d`` for ``isinstance``."""
+
+
+class DistInstanceNorm2d(_DistInstanceNorm, nn.InstanceNorm2d):
+    """``nn.InstanceNorm2d`` (no running statistics) on a split image; an
+    ``nn.InstanceNorm2d`` for ``isinstance``."""
+
+
+class DistInstanceNorm3d(_DistInstanceNorm, nn.InstanceNorm3d):
+    """``nn.InstanceNorm3d`` (no running statistics) on a split volume; an
+    ``nn.InstanceNorm3d`` for ``isinstance``."""
+
+
+_INSTANCE = {nn.InstanceNorm1d: DistInstanceNorm1d, nn.InstanceNorm2d: DistInstanceNorm2d,
+             nn.InstanceNorm3d: DistInstanceNorm3d}
+
+
+def from_module(module: nn.Module, *, grid: ProcessorGrid, input_dist: Dist) -> nn.Module:
+    """The distributed layer of an ``nn.GroupNorm``, an ``nn.InstanceNorm1d/2d/3d`` without
+    running statistics or an ``nn.LayerNorm`` (the same on every rank), with its parameters."""
+    if isinstance(module, nn.LayerNorm):
+        return DistLayerNorm.from_module(module, grid=grid, input_dist=input_dist)
+    ref = getattr(module, "weight", None)
+    kw = {"device": None if ref is None else ref.device,
+          "dtype": None if ref is None else ref.dtype, "grid": grid, "input_dist": input_dist}
+    if isinstance(module, nn.GroupNorm):
+        out: _GroupedNorm = DistGroupNorm(module.num_groups, module.num_channels, module.eps,
+                                          module.affine, **kw)
+    elif type(module) in _INSTANCE:
+        if module.track_running_stats:
+            raise ValueError("an instance norm with running statistics averages them over the "
+                             "samples; its distributed layer takes track_running_stats=False")
+        out = _INSTANCE[type(module)](module.num_features, module.eps, module.affine, **kw)
+    else:
+        raise TypeError(f"module must be an nn.GroupNorm, nn.InstanceNorm1d/2d/3d or "
+                        f"nn.LayerNorm, got {type(module).__name__}")
+    if module.affine:
+        with torch.no_grad():
+            out.weight.copy_(module.weight)
+            out.bias.copy_(module.bias)
+        keep_requires_grad(out, module, ("weight", "bias"))
+    return out.train(module.training)
 
 
 class _GroupNorm(torch.autograd.Function):
@@ -218,7 +261,7 @@ def _coefficients(mean: torch.Tensor, invstd: torch.Tensor, weight: torch.Tensor
     return scale.reshape(n, c), shift.reshape(n, c)
 
 
-class DistLayerNorm(nn.Module):
+class DistLayerNorm(nn.LayerNorm):
     """``nn.LayerNorm`` over every dim but the samples (``(C, H, W)`` of an image, ``(C, D, H,
     W)`` of a volume) on an activation in ``input_dist``, any of its dims split; the output in the
     same Dist. Each sample's statistics are those of its blocks on the ranks that split its
@@ -237,7 +280,7 @@ class DistLayerNorm(nn.Module):
                  elementwise_affine: bool = True, bias: bool = True, device: Any = None,
                  dtype: torch.dtype | None = None, *, grid: ProcessorGrid,
                  input_dist: Dist) -> None:
-        super().__init__()
+        nn.Module.__init__(self)  # the torch class's init would allocate the global weight
         name = type(self).__name__
         self.grid = check_grid(name, grid)
         self.normalized_shape = tuple(int(s) for s in normalized_shape)
@@ -245,7 +288,7 @@ class DistLayerNorm(nn.Module):
             name, grid, input_dist, (len(self.normalized_shape) + 1,))
         if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0:
             raise ValueError(f"{name}: eps must be a non-negative number, got {eps!r}")
-        self.eps = float(eps)
+        self.eps, self.elementwise_affine = float(eps), bool(elementwise_affine)
         #: the weight's and bias's Dist: the activation's entries after the samples'
         self.param_dist = Dist(self.input_dist.entries[1:])
         kw = {"device": device, "dtype": dtype}

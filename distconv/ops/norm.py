@@ -2,9 +2,10 @@
 global batch (:class:`~distconv.nn.DistBatchNorm2d`, ``3d``, ``1d``), in its input's distribution
 (any dim split; the statistics reduced over the grid dims of every entry but the channels');
 GroupNorm and InstanceNorm1d/2d/3d without running statistics on a spatially split input in place
-(:class:`~distconv.nn.groupnorm.DistGroupNorm`: the statistics of each sample's group reduced over
-the spatial grid dims, the channels made whole first); otherwise these and LayerNorm on local
-blocks with the dims they reduce over whole.
+(:class:`~distconv.nn.groupnorm.DistGroupNorm`, ``DistInstanceNorm1d/2d/3d``: the statistics of
+each sample's group reduced over the spatial grid dims, the channels made whole first); LayerNorm
+over every dim but the samples on any split in place (``DistLayerNorm``); otherwise these on
+local blocks with the dims they reduce over whole.
 
 Per rank: forward, an allgather of (count, mean, M2) per local channel (per local sample and
 group) over the statistics segment (the grid dims of the N and spatial entries; of the spatial
@@ -21,7 +22,8 @@ from torch import nn
 from distconv.comm.base import allreduce_bytes
 from distconv.distribution import Dist
 from distconv.nn.batchnorm import DistBatchNorm1d, DistBatchNorm2d, DistBatchNorm3d
-from distconv.nn.groupnorm import DistGroupNorm, DistLayerNorm
+from distconv.nn.groupnorm import DistLayerNorm
+from distconv.nn.groupnorm import from_module as norm_from_module
 from distconv.ops.base import (
     SAMPLE_GRIDS, SIGNAL_GRIDS, VOLUME_GRIDS, Handler, PriceContext, Sample, SampleNet,
 )
@@ -189,7 +191,7 @@ class _LocalNorm(Handler):
     def build(self, module: Any, node: Any, step: Any, grid: Any) -> Any:
         if step.layer is None or step.layer.kind != "groupnorm":
             return None  # the plain module on local blocks
-        return DistGroupNorm.from_module(module, grid=grid, input_dist=step.layer.input.dist)
+        return norm_from_module(module, grid=grid, input_dist=step.layer.input.dist)
 
     def price(self, report: Any, step: Any, module: Any, ctx: PriceContext) -> None:
         report.param_elements = sum(p.numel() for p in module.parameters())

@@ -239,13 +239,14 @@ class _Analyser:
 
 def _distributed_modules() -> tuple[type, ...]:
     from distconv.nn import (
-        DistAdaptiveAvgPool2d, DistBatchNorm, DistConv2d, DistConvNd, DistGroupNorm,
-        DistLayerNorm, Redistribute,
+        DistAdaptiveAvgPool2d, DistBatchNorm, DistConv2d, DistConvNd, DistLayerNorm,
+        Redistribute,
     )
+    from distconv.nn.groupnorm import _GroupedNorm
     from distconv.nn.dropout import _DistDropout
     from distconv.nn.pool import POOLS
 
-    return (DistConv2d, DistConvNd, DistBatchNorm, DistGroupNorm, DistLayerNorm,
+    return (DistConv2d, DistConvNd, DistBatchNorm, _GroupedNorm, DistLayerNorm,
             *POOLS.values(), DistAdaptiveAvgPool2d, _DistDropout, Redistribute)
 
 
