@@ -94,6 +94,17 @@ def test_pooling_of_split_signals_and_volumes_equals_one_process(case: tuple) ->
 
 
 def test_a_distributed_pool_is_the_torch_module_for_isinstance_and_back() -> None:
+    from distconv.comm import SingleCommunicator
+
+    grid = ProcessorGrid({"N": 1}, comm=SingleCommunicator())
     for plain, cls in POOLS.items():
         assert issubclass(cls, plain) and cls.__name__ == f"Dist{plain.__name__}"
         assert not any(issubclass(cls, other) for other in POOLS if other is not plain)
+        dims = cls._dims
+        module = plain(3, 2, 1, ceil_mode=True)
+        layer = cls.from_plain(module, grid=grid, input_dist=Dist((None,) * (2 + dims)))
+        back = layer.to_plain()
+        x = torch.randn(2, 3, *(7,) * dims, dtype=torch.float64)
+        assert type(back) is plain
+        torch.testing.assert_close(back(x), module(x), rtol=0, atol=0)
+        torch.testing.assert_close(layer(x, x.shape), module(x), rtol=0, atol=0)
