@@ -322,6 +322,113 @@ def check_resnet(device: torch.device) -> dict[str, Any]:
             "state_devices": sorted({d for r in ranks for d in devices_of(r["state"])})}
 
 
+# ---------------------------------------------------------------- volumes and decoders
+#: (name, model builder, config, input shape, target): N-d convolutions (DistConvNd), transposed
+#: up-convolutions, upsampling, GroupNorm / BatchNorm3d and pooling split over samples, channels
+#: and D/H/W, trained 2 SGD steps on 4 thread ranks against one process; fp64.
+def _volume_cases() -> list[tuple]:
+    from distconv import models
+
+    return [
+        ("unet3d_DxH_group", lambda: models.unet3d(in_channels=1, base=2, depth=1),
+         {"default": {"grid": {"D": 2, "H": 2}, "algorithm": "spatial"},
+          "data": {"N": 1, "D": 2, "H": 2}, "layers": [
+              {"match": "bottom.0", "grid": {"C": 2, "D": 2}, "algorithm": "stationary-x"},
+              {"match": "up.0", "grid": {"F": 2, "D": 2}, "algorithm": "stationary-y"}]},
+         (3, 1, 8, 6, 4), "classes"),
+        ("unet3d_channels_batch", lambda: models.unet3d(in_channels=1, base=2, depth=1,
+                                                        norm="batch"),
+         {"default": {"grid": {"N": 4}, "algorithm": "sample"}, "layers": [
+             {"match": "bottom.0", "grid": {"N": 2, "C": 2}, "algorithm": "stationary-x"},
+             {"match": "bottom.3", "grid": {"C": 2, "F": 2}, "algorithm": "stationary-w"},
+             {"match": "up.*", "grid": {"N": 2, "F": 2}, "algorithm": "stationary-y"}]},
+         (5, 1, 4, 4, 4), "classes"),
+        ("unet2d_HxW_upsample", lambda: models.unet2d(in_channels=2, base=2, depth=2,
+                                                      up="upsample"),
+         {"default": {"grid": {"H": 2, "W": 2}, "algorithm": "spatial"},
+          "data": {"N": 1, "H": 2, "W": 2}},
+         (2, 2, 12, 8), "classes"),
+        ("cosmoflow_NxD", lambda: models.cosmoflow_mini(),
+         {"default": {"grid": {"N": 2, "D": 2}, "algorithm": "spatial"},
+          "data": {"N": 2, "D": 2}},
+         (4, 4, 8, 8, 8), "values"),
+    ]
+
+
+def _volume_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.mse_loss(out, y) if y.is_floating_point() else F.cross_entropy(out, y)
+
+
+def volume_case(case: tuple, device: torch.device) -> tuple[nn.Module, list]:
+    name, build, _, shape, target = case
+    torch.manual_seed(zlib.crc32(name.encode()))
+    model = build().double()
+    gen = torch.Generator().manual_seed(1)
+    batches = []
+    for _ in range(STEPS):
+        x = torch.randn(shape, generator=gen, dtype=torch.float64)
+        with torch.no_grad():
+            out = model(x)
+        y = (torch.randn(out.shape, generator=gen, dtype=torch.float64) if target == "values"
+             else torch.randint(0, out.shape[1], (shape[0], *out.shape[2:]), generator=gen))
+        batches.append((x.to(device), y.to(device)))
+    return model.to(device), batches
+
+
+def volume_rank(comm: Any, model: nn.Module, config: dict, batches: list) -> dict[str, Any]:
+    pmodel = parallelize(copy.deepcopy(model), config, comm=comm)
+    opt = torch.optim.SGD(pmodel.parameters(), lr=LR, momentum=MOMENTUM)
+    outs, grads, rows = [], [], None
+    for x, y in batches:
+        rows = sample_block(x.shape[0], pmodel.data_grid)
+        opt.zero_grad()
+        out = pmodel(x[rows])
+        _volume_loss(out, y[rows]).backward()
+        outs.append(out.detach())
+        grads.append(_gathered_grads(pmodel))
+        opt.step()
+    local = list(pmodel.parameters()) + list(pmodel.buffers())
+    return {"rows": rows, "outs": outs, "grads": grads, "state": pmodel.gather_state_dict(),
+            "devices": devices_of([outs, [p.grad for p in pmodel.parameters()], local])}
+
+
+def check_volumes(device: torch.device) -> dict[str, Any]:
+    cases, ok = {}, True
+    atol = TOL[torch.float64][1] * 10
+    for case in _volume_cases():
+        model, batches = volume_case(case, device)
+        ref = copy.deepcopy(model)
+        opt = torch.optim.SGD(ref.parameters(), lr=LR, momentum=MOMENTUM)
+        ref_outs, ref_grads = [], []
+        for x, y in batches:
+            opt.zero_grad()
+            out = ref(x)
+            _volume_loss(out, y).backward()
+            ref_outs.append(out.detach())
+            ref_grads.append({k: p.grad.clone() for k, p in ref.named_parameters()})
+            opt.step()
+        ranks = run_ranks(volume_rank, 4, model, case[2], batches, timeout=60.0)
+        err = {"out": 0.0, "grads": 0.0, "state": 0.0}
+        for got in ranks:
+            for step in range(STEPS):
+                err["out"] = max(err["out"], max_err(got["outs"][step],
+                                                     ref_outs[step][got["rows"]]))
+                err["grads"] = max(err["grads"], max(max_err(got["grads"][step][k], g)
+                                                     for k, g in ref_grads[step].items()))
+            err["state"] = max(err["state"], max(max_err(got["state"][k], v)
+                                                 for k, v in ref.state_dict().items()))
+        case_ok = max(err.values()) < atol
+        ok &= case_ok
+        cases[case[0]] = {"config": case[2], "shape": case[3], "ok": case_ok,
+                          "max_abs_error": err,
+                          "devices": sorted({d for r in ranks for d in r["devices"]})}
+        log(f"    {case[0]}: {'pass' if case_ok else 'FAIL'} {err}")
+    return {"ok": ok, "tolerance": {"max_abs": atol}, "steps": STEPS, "ranks": 4,
+            "cases": cases,
+            "max_abs_error": max(max(c["max_abs_error"].values()) for c in cases.values()),
+            "devices": sorted({d for c in cases.values() for d in c["devices"]})}
+
+
 # ---------------------------------------------------------------- sharded K-FAC
 KFAC_SHAPE = (4, 5, 6, 5)
 KFAC_KW = dict(kl_clip=1e-2, damping=1e-2, factor_decay=0.7)
@@ -784,6 +891,63 @@ def bench_dist_vs_cudnn(device: torch.device, dtype: torch.dtype, small: bool) -
     return rows
 
 
+#: volume layers (CosmoFlow / 3-D U-Net sizes per GPU): (name, torch module, N, input shape)
+ND_SHAPES = [
+    ("conv3d_3", lambda: nn.Conv3d(32, 32, 3, padding=1, bias=False), 4, (32, 64, 64, 64)),
+    ("conv3d_3_s2", lambda: nn.Conv3d(32, 64, 3, stride=2, padding=1), 4, (32, 64, 64, 64)),
+    ("convT3d_2", lambda: nn.ConvTranspose3d(64, 32, 2, stride=2), 4, (64, 32, 32, 32)),
+    ("conv1d_5", lambda: nn.Conv1d(128, 128, 5, padding=2), 32, (128, 4096)),
+    ("groupnorm3d", lambda: nn.GroupNorm(8, 32), 4, (32, 64, 64, 64)),
+]
+
+
+def bench_nd_vs_cudnn(device: torch.device, dtype: torch.dtype, small: bool) -> list[dict]:
+    """One-rank DistConvNd / DistGroupNorm against the torch module (cuDNN), forward + backward,
+    eager: the per-call cost of the N-d layers' Python next to the kernels."""
+    from distconv.distribution import Dist
+    from distconv.nn import DistConvNd
+    from distconv.nn.groupnorm import from_module as norm_from_module
+
+    rows = []
+    repeats, inner, warmup = (5, 2, 2) if small else (30, 10, 10)
+    grid = ProcessorGrid({"N": 1}, comm=SingleCommunicator())
+    for name, build, batch, shape in ND_SHAPES:
+        if small:
+            batch, shape = 2, (shape[0] // 8, *(max(4, d // 16) for d in shape[1:]))
+        row: dict[str, Any] = {"layer": name, "N": batch, "shape": list(shape)}
+        try:
+            module = build()
+            if small and hasattr(module, "in_channels"):
+                module = type(module)(shape[0], max(2, module.out_channels // 8),
+                                      module.kernel_size, stride=module.stride,
+                                      padding=module.padding, bias=module.bias is not None)
+            elif small:
+                module = nn.GroupNorm(2, shape[0])
+            module = module.to(device, dtype)
+            x = torch.randn(batch, *shape, device=device, dtype=dtype, requires_grad=True)
+            if isinstance(module, nn.GroupNorm):
+                layer = norm_from_module(module, grid=grid,
+                                         input_dist=Dist(("N",) + (None,) * (x.dim() - 1)))
+            else:
+                layer = DistConvNd.from_module(module, grid=grid, algorithm="stationary-x")
+            gshape = tuple(x.shape)
+            g = torch.randn(module(x).shape, device=device, dtype=dtype)
+            fns = {"torch": fwd_bwd(module, x, g, list(module.parameters())),
+                   "distconv": fwd_bwd(lambda t: layer(t, gshape), x, g,
+                                       list(layer.parameters()))}
+            t = time_calls(fns, device, repeats, inner, warmup)
+            ratio = t["distconv"]["median_s"] / t["torch"]["median_s"]
+            row.update({"torch_ms": 1e3 * t["torch"]["median_s"],
+                        "distconv_ms": 1e3 * t["distconv"]["median_s"], "ratio": ratio})
+            log(f"  [b] {name} N={batch}: torch {row['torch_ms']:.3f} ms  distconv "
+                f"{row['distconv_ms']:.3f} ms  ratio {ratio:.3f}")
+        except Exception as exc:  # record, go on
+            row["error"] = f"{type(exc).__name__}: {exc}"[:500]
+            log(f"  [b] {name}: FAILED {row['error']}")
+        rows.append(row)
+    return rows
+
+
 def bench_split(device: torch.device, dtype: torch.dtype, small: bool) -> list[dict]:
     """Local conv fwd+bwd on a C/p (stationary-x) or F/p (stationary-y) block vs full / p."""
     rows = []
@@ -948,6 +1112,16 @@ def markdown(report: dict[str, Any]) -> str:
             else:
                 lines.append(f"{head} {r['cudnn_ms']:.3f} | {r['distconv_ms']:.3f} | "
                              f"{r['ratio']:.3f} |")
+    if b.get("nd_vs_torch"):
+        lines += ["", "## One-rank DistConvNd / DistGroupNorm vs the torch module, forward + "
+                  "backward, eager", "",
+                  "| layer | N | C, spatial | torch ms | distconv ms | ratio |",
+                  "| --- | --- | --- | --- | --- | --- |"]
+        for r in b["nd_vs_torch"]:
+            head = f"| {r['layer']} | {r['N']} | {r['shape']} |"
+            lines.append(f"{head} failed: {r['error'][:120]} | | |" if "error" in r else
+                         f"{head} {r['torch_ms']:.3f} | {r['distconv_ms']:.3f} | "
+                         f"{r['ratio']:.3f} |")
     if b.get("split_scaling"):
         lines += ["", "## Local convolution when C or F is split p ways, forward + backward", "",
                   "ms of the conv a rank runs on its C/p (or F/p) block, and in brackets its ratio "
@@ -1000,6 +1174,7 @@ def main(argv: list[str] | None = None) -> int:
         ("conv_fp64", lambda: check_conv(device, torch.float64)),
         ("conv_fp32", lambda: check_conv(device, torch.float32)),
         ("resnet_bn_2_steps", lambda: check_resnet(device)),
+        ("volumes_decoders_2_steps", lambda: check_volumes(device)),
         ("kfac_sharded_exact", lambda: check_kfac(device)),
         ("checkpoint_cuda_cpu_cuda", lambda: check_checkpoint(device)),
         ("nccl_world_of_one", lambda: check_nccl(device)),
@@ -1035,7 +1210,8 @@ def main(argv: list[str] | None = None) -> int:
         report["bench"] = {"dtype": str(dtype).removeprefix("torch."),
                            "tf32": torch.backends.cudnn.allow_tf32,
                            "cudnn_benchmark": True}
-        for key, fn in (("dist_vs_cudnn", bench_dist_vs_cudnn), ("split_scaling", bench_split)):
+        for key, fn in (("dist_vs_cudnn", bench_dist_vs_cudnn), ("nd_vs_torch", bench_nd_vs_cudnn),
+                        ("split_scaling", bench_split)):
             log(f"[b] {key} ...")
             try:
                 report["bench"][key] = fn(device, dtype, small)
