@@ -142,7 +142,7 @@ def _probes() -> list[tuple[str, Any, str]]:
         ("global-batch agreement", pm.ParallelModel, "_agree_batch"),
         ("conversions (redistribute)", program, "convert"),
         ("DistConv2d forward", DistConv2d, "forward"),
-        ("DistBatchNorm2d forward (with its statistics)", batchnorm.DistBatchNorm2d, "forward"),
+        ("DistBatchNorm forward (with its statistics)", batchnorm.DistBatchNorm, "forward"),
         ("BN statistics forward (moments + allgather)", batchnorm, "_moments"),
         ("BN backward (sums + allreduce)", batchnorm._BatchNorm, "backward"),
         ("gradient buckets: launch", BucketedGradSync, "_launch"),

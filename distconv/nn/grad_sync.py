@@ -37,7 +37,9 @@ class GradSync:
     def __init__(self, comm: Any, *, where: str = "") -> None:
         self.comm = comm
         self.where = where
+        self._arrived: dict[int, tuple[torch.Tensor, bool]] = {}
         self._pending: list[tuple[nn.Parameter, Any, bool]] = []
+        self._next = 0  # allreduces start in registration order, whatever order hooks fire in
         self._queued = False
         self.params: list[nn.Parameter] = []
         self._handles: list[Any] = []
@@ -47,13 +49,11 @@ class GradSync:
 
         def hook(grad: torch.Tensor) -> torch.Tensor:
             first = param.grad is None
-            work = self.comm.allreduce(
-                grad.contiguous(), async_op=True, meta=f"gradient allreduce {self.where}"
-            )
-            self._pending.append((param, work, first))
+            self._arrived[id(param)] = (grad, first)
             if not self._queued:
                 self._queued = True
                 torch.autograd.Variable._execution_engine.queue_callback(self.finish)
+            self._launch()
             # The first contribution becomes .grad and is replaced by the complete sum in finish();
             # later ones must not add their local part to an already complete gradient.
             return grad if first else torch.zeros_like(grad)
@@ -61,6 +61,22 @@ class GradSync:
         self.params.append(param)
         self._handles.append(param.register_hook(hook))
         return self._handles[-1]
+
+    def _launch(self, flush: bool = False) -> None:
+        """Start the allreduces of the gradients that arrived, in registration order: ranks
+        pair collectives by order, and autograd's order of the hooks may differ between ranks
+        (one rank's empty block takes another kernel's backward). ``flush``: also past a
+        parameter this pass did not reach."""
+        while self._next < len(self.params):
+            param = self.params[self._next]
+            got = self._arrived.pop(id(param), None)
+            if got is None and not flush:
+                return
+            self._next += 1
+            if got is not None:
+                work = self.comm.allreduce(got[0].contiguous(), async_op=True,
+                                           meta=f"gradient allreduce {self.where}")
+                self._pending.append((param, work, got[1]))
 
     def detach(self) -> list[nn.Parameter]:
         """Stop synchronising (remove the hooks); returns the parameters it synchronised, for a
@@ -72,7 +88,9 @@ class GradSync:
 
     def finish(self) -> None:
         """Wait for every started allreduce and write the complete gradients."""
+        self._launch(flush=True)
         pending, self._pending, self._queued = self._pending, [], False
+        self._next, self._arrived = 0, {}
         for param, work, first in pending:
             total = work.wait()
             if first or param.grad is None:

@@ -41,3 +41,27 @@ def _explicit(comm):  # noqa: ANN001, ANN202
 def test_explicit_finish_after_autograd_backward() -> None:
     for g in run_threads(_explicit, 2):
         assert torch.equal(g, torch.full((2,), 3.0))
+
+
+def _hooks_in_other_orders(comm):  # noqa: ANN001, ANN202
+    a = nn.Parameter(torch.tensor([1.0], dtype=torch.float64))
+    b = nn.Parameter(torch.tensor([1.0], dtype=torch.float64))
+    sync = GradSync(comm, where="test")
+    sync.register(a)
+    sync.register(b)
+    fired: list[str] = []
+    a.register_hook(lambda g: fired.append("a"))
+    b.register_hook(lambda g: fired.append("b"))
+    # autograd runs the later-made node first: rank 0 reaches a first, rank 1 b first
+    terms = [a * 2.0, b * 3.0] if comm.rank else [b * 3.0, a * 2.0]
+    (terms[0] + terms[1] * (comm.rank + 1)).sum().backward()
+    return fired, a.grad.item(), b.grad.item()
+
+
+def test_allreduces_pair_by_parameter_whatever_order_the_hooks_fire_in() -> None:
+    """Ranks pair collectives by order: a rank whose backward reaches the parameters in another
+    order (another kernel's backward, another graph) must still add a's gradient to a's."""
+    (f0, a0, b0), (f1, a1, b1) = run_threads(_hooks_in_other_orders, 2)
+    assert f0 != f1  # the hooks did fire in different orders
+    # rank 0: loss = 3b + 2a, so d/da = 2, d/db = 3;  rank 1: loss = 2a + 2·3b: 2 and 6
+    assert (a0, b0) == (a1, b1) == (2.0 + 2.0, 3.0 + 6.0)
