@@ -277,6 +277,95 @@ def test_async_failure_not_waited_for_is_raised_by_the_next_save(tmp_path: Path)
     load_into(SingleCommunicator(), None, str(tmp_path / "next"))
 
 
+def test_each_rank_snapshots_only_the_bytes_it_writes_and_the_copy_is_what_is_written(
+    tmp_path: Path, monkeypatch: Any
+) -> None:
+    """The 1.5 MB weight is held whole by both ranks and cut between them: each rank's host
+    copy holds only its rows (its share of the state's bytes), yet the checkpoint holds every
+    byte as it was when ``save`` returned, though every parameter changes before any file is
+    written (the writers are held until then): without the copy it would hold the new values."""
+    import distconv.checkpoint._save as save_module
+
+    release = threading.Event()
+    real = save_module.write_shard_file
+
+    def held(*args: Any, **kwargs: Any) -> Any:
+        assert release.wait(20.0)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(save_module, "write_shard_file", held)
+    path = tmp_path / "ckpt"
+
+    def run(comm: Any) -> int:
+        model = parallelize(cnn(), SAMPLE2, comm=comm)
+        handle = distconv.save(model, path, comm=comm, async_save=True)
+        with torch.no_grad():
+            for t in model.state_dict().values():
+                t.add_(1) if t.is_floating_point() else t.zero_()
+        comm.barrier()
+        if comm.rank == 0:
+            release.set()
+        handle.wait()
+        return handle.nbytes
+
+    copied = run_threads(run, 2, timeout=20.0)
+    state = global_state()
+    total = sum(t.numel() * t.element_size() for t in state.values())
+    weight = state["0.weight"].numel() * state["0.weight"].element_size()
+    assert sum(copied) == total and max(copied) < total - weight / 4, copied
+    shards = json.loads((path / INDEX_NAME).read_text())["tensors"]["model/0.weight"]["shards"]
+    assert len(shards) == 2  # the weight is cut between the two ranks
+    load_into(SingleCommunicator(), None, str(path))
+    run_threads(load_into, 2, CHANNELS, str(path), timeout=20.0)
+
+
+def test_a_copy_that_fails_on_one_rank_fails_the_save_on_every_rank(
+    tmp_path: Path, monkeypatch: Any
+) -> None:
+    import distconv.checkpoint._save as save_module
+
+    real = save_module._own
+
+    def own(pieces: Any, items: Any, rank: int, **kwargs: Any) -> Any:
+        if rank == 1:
+            raise MemoryError("no host memory for the snapshot")
+        return real(pieces, items, rank, **kwargs)
+
+    monkeypatch.setattr(save_module, "_own", own)
+    path = tmp_path / "ckpt"
+
+    def run(comm: Any) -> str:
+        model = parallelize(cnn(), SAMPLE2, comm=comm)
+        if comm.rank == 1:
+            with pytest.raises(MemoryError, match="no host memory"):
+                distconv.save(model, path, comm=comm, async_save=True)
+            return "raised"
+        handle = distconv.save(model, path, comm=comm, async_save=True)
+        with pytest.raises(CheckpointError) as err:
+            handle.wait()
+        return str(err.value)
+
+    errors = run_threads(run, 2, timeout=20.0)
+    assert "rank 1: MemoryError: no host memory" in errors[0], errors
+    assert not (path / INDEX_NAME).exists()
+
+
+def test_a_long_failure_in_the_agreement_is_reported_whole(tmp_path: Path) -> None:
+    long_key = "k" * 400  # the error naming it does not fit the agreement's first exchange
+
+    def run(comm: Any) -> str:
+        model = parallelize(cnn(), SAMPLE2, comm=comm)
+        extra = {long_key: object()} if comm.rank == 1 else {long_key: 1}
+        with pytest.raises(Exception) as err:
+            distconv.save(model, tmp_path / "ckpt", extra=extra, comm=comm, async_save=True)
+        return f"{type(err.value).__name__}: {err.value}"
+
+    errors = run_threads(run, 2, timeout=20.0)
+    assert errors[1].startswith("TypeError") and long_key in errors[1]
+    assert errors[0].startswith("CheckpointError") and "rank 1: TypeError" in errors[0]
+    assert long_key in errors[0]
+
+
 # ---------------------------------------------------------------- a real world
 
 def async_save_real(comm: Any, path: str) -> None:

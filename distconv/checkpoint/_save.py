@@ -7,6 +7,7 @@ import json
 import os
 import secrets
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any, Mapping
 
 import torch
@@ -113,9 +114,9 @@ def save(
         got["meta"] = _metadata(got["items"])
         agreed = json.dumps([got["trees"], got["meta"]], sort_keys=True).encode()
         got["pieces"] = _plan(got["items"], comm.size)
-        got["mine"] = _own(got["pieces"], got["items"], comm.rank,
-                           snapshot=reusable(model) if async_save else None)
-        if comm.rank == 0:
+        if not async_save:
+            got["mine"] = _own(got["pieces"], got["items"], comm.rank, snapshot=None)
+        if comm.rank == 0:  # before the exchange, so before any rank can put a shard in place
             _clear(path)
         return {"meta": hashlib.sha256(agreed).hexdigest(), "token": secrets.token_hex(8)}
 
@@ -124,7 +125,10 @@ def save(
         comm = _default_comm(got["items"])
     # Every phase ends with an exchange that also carries failures: a rank that fails raises its
     # own error and the others raise naming it, instead of waiting in the next collective.
-    agreed = _together(comm, "collect the state", collect)
+    if async_save:
+        agreed = _snapshot_while_agreeing(comm, path, collect, got, model)
+    else:
+        agreed = _together(comm, "collect the state", collect, small=True)
     if len({r["meta"] for r in agreed}) > 1:
         raise CheckpointError(
             "checkpoint.save: the ranks disagree on the state to save (keys, plain values, "
@@ -184,21 +188,66 @@ class _Job:
         await_index(self.path, self.token, timeout)
 
 
-def _together(comm: Communicator, what: str, step: Any) -> list[dict[str, Any]]:
+def _together(comm: Communicator, what: str, step: Any, *,
+              small: bool = False) -> list[dict[str, Any]]:
     """Run ``step()`` on every rank and exchange its record; raise on all ranks if any failed."""
+    return _begin_together(comm, what, step, small=small)[1]()
+
+
+def _begin_together(
+    comm: Communicator, what: str, step: Any, *, small: bool = False
+) -> tuple[bool, Callable[[], list[dict[str, Any]]]]:
+    """Run ``step()`` and start exchanging its record: whether it succeeded here, and the
+    function that waits for every rank's record (raising on all ranks if any failed). A
+    ``small`` record (a digest and a token) goes in one collective, any other in two."""
     failure: Exception | None = None
     try:
         record = step() or {}  # type: ignore[func-returns-value]
     except Exception as exc:
         failure = exc
         record = {"error": f"rank {comm.rank}: {type(exc).__name__}: {exc}"}
-    records = _allgather_json(comm, record, what)
+    exchange = (_start_small_json(comm, record, what) if small
+                else lambda: _allgather_json(comm, record, what))
+
+    def finish() -> list[dict[str, Any]]:
+        records = exchange()
+        if failure is not None:
+            raise failure
+        errors = [r["error"] for r in records if "error" in r]
+        if errors:
+            raise CheckpointError(f"checkpoint.save could not {what}: " + "; ".join(errors))
+        return records
+
+    return failure is None, finish
+
+
+def _snapshot_while_agreeing(comm: Communicator, path: Path, collect: Callable[[], Any],
+                             got: dict[str, Any], model: Any) -> list[dict[str, Any]]:
+    """The asynchronous save's critical path: collect the state, start the exchange that agrees
+    on it, copy this rank's share into host memory while the exchange is in flight, then wait.
+
+    The copy comes after the exchange has started, so a copy that fails cannot travel in it:
+    this rank raises its error, and writes it where the other ranks' writers look for their
+    peers' reports (``.rank-RRRRR.json``, or ``.failed.json`` on rank 0), so their saves fail at
+    their next ``wait()`` or ``save`` naming it, and no index is written."""
+    ok, finish = _begin_together(comm, "collect the state", collect, small=True)
+    failure: Exception | None = None
+    if ok:
+        try:
+            got["mine"] = _own(got["pieces"], got["items"], comm.rank,
+                               snapshot=reusable(model))
+        except Exception as exc:
+            failure = exc
+    agreed = finish()
     if failure is not None:
+        error = {"token": agreed[0]["token"],
+                 "error": f"rank {comm.rank}: {type(failure).__name__}: {failure}"}
+        try:
+            report(path, FAILED_NAME if comm.rank == 0 else record_name(comm.rank), error)
+        except OSError:
+            pass  # the others then stop at their timeout, naming this rank
         raise failure
-    errors = [r["error"] for r in records if "error" in r]
-    if errors:
-        raise CheckpointError(f"checkpoint.save could not {what}: " + "; ".join(errors))
-    return records
+    return agreed
 
 
 def _collect(sections: list[Section]) -> tuple[dict[str, Any], Items]:
@@ -249,10 +298,18 @@ def _clear(path: Path) -> None:
     if path.exists() and not path.is_dir():
         raise ValueError(f"path {str(path)!r} exists and is not a directory")
     path.mkdir(parents=True, exist_ok=True)
-    (path / INDEX_NAME).unlink(missing_ok=True)
-    sync_dir(path)
-    for stale in [*path.glob(".*.tmp"), *path.glob(".rank-*.json"), path / FAILED_NAME]:
-        stale.unlink(missing_ok=True)
+    try:
+        (path / INDEX_NAME).unlink()
+    except FileNotFoundError:
+        pass
+    else:
+        sync_dir(path)  # the old index is gone for good before any new shard replaces its own
+    with os.scandir(path) as entries:
+        stale = [e.name for e in entries if e.name == FAILED_NAME or (
+            e.name.startswith(".") and e.name.endswith(".tmp"))
+            or (e.name.startswith(".rank-") and e.name.endswith(".json"))]
+    for name in stale:
+        (path / name).unlink(missing_ok=True)
 
 
 def _remove_stale(path: Path, keep: set[str]) -> None:
@@ -311,6 +368,30 @@ def _metadata(items: Items) -> dict[str, Any]:
         out[key] = {"dtype": dtype_name(t.dtype), "shape": list(spec.global_shape), "dist": text,
                     "grid": None if spec.grid is None else [list(p) for p in spec.grid.layout]}
     return out
+
+
+#: bytes of a small record's first exchange: a digest and a token fit, an error may not
+_SMALL = 256
+
+
+def _start_small_json(comm: Communicator, record: dict[str, Any],
+                      what: str) -> Callable[[], list[dict[str, Any]]]:
+    """Start exchanging a small record in one fixed-width allgather; the function returned waits
+    for every rank's. A record that does not fit (a long error) is sent again, whole, by
+    :func:`_allgather_json` on every rank (each rank sees that one did not fit)."""
+    data = json.dumps(record).encode()
+    first = data if len(data) <= _SMALL else b'{"long": true}'
+    device = getattr(comm, "_device", torch.device("cpu"))  # NCCL moves only CUDA tensors
+    buf = torch.frombuffer(bytearray(first.ljust(_SMALL)), dtype=torch.uint8).to(device)
+    work = comm.allgather(buf, async_op=True, meta=f"checkpoint.save: {what}")
+
+    def wait() -> list[dict[str, Any]]:
+        records = [json.loads(p.cpu().numpy().tobytes()) for p in work.wait()]
+        if any(r.get("long") for r in records):
+            return _allgather_json(comm, record, what)
+        return records
+
+    return wait
 
 
 def _allgather_json(comm: Communicator, record: dict[str, Any], what: str) -> list[dict[str, Any]]:
