@@ -23,8 +23,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["LayerAdapter", "LinearAdapter", "Conv2dAdapter", "ConvNdAdapter", "adapter_for",
-           "conv_input_cov"]
+__all__ = ["LayerAdapter", "LinearAdapter", "Conv2dAdapter", "ConvNdAdapter",
+           "ConvTransposeAdapter", "adapter_for", "conv_input_cov", "transposed_weight",
+           "transposed_weight_matrix", "windows"]
 
 
 class LayerAdapter(abc.ABC):
@@ -70,16 +71,26 @@ class LayerAdapter(abc.ABC):
     def batch_size(x: Tensor) -> int:
         """Local batch size n seen in the input (the factor of ``d = n dL/dy``)."""
 
+    def weight_matrix(self, w: Tensor) -> Tensor:
+        """A tensor shaped like the weight as ``(groups, g_dim, a_dim - bias)``."""
+        g = self.groups
+        return w.reshape(g, w.shape[0] // g, -1)
+
+    def matrix_weight(self, mat: Tensor, shape: torch.Size) -> Tensor:
+        """The inverse of :meth:`weight_matrix`: the matrix back in the weight's ``shape``."""
+        return mat.reshape(shape)
+
     def grad_matrix(self, dtype: torch.dtype) -> Tensor | None:
         """The current gradient as ``(groups, g_dim, a_dim)``; ``None`` if there is none."""
         w = self.module.weight
         if w.grad is None:
             return None
         g = self.groups
-        mat = w.grad.detach().reshape(g, w.shape[0] // g, -1).to(dtype)
+        mat = self.weight_matrix(w.grad.detach()).to(dtype)
         if self.has_bias:
             b = self.module.bias.grad
-            b = torch.zeros(w.shape[0], dtype=dtype, device=w.device) if b is None else b
+            b = (torch.zeros(mat.shape[0] * mat.shape[1], dtype=dtype, device=w.device)
+                 if b is None else b)
             mat = torch.cat([mat, b.detach().reshape(g, -1, 1).to(dtype)], dim=2)
         return mat
 
@@ -87,7 +98,7 @@ class LayerAdapter(abc.ABC):
         """Write a ``(groups, g_dim, a_dim)`` matrix back into the parameters' ``.grad``."""
         w = self.module.weight
         ncol = mat.shape[2] - (1 if self.has_bias else 0)
-        w.grad.copy_(mat[:, :, :ncol].reshape(w.shape).to(w.grad.dtype))
+        w.grad.copy_(self.matrix_weight(mat[:, :, :ncol], w.shape).to(w.grad.dtype))
         if self.has_bias and self.module.bias.grad is not None:
             b = self.module.bias
             b.grad.copy_(mat[:, :, ncol].reshape(b.shape).to(b.grad.dtype))
@@ -287,8 +298,8 @@ class ConvTransposeAdapter(ConvNdAdapter):
     between its rows, padded by ``dilation (kernel - 1) - padding`` before and that plus the
     output padding after (cropped where negative), with the kernel flipped and the weight's
     channel dims swapped per group, stride 1. The im2col rows are that convolution's windows;
-    :meth:`grad_matrix` and :meth:`set_grad` map the weight ``(in, out/groups, k...)`` to the
-    ``(groups, out/groups, in/groups · prod(k))`` matrix and back."""
+    :meth:`weight_matrix` and :meth:`matrix_weight` map the weight ``(in, out/groups, k...)`` to
+    the ``(groups, out/groups, in/groups · prod(k))`` matrix and back."""
 
     @property
     def a_dim(self) -> int:
@@ -313,33 +324,29 @@ class ConvTransposeAdapter(ConvNdAdapter):
             x = F.pad(x, pads)
         return windows(x, m.kernel_size, (1,) * k, m.dilation, m.groups)
 
-    def _to_direct(self, w: Tensor) -> Tensor:
-        """``(in, out/g, k...)`` -> ``(g, out/g, in/g · prod(k))``, the kernel flipped."""
-        g, k = self.groups, self.spatial
-        w = w.reshape(g, w.shape[0] // g, *w.shape[1:]).transpose(1, 2)
-        return w.flip(list(range(3, 3 + k))).reshape(g, w.shape[1], -1)
+    def weight_matrix(self, w: Tensor) -> Tensor:
+        return transposed_weight_matrix(w, self.groups)
 
-    def grad_matrix(self, dtype: torch.dtype) -> Tensor | None:
-        w = self.module.weight
-        if w.grad is None:
-            return None
-        mat = self._to_direct(w.grad.detach()).to(dtype)
-        if self.has_bias:
-            b = self.module.bias.grad
-            b = torch.zeros(self.module.out_channels, dtype=dtype, device=w.device) if (
-                b is None) else b
-            mat = torch.cat([mat, b.detach().reshape(self.groups, -1, 1).to(dtype)], dim=2)
-        return mat
+    def matrix_weight(self, mat: Tensor, shape: torch.Size) -> Tensor:
+        return transposed_weight(mat, shape, self.groups)
 
-    def set_grad(self, mat: Tensor) -> None:
-        w, g, k = self.module.weight, self.groups, self.spatial
-        ncol = mat.shape[2] - (1 if self.has_bias else 0)
-        og, ig = w.shape[1], w.shape[0] // g
-        direct = mat[:, :, :ncol].reshape(g, og, ig, *w.shape[2:]).flip(list(range(3, 3 + k)))
-        w.grad.copy_(direct.transpose(1, 2).reshape(w.shape).to(w.grad.dtype))
-        if self.has_bias and self.module.bias.grad is not None:
-            b = self.module.bias
-            b.grad.copy_(mat[:, :, ncol].reshape(b.shape).to(b.grad.dtype))
+
+def transposed_weight_matrix(w: Tensor, groups: int) -> Tensor:
+    """A transposed convolution's weight ``(in, out/g, k...)`` as the matrix of the direct
+    convolution it equals, ``(g, out/g, in/g · prod(k))``: channel dims swapped per group, the
+    kernel flipped."""
+    k = w.dim() - 2
+    w = w.reshape(groups, w.shape[0] // groups, *w.shape[1:]).transpose(1, 2)
+    return w.flip(list(range(3, 3 + k))).reshape(groups, w.shape[1], -1)
+
+
+def transposed_weight(mat: Tensor, shape: Sequence[int], groups: int) -> Tensor:
+    """The inverse of :func:`transposed_weight_matrix`: ``(g, out/g, in/g · prod(k))`` back to a
+    transposed convolution's weight of ``shape`` ``(in, out/g, k...)``."""
+    k = len(shape) - 2
+    og, ig = shape[1], shape[0] // groups
+    direct = mat.reshape(groups, og, ig, *shape[2:]).flip(list(range(3, 3 + k)))
+    return direct.transpose(1, 2).reshape(shape)
 
 
 def conv_input_cov(xp: Tensor, kernel_size: tuple[int, int], *, stride: tuple[int, int],
