@@ -335,22 +335,13 @@ class KFAC:
             if hit:
                 matched |= hit
                 continue
-            if isinstance(module, DistConv2d):
-                self._register_dist(name, module)
-                continue
             if isinstance(module, DistConvNd) and not module.transposed and all(
                     module.grid.extent(module.roles[r]) == 1 for r in ("C", "F")):
                 self._register_spatial(name, module)
                 continue
-            if isinstance(module, DistConvNd):
-                raise NotImplementedError(
-                    f"distkfac: {name!r} is a {module.kind} split over "
-                    f"{'×'.join(d for d, e in module.grid.layout if e > 1)} "
-                    f"({module.algorithm} on {dict(module.grid.layout)}); K-FAC factors for it "
-                    f"are implemented split over samples and spatial dims only (not over "
-                    f"channels or filters, nor for a transposed convolution). Run it sample- or "
-                    f"spatially parallel in the config, or leave it unpreconditioned with "
-                    f"skip_layers=[{name!r}]")
+            if isinstance(module, (DistConv2d, DistConvNd)):  # factors sharded like the weight
+                self._register_dist(name, module)
+                continue
             if not isinstance(module, (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d,
                                        nn.modules.conv._ConvTransposeNd)):
                 continue
@@ -428,7 +419,7 @@ class KFAC:
         warnings.warn(f"distkfac: skipping module {name!r}: frozen", stacklevel=5)
         return True
 
-    def _register_dist(self, name: str, module: DistConv2d) -> None:
+    def _register_dist(self, name: str, module: DistConv2d | DistConvNd) -> None:
         if self._frozen(name, module):
             return
         geo = ShardGeometry(module)
@@ -472,7 +463,7 @@ class KFAC:
                 h.remove()
             layer.handles = []
         for m in self.model.modules():
-            if isinstance(m, DistConv2d):
+            if isinstance(m, (DistConv2d, DistConvNd)):
                 m.work_hook = None
 
     def remove_hooks(self) -> None:
@@ -540,6 +531,7 @@ class KFAC:
             deferred = []
             for target, name in targets:
                 target.positions = math.prod(y_shape[2:])
+                target.y_shape = tuple(y_shape)
                 target.prescaled = scale is not None
                 a, rows = target.work_a(x, padding, y, self.factor_dtype)
                 if callable(a):  # still being reduced: added when the gradient arrives

@@ -1,4 +1,5 @@
-"""K-FAC factors of a ``DistConv2d`` that follow its weight's distribution (Dryden et al.'s grid).
+"""K-FAC factors of a ``DistConv2d`` or ``DistConvNd`` that follow its weight's distribution
+(Dryden et al.'s grid).
 
 Notation as in :class:`distconv.nn.DistConv2d`: the weight is ``w[o_F, o_C]`` (stationary-w;
 ``w[*, o_C]`` for stationary-x, ``w[o_F, *]`` for stationary-y), replicated over the grid dims N,
@@ -78,11 +79,22 @@ Grouped layers: K-FAC of a grouped convolution is block-diagonal by group, and a
 DistConv2d split over C or F holds whole groups (``w[o_C, *]``), so each rank's factors are
 those of its groups (``(groups / p, d, d)``), exact in either layout with nothing moving but
 the reductions over N, H, W.
+
+N-d and transposed layers (:class:`distconv.nn.conv_nd.DistConvNd`): all of the above holds
+with ``kh kw`` read as ``prod(kernel)`` and the spatial dims D, H, W as redundant dims; its work
+hook hands over the haloed input and the output block's gradient alike.  A Conv1d's or
+Conv3d's im2col rows are its input's windows (:func:`~distkfac.layers.windows`).  A transposed
+convolution is the direct convolution it equals (:class:`~distkfac.layers.ConvTransposeAdapter`:
+the input zero-stuffed and padded, the kernel flipped, the weight's channel dims swapped), so
+its weight ``w[o_C, o_F, *..]`` is that convolution's ``w[o_F, o_C, *..]`` (in channels C,
+out channels F) and the layouts above apply unchanged.  Split over space, each rank's output
+block reads the input rows that scatter into it, exactly those its work hook gathered
+(:func:`_transposed_rows`), so the sums over the ranks of a volume are one process's.
 """
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -90,7 +102,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from distconv.distribution import balanced_block
-from distkfac.layers import ConvNdAdapter, LayerAdapter, conv_input_cov, windows
+from distkfac.layers import (
+    ConvNdAdapter, LayerAdapter, conv_input_cov, transposed_weight, transposed_weight_matrix,
+    windows,
+)
 from distkfac.lowprec import reduce_scatter
 
 __all__ = ["LAYOUTS", "BlockLayout", "ShardAdapter", "BiasShardAdapter", "ExactLayer", "precondition_exact",
@@ -100,18 +115,27 @@ LAYOUTS = ("exact", "block")
 
 
 class ShardGeometry:
-    """Where a DistConv2d's weight shard lies: extents, coordinates and blocks over C and F."""
+    """Where a DistConv2d's or DistConvNd's weight shard lies: extents, coordinates and blocks
+    over C and F.  A transposed layer's weight ``(in, out/groups, k...)`` is read as the direct
+    convolution it equals (:class:`~distkfac.layers.ConvTransposeAdapter`): its rows (filters)
+    are the output channels, its columns the input channels times the (flipped) kernel, so a
+    transposed ``w[o_C, o_F, *..]`` is the direct ``w[o_F, o_C, *..]``."""
 
     def __init__(self, m: nn.Module) -> None:
         grid = m.grid
         w_rows, w_cols = m.weight_dist.entries[0], m.weight_dist.entries[1]
+        #: a transposed layer (its shard read as the direct convolution's)
+        self.transposed = bool(getattr(m, "transposed", False))
+        if self.transposed and m._group_parts == 1:  # grouped: dim 0 holds the groups
+            w_rows, w_cols = w_cols, w_rows
         self.cdim = w_cols if isinstance(w_cols, str) else None
         self.fdim = w_rows if isinstance(w_rows, str) else None
         self.C = grid.extent(self.cdim) if self.cdim else 1
         self.F = grid.extent(self.fdim) if self.fdim else 1
         self.c = grid.coords.get(self.cdim, 0) if self.cdim else 0
         self.f = grid.coords.get(self.fdim, 0) if self.fdim else 0
-        self.k2 = m.kernel_size[0] * m.kernel_size[1]
+        #: kernel offsets per channel (``kh kw`` of a DistConv2d, ``prod(kernel)`` in N-d)
+        self.k2 = math.prod(m.kernel_size)
         self.ci, self.fo = m.in_channels, m.out_channels
         self.bias = m.bias is not None
         self.c_blocks = [balanced_block(self.ci, self.C, i) for i in range(self.C)]
@@ -139,6 +163,17 @@ class ShardGeometry:
     def bias_subblocks(self) -> list[tuple[int, int]]:
         """The bias shards of block f's filters over C (b[o_{F x C}]), offsets inside it."""
         return [balanced_block(self.f_blocks[self.f][1], self.C, i) for i in range(self.C)]
+
+    def matrix(self, w: Tensor, groups: int = 1) -> Tensor:
+        """A tensor shaped like this rank's weight shard as ``(groups, filters, columns)``:
+        the direct convolution's gradient-matrix block (see the class docstring)."""
+        if self.transposed:
+            return transposed_weight_matrix(w, groups)
+        return w.reshape(groups, w.shape[0] // groups, -1)
+
+    def weight(self, mat: Tensor, shape: torch.Size, groups: int = 1) -> Tensor:
+        """The inverse of :meth:`matrix`: the block back in the weight shard's ``shape``."""
+        return transposed_weight(mat, shape, groups) if self.transposed else mat.reshape(shape)
 
 
 class BlockLayout:
@@ -234,6 +269,70 @@ def redundant_comm(m: nn.Module):
     return m.grid.subcomm(dims) if dims else None
 
 
+def _transposed_rows(m: nn.Module, x: Tensor, y_shape: Sequence[int], groups: int) -> Tensor:
+    """The im2col rows of a transposed DistConvNd's output block, as the direct convolution it
+    equals reads them (:class:`~distkfac.layers.ConvTransposeAdapter`): ``(groups, rows,
+    columns)``.
+
+    On each spatial dim (stride s, span ``P = dilation (kernel - 1)``, padding p) that
+    convolution reads, for global output rows ``[o0, o1)``, the rows ``[o0 - P + p, o1 + p)`` of
+    the input with ``s - 1`` zeros between its rows.  This rank's input ``x`` (the work hook's:
+    its gathered rows ``[lo, ...)``, :class:`~distconv.conv_geometry.HaloPlan`'s ``needed``)
+    holds every input row that scatters into its output block ``[o0, o1)`` (``out``); input row
+    ``lo + j`` lies at ``s (lo + j)``, so it is placed at ``s (lo + j) - o0 + P - p`` of a zero
+    array ``o1 - o0 + P`` long (rows that fall outside reach no output of the block), whose
+    windows at stride 1 are the block's.  A dim the grid does not split is the whole output
+    (``lo = o0 = 0``).  The global input shape is worked back from ``y_shape``."""
+    k = len(m.kernel_size)
+    sizes = []
+    for i in range(k):
+        s, p, op = m.stride[i], m.padding[i], m.output_padding[i]
+        span = m.dilation[i] * (m.kernel_size[i] - 1)
+        sizes.append((y_shape[2 + i] - 1 - span - op + 2 * p) // s + 1)
+    plans = m.plans((y_shape[0], m.in_channels, *sizes))
+    for i, plan in enumerate(plans):
+        s, p = m.stride[i], m.padding[i]
+        span = m.dilation[i] * (m.kernel_size[i] - 1)
+        if plan is None:
+            lo, (o0, o1) = 0, (0, y_shape[2 + i])
+        else:
+            r = m.grid.coords[m.spatial_dims[i]]
+            lo, (o0, o1) = plan.needed[r][0], plan.out[r]
+        offset, length, rows = s * lo - o0 + span - p, o1 - o0 + span, x.shape[2 + i]
+        first = max(0, -(offset // s))  # the first and last input rows that land inside
+        last = min(rows - 1, (length - 1 - offset) // s)
+        shape = list(x.shape)
+        shape[2 + i] = length
+        z = x.new_zeros(shape)
+        if last >= first:
+            lead = (slice(None),) * (2 + i)
+            z[lead + (slice(offset + s * first, offset + s * last + 1, s),)] = \
+                x[lead + (slice(first, last + 1),)]
+        x = z
+    return windows(x, m.kernel_size, (1,) * k, m.dilation, groups)
+
+
+def _input_cov(m: nn.Module, x: Tensor, padding: tuple[int, ...], y_shape: Sequence[int],
+               groups: int, bias: bool) -> tuple[Tensor, int]:
+    """``(sum of a a^T over the im2col rows of this rank's output block, rows)`` from the input
+    the work hook hands over (``padding``: the zero padding the local convolution still
+    applies, ``F.pad``'s list), per group, the bias's 1 appended with ``bias``.  A direct 2-D
+    layer's by lags (:func:`~distkfac.layers.conv_input_cov`); 1-D and 3-D ones from the
+    input's windows (:func:`~distkfac.layers.windows`); a transposed one from
+    :func:`_transposed_rows`."""
+    if getattr(m, "transposed", False):
+        rows = _transposed_rows(m, x, y_shape, groups)
+    elif len(m.kernel_size) == 2:
+        return conv_input_cov(x, m.kernel_size, stride=m.stride, dilation=m.dilation,
+                              groups=groups, bias=bias, padding=padding)
+    else:
+        rows = windows(F.pad(x, padding) if any(padding) else x, m.kernel_size, m.stride,
+                       m.dilation, groups)
+    if bias:
+        rows = torch.cat([rows, rows.new_ones(*rows.shape[:2], 1)], dim=2)
+    return rows.transpose(1, 2) @ rows, rows.shape[1]
+
+
 def _g_cov(gy: Tensor, groups: int, dtype: torch.dtype) -> tuple[Tensor, int]:
     """Per group, the sum over samples and output positions of ``d d^T``, and the rows."""
     n, f = gy.shape[:2]
@@ -242,8 +341,15 @@ def _g_cov(gy: Tensor, groups: int, dtype: torch.dtype) -> tuple[Tensor, int]:
 
 
 class _WorkHookAdapter(LayerAdapter):
-    """A DistConv2d shard's K-FAC block: its statistics arrive through the layer's work hook
-    (``work_a`` / ``work_g``), never through the generic per-module hooks."""
+    """A DistConv2d or DistConvNd shard's K-FAC block: its statistics arrive through the layer's
+    work hook (``work_a`` / ``work_g``), never through the generic per-module hooks.  The hook
+    sets :attr:`positions` (global output positions per sample), :attr:`prescaled` (whether it
+    scales G by ``N^2`` itself) and :attr:`y_shape` (the global output shape) first."""
+
+    def __init__(self, module: nn.Module, name: str) -> None:
+        super().__init__(module, name)
+        self.positions, self.prescaled = 1, False
+        self.y_shape: tuple[int, ...] = ()
 
     @staticmethod
     def batch_size(x: Tensor) -> int:
@@ -256,9 +362,11 @@ class _WorkHookAdapter(LayerAdapter):
 
 
 class ShardAdapter(_WorkHookAdapter):
-    """The weight shard ``V[f, c]`` of a DistConv2d as one K-FAC block (``'block'`` layout,
-    and the exact layer when C = F = 1).  Statistics arrive through :meth:`work_a` and
-    :meth:`work_g`; ``G`` is scaled by ``N^2`` from the reduced row count."""
+    """The weight shard ``V[f, c]`` of a DistConv2d or DistConvNd (direct or transposed, read as
+    the direct convolution it equals: :class:`ShardGeometry`) as one K-FAC block (``'block'``
+    layout, and the exact layer when C = F = 1, or of a grouped layer whose blocks hold whole
+    groups).  Statistics arrive through :meth:`work_a` and :meth:`work_g`; ``G`` is scaled by
+    ``N^2`` from the reduced row count."""
 
     def __init__(self, module: nn.Module, name: str, geo: ShardGeometry) -> None:
         super().__init__(module, name)
@@ -266,7 +374,6 @@ class ShardAdapter(_WorkHookAdapter):
         self._bias = geo.bias and geo.C == 1
         # a grouped layer split over C or F (or both) holds whole groups: its share of them
         self._groups = module.groups // module._group_parts if module.groups > 1 else 1
-        self.positions, self.prescaled = 1, False
 
     @property
     def has_bias(self) -> bool:
@@ -278,18 +385,25 @@ class ShardAdapter(_WorkHookAdapter):
 
     @property
     def a_dim(self) -> int:
-        return self.module.weight.shape[1] * self.geo.k2 + int(self._bias)
+        w = self.module.weight
+        channels = w.shape[0] // self._groups if self.geo.transposed else w.shape[1]
+        return channels * self.geo.k2 + int(self._bias)
 
     @property
     def g_dim(self) -> int:
-        return self.module.weight.shape[0] // self._groups
+        w = self.module.weight
+        return w.shape[1] if self.geo.transposed else w.shape[0] // self._groups
+
+    def weight_matrix(self, w: Tensor) -> Tensor:
+        return self.geo.matrix(w, self._groups)
+
+    def matrix_weight(self, mat: Tensor, shape: torch.Size) -> Tensor:
+        return self.geo.weight(mat, shape, self._groups)
 
     def work_a(self, x: Tensor, padding: tuple[int, ...], y: Tensor,
                dtype: torch.dtype) -> tuple[Tensor, int]:
-        m = self.module
-        return conv_input_cov(x.detach().to(dtype), m.kernel_size, stride=m.stride,
-                              dilation=m.dilation, groups=self._groups, bias=self._bias,
-                              padding=padding)
+        return _input_cov(self.module, x.detach().to(dtype), padding, self.y_shape,
+                          self._groups, self._bias)
 
     def work_g(self, gy: Tensor, dtype: torch.dtype) -> tuple[Tensor, int]:
         return _g_cov(gy, self._groups, dtype)
@@ -305,10 +419,6 @@ class SpatialShardAdapter(_WorkHookAdapter, ConvNdAdapter):
     rank) as one K-FAC block: the im2col rows of the rank's output block, from the haloed input
     its work hook hands over, summed over the ranks that split samples and space as the rows of
     one process's batch are; ``G`` likewise from the output block's gradient."""
-
-    def __init__(self, module: nn.Module, name: str) -> None:
-        super().__init__(module, name)
-        self.positions, self.prescaled = 1, False
 
     def work_a(self, x: Tensor, padding: tuple[int, ...], y: Tensor,
                dtype: torch.dtype) -> tuple[Tensor, int]:
@@ -333,7 +443,6 @@ class BiasShardAdapter(_WorkHookAdapter):
         self.geo = geo
         lo, _ = geo.bias_subblocks()[geo.c]
         self.offset = lo
-        self.positions, self.prescaled = 1, False
 
     @property
     def has_bias(self) -> bool:
@@ -353,7 +462,7 @@ class BiasShardAdapter(_WorkHookAdapter):
 
     def work_a(self, x: Tensor, padding: tuple[int, ...], y: Tensor,
                dtype: torch.dtype) -> tuple[Tensor, int]:
-        rows = y.shape[0] * y.shape[2] * y.shape[3]
+        rows = y.shape[0] * math.prod(y.shape[2:])
         return torch.full((1, 1, 1), float(rows), dtype=dtype, device=y.device), rows
 
     def work_g(self, gy: Tensor, dtype: torch.dtype) -> tuple[Tensor, int]:
@@ -371,8 +480,9 @@ class BiasShardAdapter(_WorkHookAdapter):
 
 
 class ExactLayer:
-    """Runtime of one DistConv2d under ``'exact'``: row-block factors, their owners, and the
-    two reduce-scatters that apply the damped inverses (see the module docstring)."""
+    """Runtime of one DistConv2d or DistConvNd (direct or transposed, :class:`ShardGeometry`)
+    under ``'exact'``: row-block factors, their owners, and the two reduce-scatters that apply
+    the damped inverses (see the module docstring)."""
 
     def __init__(self, module: nn.Module, name: str, dtype: torch.dtype,
                  comm_dtype: torch.dtype | str | None = None) -> None:
@@ -380,9 +490,10 @@ class ExactLayer:
         self.comm_dtype = comm_dtype
         if module.groups > 1:
             raise NotImplementedError(
-                f"K-FAC of the grouped DistConv2d {name!r} (groups={module.groups}) with channel "
-                "or filter blocks is not implemented; skip it with skip_layers or use "
-                "sample/spatial parallelism for it")
+                f"K-FAC of the grouped {type(module).__name__} {name!r} (groups={module.groups}) "
+                "as one exact layer over channel or filter blocks is not implemented (its blocks "
+                "hold whole groups: register it per shard, ShardAdapter); skip it with "
+                "skip_layers or use sample/spatial parallelism for it")
         self.module, self.name, self.geo, self.dtype = module, name, geo, dtype
         grid = module.grid
         self.grid = grid
@@ -396,6 +507,7 @@ class ExactLayer:
         self.updates = 0
         self.inverse_rows: dict[str, Tensor | None] = {"A": None, "G": None}
         self.positions, self.prescaled = 1, False
+        self.y_shape: tuple[int, ...] = ()
 
     @property
     def replication(self) -> int:
@@ -412,10 +524,14 @@ class ExactLayer:
         Gram matrix instead of its row block of all of it."""
         m, geo = self.module, self.geo
         x = x.detach()
-        rows = x.shape[0] * y.shape[2] * y.shape[3]
-        kw = dict(stride=m.stride, dilation=m.dilation, bias=geo.bias, padding=padding)
+        positions = math.prod(y.shape[2:])
+        rows = x.shape[0] * positions
+
+        def cov(xs: Tensor) -> Tensor:
+            return _input_cov(m, xs.to(dtype), padding, self.y_shape, 1, geo.bias)[0]
+
         if self.c_comm is None:
-            return conv_input_cov(x.to(dtype), m.kernel_size, **kw)[0], rows
+            return cov(x), rows
         samples = [balanced_block(x.shape[0], geo.C, i) for i in range(geo.C)]
         mine = samples[geo.c][1]
         parts = self.c_comm.alltoall(
@@ -423,12 +539,12 @@ class ExactLayer:
             recv_shapes=[(mine, n, *x.shape[2:]) for _, n in geo.c_blocks],
             meta=f"kfac x of {self.name}")
         if mine:
-            full = conv_input_cov(torch.cat(parts, 1).to(dtype), m.kernel_size, **kw)[0][0]
+            full = cov(torch.cat(parts, 1))[0]
         else:
             full = torch.zeros(geo.K, geo.K, dtype=dtype, device=x.device)
         blocks = [(lo * geo.K, n * geo.K) for lo, n in
                   (balanced_block(geo.K, geo.C, i) for i in range(geo.C))]
-        wait = reduce_scatter(self.c_comm, full.reshape(-1), mine * y.shape[2] * y.shape[3],
+        wait = reduce_scatter(self.c_comm, full.reshape(-1), mine * positions,
                               blocks, self.comm_dtype, meta=f"kfac A rows of {self.name}")
         return (lambda: wait().reshape(1, -1, geo.K)), rows
 
@@ -437,12 +553,12 @@ class ExactLayer:
         g = gy.detach().to(dtype)
         full = g
         if self.f_comm is not None:
-            shapes = [(g.shape[0], n, g.shape[2], g.shape[3]) for _, n in self.geo.f_blocks]
+            shapes = [(g.shape[0], n, *g.shape[2:]) for _, n in self.geo.f_blocks]
             full = torch.cat(self.f_comm.allgather(g.contiguous(), shapes=shapes,
                                                    meta=f"kfac dL/dy of {self.name}"), 1)
         mine = g.flatten(2)
         return ((mine @ full.flatten(2).transpose(1, 2)).sum(0).unsqueeze(0),
-                g.shape[0] * g.shape[2] * g.shape[3])
+                g.shape[0] * mine.shape[2])
 
     def update(self, results: dict[str, tuple[Tensor, float]], decay: float) -> bool:
         a, g = results.get(self.name + "/A"), results.get(self.name + "/G")
@@ -469,9 +585,8 @@ class ExactLayer:
         (``e_c``: this rank's bias shard at its filters' rows), as the C column blocks the
         reduce-scatter hands out, each with the bias column; and ``V`` (weight, bias)."""
         m, geo = self.module, self.geo
-        fn = m.weight.shape[0]
-        vw = m.weight.grad.detach().reshape(fn, -1).to(self.dtype)
-        ck = vw.shape[1]
+        vw = geo.matrix(m.weight.grad.detach())[0].to(self.dtype)
+        fn, ck = vw.shape
         a_inv = self.inverse_rows["A"]
         p = vw @ a_inv[:ck]
         vb = None
@@ -511,7 +626,7 @@ class ExactLayer:
             out.append(v[lo: lo + n, -1])
 
         def write(scaled: Tensor) -> None:
-            m.weight.grad.copy_(scaled[: fn * ck].reshape(m.weight.shape))
+            m.weight.grad.copy_(self.geo.weight(scaled[: fn * ck], m.weight.shape))
             if vb is not None and m.bias.grad is not None:
                 m.bias.grad.copy_(scaled[fn * ck:].reshape(m.bias.shape))
 
@@ -520,7 +635,7 @@ class ExactLayer:
     def _bias_block(self) -> tuple[int, int]:
         """This rank's bias shard inside its filter block: ``b[o_{F x C}]``."""
         if self.c_comm is None:
-            return 0, self.module.weight.shape[0]
+            return 0, self.geo.f_blocks[self.geo.f][1]
         return self.geo.bias_subblocks()[self.geo.c]
 
     def __repr__(self) -> str:

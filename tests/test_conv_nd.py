@@ -273,20 +273,22 @@ def test_a_grouped_3d_convolution_whose_blocks_split_groups_is_refused() -> None
         explain(model, config, (4, 6, 3, 3, 3), world_size=4)
 
 
-def _kfac_refusal(comm: Any, case: tuple) -> str:
+def _kfac_layers(comm: Any, case: tuple) -> tuple[list[str], list[str], dict]:
     import distkfac
 
     pmodel = parallelize(copy.deepcopy(case[0]), UNET_CONFIG, comm=comm)
-    with pytest.raises(NotImplementedError, match=r"'bottom.0'.*skip_layers") as info:
-        distkfac.KFAC(pmodel)
-    distkfac.KFAC(pmodel, skip_layers=[n for n, m in pmodel.named_modules()
-                                       if isinstance(m, DistConvNd)])
-    return str(info.value)
+    kfac = distkfac.KFAC(pmodel)
+    return ([ly.name for ly in kfac.exact_layers], [ly.name for ly in kfac.layers],
+            kfac.skipped)
 
 
-def test_kfac_refuses_a_layer_split_over_channels_it_has_no_factors_for() -> None:
-    """Never silently unpreconditioned: K-FAC names the layer and what works."""
-    run_threads(_kfac_refusal, 4, _unet())
+def test_kfac_preconditions_every_layer_split_over_channels_and_filters() -> None:
+    """Never silently unpreconditioned: the layers split over C, F or C×F (the transposed
+    up-convolution's over F included) get K-FAC factors sharded like their weights
+    (``'exact'``; exactness in tests/kfac/test_conv_nd.py), the others the whole layer's."""
+    for exact, plain, skipped in run_threads(_kfac_layers, 4, _unet()):
+        assert exact == ["bottom.0", "bottom.3", "up.0", "dec.0.0"], exact
+        assert plain == ["down.0.0", "down.0.3", "dec.0.3", "head"] and not skipped, plain
 
 
 def _frozen_step(comm: Any, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> dict:
