@@ -1,21 +1,42 @@
-"""Upsampling of a spatially split activation by integer factors, in place: nearest and
-(bi/tri)linear interpolation (``align_corners=False``) exchange the halo rows their output block
-reads and interpolate locally.
+"""Interpolation (``nn.Upsample`` / ``F.interpolate``) of a spatially split activation, in place.
 
-An output row ``o`` of nearest upsampling by ``s`` reads input row ``o // s``; of linear
-upsampling, the rows ``floor(t)`` and ``floor(t) + 1`` (clamped to the input) at
-``t = max((o + 0.5) / s - 0.5, 0)``. Both commute with a shift by whole input rows (``s`` is an
-integer), so a rank interpolates the input rows ``[lo, hi)`` its output block reads, as one
-process would interpolate the whole, and keeps the rows of its block: exact, the edge effects of
-the local interpolation falling outside the block. The dims are independent (a bilinear or
-trilinear interpolation is the product of linear ones), so the halos travel dim after dim.
+Every mode whose output row reads a bounded window of input rows runs here: ``nearest``,
+``nearest-exact``, ``linear`` / ``bilinear`` / ``trilinear`` and ``bicubic``, by ``size`` or by
+``scale_factor`` (integer or not, up or down), ``align_corners`` both ways and
+``recompute_scale_factor`` as torch reads them. These interpolations are separable: along spatial
+dim ``d``, output row ``o`` is ``Σ_k w_k[o] · x[r_k[o]]`` over at most four consecutive input rows
+``r_k[o]`` (clamped to the input at its borders), the same rows and weights at every position of
+the other dims.
+
+The rows and weights are torch's own. Its kernels compute them in float32 or in the input's
+precision, with special cases that differ between 1, 2 and 3 spatial dims (``nearest`` copies
+the rows of a dim whose size it keeps in 2-d, not in 1-d or 3-d), so :func:`index_map` does not
+restate those formulas: it reads them off ``F.interpolate`` itself, once per global length, by
+interpolating probe signals along the dim (the other dims of length 1). The combs of ones on the
+rows ``≡ k (mod 5)`` give each output row's weight on its tap of residue ``k``, and the same combs
+times ``row + 1`` give that tap's row (a window of at most four consecutive rows meets each
+residue at most once); a random signal then checks the map against torch.
+
+Rank ``r`` owns the output rows ``[o0, o1)`` of its balanced block of each split dim and needs
+the input rows ``[lo, hi)`` they read (the map's window), which the halo exchange brings, dim after
+dim so that the corners travel with the later exchange (:class:`~distconv.conv_geometry.HaloPlan`
+over an :class:`UpsampleDim`). It then interpolates dim after dim, the last first as torch's kernel
+nests them, gathering the rows ``r_k[o] - lo`` of its window and summing them with the weights
+(in float32 for half-precision inputs, as torch's kernel does). Its adjoint is autograd's through
+the gathers and products, then the halo accumulate. The result equals one process's: the rows
+each output reads exactly, ``nearest`` and ``nearest-exact`` bitwise, the weighted modes to a few
+units in the last place (torch's kernel may fuse a multiply and an add).
+
+``area`` (adaptive average pooling, whose windows grow with the downsampling ratio and whose
+2-d sums are not separable in floating point) and antialiased interpolation are not handled here.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -27,31 +48,241 @@ from distconv.grid import ProcessorGrid
 from distconv.halo import halo_exchange
 from distconv.nn._activation import check_activation_dist, check_grid, resolve_shape, show
 
-__all__ = ["MODES", "DistUpsample", "UpsampleDim", "in_place"]
+__all__ = ["MODES", "DistUpsample", "IndexMap", "Interpolation", "UpsampleDim", "in_place",
+           "index_map", "upsample_halo_bytes", "upsample_plans"]
 
-#: the modes upsampled in place (with ``align_corners`` False or None)
-MODES = ("nearest", "linear", "bilinear", "trilinear")
+#: the modes interpolated in place
+MODES = ("nearest", "nearest-exact", "linear", "bilinear", "trilinear", "bicubic")
+#: the spatial dims a mode needs (the others take 1 to 3)
+_SPATIAL = {"linear": 1, "bilinear": 2, "trilinear": 3, "bicubic": 2}
+#: the period of the probe combs: more than the widest window (bicubic's four rows)
+_PERIOD = 5
+
+
+@dataclass(frozen=True)
+class Interpolation:
+    """The arguments of one ``F.interpolate`` call over ``spatial`` dims, per dim (build it with
+    :meth:`of`, which checks them as torch would)."""
+
+    mode: str
+    spatial: int
+    size: tuple[int, ...] | None = None
+    scale_factor: tuple[float, ...] | None = None
+    align_corners: bool | None = None
+    recompute_scale_factor: bool | None = None
+
+    @classmethod
+    def of(cls, *, mode: str, spatial: int, size: Any = None, scale_factor: Any = None,
+           align_corners: bool | None = None,
+           recompute_scale_factor: bool | None = None) -> Interpolation:
+        """Normalise ``F.interpolate``'s arguments (an int or float stands for every dim).
+
+        Raises:
+            ValueError: a mode not in :data:`MODES`, a mode for another number of spatial dims,
+                neither or both of ``size`` and ``scale_factor``, a size or factor that is not
+                positive, ``align_corners`` with a ``nearest`` mode, ``recompute_scale_factor``
+                with ``size``.
+            TypeError: a size that is not an int.
+        """
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        if not 1 <= spatial <= 3 or _SPATIAL.get(mode, spatial) != spatial:
+            raise ValueError(f"mode {mode!r} interpolates {_SPATIAL.get(mode, '1 to 3')} "
+                             f"spatial dims, got {spatial}")
+        if (size is None) == (scale_factor is None):
+            raise ValueError("exactly one of size and scale_factor must be given, got "
+                             f"size={size!r}, scale_factor={scale_factor!r}")
+        weighted = mode not in ("nearest", "nearest-exact")
+        if align_corners is not None and not weighted:
+            raise ValueError(f"align_corners applies to the interpolating modes, not {mode!r}; "
+                             f"got align_corners={align_corners!r}")
+        if size is not None and recompute_scale_factor:
+            raise ValueError("recompute_scale_factor is not meaningful with an explicit size")
+        sizes = _per_dim("size", size, spatial)
+        if sizes is not None and not all(
+                isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in sizes):
+            raise TypeError(f"size must be positive ints, got {size!r}")
+        scales = _per_dim("scale_factor", scale_factor, spatial)
+        if scales is not None:
+            if not all(isinstance(s, (int, float)) and not isinstance(s, bool) and s > 0
+                       for s in scales):
+                raise ValueError(f"scale_factor must be positive numbers, got {scale_factor!r}")
+            scales = tuple(float(s) for s in scales)
+        return cls(mode, spatial, sizes, scales,
+                   bool(align_corners) if weighted else None,
+                   None if recompute_scale_factor is None else bool(recompute_scale_factor))
+
+    @property
+    def weighted(self) -> bool:
+        """Whether output rows are weighted sums (else copies of one input row)."""
+        return self.mode not in ("nearest", "nearest-exact")
+
+    def kwargs(self) -> dict[str, Any]:
+        """The arguments of ``F.interpolate`` that make this interpolation."""
+        return {"size": self.size, "scale_factor": self.scale_factor, "mode": self.mode,
+                "align_corners": self.align_corners,
+                "recompute_scale_factor": self.recompute_scale_factor}
+
+    def along(self, dim: int) -> dict[str, Any]:
+        """The arguments interpolating spatial dim ``dim`` as this does and keeping the others
+        (of length 1)."""
+        kw = self.kwargs()
+        if self.size is not None:
+            kw["size"] = tuple(n if j == dim else 1 for j, n in enumerate(self.size))
+        else:
+            kw["scale_factor"] = tuple(s if j == dim else 1.0
+                                       for j, s in enumerate(self.scale_factor or ()))
+        return kw
+
+    def output_shape(self, shape: Sequence[int]) -> tuple[int, ...]:
+        """The global output shape for the global input ``shape``, as torch sizes it."""
+        return (shape[0], shape[1], *(
+            self.size[i] if self.size is not None
+            else math.floor(shape[2 + i] * self.scale_factor[i])  # type: ignore[index]
+            for i in range(self.spatial)))
+
+
+def _per_dim(name: str, value: Any, spatial: int) -> tuple[Any, ...] | None:
+    if value is None:
+        return None
+    if isinstance(value, (tuple, list)):
+        if len(value) != spatial:
+            raise ValueError(f"{name} must have {spatial} entries (one per spatial dim), "
+                             f"got {value!r}")
+        return tuple(value)
+    return (value,) * spatial
+
+
+def in_place(mode: Any, *, spatial: int, size: Any = None, scale_factor: Any = None,
+             align_corners: Any = None, recompute_scale_factor: Any = None,
+             antialias: bool = False) -> Interpolation | None:
+    """The :class:`Interpolation` when ``F.interpolate`` with these arguments runs in place, else
+    None (``area``, antialiasing, or arguments torch itself refuses: it then runs on whole
+    spatial dims, where torch says what is wrong)."""
+    if antialias or mode not in MODES:
+        return None
+    try:
+        return Interpolation.of(mode=mode, spatial=spatial, size=size, scale_factor=scale_factor,
+                                align_corners=align_corners,
+                                recompute_scale_factor=recompute_scale_factor)
+    except (TypeError, ValueError):
+        return None
+
+
+@dataclass(frozen=True, eq=False)
+class IndexMap:
+    """Torch's interpolation along one spatial dim of global ``length``: output row ``o`` is
+    ``Σ_k weights[o, k] · x[rows[o, k]]`` (``weights`` None: one row each, copied). Rows a
+    window reads at the borders twice (torch clamps its indices) appear once, with the summed
+    weight; a row padded in where an output reads fewer rows than others carries weight 0."""
+
+    length: int
+    rows: torch.Tensor
+    weights: torch.Tensor | None
+
+    @property
+    def out_length(self) -> int:
+        return self.rows.shape[0]
+
+    def reads(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """The first input row and one past the last each output row reads."""
+        return (tuple(self.rows.min(1).values.tolist()),
+                tuple((self.rows.max(1).values + 1).tolist()))
+
+    def apply(self, x: torch.Tensor, dim: int, out: tuple[int, int], lo: int) -> torch.Tensor:
+        """Output rows ``[out[0], out[1])`` along tensor dim ``dim`` of ``x``, which holds the
+        input rows from ``lo`` on."""
+        rows = self.rows[out[0]:out[1]] - lo
+        if self.weights is None:
+            return x.index_select(dim, rows[:, 0])
+        w = self.weights[out[0]:out[1]].to(x.dtype)
+        shape = [1] * x.ndim
+        shape[dim] = -1
+        y = x.index_select(dim, rows[:, 0]) * w[:, 0].reshape(shape)
+        for k in range(1, rows.shape[1]):
+            y = y + x.index_select(dim, rows[:, k]) * w[:, k].reshape(shape)
+        return y
+
+
+def probe_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The precision torch computes an interpolation of ``dtype`` values in."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+@functools.lru_cache(maxsize=256)
+def index_map(interp: Interpolation, dim: int, length: int, dtype: torch.dtype = torch.float64,
+              device: torch.device | str = "cpu") -> IndexMap:
+    """Torch's rows and weights along spatial dim ``dim`` (of global ``length``) for inputs of
+    ``dtype`` on ``device``, read off ``F.interpolate`` (module docstring).
+
+    Raises:
+        RuntimeError: torch's interpolation along the dim is not a window of at most four
+            consecutive rows (it would be computed wrong, so it is not computed).
+    """
+    dtype, p = probe_dtype(dtype), _PERIOD
+    pos = torch.arange(length, device=device)
+    comb = (pos % p == torch.arange(p, device=device)[:, None]).to(dtype)
+    probes = torch.cat([comb, comb * (pos + 1).to(dtype)])
+    shape = [2 * p, 1] + [length if j == dim else 1 for j in range(interp.spatial)]
+    out = F.interpolate(probes.reshape(shape), **interp.along(dim)).reshape(2 * p, -1)
+    weight, moment = out[:p].T, out[p:].T
+    present = weight != 0
+    found = torch.where(present, moment / torch.where(present, weight, 1), 1)
+    rows = found.round()
+    if bool((found - rows).abs().max() > 0.25) or not bool(present.any(1).all()):
+        raise _unreadable(interp, dim, length)
+    taps = int(present.sum(1).max())
+    order = torch.where(present, rows, float(length + 1)).argsort(1)[:, :taps]
+    rows, weight, present = (t.gather(1, order) for t in (rows.long() - 1, weight, present))
+    rows = torch.where(present, rows, rows[:, :1])
+    weight = torch.where(present, weight, 0)
+    m = IndexMap(length, rows, None if not interp.weighted else weight)
+    if not interp.weighted and not bool((weight == 1).all()):
+        raise _unreadable(interp, dim, length)
+    _check(m, interp, dim, shape, dtype, device)
+    return m
+
+
+def _check(m: IndexMap, interp: Interpolation, dim: int, shape: list[int], dtype: torch.dtype,
+           device: Any) -> None:
+    """The map reproduces torch on a random signal (a window wider than the combs' period
+    would not)."""
+    gen = torch.Generator().manual_seed(0)
+    v = torch.rand([2, 1] + shape[2:], generator=gen, dtype=torch.float64).to(dtype).to(device)
+    want = F.interpolate(v, **interp.along(dim))
+    got = m.apply(v, 2 + dim, (0, m.out_length), 0)
+    tol = 0 if m.weights is None else 64 * torch.finfo(dtype).eps
+    if got.shape != want.shape or bool((got - want).abs().max() > tol):
+        raise _unreadable(interp, dim, length=m.length)
+
+
+def _unreadable(interp: Interpolation, dim: int, length: int) -> RuntimeError:
+    return RuntimeError(f"torch's {interp.mode!r} interpolation {interp.kwargs()} along spatial "
+                        f"dim {dim} of length {length} does not read a window of at most "
+                        f"{_PERIOD - 1} rows per output row; it cannot run in place")
 
 
 @dataclass(frozen=True)
 class UpsampleDim:
-    """One spatial dim of an upsampling by the integer ``scale``: global input ``length``, the
-    rows each output block reads (:meth:`input_range`) for a :class:`HaloPlan`."""
+    """One spatial dim of an interpolation, for a :class:`HaloPlan`: the global input
+    ``length`` and, per output row, the first input row it reads (``lows``) and one past the last
+    (``highs``)."""
 
     length: int
-    scale: int
-    linear: bool
+    lows: tuple[int, ...]
+    highs: tuple[int, ...]
     pad_before = 0
     pad_after = 0
     dilation = 1
+    stride = 1
+
+    @classmethod
+    def of(cls, m: IndexMap) -> UpsampleDim:
+        return cls(m.length, *m.reads())
 
     @property
     def kernel(self) -> int:
-        return 2 if self.linear else 1
-
-    @property
-    def stride(self) -> int:
-        return self.scale
+        return max(h - lo for lo, h in zip(self.lows, self.highs))
 
     @property
     def span(self) -> int:
@@ -59,66 +290,88 @@ class UpsampleDim:
 
     @property
     def out_length(self) -> int:
-        return self.length * self.scale
-
-    def _low(self, o: int) -> int:
-        """The first input row output row ``o`` reads."""
-        if not self.linear:
-            return o // self.scale
-        return max(0, (2 * o + 1 - self.scale) // (2 * self.scale))  # floor(max(t, 0))
+        return len(self.lows)
 
     def input_range(self, out_start: int, out_stop: int) -> tuple[int, int]:
         """Input rows ``[lo, hi)`` that output rows ``[out_start, out_stop)`` read."""
         if out_stop <= out_start:
             return (0, 0)
-        last = self._low(out_stop - 1) + (1 if self.linear else 0)
-        return self._low(out_start), min(self.length, last + 1)
+        return min(self.lows[out_start:out_stop]), max(self.highs[out_start:out_stop])
 
 
-def in_place(mode: str, scale_factor: Any, align_corners: Any, size: Any, spatial: int,
-             recompute_scale_factor: Any = None) -> tuple[int, ...] | None:
-    """The integer scale per spatial dim when an upsampling with these arguments runs in place,
-    else None (it then runs on whole spatial dims)."""
-    if mode not in MODES or align_corners or size is not None or scale_factor is None or (
-            recompute_scale_factor):
-        return None
-    scales = (tuple(scale_factor) if isinstance(scale_factor, (tuple, list))
-              else (scale_factor,) * spatial)
-    if len(scales) != spatial or not all(
-            float(s) == int(s) and int(s) >= 1 for s in scales):
-        return None
-    return tuple(int(s) for s in scales)
+def upsample_plans(interp: Interpolation, shape: Sequence[int], dims: Sequence[str | None],
+                   extents: Mapping[str, int], dtype: torch.dtype = torch.float64,
+                   device: torch.device | str = "cpu"
+                   ) -> tuple[tuple[IndexMap, ...], tuple[HaloPlan | None, ...]]:
+    """Each spatial dim's :class:`IndexMap` and, for one split over grid dim ``dims[i]`` (None:
+    whole), its :class:`HaloPlan`, for the global input ``shape`` (cached).
+
+    Raises:
+        ValueError: a grid dim larger than the input or output length of its spatial dim.
+    """
+    return _plans(interp, tuple(shape), tuple(dims),
+                  tuple((d, extents[d]) for d in dims if d is not None),
+                  probe_dtype(dtype), torch.device(device))
+
+
+@functools.lru_cache(maxsize=256)
+def _plans(interp: Interpolation, shape: tuple[int, ...], dims: tuple[str | None, ...],
+           extents: tuple[tuple[str, int], ...], dtype: torch.dtype, device: torch.device
+           ) -> tuple[tuple[IndexMap, ...], tuple[HaloPlan | None, ...]]:
+    maps = tuple(index_map(interp, i, shape[2 + i], dtype, device)
+                 for i in range(interp.spatial))
+    parts_of, plans = dict(extents), []
+    for i, (m, d) in enumerate(zip(maps, dims)):
+        if d is None:
+            plans.append(None)
+            continue
+        parts, limit = parts_of[d], min(m.length, m.out_length)
+        if parts > limit:
+            raise ValueError(
+                f"grid dim {d}={parts} exceeds what this {interp.mode!r} interpolation can "
+                f"split: spatial dim {i} has {m.length} input and {m.out_length} output rows, "
+                f"and every rank needs at least one of each, so use {d} <= {limit}")
+        plans.append(HaloPlan(UpsampleDim.of(m), parts))
+    return maps, tuple(plans)
 
 
 class DistUpsample(nn.Module):
-    """``nn.Upsample(scale_factor=s, mode=...)`` / ``F.interpolate`` by integer factors on an
-    activation in ``input_dist`` (any of its dims split), its output in the same Dist (module
+    """``nn.Upsample`` / ``F.interpolate`` in place on an activation ``x[o_N,o_C,o_H,o_W]`` (any
+    dims split, one grid dim per spatial dim; 1 to 3 spatial dims), its output in the same Dist,
+    ``y[o_N,o_C,o_H,o_W]``, each spatial dim in balanced blocks of the output length (module
     docstring).
 
     Args:
-        scale: the integer factor per spatial dim.
-        mode: ``'nearest'``, ``'linear'``, ``'bilinear'`` or ``'trilinear'`` (align_corners
-            False).
         grid: the :class:`~distconv.grid.ProcessorGrid` over all ranks.
         input_dist: the input's Dist (N, C and 1 to 3 spatial dims; no pending dims).
+        size: the output's spatial size (an int for every dim), or None.
+        scale_factor: the factor per spatial dim (a number for every dim), or None; exactly one
+            of ``size`` and ``scale_factor``.
+        mode: one of :data:`MODES` (default ``'nearest'``).
+        align_corners: as ``F.interpolate`` (the interpolating modes only; default None, i.e.
+            False).
+        recompute_scale_factor: as ``F.interpolate`` (default None).
 
     Raises:
-        ValueError: a mode or scale not upsampled in place, an ``input_dist`` of the wrong size.
+        ValueError: arguments ``F.interpolate`` refuses or :data:`MODES` lacks, an
+            ``input_dist`` of the wrong size, a spatial dim split over several grid dims.
     """
 
-    def __init__(self, scale: Sequence[int], mode: str, *, grid: ProcessorGrid,
-                 input_dist: Dist) -> None:
+    def __init__(self, *, grid: ProcessorGrid, input_dist: Dist, size: Any = None,
+                 scale_factor: Any = None, mode: str = "nearest",
+                 align_corners: bool | None = None,
+                 recompute_scale_factor: bool | None = None) -> None:
         super().__init__()
-        if mode not in MODES:
-            raise ValueError(f"DistUpsample: mode must be one of {MODES}, got {mode!r}")
         self.grid = check_grid("DistUpsample", grid)
         self.input_dist = self.output_dist = check_activation_dist(
             "DistUpsample", grid, input_dist, (3, 4, 5))
         k = self.input_dist.ndim - 2
-        self.scale = tuple(int(s) for s in scale)
-        if len(self.scale) != k or min(self.scale) < 1:
-            raise ValueError(f"DistUpsample: scale must be {k} positive ints, got {scale!r}")
-        self.mode = mode
+        try:
+            self.interpolation = Interpolation.of(
+                mode=mode, spatial=k, size=size, scale_factor=scale_factor,
+                align_corners=align_corners, recompute_scale_factor=recompute_scale_factor)
+        except (TypeError, ValueError) as exc:
+            raise type(exc)(f"DistUpsample: {exc}") from None
         split = [tuple(g for g in self.input_dist.grid_dims_of(2 + i) if grid.extent(g) > 1)
                  for i in range(k)]
         for i, dims in enumerate(split):
@@ -128,48 +381,58 @@ class DistUpsample(nn.Module):
         self._dims = tuple(d[0] if d else None for d in split)
         # sub-communicators are created collectively, in the same order on every rank
         self._comms = tuple(grid.subcomm([d]) if d else None for d in self._dims)
-        self._plans: dict[tuple[int, ...], tuple[HaloPlan | None, ...]] = {}
         self._resolved: dict[Any, Any] = {}
 
-    def plans(self, shape: Sequence[int]) -> tuple[HaloPlan | None, ...]:
-        """The halo plan of each split spatial dim for the global input ``shape``."""
-        shape = tuple(shape)
-        found = self._plans.get(shape)
-        if found is None:
-            found = tuple(
-                None if d is None else HaloPlan(UpsampleDim(
-                    shape[2 + i], self.scale[i], self.mode != "nearest"), self.grid.extent(d))
-                for i, d in enumerate(self._dims))
-            for plan, d in zip(found, self._dims):
-                if plan is not None:
-                    plan.check(d)
-            self._plans[shape] = found
-        return found
+    @classmethod
+    def from_module(cls, module: nn.Upsample, *, grid: ProcessorGrid,
+                    input_dist: Dist) -> DistUpsample:
+        """The layer that runs ``module`` (an ``nn.Upsample``, or a subclass) in place."""
+        if not isinstance(module, nn.Upsample):
+            raise TypeError(f"module must be an nn.Upsample, got {type(module).__name__}")
+        return cls(grid=grid, input_dist=input_dist, size=module.size,
+                   scale_factor=module.scale_factor, mode=module.mode,
+                   align_corners=module.align_corners,
+                   recompute_scale_factor=module.recompute_scale_factor)
+
+    def plans(self, shape: Sequence[int], dtype: torch.dtype = torch.float64,
+              device: torch.device | str = "cpu"
+              ) -> tuple[tuple[IndexMap, ...], tuple[HaloPlan | None, ...]]:
+        """The index maps and halo plans for the global input ``shape`` (:func:`upsample_plans`;
+        the maps and plans are cached)."""
+        return upsample_plans(self.interpolation, shape, self._dims, dict(self.grid.layout),
+                              dtype, device)
 
     def output_shape(self, shape: Sequence[int]) -> tuple[int, ...]:
-        return (shape[0], shape[1], *(n * s for n, s in zip(shape[2:], self.scale)))
+        return self.interpolation.output_shape(shape)
 
     def forward(self, x: torch.Tensor, global_shape: Sequence[int] | None = None) -> torch.Tensor:
-        """This rank's block of the upsampled activation from its block ``x`` of the global
+        """This rank's block of the interpolated activation from its block ``x`` of the global
         input of ``global_shape``."""
         shape = resolve_shape("DistUpsample", self.grid, self.input_dist, x, global_shape,
                               self._resolved)
-        plans = self.plans(shape)
+        if self.interpolation.weighted and not x.is_floating_point():
+            raise TypeError(f"DistUpsample: mode {self.interpolation.mode!r} interpolates "
+                            f"floating-point values, got {x.dtype}")
+        maps, plans = self.plans(shape, x.dtype, x.device)
         for i, plan in enumerate(plans):
             if plan is not None:
                 x = halo_exchange(x, self._comms[i], plan, 2 + i)
-        y = F.interpolate(x, scale_factor=tuple(float(s) for s in self.scale), mode=self.mode,
-                          align_corners=False if self.mode != "nearest" else None)
-        for i, plan in enumerate(plans):
-            if plan is not None:  # the rows of this rank's block
+        dtype = x.dtype
+        if self.interpolation.weighted:
+            x = x.to(probe_dtype(dtype))
+        for i in reversed(range(len(maps))):
+            plan = plans[i]
+            if plan is None:
+                x = maps[i].apply(x, 2 + i, (0, maps[i].out_length), 0)
+            else:
                 r = self._comms[i].rank
-                o0, o1 = plan.out[r]
-                y = y.narrow(2 + i, o0 - plan.needed[r][0] * self.scale[i], o1 - o0)
-        return y
+                x = maps[i].apply(x, 2 + i, plan.out[r], plan.needed[r][0])
+        return x.to(dtype)
 
     def extra_repr(self) -> str:
-        return (f"scale={self.scale}, mode={self.mode!r}, grid={dict(self.grid.layout)}, "
-                f"x={show(self.input_dist, 'x')}")
+        kw = ", ".join(f"{k}={v!r}" for k, v in self.interpolation.kwargs().items()
+                       if v is not None)
+        return f"{kw}, grid={dict(self.grid.layout)}, x={show(self.input_dist, 'x')}"
 
 
 def upsample_halo_bytes(layer_dims: Sequence[str | None], plans: Sequence[HaloPlan | None],

@@ -2,25 +2,30 @@
 ``scale_factor``, ``align_corners`` both ways) on values in any distribution; and the pooling
 layers the halo-exchanging ones do not cover (adaptive pooling to other sizes than 1).
 
-Upsampling by integer factors with ``nearest`` or ``(bi/tri)linear`` (``align_corners=False``)
-runs in place on split rows (:class:`~distconv.nn.resample.DistUpsample`: the halo rows each output
-block reads, exchanged dim after dim). Any other interpolation mixes rows and columns but never
-samples or channels: the value keeps its sample and channel blocks, and its spatial dims are made
-whole on each rank first (an allgather over the grid dims that split them, priced as the
-conversion it is); the output is whole in them, and the next layer takes its own blocks of it (a
-local slice). Exact for every mode.
+Every interpolation whose output rows read bounded windows of input rows -- ``nearest``,
+``nearest-exact``, ``(bi/tri)linear`` and ``bicubic``, by any ``size`` or ``scale_factor`` --
+runs in place on split rows (:class:`~distconv.nn.resample.DistUpsample`: the halo rows each
+output block reads, exchanged dim after dim, then torch's rows and weights applied locally); its
+price is those halo rows, worked from the same plans. ``area`` (adaptive average pooling), an
+antialiased interpolation, a spatial dim split over several grid dims, and the pooling layers here
+mix rows and columns but never samples or channels: the value keeps its sample and channel blocks,
+and its spatial dims are made whole on each rank first (an allgather over the grid dims that split
+them, priced as the conversion it is); the output is whole in them, and the next layer takes its
+own blocks of it (a local slice). Exact for every mode.
 """
 
 from __future__ import annotations
 
 from typing import Any, Sequence
 
+import torch
 import torch.nn.functional as F
 from torch import nn
 
-from distconv.conv_geometry import HaloPlan
 from distconv.distribution import Dist
-from distconv.nn.resample import DistUpsample, UpsampleDim, in_place, upsample_halo_bytes
+from distconv.nn.resample import (
+    DistUpsample, Interpolation, in_place, upsample_halo_bytes, upsample_plans,
+)
 from distconv.ops.base import (
     SAMPLE_GRIDS, SIGNAL_GRIDS, VOLUME_GRIDS, Handler, PoolNet, PriceContext, Sample, SampleNet,
 )
@@ -28,6 +33,15 @@ from distconv.ops.pricing import CommStep
 from distconv.parallel.placement import Placement, paper_grid
 
 __all__ = ["ResampleHandler"]
+
+#: rows split in uneven blocks: over H, over W, over both
+_PLANE_GRIDS: tuple[tuple[int, dict], ...] = (
+    (2, {"default": {"grid": {"N": 1, "H": 2}, "algorithm": "spatial"},
+         "data": {"N": 1, "H": 2}}),
+    (3, {"default": {"grid": {"N": 1, "W": 3}, "algorithm": "spatial"}}),
+    (4, {"default": {"grid": {"H": 2, "W": 2}, "algorithm": "spatial"},
+         "data": {"H": 2, "W": 2}}),
+)
 
 
 class ResampleHandler(Handler):
@@ -54,9 +68,9 @@ class ResampleHandler(Handler):
         ext = dict(p.layout)
         split = [[g for g in p.dist.grid_dims_of(i) if ext.get(g, 1) > 1]
                  for i in range(2, p.ndim)]
-        scale = _upsampling(node, module, p.ndim - 2)
-        if scale is not None and any(split) and all(len(s) <= 1 for s in split):
-            # an integer upsampling of split rows: in place, halos exchanged
+        interp = _interpolation(node, module, p.ndim - 2)
+        if interp is not None and any(split) and all(len(s) <= 1 for s in split):
+            # an interpolation of split rows: in place, halos exchanged
             step = Step(node, "resample", p, {args[0]: p})
             step.layer = LayerSpec("upsample", str(node.target) if module is not None
                                    else node.name, p.layout, input=p)
@@ -69,25 +83,21 @@ class ResampleHandler(Handler):
         if step.layer is None or step.layer.kind != "upsample":
             return None
         p = step.layer.input
-        scale = _upsampling(node, module, p.ndim - 2)
-        return DistUpsample(scale, _mode(node, module), grid=grid, input_dist=p.dist)
+        interp = _placed(node, module, p.ndim - 2)
+        return DistUpsample(grid=grid, input_dist=p.dist, **interp.kwargs())
 
     def price(self, report: Any, step: Any, module: Any, ctx: PriceContext) -> None:
         if step.layer is None or step.layer.kind != "upsample":
             return
         p = step.out
         nd = p.ndim - 2
-        scale = _upsampling(step.node, module, nd)
-        linear = _mode(step.node, module) != "nearest"
+        interp = _placed(step.node, module, nd)
         ext = dict(p.layout)
         dims = [next((g for g in p.dist.grid_dims_of(2 + i) if ext.get(g, 1) > 1), None)
                 for i in range(nd)]
-        plans = [None if d is None else HaloPlan(UpsampleDim(ctx.in_shape[2 + i], scale[i],
-                                                              linear), ext[d])
-                 for i, d in enumerate(dims)]
-        for plan, d in zip(plans, dims):
-            if plan is not None:
-                plan.check(d)
+        # the maps of the precision the values have (torch's may differ by a row between them)
+        dtype = torch.float64 if ctx.itemsize == 8 else torch.float32
+        _, plans = upsample_plans(interp, ctx.in_shape, dims, ext, dtype)
         per = {}
         for r in ctx.ranks:
             g = paper_grid(p.layout, r)
@@ -129,6 +139,28 @@ class ResampleHandler(Handler):
             Sample("interpolate-nearest-volume",
                    lambda: PoolNet(_Interpolate(scale_factor=(1, 2, 2)), 2, 3),
                    (5, 2, 3, 4, 3), VOLUME_GRIDS[2:]),
+            Sample("interpolate-size-bilinear-align-corners",
+                   lambda: SampleNet(_Interpolate(size=(10, 13), mode="bilinear",
+                                                  align_corners=True), 2),
+                   (3, 2, 7, 8), _PLANE_GRIDS),
+            Sample("upsample-nearest-fractional",
+                   lambda: SampleNet(nn.Upsample(scale_factor=(1.5, 0.75)), 2),
+                   (3, 2, 7, 8), _PLANE_GRIDS),
+            Sample("interpolate-nearest-exact-down",
+                   lambda: SampleNet(_Interpolate(size=(5, 11), mode="nearest-exact"), 2),
+                   (3, 2, 7, 8), _PLANE_GRIDS),
+            Sample("interpolate-bicubic-align-corners-scale",
+                   lambda: SampleNet(_Interpolate(scale_factor=(1.7, 1.3), mode="bicubic",
+                                                  align_corners=True,
+                                                  recompute_scale_factor=False), 2),
+                   (3, 2, 7, 8), _PLANE_GRIDS),
+            Sample("interpolate-size-trilinear-align-corners",
+                   lambda: PoolNet(_Interpolate(size=(4, 7, 2), mode="trilinear",
+                                                align_corners=True), 2, 3),
+                   (5, 2, 5, 4, 3), VOLUME_GRIDS),
+            Sample("interpolate-linear-down-signal",
+                   lambda: PoolNet(_Interpolate(scale_factor=0.7, mode="linear"), 3, 1),
+                   (5, 3, 9), SIGNAL_GRIDS),
             Sample("adaptive-max-pool", lambda: SampleNet(nn.AdaptiveMaxPool2d((2, 3)), 4),
                    (5, 4, 7, 6), SAMPLE_GRIDS),
             Sample("volume-pools", lambda: _Volume(), (5, 2, 6, 5, 4),
@@ -136,39 +168,64 @@ class ResampleHandler(Handler):
         )
 
 
-def _interpolate_args(node: Any, module: Any) -> dict[str, Any]:
+def _interpolate_args(node: Any, module: Any) -> dict[str, Any] | None:
+    """``F.interpolate``'s arguments of an ``nn.Upsample`` or an interpolating call (None: an
+    adaptive pooling)."""
     if module is not None:
+        if not isinstance(module, nn.Upsample):
+            return None
         return {"size": module.size, "scale_factor": module.scale_factor, "mode": module.mode,
                 "align_corners": module.align_corners,
                 "recompute_scale_factor": module.recompute_scale_factor}
-    if node.target is not F.interpolate:
-        return {"mode": None}  # the other upsample functions: on whole dims
-
-    def bind(input: Any, size: Any = None, scale_factor: Any = None, mode: str = "nearest",
-             align_corners: Any = None, recompute_scale_factor: Any = None,
-             antialias: bool = False) -> dict[str, Any]:
-        return {"size": size, "scale_factor": scale_factor, "mode": mode,
-                "align_corners": align_corners, "recompute_scale_factor": recompute_scale_factor,
-                "antialias": antialias}
-
-    return bind(*node.args, **node.kwargs)
+    bind = _BINDERS.get(node.target)
+    return None if bind is None else bind(*node.args, **node.kwargs)
 
 
-def _mode(node: Any, module: Any) -> str:
-    return _interpolate_args(node, module)["mode"]
+def _interpolate(input: Any, size: Any = None, scale_factor: Any = None, mode: str = "nearest",
+                 align_corners: Any = None, recompute_scale_factor: Any = None,
+                 antialias: bool = False) -> dict[str, Any]:
+    return {"size": size, "scale_factor": scale_factor, "mode": mode,
+            "align_corners": align_corners, "recompute_scale_factor": recompute_scale_factor,
+            "antialias": antialias}
 
 
-def _upsampling(node: Any, module: Any, spatial: int) -> tuple[int, ...] | None:
-    """The integer scale per spatial dim of an upsampling that runs in place, else None."""
-    if module is not None and not isinstance(module, nn.Upsample):
-        return None
-    if module is None and node.target is not F.interpolate:
-        return None
+def _upsample(input: Any, size: Any = None, scale_factor: Any = None, mode: str = "nearest",
+              align_corners: Any = None) -> dict[str, Any]:
+    return _interpolate(input, size, scale_factor, mode, align_corners)
+
+
+def _upsample_nearest(input: Any, size: Any = None, scale_factor: Any = None) -> dict[str, Any]:
+    return _interpolate(input, size, scale_factor, "nearest")
+
+
+def _upsample_bilinear(input: Any, size: Any = None, scale_factor: Any = None) -> dict[str, Any]:
+    return _interpolate(input, size, scale_factor, "bilinear", True)
+
+
+#: every interpolating function's arguments, bound as the function binds them
+_BINDERS = {F.interpolate: _interpolate, F.upsample: _upsample,
+            F.upsample_nearest: _upsample_nearest, F.upsample_bilinear: _upsample_bilinear}
+
+
+def _interpolation(node: Any, module: Any, spatial: int) -> Interpolation | None:
+    """The interpolation when the node runs in place (:func:`~distconv.nn.resample.in_place`),
+    else None."""
     a = _interpolate_args(node, module)
-    if a.get("antialias") or spatial < 1:
+    if a is None or spatial < 1:
         return None
-    return in_place(a["mode"], a["scale_factor"], a["align_corners"], a["size"], spatial,
-                    a["recompute_scale_factor"])
+    return in_place(a["mode"], spatial=spatial, size=a["size"], scale_factor=a["scale_factor"],
+                    align_corners=a["align_corners"],
+                    recompute_scale_factor=a["recompute_scale_factor"],
+                    antialias=a.get("antialias", False))
+
+
+def _placed(node: Any, module: Any, spatial: int) -> Interpolation:
+    """The interpolation of a node placed in place (it was placed so because there is one)."""
+    interp = _interpolation(node, module, spatial)
+    if interp is None:
+        raise AssertionError(f"node {node.name!r} was placed in place but does not interpolate "
+                             "in place")
+    return interp
 
 
 class _Interpolate(nn.Module):
