@@ -98,7 +98,7 @@ LAYERS = [  # (module, global input shape, grid, algorithm, exact layers expecte
     (nn.Conv2d(5, 4, 2, padding="same"), (3, 5, 6, 5), {"C": 3, "W": 2}, "stationary-x", 1),
     (nn.Conv3d(3, 4, 3, padding=1, bias=False), (2, 3, 4, 3, 3), {"N": 2, "C": 2, "F": 2},
      "stationary-w", 1),
-    (nn.ConvTranspose1d(5, 4, 3, stride=2, padding=1, output_padding=1), (4, 5, 7),
+    (nn.ConvTranspose1d(3, 8, 3, stride=2, padding=1, output_padding=1), (4, 3, 7),
      {"F": 2, "W": 2}, "stationary-y", 1),
     (nn.ConvTranspose2d(5, 4, 3, stride=2, padding=1), (2, 5, 4, 3), {"C": 2, "F": 2},
      "stationary-w", 1),
