@@ -10,7 +10,9 @@ each rank, lazily, only the boxes its current layout needs, so a job saved on
 model; :func:`consolidate` turns any checkpoint back into one. Optimizer state and any
 :class:`Shardable` (e.g. K-FAC's) reshard the same way. JSON and safetensors only: nothing is
 ever unpickled. ``save(..., async_save=True)`` copies the state to host memory, returns a
-:class:`SaveHandle` at once and writes in the background.
+:class:`SaveHandle` at once and writes in the background. ``extra=`` holds plain values shared by
+every rank; ``rank_extra=`` each rank's own (random generators, data position), stored with its
+shards and handed back by ``load(..., rank_extra=True)`` to the rank of the same number.
 """
 
 from __future__ import annotations

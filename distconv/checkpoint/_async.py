@@ -2,7 +2,9 @@
 
 Everything collective (agreeing on the state, the plan) is done before ``save`` returns; the
 background thread of each rank only touches files, because communicators are not safe to use from
-two threads at once. The ranks meet in the checkpoint directory instead:
+two threads at once. The copy of the rank's share into host memory runs while the agreement's
+exchange is in flight; a copy that fails after it is written to the directory as that rank's
+record (step 2), so the save fails on every rank. The ranks meet in the checkpoint directory:
 
 1. every rank writes its shard file (durable: written, ``fsync``'d, renamed);
 2. every rank other than 0 then writes a small record ``.rank-RRRRR.json`` (its file's size and

@@ -5,7 +5,8 @@ Layout (the convention of sharded Hugging Face checkpoints, with distributions a
     checkpoint.index.json
         {"format": "distconv.checkpoint", "version": 1, "world_size": 4,
          "files": {"shard-00000-of-00004.safetensors": {"size": 1234}, ...},
-         "sections": {"model": <state tree>, "optimizer": <state tree>, ...},
+         "sections": {"model": <state tree>, "optimizer": <state tree>, ...,
+                      "rank_extra": {"list": [<rank 0's tree>, ...]}},
          "tensors": {"model/0.weight": {
              "dtype": "float64", "shape": [8, 6, 3, 3], "dist": "[*,o_C,*,*]",
              "grid": [["N", 2], ["C", 2]],
@@ -14,7 +15,10 @@ Layout (the convention of sharded Hugging Face checkpoints, with distributions a
     shard-RRRRR-of-SSSSS.safetensors     the shards rank R wrote
 
 A box is ``[start, stop)`` per tensor dim in the global tensor. The shards of a tensor tile its
-global shape exactly once. State trees are described in :mod:`distconv.checkpoint._tree`.
+global shape exactly once. State trees are described in :mod:`distconv.checkpoint._tree`. The
+``rank_extra`` section (only where some rank saved one) holds each saving rank's own values, by
+rank; its tensors (``rank_extra/<rank>/<key>``) are replicated entries whose one shard lies in
+that rank's file.
 """
 
 from __future__ import annotations

@@ -19,8 +19,9 @@ from distconv.checkpoint._index import (
     Box, CheckpointError, TensorEntry, as_path, check_flag, intersect, read_index, volume,
 )
 from distconv.checkpoint._shardfile import _DTYPES
-from distconv.checkpoint._sections import ModuleSection, Section, sections_for
+from distconv.checkpoint._sections import RANK_EXTRA, ModuleSection, Section, sections_for
 from distconv.checkpoint._tree import flatten, tensor_keys, unflatten
+from distconv.comm import Communicator
 from distconv.nn.sharding import ShardSpec
 
 __all__ = ["consolidate", "load", "load_global_state_dict"]
@@ -34,6 +35,8 @@ def load(
     states: Mapping[str, Any] | None = None,
     strict: bool = True,
     verify: bool = False,
+    rank_extra: bool = False,
+    comm: Communicator | None = None,
 ) -> Any:
     """Load a checkpoint written by :func:`save` onto ``model``'s layout, whatever it was saved on.
 
@@ -56,21 +59,41 @@ def load(
         verify: also check each shard read against its SHA-256 in the index, which reads every
             intersecting shard whole instead of only the needed box. Default ``False`` (file
             sizes, shapes and dtypes are always checked).
+        rank_extra: also return this rank's ``rank_extra`` (what the rank of the same number
+            passed to :func:`save`). Only on the world size that saved: on another the values
+            belong to no rank of this world, so the load refuses, naming both sizes, before it
+            changes anything; ``consolidate(path, section="rank_extra")`` then gives every
+            saved rank's value (a list by rank) to redistribute. A checkpoint saved without
+            ``rank_extra`` (or before it existed) gives ``None`` on any world size. Default
+            ``False``.
+        comm: the communicator whose rank and size ``rank_extra`` refers to (nothing is
+            communicated). Default: the communicator of the first grid among ``model``'s
+            specs, else ``distconv.comm.world()``.
 
     Returns:
-        The ``extra`` saved with the checkpoint (``None`` if none).
+        The ``extra`` saved with the checkpoint (``None`` if none); with ``rank_extra=True`` the
+        pair ``(extra, this rank's rank_extra)``.
 
     Raises:
         CheckpointError (a ``ValueError``): no complete index at ``path``; a tensor missing from
             the checkpoint or unknown to the model; a different global shape or dtype; a missing,
-            truncated or corrupt shard file. The message names the tensor.
+            truncated or corrupt shard file (the message names the tensor); ``rank_extra`` asked
+            of a checkpoint saved on another world size.
     """
     check_flag(strict, "strict")
+    check_flag(rank_extra, "rank_extra")
+    if comm is not None and not isinstance(comm, Communicator):
+        raise TypeError(f"comm must be a distconv Communicator, got {type(comm).__name__}")
     sections = sections_for(model, optimizer, states)
     with _Files(as_path(path), verify=check_flag(verify, "verify")) as files:
+        mine = _rank_entry(files, comm or _model_comm(sections[0])) if rank_extra else None
         for section in sections:
             _load_section(section, files, strict)
-    return sections[-1].loaded  # type: ignore[attr-defined]
+        extra = sections[-1].loaded  # type: ignore[attr-defined]
+        if not rank_extra:
+            return extra
+        return extra, None if mine is None else unflatten(
+            mine, lambda key: files.read(f"{RANK_EXTRA}/{key}", None).clone())
 
 
 def load_global_state_dict(
@@ -105,6 +128,36 @@ def consolidate(path: str | os.PathLike[str], *, section: str = "model", verify:
     with _Files(as_path(path), verify=check_flag(verify, "verify")) as files:
         tree = files.tree(section)
         return unflatten(tree, lambda key: files.read(f"{section}/{key}", None))
+
+
+def _model_comm(section: Section) -> Communicator:
+    for spec in section.specs().values():
+        if spec.grid is not None:
+            return spec.grid.comm
+    from distconv.comm import world
+
+    return world()
+
+
+def _rank_entry(files: _Files, comm: Communicator) -> Any:
+    """The tree of this rank's ``rank_extra`` (None if the checkpoint has none); raises on a
+    world of another size."""
+    section = files.index["sections"].get(RANK_EXTRA)
+    if section is None:
+        return None
+    saved = files.index.get("world_size")
+    if saved != comm.size:
+        raise CheckpointError(
+            f"rank_extra: {files.where} was saved on {saved} ranks and this world has "
+            f"{comm.size}: each saved value belongs to a rank of the saving world. Read them all "
+            f"with distconv.consolidate(path, section={RANK_EXTRA!r}) (a list of {saved}, one per "
+            "saved rank) and give each rank of this world what it needs"
+        )
+    entries = section.get("list") if isinstance(section, dict) else None
+    if not isinstance(entries, list) or len(entries) != saved:
+        raise CheckpointError(f"{files.where}: the {RANK_EXTRA!r} section is malformed (not a "
+                              f"list of {saved} entries, one per saved rank)")
+    return entries[comm.rank]
 
 
 def _load_section(section: Section, source: Any, strict: bool) -> None:

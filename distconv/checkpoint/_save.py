@@ -21,8 +21,8 @@ from distconv.checkpoint._index import (
     shard_file_name, sync_dir, write_atomic,
 )
 from distconv.checkpoint._plan import Piece, assign, blocks_of
-from distconv.checkpoint._sections import Section, sections_for
-from distconv.checkpoint._shardfile import write_shard_file
+from distconv.checkpoint._sections import RANK_EXTRA, Section, sections_for
+from distconv.checkpoint._shardfile import _DTYPES, write_shard_file
 from distconv.checkpoint._tree import flatten
 from distconv.comm import Communicator
 from distconv.distribution import Dist
@@ -41,6 +41,7 @@ def save(
     optimizer: torch.optim.Optimizer | None = None,
     states: Mapping[str, Any] | None = None,
     extra: Any = None,
+    rank_extra: Any = None,
     comm: Communicator | None = None,
     async_save: bool = False,
 ) -> SaveHandle | None:
@@ -81,6 +82,13 @@ def save(
         extra: plain values (nested dicts / lists of numbers and strings, or tensors, replicated)
             returned by :func:`load`, e.g. ``{"epoch": 3}``; the same on every rank.
             Default ``None``.
+        rank_extra: this rank's own plain values (the same kinds as ``extra``), e.g. its random
+            generators and data position: ``{"rng": distconv.rng_state()}``. Each rank passes
+            its own; they may differ in value and in structure. Each rank's value is stored
+            beside its shards, and ``load(..., rank_extra=True)`` hands it back to the rank of
+            the same number (on the world size that saved), ``consolidate(path,
+            section="rank_extra")`` gives every rank's, as a list by rank. Default ``None``
+            (on every rank: nothing rank-specific is stored).
         comm: the communicator of all ranks. Default: the communicator of the first grid among
             the tensors' specs, else ``distconv.comm.world()``.
         async_save: return as soon as the state is copied, and write in the background.
@@ -93,7 +101,8 @@ def save(
 
     Raises:
         ValueError: a local tensor that does not match its spec, or a pending sum (``Σ``).
-        TypeError: state that is not tensors and plain values.
+        TypeError: state, ``extra`` or ``rank_extra`` that is not tensors and plain values, or
+            a tensor of a dtype safetensors cannot hold.
         CheckpointError (a ``ValueError``): on every other rank when one rank fails (naming it
             and its error), when the ranks disagree on the state (its structure, plain values,
             dtypes, global shapes or distributions), or when the previous asynchronous save
@@ -110,12 +119,14 @@ def save(
         if not got:
             got["trees"], got["items"] = _collect(sections_for(model, optimizer, states, extra))
         _check_grids(got["items"], comm)
+        got["rank_tree"], got["rank_tensors"] = _rank_extra(rank_extra, comm.rank)
         # what every rank must agree on: the structure, plain values and tensor layouts
         got["meta"] = _metadata(got["items"])
         agreed = json.dumps([got["trees"], got["meta"]], sort_keys=True).encode()
         got["pieces"] = _plan(got["items"], comm.size)
         if not async_save:
-            got["mine"] = _own(got["pieces"], got["items"], comm.rank, snapshot=None)
+            got["mine"] = [*_own(got["pieces"], got["items"], comm.rank, snapshot=None),
+                           *_own_rank_extra(got["rank_tensors"], copy=False)]
         if comm.rank == 0:  # before the exchange, so before any rank can put a shard in place
             _clear(path)
         return {"meta": hashlib.sha256(agreed).hexdigest(), "token": secrets.token_hex(8)}
@@ -133,7 +144,8 @@ def save(
         raise CheckpointError(
             "checkpoint.save: the ranks disagree on the state to save (keys, plain values, "
             "dtypes, global shapes or distributions differ); every rank must save the same "
-            "structure, and the same plain values (rank-specific values are not kept)"
+            "structure, and the same plain values in extra= (pass values that differ "
+            "between the ranks as rank_extra=)"
         )
     job = _Job(path, comm.rank, comm.size, agreed[0]["token"], got)
     if async_save:
@@ -152,15 +164,22 @@ class _Job:
         self.path, self.rank, self.size, self.token = path, rank, size, token
         self.trees, self.meta, self.pieces = got["trees"], got["meta"], got["pieces"]
         self.mine: list[tuple[str, torch.Tensor]] = got["mine"]
+        # this rank's rank_extra for the index: its tree, and its tensors' dtypes and shapes
+        self.rank_extra = None if got["rank_tree"] is None else {
+            "tree": got["rank_tree"],
+            "tensors": {k: {"dtype": dtype_name(t.dtype), "shape": list(t.shape)}
+                        for k, t in got["rank_tensors"].items()},
+        }
 
     def write_own(self) -> dict[str, Any]:
+        own: dict[str, Any] = {} if self.rank_extra is None else {"rank_extra": self.rank_extra}
         if not self.mine:
-            return {"file": None}
+            return {"file": None, **own}
         name = shard_file_name(self.rank, self.size)
         size, digests = write_shard_file(
             self.path / name, self.mine, {"format": "pt", FORMAT: str(VERSION)}
         )
-        return {"file": name, "size": size, "sha256": digests}
+        return {"file": name, "size": size, "sha256": digests, **own}
 
     def finish(self, records: list[dict[str, Any]]) -> None:
         """Rank 0, once every rank's file is durable: the index, then the stale files go."""
@@ -234,8 +253,9 @@ def _snapshot_while_agreeing(comm: Communicator, path: Path, collect: Callable[[
     failure: Exception | None = None
     if ok:
         try:
-            got["mine"] = _own(got["pieces"], got["items"], comm.rank,
-                               snapshot=reusable(model))
+            got["mine"] = [*_own(got["pieces"], got["items"], comm.rank,
+                                 snapshot=reusable(model)),
+                           *_own_rank_extra(got["rank_tensors"], copy=True)]
         except Exception as exc:
             failure = exc
     agreed = finish()
@@ -273,6 +293,34 @@ def _collect(sections: list[Section]) -> tuple[dict[str, Any], Items]:
                 )
             items[full] = (t, spec)
     return trees, items
+
+
+def _rank_extra(value: Any, rank: int) -> tuple[Any, dict[str, torch.Tensor]]:
+    """This rank's ``rank_extra`` as its entry of the ``rank_extra`` section (a list by rank):
+    its tree, and its tensors by full key (``rank_extra/<rank>/<key>``); ``(None, {})`` for
+    ``None``."""
+    if value is None:
+        return None, {}
+    tree, tensors = flatten(value, where="rank_extra", under=rank)
+    for key, t in tensors.items():
+        if t.dtype not in _DTYPES:
+            name = key.partition("/")[2] or "(top)"
+            raise TypeError(f"rank_extra: tensor {name!r} has dtype {t.dtype}, which a "
+                            f"checkpoint cannot hold (it holds "
+                            f"{', '.join(sorted(dtype_name(d) for d in _DTYPES))})")
+    return tree, {f"{RANK_EXTRA}/{k}": t for k, t in tensors.items()}
+
+
+def _own_rank_extra(tensors: dict[str, torch.Tensor], *,
+                    copy: bool) -> list[tuple[str, torch.Tensor]]:
+    """This rank's ``rank_extra`` tensors as contiguous CPU tensors (copies with ``copy``)."""
+    out = []
+    for key, t in tensors.items():
+        t = t.detach()
+        if copy or t.device.type != "cpu" or not t.is_contiguous():
+            t = torch.empty(t.shape, dtype=t.dtype).copy_(t)
+        out.append((key, t))
+    return out
 
 
 def _default_comm(items: Items) -> Communicator:
@@ -416,10 +464,23 @@ def _index(
             "file": record["file"], "key": p.key, "box": [list(b) for b in p.box],
             "sha256": record["sha256"][p.key],
         })
+    sections = dict(trees)
+    per_rank = [r.get("rank_extra") for r in records]
+    if any(v is not None for v in per_rank):
+        # one entry per rank, its tensors in its own file, each held whole by that file
+        sections[RANK_EXTRA] = {"list": [{"value": None} if v is None else v["tree"]
+                                         for v in per_rank]}
+        for record, value in zip(records, per_rank):
+            for key, m in ({} if value is None else value["tensors"]).items():
+                tensors[key] = {**m, "dist": Dist.replicated(len(m["shape"])).format(),
+                                "grid": None, "shards": [{
+                                    "file": record["file"], "key": key,
+                                    "box": [[0, n] for n in m["shape"]],
+                                    "sha256": record["sha256"][key]}]}
     for key, raw in tensors.items():
         raw["shards"].sort(key=lambda s: s["box"])
         TensorEntry.parse(key, raw, files)  # the shards tile every tensor exactly once
     return {
         "format": FORMAT, "version": VERSION, "world_size": size, "files": files,
-        "sections": trees, "tensors": tensors, "token": token,
+        "sections": sections, "tensors": tensors, "token": token,
     }

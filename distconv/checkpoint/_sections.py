@@ -4,7 +4,9 @@ A *section* is a named piece of state with a layout: the model (its ``state_dict
 :func:`~distconv.nn.sharding.shard_specs`), an optimizer (its state keyed by parameter name, each
 state tensor shaped like its parameter taking the parameter's :class:`ShardSpec`), any object
 with ``state_dict()`` / ``load_state_dict()`` and optionally ``shard_specs()`` (e.g. a K-FAC
-preconditioner), and ``extra`` (plain values, returned by ``load``).
+preconditioner), and ``extra`` (plain values, returned by ``load``). Each rank's own values
+(``rank_extra``) are not a section of this kind: they are kept out of the state the ranks agree
+on, and stored by rank (:data:`RANK_EXTRA`).
 """
 
 from __future__ import annotations
@@ -20,9 +22,12 @@ from distconv.checkpoint._tree import flatten
 from distconv.distribution import Dist
 from distconv.nn.sharding import ShardSpec, shard_specs
 
-__all__ = ["Section", "Shardable", "sections_for"]
+__all__ = ["RANK_EXTRA", "Section", "Shardable", "sections_for"]
 
-RESERVED = ("model", "optimizer", "extra")
+#: the section of the values each rank saved for itself (``save(..., rank_extra=)``): a list by
+#: rank, each rank's tensors in its own file
+RANK_EXTRA = "rank_extra"
+RESERVED = ("model", "optimizer", "extra", RANK_EXTRA)
 
 
 @runtime_checkable

@@ -30,11 +30,30 @@ def flat_key(path: tuple[str | int, ...]) -> str:
     return "/".join(str(p).replace("%", "%25").replace("/", "%2F") for p in path)
 
 
-def flatten(state: Any, *, where: str) -> tuple[Any, dict[str, torch.Tensor]]:
-    """``(json_tree, {flat_key: tensor})`` of ``state``; ``where`` names it in errors."""
+def flatten(
+    state: Any, *, where: str, under: str | int | None = None
+) -> tuple[Any, dict[str, torch.Tensor]]:
+    """``(json_tree, {flat_key: tensor})`` of ``state``; ``where`` names it in errors (with the
+    paths inside ``state``). With ``under``, the flat keys are those of ``state`` stored as the
+    entry ``under`` of a larger tree (``f"{under}/{key}"``)."""
     tensors: dict[str, torch.Tensor] = {}
     tree = _encode(state, (), tensors, where)
-    return tree, tensors
+    if under is None:
+        return tree, tensors
+    top = flat_key((under,))
+    return _moved(tree, top), {f"{top}/{k}" if k else top: t for k, t in tensors.items()}
+
+
+def _moved(node: Any, top: str) -> Any:
+    """``node`` with every tensor key put under ``top``."""
+    (tag, body), = node.items()
+    if tag == "tensor":
+        return {"tensor": f"{top}/{body}" if body else top}
+    if tag == "dict":
+        return {"dict": [[k, _moved(v, top)] for k, v in body]}
+    if tag in ("list", "tuple"):
+        return {tag: [_moved(v, top) for v in body]}
+    return node
 
 
 def _encode(obj: Any, path: tuple[str | int, ...], out: dict[str, torch.Tensor], where: str) -> Any:
