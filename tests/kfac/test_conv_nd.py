@@ -7,6 +7,7 @@ Models are made outside ``run_threads``: thread ranks share torch's generator an
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -253,3 +254,71 @@ def test_shard_adapter_reads_a_transposed_shard_as_the_direct_convolution() -> N
     before = layer.weight.grad.clone()
     ad.set_grad(mat)
     assert torch.equal(layer.weight.grad, before)
+
+
+# ---------------------------------------------------------------- 'block'
+def _block_single(conv: nn.Module, shape: tuple) -> tuple[torch.Tensor, torch.Tensor,
+                                                           torch.Tensor]:
+    """One process's factors A, G and raw gradient matrix V (the direct convolution's) of one
+    step of ``conv``."""
+    conv = copy.deepcopy(conv)
+    kfac = distkfac.KFAC(conv, comm=None, factor_dtype=torch.float64, damping=1e-2,
+                         kl_clip=None)
+    x, t = _data(0, shape, tuple(conv(torch.zeros(shape, dtype=torch.float64)).shape))
+    _loss(conv(x), t, shape[0]).backward()
+    (layer,) = kfac.layers
+    v = layer.adapter.grad_matrix(torch.float64)[0].clone()
+    kfac.step()
+    return layer.a.value[0], layer.g.value[0], v
+
+
+def _block_sharded(comm, conv: nn.Module, shape: tuple, dims: dict, algorithm: str):
+    grid = ProcessorGrid(dims, comm=comm)
+    layer = DistConvNd.from_module(copy.deepcopy(conv), grid=grid, algorithm=algorithm)
+    y_shape = layer.output_shape(shape)
+    kfac = distkfac.KFAC(layer, comm=comm, factor_dtype=torch.float64, damping=1e-2,
+                         kl_clip=None, factor_sharding="block")
+    x, t = _data(0, shape, y_shape)
+    y = layer(x[layer.input_dist.local_slices(shape, grid)], shape)
+    _loss(y, t[layer.output_dist.local_slices(y_shape, grid)], shape[0]).backward()
+    kfac.step()
+    geo = ShardGeometry(layer)
+    return geo.f, geo.c, geo.matrix(layer.weight.grad)[0], layer.bias.grad
+
+
+@pytest.mark.parametrize("conv, shape, dims, algorithm", [
+    (nn.Conv3d(4, 6, 3, padding=1), (2, 4, 3, 3, 2), {"C": 2, "F": 2}, "stationary-w"),
+    (nn.ConvTranspose2d(5, 4, 3, stride=2), (2, 5, 3, 2), {"N": 2, "C": 2}, "stationary-x"),
+    (nn.ConvTranspose1d(3, 8, 3, stride=2), (3, 3, 5), {"F": 2, "W": 2}, "stationary-y"),
+], ids=["Conv3d-CxF", "ConvTranspose2d-NxC", "ConvTranspose1d-FxW"])
+def test_block_layout_is_the_block_diagonal_of_single_process_factors(
+        conv, shape, dims, algorithm, one_torch_thread) -> None:  # noqa: ANN001
+    """``factor_sharding='block'``: each shard ``V[f, c]`` (a transposed one the direct
+    convolution's) preconditioned by the diagonal blocks of the global A over its channels'
+    im2col rows (with the bias row when C = 1) and of G over its filters; with C > 1 its bias
+    shard by G's block over its filters alone (BlockLayout)."""
+    from distkfac.sharded import BlockLayout
+
+    from .reference import dense_precondition
+
+    conv = _layer(conv)
+    a, g, v = _block_single(conv, shape)
+    k2 = math.prod(conv.kernel_size)
+    layout = BlockLayout(conv.in_channels, conv.out_channels, k2, True, dims.get("C", 1),
+                         dims.get("F", 1))
+
+    def preconditioned(part: str, f: int, c: int) -> torch.Tensor:
+        r = layout.ranges(part, f, c)
+        (a0, a1), (g0, g1) = r["A"], r["G"]
+        return dense_precondition(a[a0:a1, a0:a1][None], g[g0:g1, g0:g1][None],
+                                  v[g0:g1, a0:a1][None], 1e-2)[0]
+
+    for f, c, w, b in run_threads(_block_sharded, math.prod(dims.values()), conv, shape, dims,
+                                  algorithm):
+        want = preconditioned("weight", f, c)
+        if layout.C == 1:
+            want, want_b = want[:, :-1], want[:, -1]
+        else:
+            want_b = preconditioned("bias", f, c)[:, 0]
+        torch.testing.assert_close(w, want, rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(b, want_b, rtol=1e-10, atol=1e-12)
