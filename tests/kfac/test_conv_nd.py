@@ -322,3 +322,36 @@ def test_block_layout_is_the_block_diagonal_of_single_process_factors(
             want_b = preconditioned("bias", f, c)[:, 0]
         torch.testing.assert_close(w, want, rtol=1e-10, atol=1e-12)
         torch.testing.assert_close(b, want_b, rtol=1e-10, atol=1e-12)
+
+
+# ---------------------------------------------------------------- checkpoints
+def _saved(comm, case: tuple, path: str) -> None:
+    import distconv
+
+    model, x, y = case
+    pmodel = parallelize(copy.deepcopy(model), UNET_CONFIG, comm=comm)
+    kfac = distkfac.KFAC(pmodel, **KW)
+    rows = sample_block(x.shape[0], pmodel.data_grid)
+    train(pmodel, x[rows], y[rows], kfac)
+    distconv.save(pmodel, path, states={"kfac": kfac}, comm=comm)
+
+
+def test_exact_factors_of_a_channel_split_3d_unet_load_onto_one_process(tmp_path) -> None:  # noqa: ANN001
+    """The exact layers' row blocks (a transposed layer's in the direct convolution's order)
+    are blocks of one process's factors: saved on 4 ranks, they load into single-process K-FAC
+    on the plain model as that run's factors."""
+    import distconv
+
+    path = str(tmp_path / "unet")
+    run_threads(_saved, 4, _unet_case(), path)
+    model, x, y = _unet_case()
+    ref = copy.deepcopy(model)
+    ref_kfac = distkfac.KFAC(ref, comm=None, **KW)
+    train(ref, x, y, ref_kfac)
+    kfac = distkfac.KFAC(model, comm=None, **KW)
+    distconv.load(model, path, states={"kfac": kfac})
+    assert kfac.steps == 2 and len(kfac.layers) == len(ref_kfac.layers) == 8
+    for got, want in zip(kfac.layers, ref_kfac.layers):
+        assert got.name == want.name
+        torch.testing.assert_close(got.a.value, want.a.value, rtol=1e-12, atol=1e-14)
+        torch.testing.assert_close(got.g.value, want.g.value, rtol=1e-12, atol=1e-14)
