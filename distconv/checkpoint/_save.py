@@ -286,13 +286,29 @@ def _collect(sections: list[Section]) -> tuple[dict[str, Any], Items]:
                     f"tensor {full!r} is a pending sum ({spec.dist}); only complete values can be "
                     "checkpointed"
                 )
-            if tuple(t.shape) != spec.local_shape:
+            if tuple(t.shape) != _local_shape(spec):
                 raise ValueError(
                     f"tensor {full!r} has local shape {tuple(t.shape)} but its spec "
                     f"{spec.dist} of global shape {spec.global_shape} gives {spec.local_shape}"
                 )
             items[full] = (t, spec)
     return trees, items
+
+
+#: the local shape of each layout saved (working it out costs most of collecting the state)
+_LOCAL_SHAPES: dict[Any, tuple[int, ...]] = {}
+
+
+def _local_shape(spec: ShardSpec) -> tuple[int, ...]:
+    if spec.grid is None:
+        return spec.global_shape
+    key = (spec.dist, spec.global_shape, spec.grid.layout, spec.grid.rank)
+    shape = _LOCAL_SHAPES.get(key)
+    if shape is None:
+        if len(_LOCAL_SHAPES) >= 4096:
+            _LOCAL_SHAPES.clear()
+        shape = _LOCAL_SHAPES[key] = spec.local_shape
+    return shape
 
 
 def _rank_extra(value: Any, rank: int) -> tuple[Any, dict[str, torch.Tensor]]:
