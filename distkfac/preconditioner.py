@@ -304,7 +304,8 @@ class KFAC:
         return dict(value)
 
     def _resolve_comm(self, comm):
-        dist = [(n, m) for n, m in self.model.named_modules() if isinstance(m, DistConv2d)]
+        dist = [(n, m) for n, m in self.model.named_modules()
+                if isinstance(m, (DistConv2d, DistConvNd))]
         if comm is None and self._parallel is not None:
             # a parallelized model's own communicator, also where no layer of it is a DistConv2d
             # (a 3-D network runs sample-parallel): its factors are reduced over its ranks
@@ -314,8 +315,9 @@ class KFAC:
         for name, m in dist:
             if m.grid.comm is not comm:
                 raise ValueError(
-                    f"DistConv2d {name!r} lives on a grid over {m.grid.comm!r}, but K-FAC was "
-                    f"given {comm!r}: pass the grid's communicator (or its grid), or neither")
+                    f"{type(m).__name__} {name!r} lives on a grid over {m.grid.comm!r}, but "
+                    f"K-FAC was given {comm!r}: pass the grid's communicator (or its grid), or "
+                    "neither")
         return comm
 
     # ------------------------------------------------------------------ registration

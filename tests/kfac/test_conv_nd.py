@@ -77,8 +77,8 @@ def _sharded(comm, conv: nn.Module, shape: tuple, dims: dict, algorithm: str, la
     grid = ProcessorGrid(dims, comm=comm)
     layer = DistConvNd.from_module(copy.deepcopy(conv), grid=grid, algorithm=algorithm)
     y_shape = layer.output_shape(shape)
-    kfac = distkfac.KFAC(layer, comm=comm, factor_dtype=torch.float64, factor_sharding=layout,
-                         **_KFAC)
+    # no comm: K-FAC takes the layer's grid's (the factors' all-to-alls run over all its ranks)
+    kfac = distkfac.KFAC(layer, factor_dtype=torch.float64, factor_sharding=layout, **_KFAC)
 
     def step_data(step: int):
         x, t = _data(step, shape, y_shape)
@@ -336,7 +336,8 @@ def _saved(comm, case: tuple, path: str) -> None:
     distconv.save(pmodel, path, states={"kfac": kfac}, comm=comm)
 
 
-def test_exact_factors_of_a_channel_split_3d_unet_load_onto_one_process(tmp_path) -> None:  # noqa: ANN001
+def test_exact_factors_of_a_channel_split_3d_unet_load_onto_one_process(
+        tmp_path) -> None:  # noqa: ANN001
     """The exact layers' row blocks (a transposed layer's in the direct convolution's order)
     are blocks of one process's factors: saved on 4 ranks, they load into single-process K-FAC
     on the plain model as that run's factors."""
