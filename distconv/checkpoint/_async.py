@@ -20,6 +20,8 @@ reported by name.
 
 from __future__ import annotations
 
+import _thread
+import atexit
 import json
 import sys
 import threading
@@ -69,12 +71,7 @@ class SaveHandle:
         self._reported = False
         self._started = time.perf_counter()
         self._seconds: float | None = None
-        # not a daemon: a program that ends normally finishes its saves first; one that ends
-        # in an uncaught exception stops waiting for its peers at once (_abandon_on_failure)
-        self._thread = threading.Thread(
-            target=self._run, name=f"distconv-checkpoint-rank{rank}", daemon=False
-        )
-        self._go = threading.Event()
+        self._go, self._finished = threading.Event(), threading.Event()
 
     def _run(self) -> None:
         # wait until save() has returned: a writer that starts at once holds the interpreter
@@ -86,10 +83,13 @@ class SaveHandle:
             self._error = exc
         finally:
             self._seconds = time.perf_counter() - self._started
+            with _LOCK:
+                _RUNNING.discard(self)
+            self._finished.set()
 
     def done(self) -> bool:
         """Whether the save has finished, completed or failed (never blocks)."""
-        return not self._thread.is_alive()
+        return self._finished.is_set()
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until the checkpoint is complete on every rank (its index written).
@@ -101,8 +101,7 @@ class SaveHandle:
             TimeoutError: still writing after ``timeout`` seconds.
             The save's failure (``OSError``, :class:`CheckpointError`, ...), once.
         """
-        self._thread.join(timeout)
-        if self._thread.is_alive():
+        if not self._finished.wait(timeout):
             raise TimeoutError(
                 f"checkpoint save to {str(self.path)!r} (rank {self.rank}) still running after "
                 f"{timeout} s"
@@ -126,12 +125,15 @@ class SaveHandle:
 #: set when the program fails with an uncaught exception: saves in flight stop waiting for their
 #: peers (which may be gone) and leave their checkpoint incomplete (no index)
 _ABANDONED = threading.Event()
+#: the saves whose writer is running, which the program's exit waits for
+_RUNNING: set[SaveHandle] = set()
 _HOOKED = False
 
 
-def _abandon_on_failure() -> None:
-    """Chain ``sys.excepthook`` once, so that a program failing in its main thread does not wait
-    on its saves' peers for the whole timeout before it can exit."""
+def _hook_exit() -> None:
+    """Once: a program that ends normally finishes its saves first (at exit), and one failing
+    in its main thread (``sys.excepthook``) stops waiting on its saves' peers at once instead of
+    for the whole timeout."""
     global _HOOKED
     with _LOCK:
         if _HOOKED:
@@ -144,13 +146,31 @@ def _abandon_on_failure() -> None:
             previous(kind, value, tb)
 
         sys.excepthook = hook
+        atexit.register(_finish_running)
+
+
+def _finish_running() -> None:
+    with _LOCK:
+        running = list(_RUNNING)
+    for handle in running:
+        handle._finished.wait()
 
 
 def start(comm: Any, handle: SaveHandle) -> SaveHandle:
-    _abandon_on_failure()
+    """Run ``handle``'s job on a thread of its own. The thread is started without waiting for
+    it to be scheduled (``threading.Thread.start`` waits, which on a busy machine costs the
+    caller milliseconds); the exit waits for it instead (:func:`_hook_exit`)."""
+    _hook_exit()
+    with _LOCK:
+        _RUNNING.add(handle)
+    try:
+        _thread.start_new_thread(handle._run, ())
+    except BaseException:
+        with _LOCK:
+            _RUNNING.discard(handle)
+        raise
     with _LOCK:
         _PENDING[comm] = handle
-    handle._thread.start()
     handle._go.set()
     return handle
 
@@ -162,7 +182,7 @@ def wait_previous(comm: Any) -> None:
         handle = _PENDING.pop(comm, None)
     if handle is None:
         return
-    handle._thread.join()
+    handle._finished.wait()
     owner = handle._owner() if handle._owner is not None else None
     if owner is not None:
         with _LOCK:
