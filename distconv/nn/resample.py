@@ -27,12 +27,20 @@ the gathers and products, then the halo accumulate. The result equals one proces
 each output reads exactly, ``nearest`` and ``nearest-exact`` bitwise, the weighted modes to a few
 units in the last place (torch's kernel may fuse a multiply and an add).
 
+Where torch's gradient is not the adjoint of its own interpolation (its backward kernels copy the
+rows of a dim whose size a ``scale_factor`` keeps, ``nearest`` in 1-d and 3-d and ``bicubic``,
+while the forward kernels apply the factor; :attr:`IndexMap.adjoint`, read off torch like the
+map), the layer runs torch's interpolation on the whole spatial dims instead (an allgather over the
+grid dims that split them, then a local slice of the output), so that the output and its
+gradient are still one process's.
+
 ``area`` (adaptive average pooling, whose windows grow with the downsampling ratio and whose
 2-d sums are not separable in floating point) and antialiased interpolation are not handled here.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass
@@ -47,6 +55,7 @@ from distconv.distribution import Dist
 from distconv.grid import ProcessorGrid
 from distconv.halo import halo_exchange
 from distconv.nn._activation import check_activation_dist, check_grid, resolve_shape, show
+from distconv.redistribute import redistribute
 
 __all__ = ["MODES", "DistUpsample", "IndexMap", "Interpolation", "UpsampleDim", "in_place",
            "index_map", "upsample_halo_bytes", "upsample_plans"]
@@ -179,6 +188,9 @@ class IndexMap:
     length: int
     rows: torch.Tensor
     weights: torch.Tensor | None
+    #: whether torch's gradient is the adjoint of this map (not where its backward kernel copies
+    #: the rows of a dim whose size is kept while its forward kernel applies the scale factor)
+    adjoint: bool = True
 
     @property
     def out_length(self) -> int:
@@ -239,21 +251,26 @@ def index_map(interp: Interpolation, dim: int, length: int, dtype: torch.dtype =
     m = IndexMap(length, rows, None if not interp.weighted else weight)
     if not interp.weighted and not bool((weight == 1).all()):
         raise _unreadable(interp, dim, length)
-    _check(m, interp, dim, shape, dtype, device)
-    return m
+    return dataclasses.replace(m, adjoint=_check(m, interp, dim, shape, dtype, device))
 
 
 def _check(m: IndexMap, interp: Interpolation, dim: int, shape: list[int], dtype: torch.dtype,
-           device: Any) -> None:
-    """The map reproduces torch on a random signal (a window wider than the combs' period
+           device: Any) -> bool:
+    """Whether torch's gradient is the adjoint of its interpolation, having checked that the map
+    reproduces the interpolation on a random signal (a window wider than the combs' period
     would not)."""
     gen = torch.Generator().manual_seed(0)
     v = torch.rand([2, 1] + shape[2:], generator=gen, dtype=torch.float64).to(dtype).to(device)
+    v.requires_grad_(True)
     want = F.interpolate(v, **interp.along(dim))
     got = m.apply(v, 2 + dim, (0, m.out_length), 0)
-    tol = 0 if m.weights is None else 64 * torch.finfo(dtype).eps
-    if got.shape != want.shape or bool((got - want).abs().max() > tol):
+    tol = 64 * torch.finfo(dtype).eps
+    if got.shape != want.shape or bool(
+            (got - want).abs().max() > (0 if m.weights is None else tol)):
         raise _unreadable(interp, dim, length=m.length)
+    g = torch.rand(want.shape, generator=gen, dtype=torch.float64).to(dtype).to(device)
+    (torch_grad,), (adjoint,) = (torch.autograd.grad(y, v, g) for y in (want, got))
+    return bool((torch_grad - adjoint).abs().max() <= tol)
 
 
 def _unreadable(interp: Interpolation, dim: int, length: int) -> RuntimeError:
@@ -414,6 +431,8 @@ class DistUpsample(nn.Module):
             raise TypeError(f"DistUpsample: mode {self.interpolation.mode!r} interpolates "
                             f"floating-point values, got {x.dtype}")
         maps, plans = self.plans(shape, x.dtype, x.device)
+        if not all(m.adjoint for m in maps):
+            return self._on_whole_rows(x, shape)
         for i, plan in enumerate(plans):
             if plan is not None:
                 x = halo_exchange(x, self._comms[i], plan, 2 + i)
@@ -428,6 +447,20 @@ class DistUpsample(nn.Module):
                 r = self._comms[i].rank
                 x = maps[i].apply(x, 2 + i, plan.out[r], plan.needed[r][0])
         return x.to(dtype)
+
+    def whole_dist(self) -> Dist:
+        """The input's Dist with its spatial dims whole, ``x[o_N,o_C,*,*]``."""
+        d = self.input_dist
+        return Dist(d.entries[:2] + (None,) * (d.ndim - 2), frozenset(), d.tensor_dims)
+
+    def _on_whole_rows(self, x: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+        """Torch's interpolation on the whole spatial dims (an allgather over the grid dims that
+        split them), then this rank's block of the output (a local slice): where torch's gradient
+        is not the adjoint of its interpolation, so that both equal one process's."""
+        x = redistribute(x, self.grid, self.input_dist, self.whole_dist(), shape)
+        y = F.interpolate(x, **self.interpolation.kwargs())
+        block = self.output_dist.local_slices(self.output_shape(shape), self.grid)
+        return y[(slice(None), slice(None), *block[2:])]
 
     def extra_repr(self) -> str:
         kw = ", ".join(f"{k}={v!r}" for k, v in self.interpolation.kwargs().items()

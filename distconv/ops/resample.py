@@ -6,16 +6,21 @@ Every interpolation whose output rows read bounded windows of input rows -- ``ne
 ``nearest-exact``, ``(bi/tri)linear`` and ``bicubic``, by any ``size`` or ``scale_factor`` --
 runs in place on split rows (:class:`~distconv.nn.resample.DistUpsample`: the halo rows each
 output block reads, exchanged dim after dim, then torch's rows and weights applied locally); its
-price is those halo rows, worked from the same plans. ``area`` (adaptive average pooling), an
-antialiased interpolation, a spatial dim split over several grid dims, and the pooling layers here
-mix rows and columns but never samples or channels: the value keeps its sample and channel blocks,
-and its spatial dims are made whole on each rank first (an allgather over the grid dims that split
-them, priced as the conversion it is); the output is whole in them, and the next layer takes its
-own blocks of it (a local slice). Exact for every mode.
+price is those halo rows, worked from the same plans. Where torch's gradient is not the adjoint of
+its own interpolation for the global shape (a ``nearest`` or ``bicubic`` dim whose size the
+factor keeps), the layer gathers the rows and runs torch instead, priced as that conversion.
+
+``area`` (adaptive average pooling), an antialiased interpolation, a spatial dim split over
+several grid dims, and the pooling layers here mix rows and columns but never samples or
+channels: the value keeps its sample and channel blocks, and its spatial dims are made whole on
+each rank first (an allgather over the grid dims that split them, priced as the conversion it
+is); the output is whole in them, and the next layer takes its own blocks of it (a local slice).
+Exact for every mode.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any, Sequence
 
 import torch
@@ -30,7 +35,7 @@ from distconv.ops.base import (
     SAMPLE_GRIDS, SIGNAL_GRIDS, VOLUME_GRIDS, Handler, PoolNet, PriceContext, Sample, SampleNet,
 )
 from distconv.ops.pricing import CommStep
-from distconv.parallel.placement import Placement, paper_grid
+from distconv.parallel.placement import Placement, conversion_bytes, paper_grid
 
 __all__ = ["ResampleHandler"]
 
@@ -97,7 +102,10 @@ class ResampleHandler(Handler):
                 for i in range(nd)]
         # the maps of the precision the values have (torch's may differ by a row between them)
         dtype = torch.float64 if ctx.itemsize == 8 else torch.float32
-        _, plans = upsample_plans(interp, ctx.in_shape, dims, ext, dtype)
+        maps, plans = upsample_plans(interp, ctx.in_shape, dims, ext, dtype)
+        if not all(m.adjoint for m in maps):
+            _price_whole_rows(report, p, ctx)
+            return
         per = {}
         for r in ctx.ranks:
             g = paper_grid(p.layout, r)
@@ -161,11 +169,34 @@ class ResampleHandler(Handler):
             Sample("interpolate-linear-down-signal",
                    lambda: PoolNet(_Interpolate(scale_factor=0.7, mode="linear"), 3, 1),
                    (5, 3, 9), SIGNAL_GRIDS),
+            Sample("interpolate-nearest-kept-size-signal",  # torch's gradient copies here
+                   lambda: PoolNet(_Interpolate(scale_factor=1.3, mode="nearest"), 3, 1),
+                   (5, 3, 3), SIGNAL_GRIDS),
             Sample("adaptive-max-pool", lambda: SampleNet(nn.AdaptiveMaxPool2d((2, 3)), 4),
                    (5, 4, 7, 6), SAMPLE_GRIDS),
             Sample("volume-pools", lambda: _Volume(), (5, 2, 6, 5, 4),
                    ((2, {"default": {"grid": {"N": 2}, "algorithm": "sample"}}),)),
         )
+
+
+def _price_whole_rows(report: Any, p: Placement, ctx: PriceContext) -> None:
+    """The price of :meth:`DistUpsample._on_whole_rows`: the conversion of the input to whole
+    spatial dims (its adjoint in backward); the slice of the output moves nothing."""
+    whole = Placement(p.layout, Dist(p.dist.entries[:2] + (None,) * (p.ndim - 2), frozenset(),
+                                     p.dist.tensor_dims))
+    what = f"spatial dims made whole: {p.dist.format()} -> {whole.dist.format()}"
+    peers = math.prod(e for _, e in p.layout)
+    report.steps.append(CommStep("forward", what, "redistribute", {
+        r: conversion_bytes(p, whole, ctx.in_shape, ctx.itemsize, r) for r in ctx.ranks}, peers))
+    if ctx.grad_in:
+        back = {}
+        for r in ctx.ranks:
+            g = paper_grid(p.layout, r)
+            back[r] = conversion_bytes(Placement(p.layout, whole.dist.dual(g)),
+                                       Placement(p.layout, p.dist.dual(g)), ctx.in_shape,
+                                       ctx.itemsize, r)
+        report.steps.append(CommStep("backward", "adjoint of " + what, "redistribute", back,
+                                     peers))
 
 
 def _interpolate_args(node: Any, module: Any) -> dict[str, Any] | None:
