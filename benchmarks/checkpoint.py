@@ -189,8 +189,11 @@ def summarize(res: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def table(rows: list[dict[str, Any]], res: dict[str, Any], reps: int) -> str:
+    load = res.get("load_average")
+    busy = "" if load is None else (
+        f"; load average {load[0]:.1f} before, {load[1]:.1f} after on {os.cpu_count()} CPUs")
     lines = [f"{res['bytes'] / 1e6:.0f} MB of fp32 conv weights, gloo, 2 ranks, medians of "
-             f"{reps} interleaved repetitions; loads bitwise: {res['bitwise']}", "",
+             f"{reps} interleaved repetitions; loads bitwise: {res['bitwise']}{busy}", "",
              "| what | layout | distconv (s) | against | their (s) | ratio | target |",
              "|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -206,18 +209,21 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=7, help="timed repetitions (default 7)")
     args = parser.parse_args()
     root = tempfile.mkdtemp(prefix="distconv-ckpt-bench-")
+    before = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     try:
         with WorkerPool("gloo", 2, timeout=300.0, task_timeout=3600.0) as pool:
             res = pool.run(measure, args.reps, root)[0]
     finally:
         shutil.rmtree(root, ignore_errors=True)
+    if before is not None:  # other work on the machine skews every ratio: say how much there was
+        res["load_average"] = [before, os.getloadavg()[0]]
     rows = summarize(res)
     text = table(rows, res, args.reps)
     print(text)
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "checkpoint.json").write_text(json.dumps(
         {"reps": args.reps, "bytes": res["bytes"], "bitwise": res["bitwise"], "rows": rows,
-         "times": res["times"]}, indent=1))
+         "times": res["times"], "load_average": res.get("load_average")}, indent=1))
     (RESULTS / "checkpoint.md").write_text(text + "\n")
 
 
