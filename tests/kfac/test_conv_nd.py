@@ -26,6 +26,7 @@ from tests.parallel.cases import _gathered_grads
 from .test_parallelized import KW, _unet_case, reference, train
 
 RTOL, ATOL = 1e-9, 1e-11  # test_parallelized's
+_KFAC = dict(damping=1e-2, kl_clip=1e-2, factor_decay=0.6)
 
 
 # ---------------------------------------------------------------- one layer
@@ -68,9 +69,6 @@ def _single(conv: nn.Module, shape: tuple) -> dict[str, torch.Tensor]:
 
     _train(conv, distkfac.KFAC(conv, comm=None, factor_dtype=torch.float64, **_KFAC), step_data)
     return {k: p.grad for k, p in conv.named_parameters()}
-
-
-_KFAC = dict(damping=1e-2, kl_clip=1e-2, factor_decay=0.6)
 
 
 def _sharded(comm, conv: nn.Module, shape: tuple, dims: dict, algorithm: str, layout: str):
