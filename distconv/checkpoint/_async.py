@@ -15,7 +15,8 @@ record (step 2), so the save fails on every rank. The ranks meet in the checkpoi
 
 So ``wait()`` returns on every rank only once the whole checkpoint is complete. A rank that
 stops making progress (no file in the directory grows or appears) for ``timeout`` seconds is
-reported by name.
+reported by name. A program that ends normally finishes its saves in flight before it exits; one
+that fails in its main thread stops waiting for its peers at once (no index is written).
 """
 
 from __future__ import annotations
