@@ -549,15 +549,27 @@ class Communicator(abc.ABC):
     # ---------------------------------------------------------------- public operations
     @eager
     def allreduce(
-        self, t: torch.Tensor, *, op: str = "sum", async_op: bool = False, meta: str = ""
+        self, t: torch.Tensor, *, op: str = "sum", async_op: bool = False, meta: str = "",
+        consume: bool = False,
     ):
-        """Elementwise reduction of ``t`` over all ranks; every rank gets the result."""
+        """Elementwise reduction of ``t`` over all ranks; every rank gets the result.
+
+        ``consume=True`` hands ``t`` over: the backend may reduce in its storage and return it
+        (no copy), so its values are undefined once the call starts. Default False."""
         self._check_async(async_op)
+        if not isinstance(consume, bool):
+            raise TypeError(f"consume must be a bool, got {consume!r}")
         t = self._tensor(t, "t").contiguous()
         op = self._reduce_op(op, t.dtype)
         nbytes = allreduce_bytes(t.numel(), self.rank, self.size, t.element_size())
         self._enter("allreduce", meta, f"op={op}, dtype={t.dtype}, shape={tuple(t.shape)}", nbytes)
+        if consume:
+            return self._finish(self._allreduce_consuming(t, op), async_op)
         return self._finish(self._allreduce(t, op), async_op)
+
+    def _allreduce_consuming(self, t: torch.Tensor, op: str) -> Work:
+        """``_allreduce`` free to reduce in ``t``'s storage (backends that can, do)."""
+        return self._allreduce(t, op)
 
     @eager
     def allgather(

@@ -144,9 +144,9 @@ class TorchCommunicator(Communicator):
         return Work(wait, test_fn=handle.is_completed)
 
     # ---------------------------------------------------------------- operations
-    def _allreduce(self, t: torch.Tensor, op: str) -> Work:
+    def _allreduce(self, t: torch.Tensor, op: str, consume: bool = False) -> Work:
         wide = _GLOO_WIDEN.get(t.dtype) if self._kind == "gloo" else None
-        out = t.to(wide) if wide is not None else t.clone()
+        out = t.to(wide) if wide is not None else (t if consume else t.clone())
         opts = AllreduceOptions()
         opts.reduceOp = _OPS[op]
         opts.timeout = _td(self.timeout)
@@ -156,6 +156,9 @@ class TorchCommunicator(Communicator):
             return res.div_(self.size) if op == "avg" else res
 
         return self._issue("allreduce", lambda: self._pg.allreduce([out], opts), finish)
+
+    def _allreduce_consuming(self, t: torch.Tensor, op: str) -> Work:
+        return self._allreduce(t, op, consume=True)
 
     def _allgather(self, t: torch.Tensor, shapes: list[Shape], opname: str) -> Work:
         isz = t.element_size()

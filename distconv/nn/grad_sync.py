@@ -116,19 +116,34 @@ def plan_buckets(sizes: list[int], bucket_bytes: int) -> list[list[int]]:
     return buckets
 
 
+def _unshared(t: torch.Tensor) -> bool:
+    """Whether ``t`` is the only tensor on its memory (no view of it is alive anywhere)."""
+    count = getattr(torch._C, "_storage_Use_Count", None)
+    if count is None:  # cannot tell: never reuse
+        return False
+    return count(t.untyped_storage()._cdata) <= 2  # t's own and this call's temporary
+
+
 class BucketedGradSync:
     """Allreduce of many parameters' gradients over one communicator, fused into buckets.
 
     DDP's idea on a :class:`~distconv.comm.Communicator` (so on gloo and MPI alike): parameters
     are grouped, in reverse registration order (the order backward produces their gradients),
-    into buckets of about ``bucket_bytes``; a bucket's flat allreduce is started asynchronously
-    from the gradient hook of its last member to become ready, and every bucket is finished by an
-    autograd engine callback before ``loss.backward()`` returns. A parameter a backward pass does
-    not reach contributes zeros (every rank flushes the same buckets, so none waits on a peer),
-    and a flag per parameter travels in its bucket: a parameter that no rank reached keeps its
-    ``.grad`` as it was (``None`` stays ``None``, as on one process, so an optimizer skips it).
-    Gradients accumulate over backward passes as in PyTorch (each pass's contribution is reduced
-    once).
+    into buckets of about ``bucket_bytes`` (one dtype and device each). Each gradient is copied
+    into its slot of its bucket's flat buffer the moment its hook fires (autograd then keeps no
+    second copy); a bucket's allreduce is started in place, asynchronously, once all its members
+    arrived (buckets start in bucket order); every bucket is finished by an autograd engine
+    callback before ``loss.backward()`` returns, and each ``.grad`` is then a view of its
+    bucket's reduced buffer (no copy). A bucket's buffer is reused by the next pass only when
+    nothing views it any more (after ``zero_grad()``, unless the user kept a gradient), so a
+    gradient someone holds never changes under them; a second buffer serves
+    ``zero_grad(set_to_none=False)`` and accumulation.
+
+    A parameter a backward pass does not reach contributes zeros (every rank flushes the same
+    buckets, so none waits on a peer), and a flag per parameter travels in its bucket: a parameter
+    that no rank reached keeps its ``.grad`` as it was (``None`` stays ``None``, as on one process,
+    so an optimizer skips it). Gradients accumulate over backward passes as in PyTorch (each
+    pass's contribution is reduced once).
 
     Args:
         comm: communicator of the ranks that replicate the parameters.
@@ -147,35 +162,81 @@ class BucketedGradSync:
             if p.requires_grad and all(p is not q for q in unique):
                 unique.append(p)
         layout = plan_buckets([p.numel() * p.element_size() for p in unique], bucket_bytes)
-        self.buckets: list[list[nn.Parameter]] = [[unique[i] for i in b] for b in layout]
-        self._bucket_of = {id(p): i for i, b in enumerate(self.buckets) for p in b}
+        self.buckets: list[list[nn.Parameter]] = []
+        for b in layout:  # a bucket is one flat tensor: one dtype and device
+            for i in b:
+                p = unique[i]
+                last = self.buckets[-1][-1] if self.buckets and self.buckets[-1] else None
+                if last is None or (last.dtype, last.device) != (p.dtype, p.device) or i == b[0]:
+                    self.buckets.append([])
+                self.buckets[-1].append(p)
+        #: id(param) -> (bucket, index in it, offset in its flat buffer)
+        self._slot: dict[int, tuple[int, int, int]] = {}
+        self._sizes: list[int] = []
+        for bi, b in enumerate(self.buckets):
+            offset = 0
+            for i, p in enumerate(b):
+                self._slot[id(p)] = (bi, i, offset)
+                offset += p.numel()
+            self._sizes.append(offset)
+        self._buffers: list[list[torch.Tensor]] = [[] for _ in self.buckets]
         self.enabled = True
         self._carry = False  # local gradients of unsynchronised passes wait in .grad
         self._reset()
         self._handles = [p.register_hook(self._hook(p)) for p in unique]
 
     def _reset(self) -> None:
-        self._grads: list[dict[int, torch.Tensor]] = [{} for _ in self.buckets]
+        self._flat: list[torch.Tensor | None] = [None] * len(self.buckets)
+        self._reached: list[list[bool]] = [[False] * len(b) for b in self.buckets]
+        self._count = [0] * len(self.buckets)
         self._first: dict[int, bool] = {}
         self._works: dict[int, Any] = {}
         self._next = 0  # buckets start in bucket order, whatever order their hooks fire in
         self._queued = False
+
+    def _buffer(self, b: int) -> torch.Tensor:
+        """This pass's flat buffer of bucket ``b`` (its gradients, then a flag per parameter):
+        a kept one that nothing else references any more (no ``.grad`` and no tensor the user
+        kept views it), else a new one."""
+        for buf in self._buffers[b]:
+            if _unshared(buf):
+                return buf
+        params = self.buckets[b]
+        buf = torch.empty(self._sizes[b] + len(params), dtype=params[0].dtype,
+                          device=params[0].device)
+        if len(self._buffers[b]) < 2:
+            self._buffers[b].append(buf)
+        return buf
+
+    def _put(self, param: nn.Parameter, grad: torch.Tensor, carried: torch.Tensor | None) -> None:
+        """Copy ``grad`` (plus what earlier unsynchronised passes left) into its slot."""
+        b, i, offset = self._slot[id(param)]
+        flat = self._flat[b]
+        if flat is None:
+            flat = self._flat[b] = self._buffer(b)
+        slot = flat[offset:offset + param.numel()].view_as(param)
+        if carried is None:
+            slot.copy_(grad)
+        else:
+            torch.add(grad, carried, out=slot)
+        if not self._reached[b][i]:
+            self._reached[b][i] = True
+            self._count[b] += 1
 
     def _hook(self, param: nn.Parameter) -> Any:
         def hook(grad: torch.Tensor) -> torch.Tensor:
             if not self.enabled:  # accumulate locally; the next synchronised pass reduces it
                 self._carry = True
                 return grad
-            b = self._bucket_of[id(param)]
             if self._carry and param.grad is not None:  # reduce what waited, replace .grad
                 self._first[id(param)] = True
-                self._grads[b][id(param)] = grad + param.grad
-                self._start(b)
+                self._put(param, grad, param.grad)
+                self._start(self._slot[id(param)][0])
                 return grad
             first = param.grad is None
             self._first[id(param)] = first
-            self._grads[b][id(param)] = grad
-            self._start(b)
+            self._put(param, grad, None)
+            self._start(self._slot[id(param)][0])
             return grad if first else torch.zeros_like(grad)
 
         return hook
@@ -186,24 +247,27 @@ class BucketedGradSync:
             self._queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self.finish)
         while (self._next < len(self.buckets)
-               and len(self._grads[self._next]) == len(self.buckets[self._next])):
+               and self._count[self._next] == len(self.buckets[self._next])):
             self._launch(self._next)
 
     def _launch(self, b: int) -> None:
-        grads = self._grads[b]
         params = self.buckets[b]
+        reached = self._reached[b]
         if self._carry:  # parameters this pass missed but earlier unsynchronised passes reached
-            for p in params:
-                if id(p) not in grads and p.grad is not None:
-                    grads[id(p)] = p.grad
+            for i, p in enumerate(params):
+                if not reached[i] and p.grad is not None:
                     self._first[id(p)] = True
-        reached = [1.0 if id(p) in grads else 0.0 for p in params]
-        flat = torch.cat([
-            grads[id(p)].reshape(-1) if id(p) in grads else p.new_zeros(p.numel())
-            for p in params
-        ] + [params[0].new_tensor(reached)])
+                    self._put(p, p.grad, None)
+        flat = self._flat[b]
+        if flat is None:
+            flat = self._flat[b] = self._buffer(b)
+        for i, p in enumerate(params):  # what this rank did not reach adds nothing
+            if not reached[i]:
+                offset = self._slot[id(p)][2]
+                flat[offset:offset + p.numel()].zero_()
+        flat[self._sizes[b]:].copy_(torch.tensor(reached, dtype=flat.dtype))
         self._works[b] = self.comm.allreduce(
-            flat, async_op=True, meta=f"gradient bucket {b} {self.where}")
+            flat, async_op=True, consume=True, meta=f"gradient bucket {b} {self.where}")
         self._next = b + 1
 
     def finish(self) -> None:
@@ -214,15 +278,14 @@ class BucketedGradSync:
             self._launch(self._next)
         for b, params in enumerate(self.buckets):
             total = self._works[b].wait()
-            flags = total[total.numel() - len(params):]
-            offset = 0
+            flags = total[self._sizes[b]:].tolist()
             for i, p in enumerate(params):
-                part = total[offset:offset + p.numel()].view_as(p)
-                offset += p.numel()
                 if not flags[i] > 0:  # no rank's backward reached it
                     continue
+                offset = self._slot[id(p)][2]
+                part = total[offset:offset + p.numel()].view_as(p)
                 if self._first.get(id(p), p.grad is None) or p.grad is None:
-                    p.grad = part  # a view of this rank's own fresh sum: no copy per step
+                    p.grad = part  # a view of the reduced buffer: no copy per step
                 else:
                     p.grad.add_(part)
         self._carry = False
@@ -235,9 +298,9 @@ class BucketedGradSync:
         self._handles = []
 
     def __repr__(self) -> str:
-        sizes = [sum(p.numel() for p in b) for b in self.buckets]
-        return (f"BucketedGradSync(comm size={self.comm.size}, buckets={len(sizes)}, "
-                f"elements={sizes}, bucket_bytes={self.bucket_bytes}, where={self.where!r})")
+        return (f"BucketedGradSync(comm size={self.comm.size}, buckets={len(self._sizes)}, "
+                f"elements={self._sizes}, bucket_bytes={self.bucket_bytes}, "
+                f"where={self.where!r})")
 
 
 class GradSyncGroup:

@@ -65,3 +65,47 @@ def test_allreduces_pair_by_parameter_whatever_order_the_hooks_fire_in() -> None
     assert f0 != f1  # the hooks did fire in different orders
     # rank 0: loss = 3b + 2a, so d/da = 2, d/db = 3;  rank 1: loss = 2a + 2·3b: 2 and 6
     assert (a0, b0) == (a1, b1) == (2.0 + 2.0, 3.0 + 6.0)
+
+
+def _bucketed_steps(comm):  # noqa: ANN001, ANN202
+    from distconv.nn.grad_sync import BucketedGradSync
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2)).double()
+    BucketedGradSync(comm, list(net.parameters()), bucket_bytes=64, where="test")
+    xs = [torch.full((2, 4), float(i + comm.rank), dtype=torch.float64) for i in range(4)]
+
+    def grads_of(x):  # noqa: ANN001, ANN202  the sum over ranks, computed independently
+        ref = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2)).double()
+        ref.load_state_dict(net.state_dict())
+        for r in range(comm.size):
+            ref(x - comm.rank + r).sum().backward()
+        return [p.grad.clone() for p in ref.parameters()]
+
+    kept = []
+    net(xs[0]).sum().backward()
+    kept.append(([p.grad for p in net.parameters()], grads_of(xs[0])))  # held, not cloned
+    net.zero_grad()  # set_to_none: the buffer is free again unless someone holds a view
+    net(xs[1]).sum().backward()
+    kept.append(([p.grad for p in net.parameters()], grads_of(xs[1])))
+    net.zero_grad(set_to_none=False)
+    net(xs[2]).sum().backward()
+    net(xs[3]).sum().backward()  # accumulates into the zeroed views
+    want = [a + b for a, b in zip(grads_of(xs[2]), grads_of(xs[3]))]
+    final = [p.grad for p in net.parameters()]
+    return kept, final, want
+
+
+def test_bucketed_gradients_the_user_keeps_never_change_and_accumulation_adds() -> None:
+    """A bucket's reduced buffer is each .grad's storage; the next pass must not write into one
+    a user still holds (plain PyTorch gives every pass fresh tensors), and gradients
+    accumulated over zeroed views add up. One process reduces in place, so it is the case."""
+    from distconv.comm import SingleCommunicator
+
+    for kept, got, want in [_bucketed_steps(SingleCommunicator()), *run_threads(_bucketed_steps, 2)]:
+        (first, first_ref), (second, _) = kept
+        for g, r in zip(first, first_ref):  # held over zero_grad(): as it was
+            assert torch.equal(g, r)
+        for g, held, r in zip(got, second, want):
+            assert torch.allclose(g, r, rtol=0, atol=1e-12)
+            assert g is held  # zero_grad(set_to_none=False) zeroes and refills the same tensor
