@@ -142,9 +142,9 @@ class DistBatchNorm(nn.modules.batchnorm._BatchNorm):
         # buffers), sent to the other sample blocks asynchronously, off the critical path
         blocks = split_dims(grid, self._dist, 0) if statistics == "local" else []
         self._block_comm = grid.subcomm(blocks) if blocks else None
-        self._pending: tuple[RunningBroadcast, int, float] | None = None
+        self._pending: tuple[RunningBroadcast, int, float | None] | None = None
         #: set by a ParallelModel for one forward: the layers' broadcasts go out as one
-        self._collector: list[tuple[DistBatchNorm, torch.Tensor, float]] | None = None
+        self._collector: list[tuple[DistBatchNorm, torch.Tensor, float | None]] | None = None
         redundant = [d for d in self.param_dist.redundant(grid) if grid.extent(d) > 1]
         where = f"{name}({num_features}) over {'×'.join(redundant)}"
         self.grad_sync = GradSync(grid.subcomm(redundant), where=where) if redundant else None
@@ -337,11 +337,13 @@ class DistBatchNorm(nn.modules.batchnorm._BatchNorm):
                 return F.batch_norm(x, self.running_mean if running else None,
                                     self.running_var if running else None,
                                     self.weight, self.bias, True, factor, self.eps)
-            y = F.batch_norm(x, None, None, self.weight, self.bias, True, 0.0, self.eps)
+            # the kernel updates this block's running statistics as one process would; sample
+            # block 0's are sent to the others (DDP's broadcast buffers), applied by settle()
+            y = F.batch_norm(x, self.running_mean if running else None,
+                             self.running_var if running else None, self.weight, self.bias,
+                             True, factor, self.eps)
             if running:
-                with torch.no_grad():
-                    var, mean = torch.var_mean(x, dim=self._reduce, correction=1)
-                    self._send_running(torch.cat([mean, var]), factor)
+                self._send_running(torch.cat([self.running_mean, self.running_var]), None)
             return y
         y, mean, var = _BatchNorm.apply(
             x, self.weight, self.bias, self._stats_comm, self.eps, count,
@@ -352,10 +354,11 @@ class DistBatchNorm(nn.modules.batchnorm._BatchNorm):
         return y
 
     @torch.no_grad()
-    def _send_running(self, stats: torch.Tensor, factor: float) -> None:
+    def _send_running(self, stats: torch.Tensor, factor: float | None) -> None:
         """Update the running statistics with the batch's ``[mean, unbiased var]``: at once, or,
         with local statistics over several sample blocks, with sample block 0's, broadcast
-        asynchronously and applied by :meth:`settle`."""
+        asynchronously and applied by :meth:`settle`. ``factor=None``: ``stats`` are the
+        updated running statistics themselves."""
         stats = stats.to(self.running_mean.dtype)
         if self._block_comm is None:
             self._update_running(stats, factor)
@@ -365,8 +368,12 @@ class DistBatchNorm(nn.modules.batchnorm._BatchNorm):
             broadcast_running([(self, stats, factor)])
 
     @torch.no_grad()
-    def _update_running(self, stats: torch.Tensor, factor: float) -> None:
+    def _update_running(self, stats: torch.Tensor, factor: float | None) -> None:
         c = self.running_mean.shape[0]
+        if factor is None:
+            self.running_mean.copy_(stats[:c])
+            self.running_var.copy_(stats[c:])
+            return
         self.running_mean.copy_(factor * stats[:c] + (1 - factor) * self.running_mean)
         self.running_var.copy_(factor * stats[c:] + (1 - factor) * self.running_var)
 
@@ -476,10 +483,10 @@ class RunningBroadcast:
         return self._result
 
 
-def broadcast_running(entries: list[tuple[DistBatchNorm, torch.Tensor, float]]) -> None:
+def broadcast_running(entries: list[tuple[DistBatchNorm, torch.Tensor, float | None]]) -> None:
     """Send the local-statistics layers' batch statistics of sample block 0 to the other blocks:
     one broadcast per communicator (in the order the layers ran, the same on every rank)."""
-    groups: dict[int, list[tuple[DistBatchNorm, torch.Tensor, float]]] = {}
+    groups: dict[int, list[tuple[DistBatchNorm, torch.Tensor, float | None]]] = {}
     for entry in entries:
         groups.setdefault(id(entry[0]._block_comm), []).append(entry)
     for group in groups.values():
@@ -528,11 +535,11 @@ class _BatchNorm(torch.autograd.Function):
                 comm: Any, eps: float, count: int) -> tuple[torch.Tensor, ...]:
         work = x.float() if x.dtype in _LOW_PRECISION else x
         mean, var = _moments(work, comm, count)
-        _, v = _layout(x)
         invstd = (var + eps).rsqrt()
-        y = (work - mean.view(v)) * invstd.view(v)
-        if weight is not None:
-            y = y * weight.view(v) + bias.view(v)
+        # the normalisation and the affine in one pass: torch's kernel with these statistics
+        y = (F.batch_norm(work, mean, var, None if weight is None else weight.to(work.dtype),
+                          None if bias is None else bias.to(work.dtype), False, 0.0, eps)
+             if work.shape[1] else work.clone())  # (a rank may hold no channel)
         ctx.comm, ctx.count = comm, count
         ctx.save_for_backward(x, weight, mean, invstd)
         ctx.mark_non_differentiable(mean, var)
@@ -543,19 +550,23 @@ class _BatchNorm(torch.autograd.Function):
     def backward(ctx: Any, dy: torch.Tensor, *_: Any) -> tuple[torch.Tensor | None, ...]:
         x, weight, mean, invstd = ctx.saved_tensors
         work = x.float() if x.dtype in _LOW_PRECISION else x
-        dy_w = dy.to(work.dtype)
-        dims, v = _layout(x)
-        xhat = (work - mean.view(v)) * invstd.view(v)
-        sum_dy = dy_w.sum(dims)
-        sum_dy_xhat = (dy_w * xhat).sum(dims)
+        dy_w = dy.to(work.dtype).contiguous()
+        _, v = _layout(x)
+        if work.numel():  # sum(dy·x̂) and sum(dy) per channel, in torch's one fused kernel
+            _, sum_dy_xhat, sum_dy = torch.ops.aten.native_batch_norm_backward(
+                dy_w, work, None, None, None, mean, invstd, True, 0.0, [False, True, True])
+        else:
+            sum_dy_xhat = sum_dy = work.new_zeros(work.shape[1])
         dx = None
         if ctx.needs_input_grad[0]:
             sums = torch.stack([sum_dy, sum_dy_xhat])
             if ctx.comm is not None:
                 sums = ctx.comm.allreduce(sums, meta="DistBatchNorm backward sums")
-            scale = invstd if weight is None else invstd * weight
-            dx = (dy_w - (sums[0] / ctx.count).view(v)
-                  - xhat * (sums[1] / ctx.count).view(v)) * scale.view(v)
+            scale = invstd if weight is None else invstd * weight.to(work.dtype)
+            # dx = scale·(dy - Σdy/n - x̂·Σ(dy·x̂)/n), x̂ = (x - mean)·invstd: three passes
+            dx = work - mean.view(v)
+            dx.mul_((-sums[1] / ctx.count * invstd * scale).view(v))
+            dx.sub_((sums[0] / ctx.count * scale).view(v)).addcmul_(dy_w, scale.view(v))
             dx = dx.to(x.dtype)
         # Local sums: the parameters' gradient sync completes them over the segment and replicas.
         dw = sum_dy_xhat.to(weight.dtype) if ctx.needs_input_grad[1] else None
