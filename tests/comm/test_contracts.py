@@ -262,3 +262,39 @@ def _widened_sums(comm, dtype: str):
     rs = comm.reduce_scatter([c.to(dt) for c in vals[comm.rank].chunk(P, 0)])
     want = torch.cat([total.to(dt).reshape(-1), total.chunk(P, 0)[comm.rank].to(dt).reshape(-1)])
     return torch.cat([ar.reshape(-1), rs.reshape(-1)]), want
+
+
+def _consumed(comm):
+    sums = []
+    for dtype in (torch.float64, torch.bfloat16):  # bf16: gloo reduces a widened copy
+        x = torch.arange(6, dtype=dtype) * (comm.rank + 1)
+        out = comm.allreduce(x, consume=True)
+        sums.append((out.dtype, out.tolist()))
+    try:
+        comm.allreduce(torch.ones(2), consume=1)
+    except TypeError as exc:
+        refused = str(exc)
+    return sums, refused
+
+
+@pytest.mark.parametrize("name, size", [
+    ("threads", 3), ("single", 1),
+    pytest.param("gloo2", 2, marks=pytest.mark.gloo),
+    pytest.param("mpi4", 4, marks=pytest.mark.mpi),
+])
+def test_allreduce_of_a_consumed_tensor_is_the_sum(request, name, size):
+    """consume=True lets a backend reduce in the caller's buffer (the gradient buckets do): the
+    result is still the sum, in the input's dtype, on every backend; a non-bool is refused."""
+    if name == "threads":
+        results = run_threads(_consumed, size)
+    elif name == "single":
+        from distconv.comm import SingleCommunicator
+
+        results = [_consumed(SingleCommunicator())]
+    else:
+        results = request.getfixturevalue(name).run(_consumed)
+    total = sum(range(1, size + 1))
+    for sums, refused in results:
+        for (dtype, got), want_dtype in zip(sums, (torch.float64, torch.bfloat16)):
+            assert dtype == want_dtype and got == [float(i * total) for i in range(6)]
+        assert "consume must be a bool" in refused
