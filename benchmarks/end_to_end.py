@@ -1,27 +1,33 @@
-"""Whole training steps of a wide ResNet: sample parallelism against the paper's hybrids.
+"""Whole training steps: parallelize's sides against one process and torch DDP.
 
-For gloo and MPI worlds of 2 and 4 ranks (one thread each) and 1 and 2 samples per rank, it
-times full training steps (forward, backward with every gradient complete, SGD with momentum) of a
-bottleneck wide ResNet under:
+Two networks: a ResNet-18-style network (BasicBlocks with BN, widths 32-256, 32x32 inputs) and a
+bottleneck wide ResNet. For gloo and MPI worlds (2 ranks for both; 4 ranks for the WRN; one
+thread each) and 1, 2 (and, for ResNet-18, 8: a global batch of 16) samples per rank, it times
+full training steps (forward, backward with every gradient complete, SGD with momentum) of:
 
-* ``sample``  -- ``parallelize`` with pure sample parallelism (every weight allreduced);
-* ``hybrid``  -- the paper's "+spatial + x/w" idea: rows split early, channels (x) in the middle,
-  channels × filters (w, or x on 2 ranks) in the widest stage;
-* ``ddp``     -- ``torch.nn.parallel.DistributedDataParallel`` on gloo, for reference (plain
-  per-rank BatchNorm: it does less than ours, which keeps global-batch statistics);
-* ``sample, BN frozen`` / ``ddp, BN frozen`` (gloo) -- the same two with every BatchNorm in eval
-  mode (a local affine map, no statistics to share), which isolates the library's own cost from
-  the global-batch statistics DDP does not compute.
+* ``one-process``      -- the plain model on the whole global batch, on rank 0;
+* ``ddp`` / ``ddp-frozen-bn`` (gloo) -- ``torch.nn.parallel.DistributedDataParallel`` with its
+  defaults (per-rank BatchNorm statistics, buffers broadcast from rank 0 at each forward), and
+  the same with every BatchNorm in eval mode;
+* ``sample``           -- ``parallelize`` with pure sample parallelism and global-batch BN
+  statistics (one process's semantics);
+* ``sample-local-bn``  -- the same with ``statistics: local`` (DDP's per-rank BN semantics);
+* ``sample-frozen-bn`` -- every BatchNorm in eval mode: the library's own cost, no statistics;
+* ``hybrid``           -- ResNet-18: layer3-4 over channels (stationary-x); WRN: the paper's
+  "+spatial + x/w" (rows split early, channels in the middle, channels x filters in the widest
+  stage);
+* ``hybrid-pipelined`` -- the hybrid with ``pipeline: 2`` on its stationary layers.
 
-The variants are interleaved step by step in one world; a step's time is the slowest rank's, and
-the table reports medians and ratios of the same run. Bytes per step are the communicators' counts
-next to ``distconv.explain``'s; memory per rank (parameters + gradients + momentum, and
-activations) is ``explain``'s, and for the model-parallel layers alone against the full layers.
+The sides are interleaved step by step in one world (their order reversed every other step); a
+step's time is the slowest rank's, and the table reports medians and ratios of the same run,
+next to the targets. Bytes per step are the communicators' counts next to
+``distconv.explain``'s; memory of the model-parallel layers is ``explain``'s, against the full
+layers.
 
 Writes ``benchmarks/results/end_to_end.{json,md,png}``.
 
-    .venv/bin/python benchmarks/end_to_end.py            # the full run (a few minutes)
-    .venv/bin/python benchmarks/end_to_end.py --quick    # a smoke run
+    .venv/bin/python benchmarks/end_to_end.py            # the full run (about ten minutes)
+    .venv/bin/python benchmarks/end_to_end.py --quick    # a smoke run (gloo, 2 ranks, 2 steps)
     .venv/bin/python benchmarks/end_to_end.py --profile  # where a step's time goes, vs DDP
     .venv/bin/python benchmarks/end_to_end.py --one-process --steps 30  # overhead on one rank
     python benchmarks/end_to_end.py --one-process --device cuda --steps 50  # the same on a GPU
@@ -66,41 +72,120 @@ HYBRID = {
 }
 
 
-def build_model() -> torch.nn.Module:
+class BasicBlock(torch.nn.Module):
+    """ResNet-18's block: two 3×3 convolutions with BN, a 1×1 projection where the shape
+    changes."""
+
+    def __init__(self, cin: int, cout: int, stride: int) -> None:
+        super().__init__()
+        nn = torch.nn
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride=stride, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.relu = nn.ReLU()
+        self.shortcut = (nn.Sequential(nn.Conv2d(cin, cout, 1, stride=stride, bias=False),
+                                       nn.BatchNorm2d(cout))
+                         if stride != 1 or cin != cout else nn.Identity())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.bn2(self.conv2(self.relu(self.bn1(self.conv1(x)))))
+        return self.relu(out + self.shortcut(x))
+
+
+class ResNet18(torch.nn.Module):
+    """A ResNet-18-style network for 32×32 inputs: a 3×3 stem, four stages of two BasicBlocks
+    (widths 32, 64, 128, 256; stride 2 from the second), average pooling, a linear head."""
+
+    def __init__(self, widths: tuple[int, ...] = (32, 64, 128, 256), classes: int = 10) -> None:
+        super().__init__()
+        nn = torch.nn
+        self.conv1 = nn.Conv2d(3, widths[0], 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(widths[0])
+        self.relu = nn.ReLU()
+        cin = widths[0]
+        for i, w in enumerate(widths):
+            stride = 1 if i == 0 else 2
+            setattr(self, f"layer{i + 1}", nn.Sequential(BasicBlock(cin, w, stride),
+                                                         BasicBlock(w, w, 1)))
+            cin = w
+        self.avgpool = nn.AdaptiveAvgPool2d((1, 1))
+        self.fc = nn.Linear(cin, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.relu(self.bn1(self.conv1(x)))
+        x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
+        return self.fc(torch.flatten(self.avgpool(x), 1))
+
+
+def build_model(name: str = "wrn") -> torch.nn.Module:
     torch.manual_seed(0)
+    if name == "resnet18":
+        return ResNet18()
     return wide_resnet_mini(in_channels=3, num_classes=10, base=16, widen=4)
 
 
-def sample_config(p: int) -> dict:
-    return {"default": {"grid": {"N": p}, "algorithm": "sample"}}
+#: the ResNet-18-style network's hybrid on 2 ranks: its widest stages over channels
+HYBRID_RESNET18 = {"default": {"grid": {"N": 2}, "algorithm": "sample"}, "layers": [
+    {"match": "layer3.*", "grid": {"C": 2}, "algorithm": "stationary-x"},
+    {"match": "layer4.*", "grid": {"C": 2}, "algorithm": "stationary-x"}]}
 
 
-def _variants(comm: Any, model: torch.nn.Module, backend: str) -> dict[str, torch.nn.Module]:
+def hybrid_config(model: str, p: int, pipeline: int | None = None) -> dict:
+    config = copy.deepcopy(HYBRID_RESNET18 if model == "resnet18" else HYBRID[p])
+    if pipeline:
+        for entry in config["layers"]:
+            if entry["algorithm"].startswith("stationary"):
+                entry["pipeline"] = pipeline
+    return config
+
+
+def sample_config(p: int, statistics: str | None = None) -> dict:
+    default: dict[str, Any] = {"grid": {"N": p}, "algorithm": "sample"}
+    if statistics:
+        default["statistics"] = statistics
+    return {"default": default}
+
+
+def _freeze_bn(model: torch.nn.Module) -> torch.nn.Module:
+    for m in model.modules():
+        if "BatchNorm" in type(m).__name__:
+            m.eval()
+    return model
+
+
+#: every side of the table, in the order the steps interleave; DDP sides on gloo only
+SIDES = ("one-process", "ddp", "ddp-frozen-bn", "sample", "sample-local-bn", "sample-frozen-bn",
+         "hybrid", "hybrid-pipelined")
+
+
+def _variants(comm: Any, model: torch.nn.Module, name: str, backend: str,
+              per_rank: int) -> dict[str, torch.nn.Module]:
     p = comm.size
-    out = {"sample": parallelize(model, sample_config(p), comm=comm),
-           "hybrid": parallelize(model, HYBRID[p], comm=comm)}
+    out: dict[str, torch.nn.Module] = {"one-process": copy.deepcopy(model)}
     if backend == "gloo":
         from torch.nn.parallel import DistributedDataParallel
 
-        out["ddp"] = DistributedDataParallel(copy.deepcopy(model), broadcast_buffers=False)
-        local = dict(sample_config(p), default={**sample_config(p)["default"],
-                                                "statistics": "local"})
-        out["sample-local-bn"] = parallelize(model, local, comm=comm)
-        out["sample-frozen-bn"] = parallelize(model, sample_config(p), comm=comm)
-        out["ddp-frozen-bn"] = DistributedDataParallel(copy.deepcopy(model),
-                                                       broadcast_buffers=False)
-        for name in ("sample-frozen-bn", "ddp-frozen-bn"):
-            for m in out[name].modules():
-                if "BatchNorm" in type(m).__name__:
-                    m.eval()
+        # DDP as a user builds it: defaults (buffers broadcast from rank 0 at each forward, the
+        # semantics of statistics: local)
+        out["ddp"] = DistributedDataParallel(copy.deepcopy(model))
+        out["ddp-frozen-bn"] = _freeze_bn(DistributedDataParallel(copy.deepcopy(model)))
+    out["sample"] = parallelize(model, sample_config(p), comm=comm)
+    out["sample-local-bn"] = parallelize(model, sample_config(p, "local"), comm=comm)
+    out["sample-frozen-bn"] = _freeze_bn(parallelize(model, sample_config(p), comm=comm))
+    out["hybrid"] = parallelize(model, hybrid_config(name, p), comm=comm)
+    if per_rank * p >= 2 * p:  # two chunks of at least one sample per rank
+        out["hybrid-pipelined"] = parallelize(model, hybrid_config(name, p, 2), comm=comm)
     return out
 
 
-def measure(comm: Any, backend: str, per_rank: int, steps: int, warmup: int) -> dict[str, Any]:
-    """Runs on every rank: interleaved training steps of every variant."""
+def measure(comm: Any, name: str, backend: str, per_rank: int, steps: int,
+            warmup: int) -> dict[str, Any]:
+    """Runs on every rank: interleaved training steps of every side (``SIDES``). The one-process
+    side runs the plain model on the whole global batch on rank 0 while the others wait."""
     torch.set_num_threads(1)
-    model = build_model()
-    variants = _variants(comm, model, backend)
+    model = build_model(name)
+    variants = _variants(comm, model, name, backend, per_rank)
     opts = {k: torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9) for k, m in variants.items()}
     gen = torch.Generator().manual_seed(1)
     batch = per_rank * comm.size
@@ -109,20 +194,27 @@ def measure(comm: Any, backend: str, per_rank: int, steps: int, warmup: int) -> 
     times: dict[str, list[float]] = {k: [] for k in variants}
     counted: dict[str, int] = {}
     for step in range(warmup + steps):
-        for name, m in variants.items():
-            rows = (slice(comm.rank * per_rank, (comm.rank + 1) * per_rank)
-                    if name.startswith("ddp") else sample_block(batch, m.data_grid))
+        order = list(variants) if step % 2 else list(variants)[::-1]  # no order bias
+        for side in order:
+            m = variants[side]
+            if side == "one-process":
+                rows: Any = slice(None)
+            elif side.startswith("ddp"):
+                rows = slice(comm.rank * per_rank, (comm.rank + 1) * per_rank)
+            else:
+                rows = sample_block(batch, m.data_grid)
             comm.barrier()
             b0 = comm.stats.total_bytes()
             t0 = time.perf_counter()
-            F.cross_entropy(m(x[rows]), y[rows]).backward()
-            opts[name].step()
-            opts[name].zero_grad()
+            if side != "one-process" or comm.rank == 0:
+                F.cross_entropy(m(x[rows]), y[rows]).backward()
+                opts[side].step()
+                opts[side].zero_grad()
             dt = time.perf_counter() - t0
             if step == 0:
-                counted[name] = comm.stats.total_bytes() - b0
+                counted[side] = comm.stats.total_bytes() - b0
             if step >= warmup:
-                times[name].append(dt)
+                times[side].append(dt)
     slowest = {k: [max(float(t[i]) for t in comm.allgather(torch.tensor(v, dtype=torch.float64)))
                    for i in range(len(v))] for k, v in times.items()}
     bytes_ = comm.allgather(torch.tensor([counted.get(k, 0) for k in ("sample", "hybrid")]))
@@ -171,7 +263,7 @@ def profile(comm: Any, per_rank: int, steps: int) -> dict[str, Any]:
     torch.set_num_threads(1)
     model = build_model()
     ours = parallelize(model, sample_config(comm.size), comm=comm)
-    ddp = DistributedDataParallel(copy.deepcopy(model), broadcast_buffers=False)
+    ddp = DistributedDataParallel(copy.deepcopy(model))
     gen = torch.Generator().manual_seed(1)
     batch = per_rank * comm.size
     x = torch.randn(batch, 3, SIZE, SIZE, generator=gen)
@@ -262,8 +354,8 @@ def one_process(steps: int, batch: int = 16, device: str = "cpu") -> dict[str, A
     return med
 
 
-def memory(config: dict, p: int, batch: int) -> dict[str, Any]:
-    model = build_model()
+def memory(name: str, config: dict, p: int, batch: int) -> dict[str, Any]:
+    model = build_model(name)
     plan = explain(model, config, (batch, 3, SIZE, SIZE), world_size=p)
     mem = plan.memory()
     split = [lay for lay in plan.layers if lay.kind == "conv" and lay.algorithm in (
@@ -282,61 +374,76 @@ def _model_parts(grid: str) -> int:
     return int(ext.get("C", 1)) * int(ext.get("F", 1))
 
 
-def run(backends: list[str], sizes: list[int], per_rank: list[int], steps: int,
-        warmup: int) -> list[dict[str, Any]]:
+#: (model, backend, ranks, samples per rank) of the full run: both models on 2 ranks at 1, 2 and
+#: (ResNet-18, the global batch of 16) 8 samples per rank; the WRN on 4 ranks as well
+FULL = ([("resnet18", b, 2, n) for b in ("mpi", "gloo") for n in (1, 2, 8)]
+        + [("wrn", b, p, n) for b in ("mpi", "gloo") for p in (2, 4) for n in (1, 2)])
+
+
+def _ratio(med: dict[str, float], a: str, b: str) -> float | None:
+    return med[a] / med[b] if a in med and b in med else None
+
+
+def run(cases: list[tuple[str, str, int, int]], steps: int, warmup: int) -> list[dict[str, Any]]:
     rows = []
-    for backend in backends:
-        for p in sizes:
-            with WorkerPool(backend, p, timeout=120.0, task_timeout=1800.0) as pool:
-                for b in per_rank:
-                    res = pool.run(measure, backend, b, steps, warmup)[0]
-                    med = {k: statistics.median(v) for k, v in res["times"].items()}
-                    info = {k: memory(c, p, b * p) for k, c in
-                            (("sample", sample_config(p)), ("hybrid", HYBRID[p]))}
-                    explained = {k: [sum(e) for e in info[k]["explained"]]
-                                 for k in ("sample", "hybrid")}
-                    counted = {k: [r[i] for r in res["counted"]]
-                               for i, k in enumerate(("sample", "hybrid"))}
-                    row = {"backend": backend, "ranks": p, "per_rank": b,
-                           "median_ms": {k: v * 1e3 for k, v in med.items()},
-                           "speedup_hybrid": med["sample"] / med["hybrid"],
-                           "sample_over_ddp": med["sample"] / med["ddp"] if "ddp" in med else None,
-                           "local_bn_sample_over_ddp": (
-                               med["sample-local-bn"] / med["ddp"] if "ddp" in med else None),
-                           "frozen_bn_sample_over_ddp": (
-                               med["sample-frozen-bn"] / med["ddp-frozen-bn"]
-                               if "ddp" in med else None),
-                           "bytes_counted": counted, "bytes_explained": explained,
-                           "bytes_match": counted == explained,
-                           "memory": {k: info[k]["memory"] for k in info},
-                           "model_parallel_share": info["hybrid"]["model_parallel_share"]}
-                    rows.append(row)
-                    print(_line(row), flush=True)
+    pools: dict[tuple[str, int], Any] = {}
+    try:
+        for name, backend, p, b in cases:
+            if (backend, p) not in pools:
+                for key in list(pools):  # one world at a time on this machine
+                    pools.pop(key).close()
+                pools[(backend, p)] = WorkerPool(backend, p, timeout=120.0, task_timeout=1800.0)
+            res = pools[(backend, p)].run(measure, name, backend, b, steps, warmup)[0]
+            med = {k: statistics.median(v) * 1e3 for k, v in res["times"].items()}
+            info = {k: memory(name, c, p, b * p) for k, c in
+                    (("sample", sample_config(p)), ("hybrid", hybrid_config(name, p)))}
+            explained = {k: [sum(e) for e in info[k]["explained"]] for k in ("sample", "hybrid")}
+            counted = {k: [r[i] for r in res["counted"]]
+                       for i, k in enumerate(("sample", "hybrid"))}
+            row = {"model": name, "backend": backend, "ranks": p, "per_rank": b,
+                   "median_ms": med,
+                   "ratios": {
+                       "sample/ddp": _ratio(med, "sample", "ddp"),
+                       "sample-local-bn/ddp": _ratio(med, "sample-local-bn", "ddp"),
+                       "sample-frozen-bn/ddp-frozen-bn": _ratio(med, "sample-frozen-bn",
+                                                                "ddp-frozen-bn"),
+                       "sample/one-process": _ratio(med, "sample", "one-process"),
+                       "ddp/one-process": _ratio(med, "ddp", "one-process"),
+                       "sample/hybrid": _ratio(med, "sample", "hybrid"),
+                       "hybrid/hybrid-pipelined": _ratio(med, "hybrid", "hybrid-pipelined")},
+                   "bytes_counted": counted, "bytes_explained": explained,
+                   "bytes_match": counted == explained,
+                   "memory": {k: info[k]["memory"] for k in info},
+                   "model_parallel_share": info["hybrid"]["model_parallel_share"]}
+            rows.append(row)
+            print(_line(row), flush=True)
+    finally:
+        for pool in pools.values():
+            pool.close()
     return rows
 
 
 def _line(r: dict[str, Any]) -> str:
-    ms = r["median_ms"]
-    ddp = f"{ms['ddp']:.1f}" if "ddp" in ms else "-"
-    ratio = f"{r['sample_over_ddp']:.2f}" if r["sample_over_ddp"] else "-"
-    frozen = (f"{ms['sample-frozen-bn']:.1f} / {ms['ddp-frozen-bn']:.1f} = "
-              f"{r['frozen_bn_sample_over_ddp']:.2f}" if r["frozen_bn_sample_over_ddp"] else "-")
-    mem = r["memory"]
-    pgo = lambda k: (mem[k]["parameters"] + mem[k]["gradients"]  # noqa: E731
-                     + mem[k]["optimizer_state"]) / 2**20
-    local = (f"{ms['sample-local-bn']:.1f} / {ms['ddp']:.1f} = "
-             f"{r['local_bn_sample_over_ddp']:.2f}" if r["local_bn_sample_over_ddp"] else "-")
-    return (f"| {r['backend']} | {r['ranks']} | {r['per_rank']} | {ms['sample']:.1f} | "
-            f"{ms['hybrid']:.1f} | {ddp} | {r['speedup_hybrid']:.2f} | {ratio} | {local} | "
-            f"{frozen} | "
-            f"{pgo('sample'):.2f} | {pgo('hybrid'):.2f} | {r['model_parallel_share']:.3f} | "
-            f"{'yes' if r['bytes_match'] else 'NO'} |")
+    ms, q = r["median_ms"], r["ratios"]
+
+    def f(v: float | None, fmt: str = ".2f") -> str:
+        return "-" if v is None else format(v, fmt)
+
+    cells = [r["model"], r["backend"], str(r["ranks"]), str(r["per_rank"])]
+    cells += [f(ms.get(k), ".1f") for k in SIDES]
+    cells += [f(q[k]) for k in ("sample/ddp", "sample-local-bn/ddp",
+                                "sample-frozen-bn/ddp-frozen-bn", "sample/one-process",
+                                "ddp/one-process", "sample/hybrid", "hybrid/hybrid-pipelined")]
+    cells += [f(r["model_parallel_share"], ".3f"), "yes" if r["bytes_match"] else "NO"]
+    return "| " + " | ".join(cells) + " |"
 
 
-HEADER = ("| backend | ranks | samples/rank | sample ms | hybrid ms | DDP ms | sample/hybrid | "
-          "sample/DDP | local BN: sample / DDP ms | BN frozen: sample / DDP ms | sample MiB | "
-          "hybrid MiB | mp-layer memory vs 1/(C×F) | bytes = explain |\n"
-          "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+HEADER = ("| model | backend | ranks | samples/rank | one process ms | DDP ms | DDP BN frozen ms | "
+          "sample ms | sample local BN ms | sample BN frozen ms | hybrid ms | hybrid pipelined ms | "
+          "sample/DDP (≤1.3) | local/DDP (≤1.05) | frozen/DDP frozen (≤1.05) | "
+          "sample/one process (≤0.75) | DDP/one process | sample/hybrid (≥1.3) | "
+          "hybrid/pipelined | mp-layer memory vs 1/(C×F) | bytes = explain |\n"
+          "|" + "---|" * 21)
 
 
 def plot(rows: list[dict[str, Any]], path: Path) -> None:
@@ -345,18 +452,19 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    labels = [f"{r['backend']} P={r['ranks']} b={r['per_rank']}" for r in rows]
+    labels = [f"{r['model']} {r['backend']} P={r['ranks']} b={r['per_rank']}" for r in rows]
     xs = range(len(rows))
-    fig, ax = plt.subplots(figsize=(max(6.4, 1.1 * len(rows)), 4.2), layout="constrained")
-    width = 0.27
-    for i, (key, name) in enumerate((("sample", "sample parallel"), ("hybrid", "hybrid"),
-                                     ("ddp", "DDP (gloo)"))):
+    fig, ax = plt.subplots(figsize=(max(7.0, 1.3 * len(rows)), 4.6), layout="constrained")
+    sides = [k for k in SIDES if any(k in r["median_ms"] for r in rows)]
+    width = 0.85 / len(sides)
+    for i, key in enumerate(sides):
         vals = [r["median_ms"].get(key, 0.0) for r in rows]
-        ax.bar([x + (i - 1) * width for x in xs], vals, width, label=name)
-    ax.set_xticks(list(xs), labels, rotation=20, ha="right", fontsize=8)
+        ax.bar([x + (i - len(sides) / 2 + 0.5) * width for x in xs], vals, width, label=key)
+    ax.set_xticks(list(xs), labels, rotation=25, ha="right", fontsize=7)
     ax.set_ylabel("training step, ms (slowest rank, median)")
-    ax.set_title("Wide ResNet step time: sample parallelism vs hybrid")
-    ax.legend(loc="upper left", fontsize=8)
+    ax.set_yscale("log")
+    ax.set_title("Training step: one process, DDP and parallelize's sides")
+    ax.legend(loc="upper left", fontsize=7, ncol=2)
     fig.savefig(path, dpi=120)
 
 
@@ -381,11 +489,11 @@ def main() -> None:
     if args.profile:
         run_profile(1, args.steps)
         return
+    print(HEADER)
     if args.quick:
-        rows = run(["gloo"], [2], [1], 2, 1)
+        rows = run([("resnet18", "gloo", 2, 2), ("wrn", "gloo", 2, 1)], 2, 1)
     else:
-        print(HEADER)
-        rows = run(["mpi", "gloo"], [2, 4], [1, 2], args.steps, args.warmup)
+        rows = run(FULL, args.steps, args.warmup)
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "end_to_end.json").write_text(json.dumps(rows, indent=1))
     (RESULTS / "end_to_end.md").write_text(HEADER + "\n" + "\n".join(map(_line, rows)) + "\n")
