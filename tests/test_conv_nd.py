@@ -491,3 +491,21 @@ def test_the_norm_idioms_find_the_split_norms(norm: str) -> None:
     assert want
     for got in run_threads(_no_decay_names, 4, model, SPATIAL_CONFIG):
         assert got == want
+
+
+#: two channels over C×F = 4 parts: half the ranks hold no channel of the pooled values
+EMPTY_BLOCK_CONFIG = {"default": {"grid": {"N": 4}, "algorithm": "sample"}, "layers": [
+    {"match": "features.0", "grid": {"C": 2, "F": 2}, "algorithm": "stationary-w"}]}
+
+
+def test_pooling_a_rank_s_empty_channel_block_trains_as_one_process() -> None:
+    """torch's max and average pooling refuse an input without channels; a rank whose channel
+    block is empty pools nothing and the step equals one process."""
+    torch.manual_seed(7)
+    model = models.cosmoflow_mini(in_channels=2, base=2).double()
+    gen = torch.Generator().manual_seed(8)
+    x = torch.randn((4, 2, 8, 8, 8), generator=gen, dtype=torch.float64)
+    y = torch.randint(0, 4, (4,), generator=gen)
+    plan = explain(model, EMPTY_BLOCK_CONFIG, tuple(x.shape), world_size=4)
+    explained = [tuple(plan.rank_bytes(r).values()) for r in range(4)]
+    _check_unet(run_threads(unet_run, 4, explained, (model, x, y), EMPTY_BLOCK_CONFIG))

@@ -42,6 +42,13 @@ def _tuple(value: Any, k: int) -> tuple[int, ...]:
     return tuple(value) if isinstance(value, (tuple, list)) else (value,) * k
 
 
+def _may_be_empty(p: Placement, grid: Any) -> bool:
+    """Whether a rank's channel block of ``p`` may be empty (its channels split: fewer channels
+    than parts leave some ranks none); torch's pooling refuses an empty channel dim."""
+    ext = dict(grid.layout)
+    return any(ext.get(g, 1) > 1 for g in p.dist.grid_dims_of(1))
+
+
 class PoolHandler(Handler):
     """Max and average pooling over 1, 2 or 3 spatial dims, in their input's distribution
     (halo exchanges over the split spatial dims: :mod:`distconv.nn.pool`)."""
@@ -64,9 +71,11 @@ class PoolHandler(Handler):
         return step
 
     def build(self, module: Any, node: Any, step: Any, grid: Any) -> Any:
-        if step.layer.kind != "pool":
-            return None  # spatial dims whole: the plain call runs on local blocks
         from distconv.nn import pool
+
+        if step.layer.kind != "pool" and not _may_be_empty(step.out, grid):
+            return None  # spatial dims whole: the plain call runs on local blocks
+        # (a layer also where a rank's channel block may be empty: the layer returns it empty)
 
         if module is None:
             return pool.from_function(node.target, node.args[1:], dict(node.kwargs), grid=grid,
