@@ -9,13 +9,15 @@ dim ``d``, output row ``o`` is ``Σ_k w_k[o] · x[r_k[o]]`` over at most four co
 the other dims.
 
 The rows and weights are torch's own. Its kernels compute them in float32 or in the input's
-precision, with special cases that differ between 1, 2 and 3 spatial dims (``nearest`` copies
-the rows of a dim whose size it keeps in 2-d, not in 1-d or 3-d), so :func:`index_map` does not
-restate those formulas: it reads them off ``F.interpolate`` itself, once per global length, by
-interpolating probe signals along the dim (the other dims of length 1). The combs of ones on the
-rows ``≡ k (mod 5)`` give each output row's weight on its tap of residue ``k``, and the same combs
-times ``row + 1`` give that tap's row (a window of at most four consecutive rows meets each
-residue at most once); a random signal then checks the map against torch.
+precision, with special cases that differ between 1, 2 and 3 spatial dims and devices (on the
+CPU ``nearest`` copies the rows of a dim whose size it keeps in 2-d, not in 1-d or 3-d; some CUDA
+kernels copy when every size is kept), so :func:`index_map` does not restate those formulas: it
+reads them off ``F.interpolate`` itself, once per global shape, by interpolating probe signals
+along the dim (the other dims taken to one row, their sizes kept or not as the call's are;
+:meth:`Interpolation.along`). The combs of ones on the rows ``≡ k (mod 5)`` give each output
+row's weight on its tap of residue ``k``, and the same combs times ``row + 1`` give that tap's
+row (a window of at most four consecutive rows meets each residue at most once); a random signal
+then checks the map against torch.
 
 Rank ``r`` owns the output rows ``[o0, o1)`` of its balanced block of each split dim and needs
 the input rows ``[lo, hi)`` they read (the map's window), which the halo exchange brings, dim after
@@ -25,12 +27,15 @@ nests them, gathering the rows ``r_k[o] - lo`` of its window and summing them wi
 (in float32 for half-precision inputs, as torch's kernel does). Its adjoint is autograd's through
 the gathers and products, then the halo accumulate. The result equals one process's: the rows
 each output reads exactly, ``nearest`` and ``nearest-exact`` bitwise, the weighted modes to a few
-units in the last place (torch's kernel may fuse a multiply and an add).
+units in the last place (torch's kernel may fuse a multiply and an add). Where the factors are
+integers the map commutes with a shift by whole rows, and the rank runs torch's own kernel on its
+window and keeps its block instead (faster): only where the window's map, read off torch the
+same way, equals the global map on the rank's block, checked and never assumed.
 
-Where torch's gradient is not the adjoint of its own interpolation (its backward kernels copy the
-rows of a dim whose size a ``scale_factor`` keeps, ``nearest`` in 1-d and 3-d and ``bicubic``,
-while the forward kernels apply the factor; :attr:`IndexMap.adjoint`, read off torch like the
-map), the layer runs torch's interpolation on the whole spatial dims instead (an allgather over the
+Where torch's gradient is not the adjoint of its own interpolation (a backward kernel copies the
+rows of a dim whose size the call keeps while the forward kernel applies a ``scale_factor``, as
+the CPU's ``nearest`` in 1-d and 3-d and ``bicubic`` do; :attr:`IndexMap.adjoint`, read off
+torch like the map), the layer runs torch's interpolation on the whole spatial dims instead (an allgather over the
 grid dims that split them, then a local slice of the output), so that the output and its
 gradient are still one process's.
 
@@ -132,16 +137,20 @@ class Interpolation:
                 "align_corners": self.align_corners,
                 "recompute_scale_factor": self.recompute_scale_factor}
 
-    def along(self, dim: int) -> dict[str, Any]:
-        """The arguments interpolating spatial dim ``dim`` as this does and keeping the others
-        (of length 1)."""
+    def along(self, dim: int, kept: Sequence[bool]) -> tuple[tuple[int, ...], dict[str, Any]]:
+        """A probe of spatial dim ``dim``: the lengths of the other dims and the arguments that
+        interpolate ``dim`` as this does and take every other dim to one row, from one row where
+        ``kept[j]`` (the call keeps its size) and from four where not (a downsampling by exactly
+        4 that reads its rows with exact weights), so that the kernels' special cases for sizes
+        that all agree meet the probe as they meet the call."""
+        lengths = tuple(1 if kept[j] else 4 for j in range(self.spatial))
         kw = self.kwargs()
         if self.size is not None:
             kw["size"] = tuple(n if j == dim else 1 for j, n in enumerate(self.size))
         else:
-            kw["scale_factor"] = tuple(s if j == dim else 1.0
+            kw["scale_factor"] = tuple(s if j == dim else 1.0 if kept[j] else 0.25
                                        for j, s in enumerate(self.scale_factor or ()))
-        return kw
+        return lengths, kw
 
     def output_shape(self, shape: Sequence[int]) -> tuple[int, ...]:
         """The global output shape for the global input ``shape``, as torch sizes it."""
@@ -222,21 +231,23 @@ def probe_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 @functools.lru_cache(maxsize=256)
-def index_map(interp: Interpolation, dim: int, length: int, dtype: torch.dtype = torch.float64,
+def index_map(interp: Interpolation, dim: int, length: int, kept: tuple[bool, ...],
+              dtype: torch.dtype = torch.float64,
               device: torch.device | str = "cpu") -> IndexMap:
     """Torch's rows and weights along spatial dim ``dim`` (of global ``length``) for inputs of
-    ``dtype`` on ``device``, read off ``F.interpolate`` (module docstring).
+    ``dtype`` on ``device``, where the call keeps the size of the spatial dims ``kept`` says,
+    read off ``F.interpolate`` (module docstring).
 
     Raises:
         RuntimeError: torch's interpolation along the dim is not a window of at most four
             consecutive rows (it would be computed wrong, so it is not computed).
     """
     dtype, p = probe_dtype(dtype), _PERIOD
+    lengths, kw = interp.along(dim, kept)
     pos = torch.arange(length, device=device)
     comb = (pos % p == torch.arange(p, device=device)[:, None]).to(dtype)
-    probes = torch.cat([comb, comb * (pos + 1).to(dtype)])
-    shape = [2 * p, 1] + [length if j == dim else 1 for j in range(interp.spatial)]
-    out = F.interpolate(probes.reshape(shape), **interp.along(dim)).reshape(2 * p, -1)
+    out = F.interpolate(_spread(torch.cat([comb, comb * (pos + 1).to(dtype)]), dim, lengths),
+                        **kw).reshape(2 * p, -1)
     weight, moment = out[:p].T, out[p:].T
     present = weight != 0
     found = torch.where(present, moment / torch.where(present, weight, 1), 1)
@@ -251,19 +262,29 @@ def index_map(interp: Interpolation, dim: int, length: int, dtype: torch.dtype =
     m = IndexMap(length, rows, None if not interp.weighted else weight)
     if not interp.weighted and not bool((weight == 1).all()):
         raise _unreadable(interp, dim, length)
-    return dataclasses.replace(m, adjoint=_check(m, interp, dim, shape, dtype, device))
+    return dataclasses.replace(m, adjoint=_check(m, interp, dim, lengths, kw, dtype, device))
 
 
-def _check(m: IndexMap, interp: Interpolation, dim: int, shape: list[int], dtype: torch.dtype,
-           device: Any) -> bool:
+def _spread(signals: torch.Tensor, dim: int, lengths: Sequence[int]) -> torch.Tensor:
+    """Signals ``(B, L)`` as a batch ``(B, 1, ...)`` of probes along spatial dim ``dim``, the
+    same along the other dims (of ``lengths``)."""
+    shape = [signals.shape[0], 1] + [signals.shape[1] if j == dim else 1
+                                     for j in range(len(lengths))]
+    full = [signals.shape[0], 1] + [signals.shape[1] if j == dim else n
+                                    for j, n in enumerate(lengths)]
+    return signals.reshape(shape).expand(full).contiguous()
+
+
+def _check(m: IndexMap, interp: Interpolation, dim: int, lengths: Sequence[int],
+           kw: dict[str, Any], dtype: torch.dtype, device: Any) -> bool:
     """Whether torch's gradient is the adjoint of its interpolation, having checked that the map
     reproduces the interpolation on a random signal (a window wider than the combs' period
     would not)."""
     gen = torch.Generator().manual_seed(0)
-    v = torch.rand([2, 1] + shape[2:], generator=gen, dtype=torch.float64).to(dtype).to(device)
+    v = torch.rand(2, m.length, generator=gen, dtype=torch.float64).to(dtype).to(device)
     v.requires_grad_(True)
-    want = F.interpolate(v, **interp.along(dim))
-    got = m.apply(v, 2 + dim, (0, m.out_length), 0)
+    want = F.interpolate(_spread(v, dim, lengths), **kw).reshape(2, -1)
+    got = m.apply(v, 1, (0, m.out_length), 0)
     tol = 64 * torch.finfo(dtype).eps
     if got.shape != want.shape or bool(
             (got - want).abs().max() > (0 if m.weights is None else tol)):
@@ -335,7 +356,8 @@ def upsample_plans(interp: Interpolation, shape: Sequence[int], dims: Sequence[s
 def _plans(interp: Interpolation, shape: tuple[int, ...], dims: tuple[str | None, ...],
            extents: tuple[tuple[str, int], ...], dtype: torch.dtype, device: torch.device
            ) -> tuple[tuple[IndexMap, ...], tuple[HaloPlan | None, ...]]:
-    maps = tuple(index_map(interp, i, shape[2 + i], dtype, device)
+    kept = tuple(o == n for o, n in zip(interp.output_shape(shape)[2:], shape[2:]))
+    maps = tuple(index_map(interp, i, shape[2 + i], kept, dtype, device)
                  for i in range(interp.spatial))
     parts_of, plans = dict(extents), []
     for i, (m, d) in enumerate(zip(maps, dims)):
@@ -399,6 +421,7 @@ class DistUpsample(nn.Module):
         # sub-communicators are created collectively, in the same order on every rank
         self._comms = tuple(grid.subcomm([d]) if d else None for d in self._dims)
         self._resolved: dict[Any, Any] = {}
+        self._offsets: dict[Any, tuple[int, ...] | None] = {}
 
     @classmethod
     def from_module(cls, module: nn.Upsample, *, grid: ProcessorGrid,
@@ -436,8 +459,16 @@ class DistUpsample(nn.Module):
         for i, plan in enumerate(plans):
             if plan is not None:
                 x = halo_exchange(x, self._comms[i], plan, 2 + i)
+        offsets = self._window_offsets(shape, maps, plans, x.dtype, x.device)
+        if offsets is not None:  # torch's own kernel on the window, then this rank's block
+            y = F.interpolate(x, **self.interpolation.kwargs())
+            for i, plan in enumerate(plans):
+                if plan is not None:
+                    o0, o1 = plan.out[self._comms[i].rank]
+                    y = y.narrow(2 + i, o0 - offsets[i], o1 - o0)
+            return y
         dtype = x.dtype
-        if self.interpolation.weighted:
+        if x.is_floating_point():  # torch's kernels sum (the gradient too) in this precision
             x = x.to(probe_dtype(dtype))
         for i in reversed(range(len(maps))):
             plan = plans[i]
@@ -447,6 +478,20 @@ class DistUpsample(nn.Module):
                 r = self._comms[i].rank
                 x = maps[i].apply(x, 2 + i, plan.out[r], plan.needed[r][0])
         return x.to(dtype)
+
+    def _window_offsets(self, shape: tuple[int, ...], maps: Sequence[IndexMap],
+                        plans: Sequence[HaloPlan | None], dtype: torch.dtype,
+                        device: torch.device) -> tuple[int, ...] | None:
+        """Where torch's interpolation of this rank's window (its haloed input) reads, for every
+        output row of its block, the rows and weights the global one reads (integer factors:
+        the map commutes with a shift by whole rows), the offset of the block in the window's
+        output per dim; else None. Checked on the maps, never assumed; cached per shape."""
+        key = (shape, dtype, device)
+        if key not in self._offsets:
+            self._offsets[key] = _window_offsets(
+                self.interpolation, shape, maps, plans,
+                [None if c is None else c.rank for c in self._comms], dtype, device)
+        return self._offsets[key]
 
     def whole_dist(self) -> Dist:
         """The input's Dist with its spatial dims whole, ``x[o_N,o_C,*,*]``."""
@@ -466,6 +511,46 @@ class DistUpsample(nn.Module):
         kw = ", ".join(f"{k}={v!r}" for k, v in self.interpolation.kwargs().items()
                        if v is not None)
         return f"{kw}, grid={dict(self.grid.layout)}, x={show(self.input_dist, 'x')}"
+
+
+def _window_offsets(interp: Interpolation, shape: tuple[int, ...], maps: Sequence[IndexMap],
+                    plans: Sequence[HaloPlan | None], ranks: Sequence[int | None],
+                    dtype: torch.dtype, device: torch.device) -> tuple[int, ...] | None:
+    factors = interp.scale_factor
+    if factors is None or not all(float(f).is_integer() for f in factors):
+        return None
+    local = list(shape)
+    for i, (plan, r) in enumerate(zip(plans, ranks)):
+        if plan is not None:
+            local[2 + i] = plan.needed[r][1] - plan.needed[r][0]
+    kept = tuple(o == n for o, n in zip(interp.output_shape(local)[2:], local[2:]))
+    if kept != tuple(o == n for o, n in zip(interp.output_shape(shape)[2:], shape[2:])):
+        return None  # the kernels' special cases would meet the window otherwise
+    offsets = []
+    for i, (m, plan, r) in enumerate(zip(maps, plans, ranks)):
+        if plan is None:  # the whole dim: the same length and call, the same map
+            offsets.append(0)
+            continue
+        lo, (o0, o1) = plan.needed[r][0], plan.out[r]
+        window, off = index_map(interp, i, local[2 + i], kept, dtype, device), lo * int(factors[i])
+        if not window.adjoint or o0 < off or o1 - off > window.out_length:
+            return None
+        want = _dense(m, o0, o1, lo, local[2 + i])
+        got = _dense(window, o0 - off, o1 - off, 0, local[2 + i])
+        if want is None or got is None or not torch.equal(want, got):
+            return None
+        offsets.append(off)
+    return tuple(offsets)
+
+
+def _dense(m: IndexMap, o0: int, o1: int, lo: int, n: int) -> torch.Tensor | None:
+    """Output rows ``[o0, o1)`` of ``m`` as weights on the ``n`` input rows from ``lo``."""
+    rows = m.rows[o0:o1] - lo
+    if bool((rows < 0).any()) or bool((rows >= n).any()):
+        return None
+    w = torch.ones(rows.shape, dtype=torch.float64, device=rows.device) if m.weights is None \
+        else m.weights[o0:o1]
+    return torch.zeros(o1 - o0, n, dtype=w.dtype, device=w.device).scatter_add_(1, rows, w)
 
 
 def upsample_halo_bytes(layer_dims: Sequence[str | None], plans: Sequence[HaloPlan | None],
