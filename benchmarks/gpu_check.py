@@ -324,8 +324,23 @@ def check_resnet(device: torch.device) -> dict[str, Any]:
 
 # ---------------------------------------------------------------- volumes and decoders
 #: (name, model builder, config, input shape, target): N-d convolutions (DistConvNd), transposed
-#: up-convolutions, upsampling, GroupNorm / BatchNorm3d and pooling split over samples, channels
-#: and D/H/W, trained 2 SGD steps on 4 thread ranks against one process; fp64.
+#: up-convolutions, upsampling and interpolation, GroupNorm / BatchNorm3d and pooling split over
+#: samples, channels and D/H/W, trained 2 SGD steps on 4 thread ranks against one process; fp64.
+class _Resampler(nn.Module):
+    """Convolutions around interpolations that no integer scale describes (split rows
+    interpolated in place: their halo rows exchanged, then torch's own rows and weights)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(2, 3, 3, padding=1)
+        self.conv2 = nn.Conv2d(3, 2, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.interpolate(self.conv1(x), size=(17, 11), mode="bilinear", align_corners=True)
+        x = F.interpolate(torch.relu(x), scale_factor=0.7, mode="bicubic")
+        return F.interpolate(self.conv2(x), size=(12, 8), mode="nearest-exact")
+
+
 def _volume_cases() -> list[tuple]:
     from distconv import models
 
@@ -345,6 +360,10 @@ def _volume_cases() -> list[tuple]:
          (5, 1, 4, 4, 4), "classes"),
         ("unet2d_HxW_upsample", lambda: models.unet2d(in_channels=2, base=2, depth=2,
                                                       up="upsample"),
+         {"default": {"grid": {"H": 2, "W": 2}, "algorithm": "spatial"},
+          "data": {"N": 1, "H": 2, "W": 2}},
+         (2, 2, 12, 8), "classes"),
+        ("interpolate_HxW_size_align_bicubic", _Resampler,
          {"default": {"grid": {"H": 2, "W": 2}, "algorithm": "spatial"},
           "data": {"N": 1, "H": 2, "W": 2}},
          (2, 2, 12, 8), "classes"),
@@ -426,6 +445,98 @@ def check_volumes(device: torch.device) -> dict[str, Any]:
     return {"ok": ok, "tolerance": {"max_abs": atol}, "steps": STEPS, "ranks": 4,
             "cases": cases,
             "max_abs_error": max(max(c["max_abs_error"].values()) for c in cases.values()),
+            "devices": sorted({d for c in cases.values() for d in c["devices"]})}
+
+
+# ---------------------------------------------------------------- K-FAC of N-d layers
+#: (module, global input shape, grid, algorithm): DistConvNd layers split over channels,
+#: filters and space, transposed ones read as the direct convolution they equal
+KFAC_ND_CASES = [
+    (lambda: nn.Conv3d(3, 4, 3, padding=1, bias=False), (2, 3, 4, 3, 3),
+     {"N": 2, "C": 2, "F": 2}, "stationary-w"),
+    (lambda: nn.Conv1d(5, 4, 3, stride=2), (4, 5, 11), {"C": 2, "W": 2}, "stationary-x"),
+    (lambda: nn.ConvTranspose3d(3, 4, 2, stride=2), (2, 3, 3, 2, 2), {"C": 3, "D": 2},
+     "stationary-x"),
+    (lambda: nn.ConvTranspose1d(3, 8, 3, stride=2, padding=1, output_padding=1), (4, 3, 7),
+     {"F": 2, "W": 2}, "stationary-y"),
+]
+
+
+def _kfac_nd_layer(build: Callable[[], nn.Module], device: torch.device) -> nn.Module:
+    conv = build().double()
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for p in conv.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * 0.3)
+    return conv.to(device)
+
+
+def _kfac_nd_data(step: int, shape: tuple, y_shape: tuple, device: torch.device):
+    gen = torch.Generator().manual_seed(100 + step)
+    return (torch.randn(shape, generator=gen, dtype=torch.float64).to(device),
+            torch.randn(y_shape, generator=gen, dtype=torch.float64).to(device))
+
+
+def _kfac_nd_train(layer: nn.Module, kfac: Any, step_data: Callable[[int], tuple]) -> None:
+    opt = torch.optim.SGD(layer.parameters(), lr=0.1)
+    for step in range(2):
+        opt.zero_grad()
+        y, t, n = step_data(step)
+        (torch.tanh(y) * t).sum().div(n).backward()
+        kfac.step()
+        if step == 0:
+            opt.step()
+
+
+def _kfac_nd_rank(comm: Any, conv: nn.Module, shape: tuple, dims: dict, algorithm: str,
+                  device: torch.device) -> dict:
+    from distconv.nn import DistConvNd
+
+    grid = ProcessorGrid(dims, comm=comm)
+    layer = DistConvNd.from_module(copy.deepcopy(conv), grid=grid, algorithm=algorithm)
+    y_shape = layer.output_shape(shape)
+    kfac = distkfac.KFAC(layer, factor_dtype=torch.float64, factor_sharding="exact", **KFAC_KW)
+
+    def step_data(step: int) -> tuple:
+        x, t = _kfac_nd_data(step, shape, y_shape, device)
+        y = layer(x[layer.input_dist.local_slices(shape, grid)], shape)
+        return y, t[layer.output_dist.local_slices(y_shape, grid)], shape[0]
+
+    _kfac_nd_train(layer, kfac, step_data)
+    grads = {"weight": gather(layer.weight.grad, layer.weight_dist, grid, layer.weight_shape)}
+    if layer.bias is not None:
+        grads["bias"] = gather(layer.bias.grad, layer.bias_dist, grid, (layer.out_channels,))
+    return {"grads": grads, "exact": len(kfac.exact_layers),
+            "devices": devices_of([grads, layer.weight])}
+
+
+def check_kfac_nd(device: torch.device) -> dict[str, Any]:
+    cases, ok = {}, True
+    for build, shape, dims, algorithm in KFAC_ND_CASES:
+        conv = _kfac_nd_layer(build, device)
+        name = f"{type(conv).__name__}-{'x'.join(dims)}"
+        single = copy.deepcopy(conv)
+        y_shape = tuple(single(torch.zeros(shape, dtype=torch.float64, device=device)).shape)
+
+        def step_data(step: int, single: nn.Module = single, shape: tuple = shape,
+                      y_shape: tuple = y_shape) -> tuple:
+            x, t = _kfac_nd_data(step, shape, y_shape, device)
+            return single(x), t, shape[0]
+
+        _kfac_nd_train(single, distkfac.KFAC(single, comm=None, factor_dtype=torch.float64,
+                                             **KFAC_KW), step_data)
+        want = {k: p.grad for k, p in single.named_parameters()}
+        ranks = run_ranks(_kfac_nd_rank, math.prod(dims.values()), conv, shape, dims, algorithm,
+                          device)
+        err = max(max_err(r["grads"][k], g) for r in ranks for k, g in want.items())
+        case_ok = all(within(r["grads"][k], g, KFAC_TOL) for r in ranks
+                      for k, g in want.items()) and all(r["exact"] == 1 for r in ranks)
+        ok &= case_ok
+        cases[name] = {"grid": dims, "algorithm": algorithm, "ok": case_ok,
+                       "max_abs_error": err,
+                       "devices": sorted({d for r in ranks for d in r["devices"]})}
+    return {"ok": ok, "tolerance": {"rtol": KFAC_TOL[0], "atol": KFAC_TOL[1]}, "cases": cases,
+            "max_abs_error": max(c["max_abs_error"] for c in cases.values()),
             "devices": sorted({d for c in cases.values() for d in c["devices"]})}
 
 
@@ -1176,6 +1287,7 @@ def main(argv: list[str] | None = None) -> int:
         ("resnet_bn_2_steps", lambda: check_resnet(device)),
         ("volumes_decoders_2_steps", lambda: check_volumes(device)),
         ("kfac_sharded_exact", lambda: check_kfac(device)),
+        ("kfac_nd_sharded_exact", lambda: check_kfac_nd(device)),
         ("checkpoint_cuda_cpu_cuda", lambda: check_checkpoint(device)),
         ("nccl_world_of_one", lambda: check_nccl(device)),
     ]
