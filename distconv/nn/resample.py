@@ -35,9 +35,9 @@ same way, equals the global map on the rank's block, checked and never assumed.
 Where torch's gradient is not the adjoint of its own interpolation (a backward kernel copies the
 rows of a dim whose size the call keeps while the forward kernel applies a ``scale_factor``, as
 the CPU's ``nearest`` in 1-d and 3-d and ``bicubic`` do; :attr:`IndexMap.adjoint`, read off
-torch like the map), the layer runs torch's interpolation on the whole spatial dims instead (an allgather over the
-grid dims that split them, then a local slice of the output), so that the output and its
-gradient are still one process's.
+torch like the map), the layer runs torch's interpolation on the whole spatial dims instead (an
+allgather over the grid dims that split them, then a local slice of the output), so that the
+output and its gradient are still one process's.
 
 ``area`` (adaptive average pooling, whose windows grow with the downsampling ratio and whose
 2-d sums are not separable in floating point) and antialiased interpolation are not handled here.

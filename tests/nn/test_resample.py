@@ -76,7 +76,8 @@ def _interpolated(comm: Any, kw: dict, layout: tuple, dist: Dist, x: torch.Tenso
         layer._dims, plans, xl.shape, grid.coords, x.element_size()))
     return {"y": gather(y.detach(), dist, grid, y_shape), "dx": gather(xl.grad, dist, grid, shape),
             "ops": ops, "moved": moved, "priced": priced,
-            "in_place": all(m.adjoint for m in maps)}
+            "in_place": all(m.adjoint for m in maps),
+            "windowed": [v is not None for v in layer._offsets.values()]}
 
 
 @settings(max_examples=30, deadline=None,
@@ -186,4 +187,25 @@ def test_where_torchs_gradient_is_not_its_adjoint_torch_runs_on_whole_rows() -> 
     for got in run_threads(_interpolated, 2, kw, (("N", 1), ("W", 2)), dist, x.detach(), g):
         assert not got["in_place"] and "allgather" in got["ops"]
         torch.testing.assert_close(got["y"], y.detach(), rtol=0, atol=0)
+        torch.testing.assert_close(got["dx"], x.grad, rtol=0, atol=TOL)
+
+
+@pytest.mark.parametrize("kw,windowed", [
+    ({"mode": "bilinear", "scale_factor": 2, "align_corners": False}, True),
+    ({"mode": "nearest", "scale_factor": (3, 2)}, True),
+    ({"mode": "bicubic", "scale_factor": 2, "align_corners": False}, True),
+    ({"mode": "bilinear", "scale_factor": 2, "align_corners": True}, False),
+    ({"mode": "nearest", "scale_factor": 1.5}, False),
+])
+def test_integer_factors_run_torchs_kernel_on_the_window(kw: dict, windowed: bool) -> None:
+    """Where the map commutes with a shift by whole rows, each rank runs torch's own kernel on
+    its window (the faster path); elsewhere it applies the map, both equal to one process."""
+    dist = Dist((None, None, "H", None))
+    x = torch.randn(2, 2, 7, 5, dtype=torch.float64, requires_grad=True)
+    y = F.interpolate(x, **kw)
+    g = torch.randn(y.shape, dtype=torch.float64)
+    y.backward(g)
+    for got in run_threads(_interpolated, 2, kw, (("H", 2),), dist, x.detach(), g):
+        assert got["windowed"] == [windowed]
+        torch.testing.assert_close(got["y"], y.detach(), rtol=0, atol=TOL)
         torch.testing.assert_close(got["dx"], x.grad, rtol=0, atol=TOL)
