@@ -366,6 +366,42 @@ def test_a_long_failure_in_the_agreement_is_reported_whole(tmp_path: Path) -> No
     assert long_key in errors[0]
 
 
+_ENDS_WITHOUT_WAITING = """
+import sys, time
+import torch
+from torch import nn
+import distconv
+import distconv.checkpoint._save as save_module
+from distconv.comm import SingleCommunicator
+
+real = save_module.write_shard_file
+def slow(*args, **kwargs):  # still writing when the program ends
+    time.sleep(0.5)
+    return real(*args, **kwargs)
+save_module.write_shard_file = slow
+model = nn.Linear(64, 32).double()
+torch.save(model.state_dict(), sys.argv[2])  # the expected values, for the test to compare
+handle = distconv.save(model, sys.argv[1], comm=SingleCommunicator(), async_save=True)
+print("returned before written:", not handle.done())
+"""
+
+
+def test_a_program_that_ends_without_waiting_still_completes_its_save(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    script = tmp_path / "ends.py"
+    script.write_text(_ENDS_WITHOUT_WAITING)
+    path, expected = tmp_path / "ckpt", tmp_path / "expected.pt"
+    done = subprocess.run([sys.executable, str(script), str(path), str(expected)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "returned before written: True" in done.stdout
+    state = torch.load(expected)
+    saved = distconv.consolidate(path, verify=True)
+    assert saved.keys() == state.keys() and all(torch.equal(saved[k], state[k]) for k in state)
+
+
 # ---------------------------------------------------------------- a real world
 
 def async_save_real(comm: Any, path: str) -> None:
