@@ -37,7 +37,9 @@ rows of a dim whose size the call keeps while the forward kernel applies a ``sca
 the CPU's ``nearest`` in 1-d and 3-d and ``bicubic`` do; :attr:`IndexMap.adjoint`, read off
 torch like the map), the layer runs torch's interpolation on the whole spatial dims instead (an
 allgather over the grid dims that split them, then a local slice of the output), so that the
-output and its gradient are still one process's.
+output and its gradient are still one process's. So it does where a split dim has fewer input
+or output rows than ranks (a rank would own none of them), some ranks' blocks of the output then
+empty, as the balanced blocks of a short dim are.
 
 ``area`` (adaptive average pooling, whose windows grow with the downsampling ratio and whose
 2-d sums are not separable in floating point) and antialiased interpolation are not handled here.
@@ -340,13 +342,12 @@ class UpsampleDim:
 def upsample_plans(interp: Interpolation, shape: Sequence[int], dims: Sequence[str | None],
                    extents: Mapping[str, int], dtype: torch.dtype = torch.float64,
                    device: torch.device | str = "cpu"
-                   ) -> tuple[tuple[IndexMap, ...], tuple[HaloPlan | None, ...]]:
+                   ) -> tuple[tuple[IndexMap, ...], tuple[HaloPlan | None, ...]] | None:
     """Each spatial dim's :class:`IndexMap` and, for one split over grid dim ``dims[i]`` (None:
-    whole), its :class:`HaloPlan`, for the global input ``shape`` (cached).
-
-    Raises:
-        ValueError: a grid dim larger than the input or output length of its spatial dim.
-    """
+    whole), its :class:`HaloPlan`, for the global input ``shape`` (cached); None where the
+    interpolation does not run in place on this shape: a split dim with fewer input or output
+    rows than ranks (every rank needs one of each), or torch's gradient not the adjoint of its
+    interpolation (:attr:`IndexMap.adjoint`)."""
     return _plans(interp, tuple(shape), tuple(dims),
                   tuple((d, extents[d]) for d in dims if d is not None),
                   probe_dtype(dtype), torch.device(device))
@@ -355,22 +356,20 @@ def upsample_plans(interp: Interpolation, shape: Sequence[int], dims: Sequence[s
 @functools.lru_cache(maxsize=256)
 def _plans(interp: Interpolation, shape: tuple[int, ...], dims: tuple[str | None, ...],
            extents: tuple[tuple[str, int], ...], dtype: torch.dtype, device: torch.device
-           ) -> tuple[tuple[IndexMap, ...], tuple[HaloPlan | None, ...]]:
+           ) -> tuple[tuple[IndexMap, ...], tuple[HaloPlan | None, ...]] | None:
     kept = tuple(o == n for o, n in zip(interp.output_shape(shape)[2:], shape[2:]))
     maps = tuple(index_map(interp, i, shape[2 + i], kept, dtype, device)
                  for i in range(interp.spatial))
+    if not all(m.adjoint for m in maps):
+        return None
     parts_of, plans = dict(extents), []
-    for i, (m, d) in enumerate(zip(maps, dims)):
+    for m, d in zip(maps, dims):
         if d is None:
             plans.append(None)
-            continue
-        parts, limit = parts_of[d], min(m.length, m.out_length)
-        if parts > limit:
-            raise ValueError(
-                f"grid dim {d}={parts} exceeds what this {interp.mode!r} interpolation can "
-                f"split: spatial dim {i} has {m.length} input and {m.out_length} output rows, "
-                f"and every rank needs at least one of each, so use {d} <= {limit}")
-        plans.append(HaloPlan(UpsampleDim.of(m), parts))
+        elif parts_of[d] > min(m.length, m.out_length):
+            return None
+        else:
+            plans.append(HaloPlan(UpsampleDim.of(m), parts_of[d]))
     return maps, tuple(plans)
 
 
@@ -436,9 +435,9 @@ class DistUpsample(nn.Module):
 
     def plans(self, shape: Sequence[int], dtype: torch.dtype = torch.float64,
               device: torch.device | str = "cpu"
-              ) -> tuple[tuple[IndexMap, ...], tuple[HaloPlan | None, ...]]:
-        """The index maps and halo plans for the global input ``shape`` (:func:`upsample_plans`;
-        the maps and plans are cached)."""
+              ) -> tuple[tuple[IndexMap, ...], tuple[HaloPlan | None, ...]] | None:
+        """The index maps and halo plans for the global input ``shape``, None where the layer
+        runs on whole rows (:func:`upsample_plans`; cached)."""
         return upsample_plans(self.interpolation, shape, self._dims, dict(self.grid.layout),
                               dtype, device)
 
@@ -453,9 +452,10 @@ class DistUpsample(nn.Module):
         if self.interpolation.weighted and not x.is_floating_point():
             raise TypeError(f"DistUpsample: mode {self.interpolation.mode!r} interpolates "
                             f"floating-point values, got {x.dtype}")
-        maps, plans = self.plans(shape, x.dtype, x.device)
-        if not all(m.adjoint for m in maps):
+        found = self.plans(shape, x.dtype, x.device)
+        if found is None:
             return self._on_whole_rows(x, shape)
+        maps, plans = found
         for i, plan in enumerate(plans):
             if plan is not None:
                 x = halo_exchange(x, self._comms[i], plan, 2 + i)
@@ -500,8 +500,8 @@ class DistUpsample(nn.Module):
 
     def _on_whole_rows(self, x: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
         """Torch's interpolation on the whole spatial dims (an allgather over the grid dims that
-        split them), then this rank's block of the output (a local slice): where torch's gradient
-        is not the adjoint of its interpolation, so that both equal one process's."""
+        split them), then this rank's block of the output (a local slice): where the layer does
+        not run in place on this shape (:func:`upsample_plans`)."""
         x = redistribute(x, self.grid, self.input_dist, self.whole_dist(), shape)
         y = F.interpolate(x, **self.interpolation.kwargs())
         block = self.output_dist.local_slices(self.output_shape(shape), self.grid)

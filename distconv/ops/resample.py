@@ -8,7 +8,8 @@ runs in place on split rows (:class:`~distconv.nn.resample.DistUpsample`: the ha
 output block reads, exchanged dim after dim, then torch's rows and weights applied locally); its
 price is those halo rows, worked from the same plans. Where torch's gradient is not the adjoint of
 its own interpolation for the global shape (a ``nearest`` or ``bicubic`` dim whose size the
-factor keeps), the layer gathers the rows and runs torch instead, priced as that conversion.
+factor keeps), or a split dim has fewer rows than ranks, the layer gathers the rows and runs torch
+instead, priced as that conversion.
 
 ``area`` (adaptive average pooling), an antialiased interpolation, a spatial dim split over
 several grid dims, and the pooling layers here mix rows and columns but never samples or
@@ -102,10 +103,11 @@ class ResampleHandler(Handler):
                 for i in range(nd)]
         # the maps of the precision the values have (torch's may differ by a row between them)
         dtype = torch.float64 if ctx.itemsize == 8 else torch.float32
-        maps, plans = upsample_plans(interp, ctx.in_shape, dims, ext, dtype)
-        if not all(m.adjoint for m in maps):
+        found = upsample_plans(interp, ctx.in_shape, dims, ext, dtype)
+        if found is None:  # on this shape the layer runs torch on whole rows
             _price_whole_rows(report, p, ctx)
             return
+        _, plans = found
         per = {}
         for r in ctx.ranks:
             g = paper_grid(p.layout, r)
