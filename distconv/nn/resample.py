@@ -50,6 +50,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
@@ -96,9 +97,9 @@ class Interpolation:
         Raises:
             ValueError: a mode not in :data:`MODES`, a mode for another number of spatial dims,
                 neither or both of ``size`` and ``scale_factor``, a size or factor that is not
-                positive, ``align_corners`` with a ``nearest`` mode, ``recompute_scale_factor``
-                with ``size``.
-            TypeError: a size that is not an int.
+                positive or has another number of entries than spatial dims, ``align_corners``
+                with a ``nearest`` mode, ``recompute_scale_factor`` with ``size``.
+            TypeError: a size that is not an int, a factor that is not a number.
         """
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -115,14 +116,19 @@ class Interpolation:
         if size is not None and recompute_scale_factor:
             raise ValueError("recompute_scale_factor is not meaningful with an explicit size")
         sizes = _per_dim("size", size, spatial)
-        if sizes is not None and not all(
-                isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in sizes):
-            raise TypeError(f"size must be positive ints, got {size!r}")
+        if sizes is not None:
+            if not all(isinstance(n, numbers.Integral) and not isinstance(n, bool)
+                       for n in sizes):
+                raise TypeError(f"size must be ints, got {size!r}")
+            if min(sizes) < 1:
+                raise ValueError(f"size must be positive, got {size!r}")
+            sizes = tuple(int(n) for n in sizes)
         scales = _per_dim("scale_factor", scale_factor, spatial)
         if scales is not None:
-            if not all(isinstance(s, (int, float)) and not isinstance(s, bool) and s > 0
-                       for s in scales):
-                raise ValueError(f"scale_factor must be positive numbers, got {scale_factor!r}")
+            if not all(isinstance(s, numbers.Real) and not isinstance(s, bool) for s in scales):
+                raise TypeError(f"scale_factor must be numbers, got {scale_factor!r}")
+            if not all(s > 0 for s in scales):
+                raise ValueError(f"scale_factor must be positive, got {scale_factor!r}")
             scales = tuple(float(s) for s in scales)
         return cls(mode, spatial, sizes, scales,
                    bool(align_corners) if weighted else None,
@@ -390,9 +396,15 @@ class DistUpsample(nn.Module):
             False).
         recompute_scale_factor: as ``F.interpolate`` (default None).
 
+    Where a split dim has fewer rows than ranks, or torch's gradient is not the adjoint of its
+    interpolation on the global shape, the layer gathers the spatial dims, ``x[o_N,o_C,*,*]``,
+    and keeps its block of torch's output (module docstring).
+
     Raises:
         ValueError: arguments ``F.interpolate`` refuses or :data:`MODES` lacks, an
             ``input_dist`` of the wrong size, a spatial dim split over several grid dims.
+        TypeError: a size that is not an int, a factor that is not a number; in forward, a
+            weighted mode on values that are not floating point.
     """
 
     def __init__(self, *, grid: ProcessorGrid, input_dist: Dist, size: Any = None,
