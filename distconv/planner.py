@@ -44,8 +44,11 @@ import torch
 from distconv.distribution import Dist
 from distconv.machines import resolve_machine
 from distconv.machines.base import Machine, group_of
+from distconv.comm.base import allreduce_bytes
 from distconv.nn.conv import conv_dists
+from distconv.nn.conv_nd import conv_nd_dists, spatial_roles
 from distconv.ops.conv import memory_elements, moves_data
+from distconv.ops.conv_nd import layer_report, refusal
 from distconv.ops.elementwise import meeting
 from distconv.ops.pricing import largest_block
 from distconv.parallel.placement import (
@@ -54,7 +57,7 @@ from distconv.perfmodel import ConvProblem, conv_cost
 from distconv.redistribute import plan_redistribution
 
 __all__ = ["Choice", "ConvNode", "Block", "Network", "Plan", "trace_network", "candidates",
-           "transition_bytes", "transition_time", "plan_network", "predict", "explain"]
+           "layer_candidates", "transition_bytes", "transition_time", "plan_network", "predict", "explain"]
 
 ACT = ("N", "C", "H", "W")
 ALGORITHMS = ("sample", "spatial", "stationary-x", "stationary-y", "stationary-w")
@@ -63,16 +66,32 @@ ALGORITHMS = ("sample", "spatial", "stationary-x", "stationary-y", "stationary-w
 # ============================================================================ the network
 @dataclass(frozen=True)
 class ConvNode:
-    """One Conv2d: its qualified name, global problem and the global shape of its output."""
+    """One convolution: its qualified name, the global shape of its output and, for a Conv2d,
+    its global problem (the §4 model's). A ``Conv1d``, ``Conv3d`` or transposed convolution has
+    no 2-D problem: ``module`` (its hyperparameters, on the meta device) and ``input_shape``
+    state it, and its op handler prices it (:func:`distconv.ops.conv_nd.layer_report`)."""
 
     name: str
-    problem: ConvProblem
+    problem: ConvProblem | None
     out_shape: tuple[int, ...]
+    module: Any = field(default=None, compare=False, repr=False)
+    input_shape: tuple[int, ...] = ()
 
     @property
     def in_shape(self) -> tuple[int, ...]:
+        if self.problem is None:
+            return self.input_shape
         pb = self.problem
         return (pb.batch, pb.in_channels, pb.height, pb.width)
+
+    @property
+    def spatial(self) -> int:
+        """Its spatial dims (2 for a Conv2d)."""
+        return len(self.in_shape) - 2
+
+    @property
+    def transposed(self) -> bool:
+        return bool(getattr(self.module, "transposed", False))
 
 
 @dataclass(frozen=True)
@@ -131,6 +150,7 @@ def trace_network(model: torch.nn.Module, input_shape: Sequence[int]) -> Network
         ValueError: an ``input_shape`` the model cannot take (naming it and what the first
             layer expects).
     """
+    from distconv.ops.conv_nd import ConvNdHandler
     from distconv.ops.elementwise import BinaryHandler, CatHandler
     from distconv.parallel.config import ParallelConfig
     from distconv.parallel.graph import analyse, trace
@@ -163,6 +183,12 @@ def trace_network(model: torch.nn.Module, input_shape: Sequence[int]) -> Network
             shape = args[0].meta["tensor_meta"].shape
             convs[node] = ConvNode(str(node.target), _problem(modules[node.target], shape),
                                    tuple(node.meta["tensor_meta"].shape))
+            source[node], producer[node] = producer[args[0]], node
+            order.append(node)
+        elif isinstance(step.handler, ConvNdHandler) and node.op == "call_module":
+            shape = tuple(args[0].meta["tensor_meta"].shape)
+            convs[node] = ConvNode(str(node.target), None, tuple(node.meta["tensor_meta"].shape),
+                                   modules[node.target], shape)
             source[node], producer[node] = producer[args[0]], node
             order.append(node)
         elif (isinstance(step.handler, BinaryHandler) and len(args) == 2
@@ -257,6 +283,8 @@ class Choice:
     algorithm: str
     groups_aligned: bool = False  # a grouped conv whose channel blocks hold whole groups
     pipeline: int = 1  # chunks of samples its collectives are pipelined over (1: not)
+    spatial: int = 2  # the layer's spatial dims (3: a volume's D, H, W)
+    transposed: bool = False  # a transposed convolution (its weight's C and F entries swap)
 
     def __post_init__(self) -> None:
         if self.algorithm not in ALGORITHMS:
@@ -276,11 +304,25 @@ class Choice:
         """The DistConv2d algorithm that runs it (sample and spatial are stationary-x on C=1)."""
         return "stationary-x" if self.algorithm in ("sample", "spatial") else self.algorithm
 
+    @property
+    def nd(self) -> bool:
+        """Whether a ``Conv1d``, ``Conv3d`` or transposed convolution takes it (not a Conv2d)."""
+        return self.spatial != 2 or self.transposed
+
+    def dists(self) -> dict[str, Dist]:
+        """The layer's distributions (``input``, ``work``, ``partial``, ``output``, ``weight``,
+        ``bias``) by the rule its handler places it with (:func:`~distconv.nn.conv.conv_dists`,
+        :func:`~distconv.nn.conv_nd.conv_nd_dists`)."""
+        if not self.nd:
+            roles = {"N": "N", "C": "C", "F": "F", "H": "H", "W": "W"}
+            return conv_dists(self.conv_algorithm, roles, self.groups_aligned)
+        roles = {"N": "N", "C": "C", "F": "F", **{r: r for r in spatial_roles(self.spatial)}}
+        return conv_nd_dists(self.conv_algorithm, roles, self.spatial, self.transposed,
+                             self.groups_aligned)
+
     def _dists(self) -> dict[str, Dist]:
-        """The layer's distributions by the rule the conv handler places it with
-        (:func:`~distconv.nn.conv.conv_dists`), canonical on this grid (extent-1 dims dropped)."""
-        roles = {"N": "N", "C": "C", "F": "F", "H": "H", "W": "W"}
-        dists = conv_dists(self.conv_algorithm, roles, self.groups_aligned)
+        """x's and y's distributions, canonical on this grid (extent-1 dims dropped)."""
+        dists = self.dists()
         return {k: Placement(self.grid, dists[k]).dist for k in ("input", "output")}
 
     @property
@@ -301,8 +343,7 @@ class Choice:
     @property
     def communicates(self) -> bool:
         """Whether it runs a collective of its own that pipelining can overlap."""
-        roles = {d: d for d in "NCFHW"}
-        return moves_data(self.grid, conv_dists(self.conv_algorithm, roles, self.groups_aligned))
+        return not self.nd and moves_data(self.grid, self.dists())
 
     def __str__(self) -> str:
         grid = "×".join(f"{n}{e}" for n, e in self.grid)
@@ -325,6 +366,17 @@ class Value:
 
 def sample_choice(world_size: int) -> Choice:
     return Choice((("N", world_size),), "sample")
+
+
+def _sample_value(world_size: int, ndim: int) -> Choice | Value:
+    """Where the model's input (``ndim`` dims) arrives and its head reads: each rank its own
+    samples."""
+    if ndim == 4:
+        return sample_choice(world_size)
+    from distconv.parallel.graph import sample_dist
+
+    grid = (("N", world_size),)
+    return Value(grid, Placement(grid, sample_dist(ndim)).dist)
 
 
 def _divisors(n: int) -> list[int]:
@@ -363,6 +415,59 @@ def candidates(problem: ConvProblem, world_size: int, *, max_model: int = 16,
                     ch = _valid(pb, Choice(N + g, alg), ho, wo)
                     if ch is not None:
                         out.append(ch)
+    return out
+
+
+def layer_candidates(conv: ConvNode, world_size: int, *, max_model: int = 16,
+                     max_sample: int | None = None,
+                     algorithms: Sequence[str] = ALGORITHMS) -> list[Choice]:
+    """Every choice for the convolution ``conv``: :func:`candidates` of a Conv2d's problem; for
+    a ``Conv1d``, ``Conv3d`` or transposed convolution the same extents (model-parallel ranks
+    ``m`` dividing the world size, at most ``max_model``; N the rest) over
+
+    * ``sample``: ``{N: P}``;  ``spatial``: ``{N, ...}`` and ``m`` split over the layer's
+      spatial dims (``D``, ``H``, ``W`` of a volume, ``W`` of a signal) every way;
+    * ``stationary-x``: ``{N, C}``;  ``stationary-y``: ``{N, F}``;  ``stationary-w``:
+      ``{N, C, F}``,
+
+    each kept where the layer can run it (:func:`distconv.ops.conv_nd.refusal`: blocks of whole
+    groups, every rank an input and an output row on each split dim)."""
+    if conv.module is None:
+        return candidates(conv.problem, world_size, max_model=max_model, max_sample=max_sample,
+                          algorithms=algorithms)
+    module, shape = conv.module, conv.in_shape
+    rows = spatial_roles(conv.spatial)
+    out = []
+    for m in _divisors(world_size):
+        n = world_size // m
+        if m > max_model or n > min(shape[0], max_sample or shape[0]):
+            continue
+        N = (("N", n),) if n > 1 else ()
+        grids: list[tuple[str, tuple[tuple[str, int], ...]]] = []
+        if m == 1:
+            grids.append(("sample", (("N", n),)))
+        else:
+            grids += [("spatial", N + g) for g in _splits(m, rows)]
+            grids += [("stationary-x", N + (("C", m),)), ("stationary-y", N + (("F", m),))]
+            grids += [("stationary-w", N + (("C", a), ("F", m // a)))
+                      for a in _divisors(m) if 1 < a < m]
+        for alg, grid in grids:
+            if alg in algorithms and refusal(module, grid, alg, shape) is None:
+                ext = dict(grid)
+                aligned = module.groups > 1 and ext.get("C", 1) * ext.get("F", 1) > 1
+                out.append(Choice(grid, alg, groups_aligned=aligned, spatial=conv.spatial,
+                                  transposed=conv.transposed))
+    return out
+
+
+def _splits(m: int, rows: Sequence[str]) -> list[tuple[tuple[str, int], ...]]:
+    """Every way to split ``m`` ranks over some of ``rows`` (in their order), each by more than 1."""
+    if m == 1:
+        return [()]
+    out = []
+    for i, row in enumerate(rows):
+        for a in _divisors(m)[1:]:
+            out += [((row, a),) + rest for rest in _splits(m // a, rows[i + 1:])]
     return out
 
 
@@ -466,12 +571,41 @@ def layer_cost(conv: ConvNode, choice: Choice, machine: Machine, *, itemsize: in
     convolution and ``activation_factor`` copies of the local output (conv, BN, ReLU).
     ``machine``: any form of :func:`~distconv.machines.resolve_machine`."""
     machine = resolve_machine(machine, hierarchical=True)
+    if conv.module is not None:
+        return _nd_cost(conv, choice, machine, itemsize, optimizer_slots, activation_factor)
     ranks = "corners"  # the slowest rank is among them, as for moves (one sampling rule)
     cost = conv_cost(conv.problem, choice.extents, choice.conv_algorithm, machine,
                      itemsize=itemsize, ranks=ranks, pipeline=choice.pipeline)
     ar = sum(v for k, v in cost.steps.items() if k.startswith("allreduce"))
     return LayerCost(cost.forward, cost.backward - ar, ar,
                      _memory(conv, choice, itemsize, optimizer_slots, activation_factor))
+
+
+def _nd_cost(conv: ConvNode, ch: Choice, machine: Machine, itemsize: int, slots: int,
+             factor: int) -> LayerCost:
+    """A ``Conv1d``, ``Conv3d`` or transposed convolution priced by its op handler, as
+    ``explain`` prices it (:func:`~distconv.ops.conv_nd.layer_report`: compute from its FLOPs,
+    the allgather of x over F, halo exchanges, the reduce-scatter of y over C and their
+    adjoints, on the slowest rank), its gradient allreduced over the ranks that replicate the
+    weight (the §4 model's ring), and its memory as :func:`_memory` counts it."""
+    ranks = evaluated_ranks([ch.grid], ch.size, every=False)
+    rep = layer_report(conv.module, ch.grid, ch.algorithm, conv.in_shape, conv.out_shape,
+                       ranks=ranks, itemsize=itemsize, machine=machine)
+
+    def phase(name: str) -> float:
+        return sum(s.seconds(machine) for s in rep.steps if s.phase == name)
+
+    weight = Placement(ch.grid, ch.dists()["weight"])
+    redundant = [d for d, e in ch.grid if e > 1 and d not in weight.dist.used()]
+    peers = math.prod(dict(ch.grid)[d] for d in redundant)
+    params = rep.param_elements
+    allreduce = machine.collective_time(
+        "allreduce", peers, allreduce_bytes(params, 0, peers, itemsize), layout=ch.grid,
+        dims=redundant) if peers > 1 else 0.0
+    out = largest_block(Placement(ch.grid, ch.dists()["output"]), conv.out_shape)
+    memory = itemsize * (params * (2 + slots) + rep.activation_elements + factor * out)
+    return LayerCost(rep.forward_seconds + phase("forward"),
+                     rep.backward_seconds + phase("backward"), allreduce, float(memory))
 
 
 def _memory(conv: ConvNode, ch: Choice, itemsize: int, slots: int, factor: int) -> float:
@@ -523,11 +657,11 @@ class Plan:
     def config(self) -> dict[str, Any]:
         """The plan in the format of ``distconv.parallelize``: sample-parallel default and one
         entry per convolution that differs from it (exact names, in model order)."""
-        default = sample_choice(self.world_size)
+        default = sample_choice(self.world_size).config()
         return {
-            "default": default.config(),
+            "default": default,
             "layers": [{"match": lp.conv.name, **lp.choice.config()} for lp in self.layers
-                       if lp.choice != default],
+                       if lp.choice.config() != default],
         }
 
     def explain(self) -> str:
@@ -576,13 +710,14 @@ class _Model:
         self.net, self.P, self.machine, self.itemsize = net, world_size, machine, itemsize
         self.optimizer_slots = optimizer_slots
         self.activation_factor = activation_factor
-        self.options = {c.name: [fixed[c.name]] if fixed else candidates(
-            c.problem, world_size, max_model=max_model, max_sample=max_sample,
+        self.options = {c.name: [fixed[c.name]] if fixed else layer_candidates(
+            c, world_size, max_model=max_model, max_sample=max_sample,
             algorithms=algorithms) for c in net.convs}
         for c in net.convs:
             if not self.options[c.name]:
+                what = c.problem or f"{type(c.module).__name__} on {c.in_shape}"
                 raise ValueError(
-                    f"plan_network: no candidate for {c.name} ({c.problem}) on world_size="
+                    f"plan_network: no candidate for {c.name} ({what}) on world_size="
                     f"{world_size} with algorithms={tuple(algorithms)}, max_model={max_model}; "
                     "allow more algorithms or a larger max_model, or a batch >= world_size"
                 )
@@ -593,7 +728,8 @@ class _Model:
         self.head_params = sum(n for _, n in net.linears)
         self._moves: dict[tuple, tuple[float, int]] = {}
         self._meets: dict[tuple, bool] = {}
-        self.entry = sample_choice(world_size)
+        self.entry = _sample_value(world_size, len(net.input_shape))
+        self.exit = _sample_value(world_size, len(net.out_shape))
         self.picks: list[dict[str, Choice]] = []  # the DP's plans of the last search
 
     def move(self, src: Choice, dst: Choice, shape: tuple[int, ...], *,
@@ -681,7 +817,7 @@ class _Model:
             trail.append((unit, best))
             state = best
         out_shape = self.net.out_shape
-        end = min(state, key=lambda e: state[e][0] + 2 * self.move(e, self.entry, out_shape)[0])
+        end = min(state, key=lambda e: state[e][0] + 2 * self.move(e, self.exit, out_shape)[0])
         return self._backtrack(trail, end)
 
     def _backtrack(self, trail: list[tuple[Unit, Any]], end: Choice) -> dict[str, Choice]:
@@ -730,7 +866,7 @@ class _Model:
                 s = pick[c.name]
             t, _, cur = self.join(cur, s, unit)
             extra += t
-        extra += self.move(cur, self.entry, self.net.out_shape)[0]
+        extra += self.move(cur, self.exit, self.net.out_shape)[0]
         forward = extra + sum(self.costs[(c.name, ch)].forward + t for c, ch, t, _ in layers)
         head = 0.0
         if self.head_params:
@@ -794,8 +930,9 @@ def plan_network(
     if isinstance(model, Network):
         net = model
     else:
-        if input_shape is None or len(input_shape) != 4:
-            raise ValueError(f"plan_network: input_shape must be (N, C, H, W), got {input_shape}")
+        if input_shape is None or not 3 <= len(input_shape) <= 5:
+            raise ValueError(f"plan_network: input_shape must be (N, C, *spatial) with 1 to 3 "
+                             f"spatial dims, got {input_shape}")
         net = trace_network(model, input_shape)
     limit = getattr(machine, "memory", math.inf) if memory_limit is None else memory_limit
     if not limit > 0:
@@ -813,9 +950,10 @@ def plan_network(
     # the search's finalists, priced by the op handlers: the refined plan, the DP's plan at each
     # allreduce weight, and pure sample parallelism; the cheapest that fits is the plan
     finalists = [pick, *m.picks]
-    sample = sample_choice(world_size)
-    if all(sample in m.options[c.name] for c in net.convs):
-        finalists.append({c.name: sample for c in net.convs})
+    sample = {c.name: next((ch for ch in m.options[c.name] if ch.algorithm == "sample"), None)
+              for c in net.convs}
+    if all(sample.values()):
+        finalists.append(sample)
     plans: dict[tuple, tuple[Plan, dict[str, Choice]]] = {}
     for p in finalists:
         p = _pipelined(m, p)
@@ -846,7 +984,7 @@ def _pipelined(m: _Model, pick: Mapping[str, Choice]) -> dict[str, Choice]:
     out = dict(pick)
     for c in m.net.convs:
         best = pick[c.name]
-        if not best.communicates:
+        if not best.communicates:  # (N-d convolutions are not pipelined)
             continue
         for k in PIPELINES:
             trial = replace(best, pipeline=k)
@@ -979,11 +1117,15 @@ def _config_choices(net: Network, config: Mapping[str, Any], world_size: int) ->
                              "is chosen by parallelize; give it a grid and an algorithm")
         # canonical, as the executor keeps placements: grid dims of extent 1 dropped
         grid = tuple((d, e) for d, e in entry.layout if e > 1) or (("N", 1),)
-        ch = Choice(grid, entry.algorithm)
-        e_ = ch.extents
-        if c.problem.groups > 1 and e_.get("C", 1) * e_.get("F", 1) > 1:
-            ch = Choice(grid, entry.algorithm, groups_aligned=True)
-        out[c.name] = ch
+        algorithm = entry.algorithm
+        if c.module is not None and entry.source == "default" and algorithm != "spatial":
+            # a sample or stationary default runs these sample-parallel on the data grid
+            grid, algorithm = tuple((d, e) for d, e in cfg.data if e > 1) or (("N", 1),), "sample"
+        groups = c.module.groups if c.module is not None else c.problem.groups
+        e_ = dict(grid)
+        out[c.name] = Choice(grid, algorithm,
+                             groups_aligned=groups > 1 and e_.get("C", 1) * e_.get("F", 1) > 1,
+                             spatial=c.spatial, transposed=c.transposed)
     return out
 
 

@@ -21,16 +21,19 @@ from typing import Any, Sequence
 
 from torch import nn
 
-from distconv.nn.conv_nd import DistConvNd, conv_nd_dists, halo_bytes, spatial_roles
+from distconv.conv_geometry import HaloPlan
+from distconv.nn.conv_nd import (
+    DistConvNd, conv_nd_dims, conv_nd_dists, halo_bytes, spatial_roles,
+)
 from distconv.ops.base import (
     SAMPLE_GRIDS, SIGNAL_GRIDS, VOLUME_GRIDS, PriceContext, Sample, SampleNet,
 )
 from distconv.ops.linear import LinearHandler, compute
-from distconv.ops.pricing import CommStep, largest_block
+from distconv.ops.pricing import CommStep, LayerReport, largest_block
 from distconv.parallel.placement import Placement, paper_grid
 from distconv.redistribute import plan_redistribution
 
-__all__ = ["ConvNdHandler"]
+__all__ = ["ConvNdHandler", "layer_report", "refusal"]
 
 
 def _roles(module: Any) -> dict[str, str]:
@@ -43,6 +46,69 @@ def _dists(algorithm: str, module: Any, layout: Any = ()) -> dict[str, Any]:
     grouped = module.groups > 1 and ext.get("C", 1) * ext.get("F", 1) > 1
     return conv_nd_dists(algorithm, _roles(module), module.weight.dim() - 2,
                          bool(module.transposed), grouped)
+
+
+def refusal(module: Any, layout: Any, algorithm: str, in_shape: Sequence[int]) -> str | None:
+    """Why ``module`` (a ``Conv1d``, ``Conv3d`` or transposed convolution) cannot run with
+    ``algorithm`` on the grid ``layout`` for the global input ``in_shape``, or None where it can:
+    the rules :class:`~distconv.nn.conv_nd.DistConvNd` and its halo plans keep (every rank at
+    least one sample, channel and filter, channel blocks holding whole groups, every rank at least
+    one input and one output row on each split spatial dim)."""
+    ext = {d: e for d, e in layout if e > 1}
+    rows = spatial_roles(module.weight.dim() - 2)
+    stray = sorted(set(ext) - {"N", "C", "F", *rows})
+    if stray:
+        return f"grid dims {stray} split no dim of a {type(module).__name__}"
+    if algorithm in ("sample", "spatial") and {"C", "F"} & set(ext):
+        return f"{algorithm} splits samples and spatial dims only"
+    if algorithm == "sample" and set(ext) - {"N"}:
+        return "sample splits samples only"
+    c, f = ext.get("C", 1), ext.get("F", 1)
+    if algorithm == "stationary-x" and f > 1 or algorithm == "stationary-y" and c > 1:
+        return f"{algorithm} cannot split {'filters' if f > 1 else 'channels'}"
+    if ext.get("N", 1) > in_shape[0]:
+        return f"N={ext['N']} exceeds the batch {in_shape[0]}"
+    if c > module.in_channels or f > module.out_channels:
+        return f"C={c}, F={f} exceed the {module.in_channels} channels or {module.out_channels} " \
+               "filters"
+    if module.groups > 1 and module.groups % (c * f):
+        return f"{c * f} channel blocks would not hold whole groups (groups={module.groups})"
+    for row, d in zip(rows, conv_nd_dims(module, in_shape)):
+        if ext.get(row, 1) > 1:
+            try:
+                HaloPlan(d, ext[row], module.padding_mode).check(row)
+            except ValueError as exc:
+                return str(exc)
+    return None
+
+
+def layer_report(module: Any, layout: Any, algorithm: str, in_shape: Sequence[int],
+                 out_shape: Sequence[int], *, ranks: Sequence[int], itemsize: int = 4,
+                 machine: Any = None, grad_in: bool = True) -> LayerReport:
+    """The report ``explain`` gives ``module`` placed with ``algorithm`` on the grid ``layout``
+    (as a config entry places it: ``sample`` sample-parallel with full weights, ``spatial`` and
+    the stationary algorithms split): its distributions, the collectives with the bytes each of
+    ``ranks`` receives, its blocks and its compute seconds on ``machine`` (None: bytes only), by
+    :meth:`ConvNdHandler.price` itself -- what the planner weighs a candidate with."""
+    from distconv.parallel.graph import LayerSpec, Step, sample_dist
+
+    layout = tuple(layout)
+    kind = type(module).__name__
+    report = LayerReport(kind, kind, str(dict(layout)), algorithm, {})
+    if algorithm == "sample":
+        need = Placement(layout, sample_dist(len(in_shape)))
+        step = Step(None, "sample-layer", Placement(layout, sample_dist(len(out_shape))),
+                    {"x": need}, LayerSpec("linear", kind, layout, "sample", input=need))
+    else:
+        run = "stationary-x" if algorithm == "spatial" else algorithm
+        d = _dists(run, module, layout)
+        need = Placement(layout, d["input"])
+        step = Step(None, "conv", Placement(layout, d["output"]), {"x": need},
+                    LayerSpec("conv-nd", kind, layout, run, tuple(sorted(_roles(module).items())),
+                              need))
+    ctx = PriceContext(tuple(in_shape), itemsize, list(ranks), grad_in, machine, tuple(out_shape))
+    ConvNdHandler().price(report, step, module, ctx)
+    return report
 
 
 class ConvNdHandler(LinearHandler):
