@@ -13,13 +13,14 @@ global sizes, so all ranks take the same collective path; when no rank needs ano
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
 from distconv.conv_geometry import HaloPlan
 
-__all__ = ["HaloExchange", "halo_accumulate", "halo_adjoint", "halo_exchange", "halo_forward",
+__all__ = ["HaloExchange", "halo_accumulate", "halo_accumulate_start", "halo_adjoint",
+           "halo_exchange", "halo_forward", "halo_parts_start",
            "halo_parts", "haloed"]
 
 
@@ -30,10 +31,12 @@ def _with_len(t: torch.Tensor, dim: int, n: int) -> tuple[int, ...]:
 
 
 def _swap_rows(
-    t: torch.Tensor, comm: Any, parts: int, dim: int, outgoing: Any, incoming: Any, meta: str
-) -> list[torch.Tensor]:
+    t: torch.Tensor, comm: Any, parts: int, dim: int, outgoing: Any, incoming: Any, meta: str,
+    async_op: bool = False,
+) -> Any:
     """One all-to-all: rows ``outgoing(q) = (offset, count)`` of ``t`` go to rank ``q``, and
-    ``incoming(q)`` rows arrive from it (nothing to or from this rank itself)."""
+    ``incoming(q)`` rows arrive from it (nothing to or from this rank itself). ``async_op``:
+    return the started operation (the rows sent are copied when it starts)."""
     r = comm.rank
     chunks, shapes = [], []
     for q in range(parts):
@@ -44,7 +47,7 @@ def _swap_rows(
         off, cnt = outgoing(q)
         chunks.append(t.narrow(dim, off, cnt).contiguous())
         shapes.append(_with_len(t, dim, incoming(q)))
-    return comm.alltoall(chunks, recv_shapes=shapes, meta=meta)
+    return comm.alltoall(chunks, recv_shapes=shapes, meta=meta, async_op=async_op)
 
 
 def halo_parts(x: torch.Tensor, comm: Any, plan: HaloPlan, dim: int
@@ -52,29 +55,41 @@ def halo_parts(x: torch.Tensor, comm: Any, plan: HaloPlan, dim: int
     """Zero padding: the rank's local input is ``cat([before, x.narrow(dim, *own), after])`` --
     global padding and the halo rows from lower ranks, the own rows it reads, the halo rows from
     higher ranks and padding. Returns ``(before, own, after)`` (one all-to-all)."""
+    return halo_parts_start(x, comm, plan, dim)()
+
+
+def halo_parts_start(x: torch.Tensor, comm: Any, plan: HaloPlan, dim: int
+                     ) -> Callable[[], tuple[torch.Tensor, tuple[int, int], torch.Tensor]]:
+    """:func:`halo_parts` with its all-to-all started now: call the result to wait for it and
+    get ``(before, own, after)`` (compute that needs no halo row runs in between)."""
     r = comm.rank
     own = plan.send_rows(r, r)
-    before, after = [], []
-    if plan.exchanges:
-        recv = _swap_rows(
-            x, comm, plan.parts, dim, lambda q: plan.send_rows(r, q),
-            lambda q: plan.recv_rows(q, r)[1], f"halo exchange dim {dim}",
-        )
-        for q in range(plan.parts):  # the owners' blocks are in rank order
-            if q != r and recv[q].shape[dim]:
-                (before if q < r else after).append(recv[q])
-    pad_before, pad_after = plan.pad[r]
-    if pad_before:
-        before.insert(0, x.new_zeros(_with_len(x, dim, pad_before)))
-    if pad_after:
-        after.append(x.new_zeros(_with_len(x, dim, pad_after)))
+    work = _swap_rows(
+        x, comm, plan.parts, dim, lambda q: plan.send_rows(r, q),
+        lambda q: plan.recv_rows(q, r)[1], f"halo exchange dim {dim}", async_op=True,
+    ) if plan.exchanges else None
 
-    def joined(pieces: list[torch.Tensor]) -> torch.Tensor:
-        if not pieces:
-            return x.new_zeros(_with_len(x, dim, 0))
-        return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim)
+    def finish() -> tuple[torch.Tensor, tuple[int, int], torch.Tensor]:
+        before, after = [], []
+        if work is not None:
+            recv = work.wait()
+            for q in range(plan.parts):  # the owners' blocks are in rank order
+                if q != r and recv[q].shape[dim]:
+                    (before if q < r else after).append(recv[q])
+        pad_before, pad_after = plan.pad[r]
+        if pad_before:
+            before.insert(0, x.new_zeros(_with_len(x, dim, pad_before)))
+        if pad_after:
+            after.append(x.new_zeros(_with_len(x, dim, pad_after)))
 
-    return joined(before), own, joined(after)
+        def joined(pieces: list[torch.Tensor]) -> torch.Tensor:
+            if not pieces:
+                return x.new_zeros(_with_len(x, dim, 0))
+            return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim)
+
+        return joined(before), own, joined(after)
+
+    return finish
 
 
 def _exchange_forward(x: torch.Tensor, comm: Any, plan: HaloPlan, dim: int) -> torch.Tensor:
@@ -94,23 +109,36 @@ def halo_accumulate(g: torch.Tensor, comm: Any, plan: HaloPlan, dim: int) -> tor
     ``g`` is the gradient of the local (haloed, padded) input. Halo rows go back to their owners,
     which add them into their own rows; padding rows are dropped.
     """
+    return halo_accumulate_start(g, comm, plan, dim)(g)
+
+
+def halo_accumulate_start(g: torch.Tensor, comm: Any, plan: HaloPlan, dim: int
+                          ) -> Callable[[torch.Tensor], torch.Tensor]:
+    """:func:`halo_accumulate` with the halo rows of ``g`` sent now: the result takes the local
+    input's gradient again (its own rows may have grown since; its halo rows must not have) and
+    returns the owned block's."""
     r = comm.rank
-    owned = plan.owned[r][1] - plan.owned[r][0]
-    out = g.new_zeros(_with_len(g, dim, owned))
-    off, cnt = plan.send_rows(r, r)
-    if cnt:
-        out.narrow(dim, off, cnt).add_(g.narrow(dim, plan.recv_rows(r, r)[0], cnt))
-    if not plan.exchanges:
-        return out
-    recv = _swap_rows(
+    work = _swap_rows(
         g, comm, plan.parts, dim, lambda q: plan.recv_rows(q, r),
-        lambda q: plan.send_rows(r, q)[1], f"halo accumulate dim {dim}",
-    )
-    for q in range(plan.parts):
-        s_off, s_cnt = plan.send_rows(r, q)
-        if q != r and s_cnt:
-            out.narrow(dim, s_off, s_cnt).add_(recv[q])
-    return out
+        lambda q: plan.send_rows(r, q)[1], f"halo accumulate dim {dim}", async_op=True,
+    ) if plan.exchanges else None
+
+    def finish(g: torch.Tensor) -> torch.Tensor:
+        owned = plan.owned[r][1] - plan.owned[r][0]
+        out = g.new_zeros(_with_len(g, dim, owned))
+        off, cnt = plan.send_rows(r, r)
+        if cnt:
+            out.narrow(dim, off, cnt).add_(g.narrow(dim, plan.recv_rows(r, r)[0], cnt))
+        if work is None:
+            return out
+        recv = work.wait()
+        for q in range(plan.parts):
+            s_off, s_cnt = plan.send_rows(r, q)
+            if q != r and s_cnt:
+                out.narrow(dim, s_off, s_cnt).add_(recv[q])
+        return out
+
+    return finish
 
 
 def _index(rows: Sequence[int], device: torch.device) -> torch.Tensor:

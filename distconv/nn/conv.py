@@ -166,6 +166,13 @@ class DistConv2d(nn.Module):
             computes. The same bytes and the same sums; at most as many chunks as samples.
             Default 1 (not pipelined). Under autocast, or with a ``work_hook`` (distkfac), the
             layer runs unpipelined (the same result).
+        overlap: convolve the interior rows (whose windows lie in the rank's own rows) while
+            the halo rows travel, then the border rows; in backward the border rows' input
+            gradients first, the interior's while their halo part travels back
+            (:func:`distconv.nn.halo_conv.halo_conv`). For layers that split one of H, W (with a
+            kernel wider than one row there) and pad with zeros. The same bytes; the results
+            equal the unoverlapped layer's up to the order of sums. Default False. Under
+            autocast, with a ``work_hook`` or pipelined, the layer runs unoverlapped.
 
     Raises:
         ValueError: an unknown algorithm or padding mode, a grid dim without a role, a grid that
@@ -201,6 +208,7 @@ class DistConv2d(nn.Module):
         input_shape: Sequence[int] | None = None,
         init_seed: int | None = None,
         pipeline: int = 1,
+        overlap: bool = False,
     ) -> None:
         super().__init__()
         self.in_channels, self.out_channels = _positive(in_channels, "in_channels"), _positive(
@@ -271,6 +279,21 @@ class DistConv2d(nn.Module):
         #: Chunks of samples the local convolution is split into so that each chunk's
         #: collectives overlap the next chunk's compute (1: not pipelined).
         self.pipeline = pipeline
+        if not isinstance(overlap, bool):
+            raise TypeError(f"overlap must be a bool, got {overlap!r}")
+        split = [i for i, role in enumerate(spatial_dims) if self._ext(role) > 1]
+        if overlap and (len(split) != 1 or padding_mode != "zeros"
+                        or (self.kernel_size[split[0]] - 1) * self.dilation[split[0]] == 0):
+            raise ValueError(
+                f"overlap=True overlaps the halo exchange of one split spatial dim with the "
+                f"interior rows, but this layer on {dict(grid.layout)} splits "
+                f"{len(split)} of H, W" + (f" and pads with {padding_mode!r}"
+                                           if padding_mode != "zeros" else "")
+                + (" and reads one row there" if len(split) == 1 else "")
+                + "; use a grid that splits one of them, a kernel wider than one row there and "
+                "padding_mode='zeros', or overlap=False")
+        #: Whether the halo exchange overlaps the interior rows' convolution.
+        self.overlap = overlap
         #: Called after the local convolution as ``work_hook(layer, x, padding, y, y_shape)``:
         #: ``x`` the input the local convolution read (after the allgather over F and the halo
         #: exchange), ``padding`` the zero padding (left, right, top, bottom) it still applied,
@@ -643,7 +666,7 @@ class DistConv2d(nn.Module):
         if spec is None:
             spec = self._specs[geo.x_shape] = HaloConvSpec(
                 self._halo_comms, geo.halo, geo.explicit_pad, self.stride, geo.conv_padding,
-                self.dilation, self._local_groups)
+                self.dilation, self._local_groups, overlap=self.overlap)
         return spec
 
     def _check_input(self, x: object) -> None:
@@ -732,6 +755,8 @@ class DistConv2d(nn.Module):
             s += f", input_shape={self.input_shape}"
         if self.pipeline > 1:
             s += f", pipeline={self.pipeline}"
+        if self.overlap:
+            s += ", overlap=True"
         dists = (self.input_dist.format("x"), self.weight_dist.format("w"),
                  self.output_dist.format("y"))
         return s + ", x={}, w={}, y={}".format(*dists)

@@ -181,6 +181,13 @@ class DistConvNd(nn.Module):
         algorithm: ``'stationary-x'``, ``'stationary-y'`` or ``'stationary-w'``.
         channel_dim, filter_dim, sample_dim: the grid dims of those roles. Defaults
             ``"C"``, ``"F"``, ``"N"``.
+        overlap: convolve the interior rows while the halo rows travel, then the border rows
+            (backward: the border rows' input gradients first, the interior's while their halo
+            part travels back; :func:`~distconv.nn.halo_conv.halo_conv`). For a direct
+            convolution that splits one spatial dim (with a kernel wider than one row there)
+            and pads with zeros. The same bytes; the results equal the unoverlapped layer's up
+            to the order of sums. Default False. Under autocast, or with a ``work_hook``, the
+            layer runs unoverlapped.
 
     Raises:
         ValueError: an unknown algorithm, a grid dim without a role, a grid the algorithm cannot
@@ -194,7 +201,8 @@ class DistConvNd(nn.Module):
     """
 
     def __init__(self, conv: nn.Module, *, grid: ProcessorGrid, algorithm: str,
-                 channel_dim: str = "C", filter_dim: str = "F", sample_dim: str = "N") -> None:
+                 channel_dim: str = "C", filter_dim: str = "F", sample_dim: str = "N",
+                 overlap: bool = False) -> None:
         super().__init__()
         if not isinstance(conv, CONVOLUTIONS):
             raise TypeError(f"conv must be one of {[c.__name__ for c in CONVOLUTIONS]}, got "
@@ -270,6 +278,22 @@ class DistConvNd(nn.Module):
         #: padding, y, y_shape)`` (:class:`~distconv.nn.DistConv2d`'s; distkfac reads its factors
         #: here). Default None.
         self.work_hook: Any = None
+        if not isinstance(overlap, bool):
+            raise TypeError(f"overlap must be a bool, got {overlap!r}")
+        split = [i for i, d in enumerate(self.spatial_dims) if d is not None]
+        if overlap and (self.transposed or len(split) != 1 or self.padding_mode != "zeros"
+                        or (conv.kernel_size[split[0]] - 1) * conv.dilation[split[0]] == 0):
+            raise ValueError(
+                f"overlap=True overlaps the halo exchange of one split spatial dim with the "
+                f"interior rows, but this {kind} on {dict(grid.layout)} "
+                + ("is transposed" if self.transposed else
+                   f"splits {len(split)} spatial dims" if len(split) != 1 else
+                   f"pads with {self.padding_mode!r}" if self.padding_mode != "zeros" else
+                   "reads one row of the split dim")
+                + "; use a direct convolution that splits one spatial dim, with a kernel wider "
+                "than one row there and zero padding, or overlap=False")
+        #: Whether the halo exchange overlaps the interior rows' convolution.
+        self.overlap = overlap
         self._checked: dict[tuple[Any, Any], _Geometry] = {}
         # sub-communicators are created collectively, in the same order on every rank
         self._halo_comms = tuple(grid.subcomm([d]) if d else None for d in self.spatial_dims)
@@ -284,10 +308,10 @@ class DistConvNd(nn.Module):
 
     @classmethod
     def from_module(cls, conv: nn.Module, *, grid: ProcessorGrid, algorithm: str,
-                    **roles: str) -> DistConvNd:
-        """Shard ``conv`` (the same on every rank) onto ``grid``; ``roles`` as the constructor's
-        ``channel_dim``, ``filter_dim``, ``sample_dim``."""
-        return cls(conv, grid=grid, algorithm=algorithm, **roles)
+                    **options: Any) -> DistConvNd:
+        """Shard ``conv`` (the same on every rank) onto ``grid``; ``options`` as the
+        constructor's (``channel_dim``, ``filter_dim``, ``sample_dim``, ``overlap``)."""
+        return cls(conv, grid=grid, algorithm=algorithm, **options)
 
     def _shard_specs(self) -> dict[str, ShardSpec]:
         specs = {"weight": ShardSpec(self.grid, self.weight_dist, self.weight_shape)}
@@ -351,7 +375,7 @@ class DistConvNd(nn.Module):
             conv_padding, out_pad = self._conv_args(geo)
             geo = dataclasses.replace(geo, spec=HaloConvSpec(
                 self._halo_comms, geo.plans, geo.explicit, self.stride, conv_padding,
-                self.dilation, self._local_groups, self.transposed, out_pad))
+                self.dilation, self._local_groups, self.transposed, out_pad, self.overlap))
         if len(self._geometries) > 64:
             self._geometries.clear()
         self._geometries[shape] = geo
@@ -476,5 +500,5 @@ class DistConvNd(nn.Module):
         return (f"{self.kind}({self.in_channels}, {self.out_channels}), "
                 f"grid={dict(self.grid.layout)}, algorithm={self.algorithm!r}, "
                 f"x={self.input_dist.format('x')}, w={self.weight_dist.format('w')}, "
-                f"y={self.output_dist.format('y')}")
+                f"y={self.output_dist.format('y')}" + (", overlap=True" if self.overlap else ""))
 

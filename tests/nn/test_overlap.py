@@ -1,0 +1,192 @@
+"""Halo exchange overlapped with the interior rows' convolution (``overlap=True``) equals the
+unoverlapped layer and one process, and moves the same bytes.
+
+With small integers in float64 every sum is exact whatever its order, so there the overlapped
+layer must equal the unoverlapped one and ``nn.Conv2d`` bitwise: a row convolved twice, dropped,
+or a halo gradient sent before all of it was summed shows. With random reals the pieces'
+convolutions may sum in another order, so there the results agree within the dtype's tolerance.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from distconv.grid import ProcessorGrid
+from distconv.nn import DistConv2d
+from distconv.nn.conv_nd import DistConvNd
+from distconv.redistribute import gather
+from distconv.testing import run_threads
+from tests.nn.conv_cases import ConvCase, reference
+from tests.nn.test_conv import RELAXED, conv_cases
+from tests.nn.test_pipeline import check, integer_reference
+
+
+def _kinds(y: torch.Tensor) -> set[str]:
+    return {type(y.grad_fn).__name__} if y.grad_fn is not None else set()
+
+
+def run_both(comm, case: ConvCase, ref: dict) -> dict:  # noqa: ANN001
+    """``case`` without and with ``overlap=True`` on this rank: both layers' local results, the
+    bytes each moved, whether the overlapped step ran, and the gathered overlapped results."""
+    from distconv.nn import halo_conv
+
+    grid = ProcessorGrid(dict(case.grid), comm=comm)
+    shape = case.input_shape
+    out, ran = {}, []
+    original = halo_conv._HaloConv._overlapped_forward
+
+    def spy(*args, **kw):  # noqa: ANN002, ANN003, ANN202
+        ran.append(True)
+        return original(*args, **kw)
+
+    for name, overlap in (("plain", False), ("pipelined", True)):
+        layer = DistConv2d.from_conv2d(ref["conv"], grid=grid, algorithm=case.algorithm,
+                                       overlap=overlap)
+        y_shape = layer.output_shape(shape)
+        x = ref["x"][layer.input_dist.local_slices(shape, grid)].clone().requires_grad_(True)
+        comm.stats.reset()
+        halo_conv._HaloConv._overlapped_forward = staticmethod(spy)  # type: ignore[assignment]
+        try:
+            y = layer(x, shape)
+        finally:
+            halo_conv._HaloConv._overlapped_forward = staticmethod(original)  # type: ignore
+        y.backward(ref["g"][layer.output_dist.local_slices(y_shape, grid)])
+        layer.finish_grad_sync()
+        out[name] = {"ran pipelined": bool(ran) and overlap,
+                     "bytes": {op: b for op, b in comm.stats.snapshot()["bytes"].items() if b},
+                     "y": y.detach(), "dx": x.grad, "dw": layer.weight.grad,
+                     "db": None if layer.bias is None else layer.bias.grad}
+    p = out["pipelined"]
+    out["global"] = {"y": gather(p["y"], layer.output_dist, grid, y_shape),
+                     "dx": gather(p["dx"], layer.input_dist, grid, shape),
+                     "dw": gather(p["dw"], layer.weight_dist, grid, layer.weight_shape)}
+    return out
+
+
+@st.composite
+def overlapped_cases(draw: st.DrawFn) -> tuple[ConvCase, bool]:
+    case = draw(conv_cases())
+    ext = dict(case.grid)
+    split = [d for d in ("H", "W") if ext.get(d, 1) > 1]
+    kernel = case.conv["kernel_size"]
+    assume(len(split) == 1 and case.conv.get("padding_mode", "zeros") == "zeros")
+    i = ("H", "W").index(split[0])
+    assume((kernel[i] - 1) * case.conv["dilation"][i] > 0)
+    # rows enough that most ranks have interior rows (a few without: no overlap, still exact)
+    size = draw(st.integers(3 * ext[split[0]] * kernel[i], 4 * ext[split[0]] * kernel[i] + 3))
+    case = dataclasses.replace(case, **{("height", "width")[i]: size})
+    return case, draw(st.booleans())
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=RELAXED)
+@given(overlapped_cases())
+def test_overlapped_layer_equals_the_unoverlapped_one(drawn: tuple[ConvCase, bool]) -> None:
+    case, exact = drawn
+    ref = integer_reference(case) if exact else reference(case)
+    results = run_threads(run_both, case.size, case, ref)
+    for res in results:  # ranks without interior rows run the one convolution
+        res["pipelined"]["ran pipelined"] = True
+    check(case, ref, results, bitwise=exact)
+
+
+def test_the_overlapped_step_runs_where_a_rank_has_interior_rows() -> None:
+    case = ConvCase((("H", 2), ("C", 2)), "stationary-x", 3, 4, 5, 16, 6,
+                    {"kernel_size": 3, "padding": 1, "stride": 1, "dilation": (1, 1)})
+    ref = integer_reference(case)
+    results = run_threads(run_both, case.size, case, ref)
+    assert all(r["pipelined"]["ran pipelined"] for r in results)
+    check(case, ref, results, bitwise=True)
+
+
+#: Fixed cases for real worlds (4 ranks): rows and columns split, strides, dilation, a halo
+#: reaching across a rank (more halo rows than one neighbour owns)
+REAL = [
+    ConvCase((("N", 2), ("H", 2)), "stationary-x", 3, 3, 4, 13, 6,
+             {"kernel_size": 3, "padding": 1, "stride": 1, "dilation": (1, 1)}),
+    ConvCase((("W", 4),), "stationary-x", 2, 3, 4, 5, 23,
+             {"kernel_size": (3, 5), "padding": 2, "stride": (1, 2), "dilation": (1, 1)}),
+    ConvCase((("C", 2), ("H", 2)), "stationary-w", 2, 4, 4, 17, 5,
+             {"kernel_size": 3, "padding": 2, "stride": 1, "dilation": (2, 1)}),
+]
+
+
+def run_real(comm) -> list[dict]:  # noqa: ANN001
+    return [run_both(comm, case, ref(case)) for case in REAL
+            for ref in (integer_reference, reference)]
+
+
+def _check_real(per_rank: list[list[dict]]) -> None:
+    for i, case in enumerate(REAL):
+        for j, (ref, exact) in enumerate(((integer_reference, True), (reference, False))):
+            check(case, ref(case), [rank[2 * i + j] for rank in per_rank], bitwise=exact)
+
+
+@pytest.mark.gloo
+def test_overlapped_layers_on_gloo(gloo4) -> None:  # noqa: ANN001
+    _check_real(gloo4.run(run_real))
+
+
+@pytest.mark.mpi
+def test_overlapped_layers_on_mpi(mpi4) -> None:  # noqa: ANN001
+    _check_real(mpi4.run(run_real))
+
+
+def _volume(comm, conv: nn.Module, shape: tuple, grid: dict, overlap: bool):  # noqa: ANN001
+    g = ProcessorGrid(grid, comm=comm)
+    layer = DistConvNd.from_module(conv, grid=g, algorithm="stationary-x", overlap=overlap)
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randint(-3, 4, shape, generator=gen).double()
+    y_shape = layer.output_shape(shape)
+    dy = torch.randint(-3, 4, y_shape, generator=gen).double()
+    xl = x[layer.input_dist.local_slices(shape, g)].clone().requires_grad_(True)
+    y = layer(xl, shape)
+    y.backward(dy[layer.output_dist.local_slices(y_shape, g)])
+    return y.detach(), xl.grad, layer.weight.grad, layer.bias.grad, comm.stats.snapshot()["bytes"]
+
+
+@pytest.mark.parametrize("conv, shape, grid", [
+    (nn.Conv3d(2, 3, 3, padding=1), (2, 2, 11, 4, 3), {"D": 2, "N": 2}),
+    (nn.Conv1d(3, 2, 5, padding=2, stride=2), (3, 3, 29), {"W": 3}),
+])
+def test_an_overlapped_volume_or_signal_layer_equals_the_unoverlapped_one(
+        conv, shape, grid) -> None:  # noqa: ANN001
+    conv = conv.double()
+    size = 1
+    for e in grid.values():
+        size *= e
+    plain = run_threads(_volume, size, conv, shape, grid, False)
+    over = run_threads(_volume, size, conv, shape, grid, True)
+    for a, b in zip(plain, over):
+        for u, v in zip(a[:4], b[:4]):
+            assert torch.equal(u, v)
+        assert a[4] == b[4]
+
+
+@pytest.mark.parametrize("grid, kw, message", [
+    ({"N": 2}, {}, "splits 0 of H, W"),
+    ({"H": 2, "W": 2}, {}, "splits 2 of H, W"),
+    ({"H": 2}, {"padding_mode": "reflect", "padding": 1}, "pads with 'reflect'"),
+    ({"H": 2}, {"kernel_size": (1, 3)}, "reads one row there"),
+])
+def test_overlap_without_one_split_dim_to_overlap_is_refused(grid, kw, message) -> None:  # noqa: ANN001
+    def build(comm):  # noqa: ANN001, ANN202
+        options = {"kernel_size": 3, **kw}
+        with pytest.raises(ValueError, match=message):
+            DistConv2d(4, 4, options.pop("kernel_size"), grid=ProcessorGrid(grid, comm=comm),
+                       algorithm="stationary-x", overlap=True, **options)
+        with pytest.raises(TypeError, match="overlap must be a bool"):
+            DistConv2d(4, 4, 3, grid=ProcessorGrid(grid, comm=comm), algorithm="stationary-x",
+                       overlap=1)
+    run_threads(build, 2 if len(grid) == 1 else 4)
+
+
+def test_repr_shows_the_overlap() -> None:
+    reprs = run_threads(lambda c: repr(DistConv2d(4, 4, 3, grid=ProcessorGrid({"H": 2}, comm=c),
+                                                  algorithm="stationary-x", overlap=True)), 2)
+    assert "overlap=True" in reprs[0]
