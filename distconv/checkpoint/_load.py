@@ -86,7 +86,8 @@ def load(
         raise TypeError(f"comm must be a distconv Communicator, got {type(comm).__name__}")
     sections = sections_for(model, optimizer, states)
     with _Files(as_path(path), verify=check_flag(verify, "verify")) as files:
-        mine = _rank_entry(files, comm or _model_comm(sections[0])) if rank_extra else None
+        if rank_extra:  # refused on another world size before anything is loaded
+            mine = _rank_entry(files, comm if comm is not None else _model_comm(sections[0]))
         for section in sections:
             _load_section(section, files, strict)
         extra = sections[-1].loaded  # type: ignore[attr-defined]
