@@ -9,14 +9,19 @@ joined by a residual add or by a channel concatenation). Every convolution choos
 * ``sample``: grid ``{N: P}``;  ``spatial``: ``{N, H}`` or ``{N, H, W}``;
 * ``stationary-x``: ``{N, C}``;  ``stationary-y``: ``{N, F}``;  ``stationary-w``: ``{N, C, F}``,
 
-with the model-parallel dims **last**, so channel groups sit inside a socket or node. Dynamic
-programming runs over the chain with the distribution of the activation between units as the
-state; inside a block, for every entry state, a chain DP over the main branch and the cheapest
-skip (its redistribution, or its convolutions) give the block's cost to every exit state. The
-operands meet as the executor joins them: where the other reaches with fewer bytes (at a cat, among
-the operands' placements with the channels whole).
+with the model-parallel dims **last**, so channel groups sit inside a socket or node. A
+``Conv1d``, ``Conv3d`` or transposed convolution chooses the same way, its spatial splits over
+its own spatial dims (``D``, ``H``, ``W`` of a volume, ``W`` of a signal; every split of the
+ranks among them) and its candidates kept where it can run them
+(:func:`distconv.ops.conv_nd.refusal`). Dynamic programming runs over the chain with the
+distribution of the activation between units as the state; inside a block, for every entry
+state, a chain DP over the main branch and the cheapest skip (its redistribution, or its
+convolutions) give the block's cost to every exit state. The operands meet as the executor joins
+them: where the other reaches with fewer bytes (at a cat, among the operands' placements with the
+channels whole).
 
-Costs (seconds, slowest rank): each layer's :func:`~distconv.perfmodel.conv_cost` on the machine,
+Costs (seconds, slowest rank): each Conv2d's :func:`~distconv.perfmodel.conv_cost` on the machine
+(another convolution's: its op handler's price, :func:`distconv.ops.conv_nd.layer_report`),
 split into forward, backward on the critical path, and the gradient allreduce; the bytes of every
 redistribution between consecutive choices exactly as the executor moves them
 (:func:`transition_bytes`), forward and its adjoint. The DP charges each allreduce a weight
@@ -24,10 +29,11 @@ redistribution between consecutive choices exactly as the executor moves them
 allreduces overlap the rest of backward, and the fastest kept. A per-rank memory limit (parameters,
 gradients, optimizer state, stored activations) is met by a Lagrange multiplier on memory.
 
-That search sees the convolutions and what moves between them; the plan it returns is then priced
-by the op handlers, as ``explain`` prices it (every layer's collectives, BatchNorm statistics,
-the gradient buckets, on the same two-stream timeline: :func:`distconv.ops.pricing.timeline`), so
-``Plan.step_time`` is the price ``explain`` gives the same config on the same machine.
+That search sees the convolutions and what moves between them; the plans it returns (and every
+uniform plan: one grid and algorithm for all convolutions) are then priced by the op handlers,
+as ``explain`` prices it (every layer's collectives, BatchNorm statistics, the gradient buckets,
+on the same two-stream timeline: :func:`distconv.ops.pricing.timeline`), so ``Plan.step_time``
+is the price ``explain`` gives the same config on the same machine.
 """
 
 from __future__ import annotations
@@ -948,12 +954,10 @@ def plan_network(
     pick, ev, lam = best
     pick, ev = _refine(m, pick, ev, limit)
     # the search's finalists, priced by the op handlers: the refined plan, the DP's plan at each
-    # allreduce weight, and pure sample parallelism; the cheapest that fits is the plan
-    finalists = [pick, *m.picks]
-    sample = {c.name: next((ch for ch in m.options[c.name] if ch.algorithm == "sample"), None)
-              for c in net.convs}
-    if all(sample.values()):
-        finalists.append(sample)
+    # allreduce weight, and every uniform plan (one grid and algorithm for every layer that can
+    # take it: pure sample parallelism among them), which weighs what the search does not see
+    # (normalisations, pooling, the head's input); the cheapest that fits is the plan
+    finalists = [pick, *m.picks, *_uniform(m)]
     plans: dict[tuple, tuple[Plan, dict[str, Choice]]] = {}
     for p in finalists:
         p = _pipelined(m, p)
@@ -971,6 +975,15 @@ def plan_network(
     plan.notes.append(f"allreduce weight in the DP: {lam}; {len(plans)} finalist plan(s) priced "
                       "by the op handlers, the cheapest kept")
     return plan
+
+
+def _uniform(m: _Model) -> list[dict[str, Choice]]:
+    """Per grid and algorithm that every convolution can take, the plan giving it to all."""
+    convs = m.net.convs
+    keys = [{(ch.grid, ch.algorithm): ch for ch in m.options[c.name]} for c in convs]
+    common = set(keys[0]).intersection(*keys[1:]) if keys else set()
+    return [{c.name: k[key] for c, k in zip(convs, keys)}
+            for key in sorted(common, key=lambda g: (g[1], g[0]))]
 
 
 #: the chunk counts the planner tries for a layer whose collectives pipelining can overlap

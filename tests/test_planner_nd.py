@@ -20,11 +20,19 @@ from distconv.testing import run_threads
 from tests.parallel.cases import TOL, counted_step
 
 
+def _signal() -> nn.Module:
+    """A Conv1d and a grouped ConvTranspose1d doubling the length."""
+    return nn.Sequential(nn.Conv1d(3, 8, 5, padding=2), nn.ReLU(),
+                         nn.ConvTranspose1d(8, 4, 4, stride=2, padding=1, groups=2))
+
+
 def _case(name: str, shape: tuple[int, ...]) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
     torch.manual_seed(7)
     if name == "unet":
         model, classes = models.unet3d(in_channels=shape[1], base=2, depth=1), 2
         target = (shape[0], *shape[2:])
+    elif name == "signal":
+        model, classes, target = _signal(), 4, (shape[0], 2 * shape[2])
     else:
         model, classes = models.cosmoflow_mini(in_channels=shape[1], size=shape[2]), 4
         target = (shape[0],)
@@ -50,7 +58,8 @@ def _planned_step(comm: Any, explained: list, case: tuple, config: dict) -> dict
 
 @pytest.mark.parametrize("name, shape", [("unet", (2, 1, 8, 8, 8)), ("unet", (1, 1, 8, 8, 8)),
                                          ("cosmoflow", (2, 4, 8, 8, 8)),
-                                         ("cosmoflow", (1, 4, 8, 8, 8))])
+                                         ("cosmoflow", (1, 4, 8, 8, 8)),
+                                         ("signal", (1, 3, 16)), ("signal", (2, 3, 16))])
 def test_the_planned_3d_network_trains_as_one_process_moving_what_explain_says(name, shape
                                                                                ) -> None:  # noqa: ANN001
     case = _case(name, shape)
@@ -61,3 +70,68 @@ def test_the_planned_3d_network_trains_as_one_process_moving_what_explain_says(n
     for r in run_threads(_planned_step, 4, explained, case, config):
         assert r["out"] < TOL and r["grads"] < TOL, r
         assert r["counted"] == r["explained"], r
+
+
+#: one grid and algorithm for every convolution: the pure alternatives to a plan
+PURE = [({"N": 4}, "sample"), ({"D": 4}, "spatial"), ({"D": 2, "H": 2}, "spatial"),
+        ({"N": 2, "D": 2}, "spatial"), ({"H": 4}, "spatial"), ({"C": 4}, "stationary-x"),
+        ({"F": 4}, "stationary-y"), ({"C": 2, "F": 2}, "stationary-w"),
+        ({"N": 2, "C": 2}, "stationary-x"), ({"N": 2, "F": 2}, "stationary-y")]
+
+
+def _pure_prices(model: nn.Module, shape: tuple[int, ...], names: list[str]) -> dict[str, float]:
+    """``explain``'s step time on Lassen of each pure alternative the layers can all run."""
+    out = {}
+    for grid, algorithm in PURE:
+        config = {"layers": [{"match": n, "grid": grid, "algorithm": algorithm} for n in names]}
+        try:
+            ex = explain(model, config, shape, world_size=4, machine=lassen())
+        except ValueError:  # a layer cannot be split so (too few rows, channels or samples)
+            continue
+        out[f"{algorithm} {grid}"] = ex.timeline().step
+    return out
+
+
+def _priced_plan(model: nn.Module, shape: tuple[int, ...]) -> tuple[Any, dict[str, float]]:
+    plan = plan_network(model, shape, world_size=4, machine=lassen())
+    names = [lp.conv.name for lp in plan.layers]
+    priced = explain(model, plan.config(), shape, world_size=4, machine=lassen())
+    assert plan.step_time == priced.timeline().step  # one price for one plan
+    pure = _pure_prices(model, shape, names)
+    assert len(pure) >= 4, pure
+    for label, step in pure.items():
+        assert plan.step_time <= step * (1 + 1e-12), (label, step, plan.step_time, plan.config())
+    return plan, pure
+
+
+def test_a_large_volume_is_split_over_its_depth_rows_or_columns_and_no_dearer_than_any_pure_plan(
+        ) -> None:
+    """One 64³ volume on 4 ranks: samples cannot share it, and halos of a few channels cost far
+    less than gathering or reducing whole activations over channels or filters."""
+    torch.manual_seed(0)
+    plan, pure = _priced_plan(models.unet3d(in_channels=1, base=8, depth=1), (1, 1, 64, 64, 64))
+    chosen = {lp.conv.name: lp.choice for lp in plan.layers}
+    for name in ("down.0.0", "down.0.3"):
+        assert chosen[name].algorithm == "spatial", chosen
+    best_stationary = min(t for k, t in pure.items() if k.startswith("stationary"))
+    assert plan.step_time < best_stationary / 2, (plan.step_time, pure)
+
+
+@pytest.mark.parametrize("name, model, shape", [
+    ("unet", lambda: models.unet3d(in_channels=64, base=128, depth=1), (4, 64, 4, 4, 4)),
+    ("cosmoflow", lambda: models.cosmoflow_mini(in_channels=64, size=4, base=256),
+     (4, 64, 4, 4, 4)),
+])
+def test_a_tiny_wide_volume_is_split_over_channels_filters_or_samples_and_no_dearer_than_any_pure_plan(  # noqa: E501
+        name, model, shape) -> None:  # noqa: ANN001
+    """4³ volumes of hundreds of channels: the weights, not the activations, are what is large,
+    and halos would be most of each block."""
+    torch.manual_seed(0)
+    plan, _ = _priced_plan(model(), shape)
+    assert all(lp.choice.algorithm != "spatial" for lp in plan.layers), plan.config()
+    assert any(lp.choice.algorithm.startswith("stationary") for lp in plan.layers), plan.config()
+
+
+def test_a_large_cosmoflow_volume_is_planned_no_dearer_than_any_pure_plan() -> None:
+    torch.manual_seed(0)
+    _priced_plan(models.cosmoflow_mini(size=64, base=8), (1, 4, 64, 64, 64))
