@@ -63,7 +63,8 @@ from distconv.perfmodel import ConvProblem, conv_cost
 from distconv.redistribute import plan_redistribution
 
 __all__ = ["Choice", "ConvNode", "Block", "Network", "Plan", "trace_network", "candidates",
-           "layer_candidates", "transition_bytes", "transition_time", "plan_network", "predict", "explain"]
+           "layer_candidates", "transition_bytes", "transition_time", "plan_network", "predict",
+           "explain"]
 
 ACT = ("N", "C", "H", "W")
 ALGORITHMS = ("sample", "spatial", "stationary-x", "stationary-y", "stationary-w")
@@ -467,7 +468,8 @@ def layer_candidates(conv: ConvNode, world_size: int, *, max_model: int = 16,
 
 
 def _splits(m: int, rows: Sequence[str]) -> list[tuple[tuple[str, int], ...]]:
-    """Every way to split ``m`` ranks over some of ``rows`` (in their order), each by more than 1."""
+    """Every way to split ``m`` ranks over some of ``rows`` (in their order), each by more than
+    1."""
     if m == 1:
         return [()]
     out = []

@@ -60,8 +60,8 @@ def _planned_step(comm: Any, explained: list, case: tuple, config: dict) -> dict
                                          ("cosmoflow", (2, 4, 8, 8, 8)),
                                          ("cosmoflow", (1, 4, 8, 8, 8)),
                                          ("signal", (1, 3, 16)), ("signal", (2, 3, 16))])
-def test_the_planned_3d_network_trains_as_one_process_moving_what_explain_says(name, shape
-                                                                               ) -> None:  # noqa: ANN001
+def test_the_planned_network_trains_as_one_process_moving_what_explain_says(
+        name, shape) -> None:  # noqa: ANN001
     case = _case(name, shape)
     plan = plan_network(case[0], shape, world_size=4, machine=lassen(), itemsize=8)
     config = plan.config()
@@ -104,8 +104,7 @@ def _priced_plan(model: nn.Module, shape: tuple[int, ...]) -> tuple[Any, dict[st
     return plan, pure
 
 
-def test_a_large_volume_is_split_over_its_depth_rows_or_columns_and_no_dearer_than_any_pure_plan(
-        ) -> None:
+def test_a_large_volume_is_split_over_space_no_dearer_than_any_pure_plan() -> None:
     """One 64³ volume on 4 ranks: samples cannot share it, and halos of a few channels cost far
     less than gathering or reducing whole activations over channels or filters."""
     torch.manual_seed(0)
@@ -122,7 +121,7 @@ def test_a_large_volume_is_split_over_its_depth_rows_or_columns_and_no_dearer_th
     ("cosmoflow", lambda: models.cosmoflow_mini(in_channels=64, size=4, base=256),
      (4, 64, 4, 4, 4)),
 ])
-def test_a_tiny_wide_volume_is_split_over_channels_filters_or_samples_and_no_dearer_than_any_pure_plan(  # noqa: E501
+def test_a_tiny_wide_volume_is_split_over_channels_filters_or_samples_no_dearer_than_pure(
         name, model, shape) -> None:  # noqa: ANN001
     """4³ volumes of hundreds of channels: the weights, not the activations, are what is large,
     and halos would be most of each block."""
