@@ -14,6 +14,7 @@ from typing import Any, Sequence
 from torch import nn
 
 from distconv.nn.conv import DistConv2d, conv_dists
+from distconv.nn.conv_nd import spatial_roles
 from distconv.ops.base import SAMPLE_GRIDS, Handler, PriceContext, Sample, SampleNet
 from distconv.ops.pricing import CommStep, largest_block
 from distconv.parallel.placement import Placement, paper_grid
@@ -56,6 +57,33 @@ def memory_elements(layout: Any, dists: dict[str, Any], conv: Any,
     return params, kept
 
 
+def _overlap(an: Any, node: Any, module: Any, choice: Any, ext: dict[str, int]) -> bool:
+    """Whether the layer overlaps its halo exchange with its interior rows (``overlap`` in its
+    config entry): where it splits one spatial dim with a halo and pads with zeros; a layer
+    entry that asks for it elsewhere is refused, the default's applies where it can."""
+    if not choice.overlap:
+        return False
+    rows = spatial_roles(module.weight.dim() - 2)
+    split = [i for i, d in enumerate(rows) if ext.get(d, 1) > 1]
+    kernel = _as_tuple(module.kernel_size, len(rows))
+    dilation = _as_tuple(module.dilation, len(rows))
+    transposed = isinstance(module, nn.modules.conv._ConvTransposeNd)
+    if (len(split) == 1 and module.padding_mode == "zeros" and not transposed
+            and (kernel[split[0]] - 1) * dilation[split[0]] > 0):
+        return True
+    if choice.overlap == "required":
+        an.fail(node, f"{choice.source} asks for overlap, but this {type(module).__name__} on "
+                f"{dict(choice.layout)} has no halo of one split spatial dim to overlap (it "
+                "needs exactly one split spatial dim, a kernel wider than one row there, zero "
+                "padding and a direct convolution); leave overlap out for it, or put it in the "
+                "default entry (which applies where it can)", ValueError)
+    return False
+
+
+def _as_tuple(value: Any, k: int) -> tuple[int, ...]:
+    return tuple(value) if isinstance(value, (tuple, list)) else (value,) * k
+
+
 class ConvHandler(Handler):
     modules = (nn.Conv2d,)
 
@@ -90,7 +118,8 @@ class ConvHandler(Handler):
         need = Placement(choice.layout, dists["input"])
         spec = LayerSpec("conv", name, choice.layout, algorithm,
                          tuple(sorted(roles.items())), need, choice.source,
-                         pipeline=choice.pipeline)
+                         pipeline=choice.pipeline,
+                         overlap=_overlap(an, node, module, choice, ext))
         out = Placement(choice.layout, dists["output"])
         return Step(node, "conv", out, {args[0]: need}, spec)
 
@@ -99,7 +128,7 @@ class ConvHandler(Handler):
         return DistConv2d.from_conv2d(
             module, grid=grid, algorithm=step.layer.algorithm, channel_dim=roles["C"],
             filter_dim=roles["F"], sample_dim=roles["N"], spatial_dims=(roles["H"], roles["W"]),
-            pipeline=step.layer.pipeline)
+            pipeline=step.layer.pipeline, overlap=step.layer.overlap)
 
     def param_dists(self, step: Any, module: Any) -> dict[str, Any]:
         d = _dists(step, module)
@@ -133,6 +162,8 @@ class ConvHandler(Handler):
                                              spec.layout, first.dims[key]))
         if spec.pipeline > 1:
             report.note = f"pipeline {spec.pipeline}"
+        elif spec.overlap:
+            report.note = "halo overlapped"
         if ctx.machine is not None:
             cost = conv_cost(problem, spec.layout, spec.algorithm, ctx.machine, **{
                 k: v for k, v in kw.items() if k != "input_grad"})

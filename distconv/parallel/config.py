@@ -30,6 +30,14 @@ A stationary-x, -y or -w entry may ask for ``pipeline: k``: the local convolutio
 chunks of each rank's samples, each chunk's collectives overlapping the next chunk's compute
 (:mod:`distconv.nn.pipeline`; the same bytes and results). Default 1.
 
+An entry whose convolutions split one spatial dim may ask for ``overlap: true``: the halo
+exchange runs while the interior rows are convolved, the border rows after it (in backward the
+border rows' gradients first, the interior's while their halo part travels back;
+:func:`distconv.nn.halo_conv.halo_conv`; the same bytes). A layer entry's ``overlap`` must apply
+to every convolution it matches (one split spatial dim with a halo, zero padding, a direct
+convolution): others are refused, naming the layer. The default entry's applies to the
+convolutions it can. Default false.
+
 Grids name dims among N (samples), C (channels), F (filters), D, H and W (depth, rows, columns:
 a volume's spatial dims are D, H, W, an image's H, W, a signal's W); their extents multiply to the
 world size. Algorithms: ``sample`` (grid ``{N: P}``), ``spatial`` (dims among N, D, H, W),
@@ -56,7 +64,8 @@ __all__ = ["ALGORITHMS", "GRID_DIMS", "STATISTICS", "LayerChoice", "ParallelConf
 GRID_DIMS = ("N", "C", "F", "D", "H", "W")
 ALGORITHMS = ("sample", "spatial", "stationary-x", "stationary-y", "stationary-w", "auto")
 _KEYS = frozenset({"default", "data", "layers"})
-_ENTRY_KEYS = frozenset({"match", "grid", "algorithm", "statistics", "checkpoint", "pipeline"})
+_ENTRY_KEYS = frozenset({"match", "grid", "algorithm", "statistics", "checkpoint", "pipeline",
+                         "overlap"})
 STATISTICS = ("global", "local")
 
 Layout = tuple[tuple[str, int], ...]
@@ -72,6 +81,9 @@ class LayerChoice:
     statistics: str | None = None  # BatchNorm statistics the entry asks for (None: not given)
     checkpoint: bool | None = None  # activation checkpointing the entry asks for (None: not given)
     pipeline: int = 1  # chunks of samples a stationary-x/-y/-w layer is pipelined over
+    #: halo exchange overlapped with the interior rows: "" (no), "required" (a layer entry:
+    #: every convolution it matches must be able to), "where possible" (the default entry)
+    overlap: str = ""
 
     @property
     def grid(self) -> dict[str, int] | None:
@@ -220,10 +232,16 @@ class ParallelConfig:
             # BatchNorm statistics and/or activation checkpointing only: no layout of its own
             return pattern, LayerChoice(None, "", source, statistics, checkpoint)
         algorithm = entry.get("algorithm", "sample")
+        overlap = entry.get("overlap", False)
+        if not isinstance(overlap, bool):
+            raise ValueError(f"{where}: overlap must be true or false, got {overlap!r}")
         if "grid" not in entry:
             if "pipeline" in entry:
                 raise ValueError(f"{where}: pipeline needs a grid and a stationary-x, -y or -w "
                                  "algorithm")
+            if overlap:
+                raise ValueError(f"{where}: overlap needs a grid that splits a spatial dim "
+                                 "(D, H or W)")
             if algorithm != "auto":
                 raise ValueError(f"{where}: grid is required (e.g. {{N: 2, C: 2}}) unless the "
                                  "algorithm is 'auto'")
@@ -239,7 +257,13 @@ class ParallelConfig:
                 f"{where}: pipeline overlaps the collectives of stationary-x, -y and -w with "
                 f"their local convolution; algorithm {algorithm!r} has none to overlap (use "
                 f"one of those, or leave pipeline out)")
-        return pattern, LayerChoice(layout, algorithm, source, statistics, checkpoint, pipeline)
+        if overlap and not any(d in ("D", "H", "W") and e > 1 for d, e in layout):
+            raise ValueError(f"{where}: overlap overlaps a halo exchange with the interior rows; "
+                             f"the grid {dict(layout)} splits no spatial dim (D, H or W) to "
+                             "exchange halos over")
+        mode = "" if not overlap else ("required" if needs_match else "where possible")
+        return pattern, LayerChoice(layout, algorithm, source, statistics, checkpoint, pipeline,
+                                    mode)
 
     def choice(self, name: str) -> LayerChoice:
         """The entry for the module named ``name``: the first matching layer entry, else the

@@ -46,6 +46,7 @@ class LayerSpec:
     source: str = ""
     statistics: str = "global"  # BatchNorm: global-batch or per-sample-block statistics
     pipeline: int = 1  # conv: chunks of samples its collectives are pipelined over
+    overlap: bool = False  # conv: its halo exchange overlaps the interior rows' convolution
 
 
 @dataclass

@@ -9,6 +9,7 @@ convolutions may sum in another order, so there the results agree within the dty
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import pytest
@@ -190,3 +191,57 @@ def test_repr_shows_the_overlap() -> None:
     reprs = run_threads(lambda c: repr(DistConv2d(4, 4, 3, grid=ProcessorGrid({"H": 2}, comm=c),
                                                   algorithm="stationary-x", overlap=True)), 2)
     assert "overlap=True" in reprs[0]
+
+
+# ------------------------------------------------------------------ in a parallelized network
+#: a ResNet over N×H, every convolution with a halo overlapping it (the default entry's overlap
+#: applies where it can: not to the 1×1 convolutions)
+OVERLAP_CONFIG = {"default": {"grid": {"N": 2, "H": 2}, "algorithm": "spatial",
+                              "overlap": True},
+                  "data": {"N": 2, "H": 2}}
+
+
+def _network_run(comm, case: tuple, explained: list) -> dict:  # noqa: ANN001
+    from tests.test_conv_nd import unet_run
+
+    return unet_run(comm, explained, case, OVERLAP_CONFIG)
+
+
+def test_a_network_with_overlapped_halos_trains_as_one_process_moving_what_explain_says(
+) -> None:
+    from distconv import models
+    from distconv.parallel import parallelize
+    from distconv.parallel.explain import explain
+    from tests.test_conv_nd import _check_unet
+
+    torch.manual_seed(11)
+    model = models.resnet_mini(base=4).double()
+    gen = torch.Generator().manual_seed(12)
+    x = torch.randn((4, 3, 32, 24), generator=gen, dtype=torch.float64)
+    y = torch.randint(0, 10, (4,), generator=gen)
+    plan = explain(model, OVERLAP_CONFIG, tuple(x.shape), world_size=4)
+    notes = {lay.name: lay.note for lay in plan.layers if lay.kind == "conv"}
+    assert notes["conv1"] == "halo overlapped" and notes["layer1.0.conv1"] != "halo overlapped"
+    explained = [tuple(plan.rank_bytes(r).values()) for r in range(4)]
+    _check_unet(run_threads(_network_run, 4, (model, x, y), explained))
+    built = run_threads(lambda c: {n: m.overlap for n, m in parallelize(
+        copy.deepcopy(model), OVERLAP_CONFIG, comm=c).named_modules()
+        if hasattr(m, "overlap")}, 4)[0]
+    assert built["conv1"] and not built["layer1.0.conv1"]
+
+
+@pytest.mark.parametrize("config, message", [
+    ({"layers": [{"match": "layer1.0.conv1", "grid": {"N": 2, "H": 2}, "algorithm": "spatial",
+                  "overlap": True}]}, "layer1.0.conv1.*asks for overlap"),
+    ({"default": {"grid": {"N": 4}, "algorithm": "sample", "overlap": True}},
+     "splits no spatial dim"),
+    ({"default": {"grid": {"H": 4}, "algorithm": "spatial", "overlap": "yes"}},
+     "overlap must be true or false"),
+])
+def test_overlap_where_nothing_can_overlap_is_refused_naming_the_entry(config, message) -> None:  # noqa: ANN001
+    from distconv import models
+    from distconv.parallel.explain import explain
+
+    model = models.resnet_mini(base=4)
+    with pytest.raises(ValueError, match=message):
+        explain(model, config, (4, 3, 32, 24), world_size=4)
