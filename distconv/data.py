@@ -153,7 +153,10 @@ def rng_state() -> dict[str, Any]:
 
     In a checkpoint: ``distconv.save(..., extra={"rng": distconv.rng_state()})`` and
     ``distconv.set_rng_state(distconv.load(...)["rng"])`` when every rank holds the same
-    states (seeded alike; ``extra`` keeps one copy for all ranks). A :class:`GridSampler`
+    states (seeded alike; ``extra`` keeps one copy for all ranks); ranks whose states differ
+    save each their own with ``rank_extra=distconv.rng_state()`` and take it back with
+    ``extra, mine = distconv.load(..., rank_extra=True)`` (on the world size that saved).
+    A :class:`GridSampler`
     draws its order from its own generator (``seed + epoch``) and needs none of them. A
     ``DataLoader`` draws its workers' base seed from torch's generator each time an iterator
     starts, and a job resumed mid-epoch starts one where the uninterrupted job did not: give
