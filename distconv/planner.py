@@ -661,10 +661,19 @@ class Plan:
     #: so the planner and ``explain`` give one price for one plan. None for a network traced
     #: without its model.
     explanation: Any = None
+    #: the ``parallelize`` config it was planned from (``plan_network(config=...)``), and the
+    #: layers whose ``auto`` entries it chose for; None: planned from scratch
+    base: dict[str, Any] | None = None
+    planned: frozenset[str] = frozenset()
 
     def config(self) -> dict[str, Any]:
         """The plan in the format of ``distconv.parallelize``: sample-parallel default and one
-        entry per convolution that differs from it (exact names, in model order)."""
+        entry per convolution that differs from it (exact names, in model order). Planned from a
+        config: that config with an exact entry, first, for every layer its ``auto`` chose."""
+        if self.base is not None:
+            chosen = [{"match": lp.conv.name, **lp.choice.config()} for lp in self.layers
+                      if lp.conv.name in self.planned]
+            return {**self.base, "layers": chosen + list(self.base.get("layers", []))}
         default = sample_choice(self.world_size).config()
         return {
             "default": default,
@@ -714,18 +723,27 @@ class _Model:
     def __init__(self, net: Network, world_size: int, machine: Machine, *, max_model: int,
                  algorithms: Sequence[str], itemsize: int, optimizer_slots: int,
                  activation_factor: int, fixed: Mapping[str, Choice] | None = None,
-                 max_sample: int | None = None) -> None:
+                 max_sample: int | None = None,
+                 layouts: Mapping[str, tuple[tuple[str, int], ...]] | None = None) -> None:
         self.net, self.P, self.machine, self.itemsize = net, world_size, machine, itemsize
         self.optimizer_slots = optimizer_slots
         self.activation_factor = activation_factor
-        self.options = {c.name: [fixed[c.name]] if fixed else layer_candidates(
+        #: the layers a config fixes (the search keeps their choice)
+        self.fixed = frozenset(fixed or ())
+        self.options = {c.name: [fixed[c.name]] if c.name in self.fixed else layer_candidates(
             c, world_size, max_model=max_model, max_sample=max_sample,
             algorithms=algorithms) for c in net.convs}
+        convs = {c.name: c for c in net.convs}
+        for name, grid in (layouts or {}).items():  # an 'auto' entry that names its grid
+            ch = _layout_choice(convs[name], grid)
+            self.options[name] = [ch] if ch is not None else []
         for c in net.convs:
             if not self.options[c.name]:
                 what = c.problem or f"{type(c.module).__name__} on {c.in_shape}"
+                grid = f" on the grid {dict(layouts[c.name])} its entry names" if c.name in (
+                    layouts or {}) else ""
                 raise ValueError(
-                    f"plan_network: no candidate for {c.name} ({what}) on world_size="
+                    f"plan_network: no candidate for {c.name} ({what}){grid} on world_size="
                     f"{world_size} with algorithms={tuple(algorithms)}, max_model={max_model}; "
                     "allow more algorithms or a larger max_model, or a batch >= world_size"
                 )
@@ -739,6 +757,7 @@ class _Model:
         self.entry = _sample_value(world_size, len(net.input_shape))
         self.exit = _sample_value(world_size, len(net.out_shape))
         self.picks: list[dict[str, Choice]] = []  # the DP's plans of the last search
+        self.base: dict[str, Any] | None = None  # the config planned from, if any
 
     def move(self, src: Choice, dst: Choice, shape: tuple[int, ...], *,
              to_output: bool = False) -> tuple[float, int]:
@@ -908,6 +927,7 @@ def plan_network(
     itemsize: int = 4,
     optimizer_slots: int = 1,
     activation_factor: int = 3,
+    config: Mapping[str, Any] | None = None,
 ) -> Plan:
     """Choose every convolution's grid and algorithm for one training step of ``model``.
 
@@ -925,9 +945,17 @@ def plan_network(
         itemsize: bytes per element (4: fp32). optimizer_slots: optimizer state per parameter
             (1: SGD with momentum). activation_factor: stored copies of each conv's output
             (3: conv, BN, ReLU).
+        config: a ``parallelize`` config (a mapping or YAML path) whose ``auto`` entries (or
+            ``auto`` default) say which convolutions to choose for -- any of ``Conv1d/2d/3d``
+            and ``ConvTranspose1d/2d/3d``; an ``auto`` entry that names a grid chooses among
+            that grid's candidates; every other convolution keeps its entry, and
+            :meth:`Plan.config` is this config with an exact entry, first, for each chosen
+            layer. Default None: choose for every convolution, from scratch.
 
     Raises:
-        ValueError: bad arguments, or no plan within ``memory_limit``.
+        ValueError: bad arguments, a bad ``config``, or no plan within ``memory_limit``.
+        NotImplementedError: a graph that is not a chain of convolutions, residual blocks and
+            two-branch concatenations (:func:`trace_network`, naming the node).
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"plan_network: world_size must be an int >= 1, got {world_size!r}")
@@ -945,9 +973,20 @@ def plan_network(
     limit = getattr(machine, "memory", math.inf) if memory_limit is None else memory_limit
     if not limit > 0:
         raise ValueError(f"plan_network: memory_limit must be > 0, got {memory_limit}")
+    fixed, layouts, base = None, None, None
+    if config is not None:
+        from distconv.parallel.config import ParallelConfig
+
+        cfg = ParallelConfig(config, world_size=world_size)
+        fixed = _config_choices(net, cfg, world_size, auto=True)
+        layouts = {c.name: _canonical(cfg.choice(c.name).layout) for c in net.convs
+                   if c.name not in fixed and cfg.choice(c.name).layout is not None}
+        base = cfg.to_dict()
     m = _Model(net, world_size, machine, max_model=max_model, algorithms=algorithms,
                itemsize=itemsize, optimizer_slots=optimizer_slots,
-               activation_factor=activation_factor, max_sample=max_sample)
+               activation_factor=activation_factor, max_sample=max_sample, fixed=fixed,
+               layouts=layouts)
+    m.base = base
     best = _best(m, 0.0)
     notes = []
     if best[1]["memory"] > limit:
@@ -980,11 +1019,13 @@ def plan_network(
 
 
 def _uniform(m: _Model) -> list[dict[str, Choice]]:
-    """Per grid and algorithm that every convolution can take, the plan giving it to all."""
-    convs = m.net.convs
+    """Per grid and algorithm that every convolution the search chooses for can take, the plan
+    giving it to all of them (the layers a config fixes keep theirs)."""
+    convs = [c for c in m.net.convs if c.name not in m.fixed]
+    kept = {c.name: m.options[c.name][0] for c in m.net.convs if c.name in m.fixed}
     keys = [{(ch.grid, ch.algorithm): ch for ch in m.options[c.name]} for c in convs]
     common = set(keys[0]).intersection(*keys[1:]) if keys else set()
-    return [{c.name: k[key] for c, k in zip(convs, keys)}
+    return [{**kept, **{c.name: k[key] for c, k in zip(convs, keys)}}
             for key in sorted(common, key=lambda g: (g[1], g[0]))]
 
 
@@ -999,7 +1040,7 @@ def _pipelined(m: _Model, pick: Mapping[str, Choice]) -> dict[str, Choice]:
     out = dict(pick)
     for c in m.net.convs:
         best = pick[c.name]
-        if not best.communicates:  # (N-d convolutions are not pipelined)
+        if not best.communicates or c.name in m.fixed:  # (N-d convolutions are not pipelined)
             continue
         for k in PIPELINES:
             trial = replace(best, pipeline=k)
@@ -1076,7 +1117,8 @@ def _make_plan(m: _Model, pick: Mapping[str, Choice], ev: dict[str, Any], batch:
     layers = sorted(ev["layers"], key=lambda t: order[t[0].name])
     lps = [LayerPlan(c, ch, m.costs[(c.name, ch)], t, b) for c, ch, t, b in layers]
     plan = Plan(m.P, batch, m.machine, lps, ev["extra"], ev["step"], ev["forward"],
-                ev["memory"], notes, search_time=ev["step"])
+                ev["memory"], notes, search_time=ev["step"], base=m.base,
+                planned=frozenset(c.name for c in m.net.convs if c.name not in m.fixed))
     if m.net.model is not None:
         plan.explanation = price(m.net.model, config or plan.config(), m.net.input_shape,
                                  world_size=m.P, machine=m.machine, itemsize=m.itemsize,
@@ -1118,30 +1160,58 @@ def _runner_ups(m: _Model, plan: Plan, pick: Mapping[str, Choice], step: float,
         lp.runner_up, lp.runner_up_delta = best[1], best[0] - step
 
 
-def _config_choices(net: Network, config: Mapping[str, Any], world_size: int) -> dict[str, Choice]:
-    """Each convolution's choice under a ``parallelize`` config, as parallelize matches it
-    (:meth:`ParallelConfig.choice`)."""
+def _config_choices(net: Network, config: Any, world_size: int, *, auto: bool = False
+                    ) -> dict[str, Choice]:
+    """Each convolution's choice under a ``parallelize`` config (a mapping or a
+    :class:`ParallelConfig`), as parallelize matches it (:meth:`ParallelConfig.choice`);
+    ``auto``: leave out the layers whose entry says ``auto`` (else they are refused)."""
     from distconv.parallel.config import ParallelConfig
 
-    cfg = ParallelConfig(config, world_size=world_size)
+    cfg = config if isinstance(config, ParallelConfig) else ParallelConfig(
+        config, world_size=world_size)
     out = {}
     for c in net.convs:
         entry = cfg.choice(c.name)
+        if entry.algorithm == "auto" and auto:
+            continue
         if entry.layout is None or entry.algorithm == "auto":
             raise ValueError(f"predict: {c.name} takes {entry.source}, whose algorithm 'auto' "
                              "is chosen by parallelize; give it a grid and an algorithm")
         # canonical, as the executor keeps placements: grid dims of extent 1 dropped
-        grid = tuple((d, e) for d, e in entry.layout if e > 1) or (("N", 1),)
+        grid = _canonical(entry.layout)
         algorithm = entry.algorithm
         if c.module is not None and entry.source == "default" and algorithm != "spatial":
             # a sample or stationary default runs these sample-parallel on the data grid
-            grid, algorithm = tuple((d, e) for d, e in cfg.data if e > 1) or (("N", 1),), "sample"
+            grid, algorithm = _canonical(cfg.data), "sample"
         groups = c.module.groups if c.module is not None else c.problem.groups
         e_ = dict(grid)
         out[c.name] = Choice(grid, algorithm,
                              groups_aligned=groups > 1 and e_.get("C", 1) * e_.get("F", 1) > 1,
                              spatial=c.spatial, transposed=c.transposed)
     return out
+
+
+def _layout_choice(c: ConvNode, grid: tuple[tuple[str, int], ...]) -> Choice | None:
+    """The choice an ``auto`` entry naming ``grid`` gives ``c`` (the algorithm that grid runs, as
+    ``parallelize`` resolves it), or None where the layer cannot run it."""
+    live = {d for d, _ in grid if d != "N"}
+    algorithm = ("stationary-w" if {"C", "F"} <= live else "stationary-x" if "C" in live
+                 else "stationary-y" if "F" in live else "spatial" if live else "sample")
+    if c.module is not None:
+        if refusal(c.module, grid, algorithm, c.in_shape) is not None:
+            return None
+        e = dict(grid)
+        return Choice(grid, algorithm,
+                      groups_aligned=c.module.groups > 1 and e.get("C", 1) * e.get("F", 1) > 1,
+                      spatial=c.spatial, transposed=c.transposed)
+    if live - {"C", "F", "H", "W"}:
+        return None
+    return _valid(c.problem, Choice(grid, algorithm), *c.problem.output_hw)
+
+
+def _canonical(layout: Sequence[tuple[str, int]]) -> tuple[tuple[str, int], ...]:
+    """A grid layout as the executor keeps placements: grid dims of extent 1 dropped."""
+    return tuple((d, e) for d, e in layout if e > 1) or (("N", 1),)
 
 
 def predict(model: torch.nn.Module | Network, config: Mapping[str, Any],
