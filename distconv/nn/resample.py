@@ -1,12 +1,13 @@
 """Interpolation (``nn.Upsample`` / ``F.interpolate``) of a spatially split activation, in place.
 
 Every mode whose output row reads a bounded window of input rows runs here: ``nearest``,
-``nearest-exact``, ``linear`` / ``bilinear`` / ``trilinear`` and ``bicubic``, by ``size`` or by
-``scale_factor`` (integer or not, up or down), ``align_corners`` both ways and
-``recompute_scale_factor`` as torch reads them. These interpolations are separable: along spatial
-dim ``d``, output row ``o`` is ``Σ_k w_k[o] · x[r_k[o]]`` over at most four consecutive input rows
-``r_k[o]`` (clamped to the input at its borders), the same rows and weights at every position of
-the other dims.
+``nearest-exact``, ``linear`` / ``bilinear`` / ``trilinear``, ``bicubic`` and ``area`` (adaptive
+average pooling), by ``size`` or by ``scale_factor`` (integer or not, up or down),
+``align_corners`` both ways and ``recompute_scale_factor`` as torch reads them. These
+interpolations are separable: along spatial dim ``d``, output row ``o`` is
+``Σ_k w_k[o] · x[r_k[o]]`` over a window of consecutive input rows ``r_k[o]`` (at most four,
+clamped to the input at its borders; for ``area`` the rows it averages), the same rows and
+weights at every position of the other dims.
 
 The rows and weights are torch's own. Its kernels compute them in float32 or in the input's
 precision, with special cases that differ between 1, 2 and 3 spatial dims and devices (on the
@@ -16,8 +17,8 @@ reads them off ``F.interpolate`` itself, once per global shape, by interpolating
 along the dim (the other dims taken to one row, their sizes kept or not as the call's are;
 :meth:`Interpolation.along`). The combs of ones on the rows ``≡ k (mod 5)`` give each output
 row's weight on its tap of residue ``k``, and the same combs times ``row + 1`` give that tap's
-row (a window of at most four consecutive rows meets each residue at most once); a random signal
-then checks the map against torch.
+row (a window of at most four consecutive rows meets each residue at most once; ``area``'s wider
+windows take longer combs); a random signal then checks the map against torch.
 
 Rank ``r`` owns the output rows ``[o0, o1)`` of its balanced block of each split dim and needs
 the input rows ``[lo, hi)`` they read (the map's window), which the halo exchange brings, dim after
@@ -27,10 +28,11 @@ nests them, gathering the rows ``r_k[o] - lo`` of its window and summing them wi
 (in float32 for half-precision inputs, as torch's kernel does). Its adjoint is autograd's through
 the gathers and products, then the halo accumulate. The result equals one process's: the rows
 each output reads exactly, ``nearest`` and ``nearest-exact`` bitwise, the weighted modes to a few
-units in the last place (torch's kernel may fuse a multiply and an add). Where the factors are
-integers the map commutes with a shift by whole rows, and the rank runs torch's own kernel on its
-window and keeps its block instead (faster): only where the window's map, read off torch the
-same way, equals the global map on the rank's block, checked and never assumed.
+units in the last place (torch's kernel may fuse a multiply and an add; ``area`` divides a sum
+over the whole 2-d or 3-d window, where the layer multiplies by each dim's weight). Where the
+factors are integers the map commutes with a shift by whole rows, and the rank runs torch's own
+kernel on its window and keeps its block instead (faster): only where the window's map, read off
+torch the same way, equals the global map on the rank's block, checked and never assumed.
 
 Where torch's gradient is not the adjoint of its own interpolation (a backward kernel copies the
 rows of a dim whose size the call keeps while the forward kernel applies a ``scale_factor``, as
@@ -41,8 +43,7 @@ output and its gradient are still one process's. So it does where a split dim ha
 or output rows than ranks (a rank would own none of them), some ranks' blocks of the output then
 empty, as the balanced blocks of a short dim are.
 
-``area`` (adaptive average pooling, whose windows grow with the downsampling ratio and whose
-2-d sums are not separable in floating point) and antialiased interpolation are not handled here.
+Antialiased interpolation (and ``lanczos``) is not handled here.
 """
 
 from __future__ import annotations
@@ -69,7 +70,9 @@ __all__ = ["MODES", "DistUpsample", "IndexMap", "Interpolation", "UpsampleDim", 
            "index_map", "upsample_halo_bytes", "upsample_plans"]
 
 #: the modes interpolated in place
-MODES = ("nearest", "nearest-exact", "linear", "bilinear", "trilinear", "bicubic")
+MODES = ("nearest", "nearest-exact", "linear", "bilinear", "trilinear", "bicubic", "area")
+#: the modes that take ``align_corners``
+_ALIGNABLE = ("linear", "bilinear", "trilinear", "bicubic")
 #: the spatial dims a mode needs (the others take 1 to 3)
 _SPATIAL = {"linear": 1, "bilinear": 2, "trilinear": 3, "bicubic": 2}
 #: the period of the probe combs: more than the widest window (bicubic's four rows)
@@ -109,9 +112,8 @@ class Interpolation:
         if (size is None) == (scale_factor is None):
             raise ValueError("exactly one of size and scale_factor must be given, got "
                              f"size={size!r}, scale_factor={scale_factor!r}")
-        weighted = mode not in ("nearest", "nearest-exact")
-        if align_corners is not None and not weighted:
-            raise ValueError(f"align_corners applies to the interpolating modes, not {mode!r}; "
+        if align_corners is not None and mode not in _ALIGNABLE:
+            raise ValueError(f"align_corners applies to the modes {_ALIGNABLE}, not {mode!r}; "
                              f"got align_corners={align_corners!r}")
         if size is not None and recompute_scale_factor:
             raise ValueError("recompute_scale_factor is not meaningful with an explicit size")
@@ -131,7 +133,7 @@ class Interpolation:
                 raise ValueError(f"scale_factor must be positive, got {scale_factor!r}")
             scales = tuple(float(s) for s in scales)
         return cls(mode, spatial, sizes, scales,
-                   bool(align_corners) if weighted else None,
+                   bool(align_corners) if mode in _ALIGNABLE else None,
                    None if recompute_scale_factor is None else bool(recompute_scale_factor))
 
     @property
@@ -244,14 +246,30 @@ def index_map(interp: Interpolation, dim: int, length: int, kept: tuple[bool, ..
               device: torch.device | str = "cpu") -> IndexMap:
     """Torch's rows and weights along spatial dim ``dim`` (of global ``length``) for inputs of
     ``dtype`` on ``device``, where the call keeps the size of the spatial dims ``kept`` says,
-    read off ``F.interpolate`` (module docstring).
+    read off ``F.interpolate`` (module docstring): with combs of period 5, or longer where an
+    output row reads more rows (``area`` downsampling).
 
     Raises:
-        RuntimeError: torch's interpolation along the dim is not a window of at most four
-            consecutive rows (it would be computed wrong, so it is not computed).
+        RuntimeError: torch's interpolation along the dim is not a weighted sum of rows that
+            the probes reproduce (it would be computed wrong, so it is not computed).
     """
-    dtype, p = probe_dtype(dtype), _PERIOD
-    lengths, kw = interp.along(dim, kept)
+    dtype, lengths, kw, p = probe_dtype(dtype), *interp.along(dim, kept), _PERIOD
+    while True:
+        m = _read(interp, dim, length, lengths, kw, p, dtype, device)
+        adjoint = None if m is None else _check(m, dim, lengths, kw, dtype)
+        if adjoint is not None:
+            return dataclasses.replace(m, adjoint=adjoint)  # type: ignore[arg-type]
+        if p > length:  # each comb holds one row: nothing left to tell apart
+            raise RuntimeError(
+                f"torch's {interp.mode!r} interpolation {interp.kwargs()} along spatial dim "
+                f"{dim} of length {length} is not a weighted sum of input rows that probes "
+                "reproduce; it cannot run in place")
+        p = 2 * p - 1
+
+
+def _read(interp: Interpolation, dim: int, length: int, lengths: Sequence[int],
+          kw: dict[str, Any], p: int, dtype: torch.dtype, device: Any) -> IndexMap | None:
+    """The map the combs of period ``p`` read (None: they do not decode to one)."""
     pos = torch.arange(length, device=device)
     comb = (pos % p == torch.arange(p, device=device)[:, None]).to(dtype)
     out = F.interpolate(_spread(torch.cat([comb, comb * (pos + 1).to(dtype)]), dim, lengths),
@@ -261,16 +279,17 @@ def index_map(interp: Interpolation, dim: int, length: int, kept: tuple[bool, ..
     found = torch.where(present, moment / torch.where(present, weight, 1), 1)
     rows = found.round()
     if bool((found - rows).abs().max() > 0.25) or not bool(present.any(1).all()):
-        raise _unreadable(interp, dim, length)
+        return None
     taps = int(present.sum(1).max())
     order = torch.where(present, rows, float(length + 1)).argsort(1)[:, :taps]
     rows, weight, present = (t.gather(1, order) for t in (rows.long() - 1, weight, present))
+    if bool((rows < 0).any()) or bool((rows >= length).any()):
+        return None
     rows = torch.where(present, rows, rows[:, :1])
     weight = torch.where(present, weight, 0)
-    m = IndexMap(length, rows, None if not interp.weighted else weight)
     if not interp.weighted and not bool((weight == 1).all()):
-        raise _unreadable(interp, dim, length)
-    return dataclasses.replace(m, adjoint=_check(m, interp, dim, lengths, kw, dtype, device))
+        return None
+    return IndexMap(length, rows, weight if interp.weighted else None)
 
 
 def _spread(signals: torch.Tensor, dim: int, lengths: Sequence[int]) -> torch.Tensor:
@@ -283,29 +302,22 @@ def _spread(signals: torch.Tensor, dim: int, lengths: Sequence[int]) -> torch.Te
     return signals.reshape(shape).expand(full).contiguous()
 
 
-def _check(m: IndexMap, interp: Interpolation, dim: int, lengths: Sequence[int],
-           kw: dict[str, Any], dtype: torch.dtype, device: Any) -> bool:
-    """Whether torch's gradient is the adjoint of its interpolation, having checked that the map
-    reproduces the interpolation on a random signal (a window wider than the combs' period
-    would not)."""
+def _check(m: IndexMap, dim: int, lengths: Sequence[int], kw: dict[str, Any],
+           dtype: torch.dtype) -> bool | None:
+    """Whether torch's gradient is the adjoint of its interpolation; None where the map does
+    not reproduce the interpolation of a random signal (combs too short for the windows)."""
     gen = torch.Generator().manual_seed(0)
-    v = torch.rand(2, m.length, generator=gen, dtype=torch.float64).to(dtype).to(device)
-    v.requires_grad_(True)
+    v = torch.rand(2, m.length, generator=gen, dtype=torch.float64).to(dtype)
+    v = v.to(m.rows.device).requires_grad_(True)
     want = F.interpolate(_spread(v, dim, lengths), **kw).reshape(2, -1)
     got = m.apply(v, 1, (0, m.out_length), 0)
     tol = 64 * torch.finfo(dtype).eps
     if got.shape != want.shape or bool(
             (got - want).abs().max() > (0 if m.weights is None else tol)):
-        raise _unreadable(interp, dim, length=m.length)
-    g = torch.rand(want.shape, generator=gen, dtype=torch.float64).to(dtype).to(device)
+        return None
+    g = torch.rand(want.shape, generator=gen, dtype=torch.float64).to(dtype).to(v.device)
     (torch_grad,), (adjoint,) = (torch.autograd.grad(y, v, g) for y in (want, got))
     return bool((torch_grad - adjoint).abs().max() <= tol)
-
-
-def _unreadable(interp: Interpolation, dim: int, length: int) -> RuntimeError:
-    return RuntimeError(f"torch's {interp.mode!r} interpolation {interp.kwargs()} along spatial "
-                        f"dim {dim} of length {length} does not read a window of at most "
-                        f"{_PERIOD - 1} rows per output row; it cannot run in place")
 
 
 @dataclass(frozen=True)

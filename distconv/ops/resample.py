@@ -3,7 +3,8 @@
 layers the halo-exchanging ones do not cover (adaptive pooling to other sizes than 1).
 
 Every interpolation whose output rows read bounded windows of input rows -- ``nearest``,
-``nearest-exact``, ``(bi/tri)linear`` and ``bicubic``, by any ``size`` or ``scale_factor`` --
+``nearest-exact``, ``(bi/tri)linear``, ``bicubic`` and ``area``, by any ``size`` or
+``scale_factor`` --
 runs in place on split rows (:class:`~distconv.nn.resample.DistUpsample`: the halo rows each
 output block reads, exchanged dim after dim, then torch's rows and weights applied locally); its
 price is those halo rows, worked from the same plans. Where torch's gradient is not the adjoint of
@@ -11,8 +12,8 @@ its own interpolation for the global shape (a ``nearest`` or ``bicubic`` dim who
 factor keeps), or a split dim has fewer rows than ranks, the layer gathers the rows and runs torch
 instead, priced as that conversion.
 
-``area`` (adaptive average pooling), an antialiased interpolation, a spatial dim split over
-several grid dims, and the pooling layers here mix rows and columns but never samples or
+An antialiased interpolation, a spatial dim split over several grid dims, and the pooling
+layers here (adaptive pooling modules and functions) mix rows and columns but never samples or
 channels: the value keeps its sample and channel blocks, and its spatial dims are made whole on
 each rank first (an allgather over the grid dims that split them, priced as the conversion it
 is); the output is whole in them, and the next layer takes its own blocks of it (a local slice).
@@ -51,9 +52,10 @@ _PLANE_GRIDS: tuple[tuple[int, dict], ...] = (
 
 
 class ResampleHandler(Handler):
-    """Resampling, and the pooling layers without a halo implementation (1-D and 3-D pooling,
-    adaptive max pooling): ops that mix rows and columns (and depth) of one sample's channel
-    only, run with those dims whole."""
+    """Resampling, and the pooling layers without a halo implementation (1-D and 3-D adaptive
+    pooling, adaptive max pooling): ops that mix rows and columns (and depth) of one sample's
+    channel only. Interpolations run in place on split rows (module docstring); the rest with
+    those dims whole."""
 
     modules = (nn.Upsample,  # UpsamplingNearest2d / UpsamplingBilinear2d are subclasses
                nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool3d, nn.AdaptiveMaxPool1d,
@@ -171,6 +173,12 @@ class ResampleHandler(Handler):
             Sample("interpolate-linear-down-signal",
                    lambda: PoolNet(_Interpolate(scale_factor=0.7, mode="linear"), 3, 1),
                    (5, 3, 9), SIGNAL_GRIDS),
+            Sample("interpolate-area-fraction",
+                   lambda: SampleNet(_Interpolate(scale_factor=(0.5, 0.7), mode="area"), 2),
+                   (3, 2, 7, 8), _PLANE_GRIDS),
+            Sample("interpolate-area-volume",
+                   lambda: PoolNet(_Interpolate(size=(2, 3, 2), mode="area"), 2, 3),
+                   (5, 2, 5, 4, 3), VOLUME_GRIDS),
             Sample("interpolate-nearest-kept-size-signal",  # torch's gradient copies here
                    lambda: PoolNet(_Interpolate(scale_factor=1.3, mode="nearest"), 3, 1),
                    (5, 3, 3), SIGNAL_GRIDS),
