@@ -248,7 +248,13 @@ def _units(order, convs, source, adds, cats) -> tuple[Unit, ...]:  # noqa: ANN00
         c1, c2 = chain(p1), chain(p2)
         entry = next((p for p in c1 if p in c2), None)
         if entry is None:
-            raise NotImplementedError(f"trace_network: the add {a} has no common entry")
+            joins = sorted(str(p) for p in c1[-1:] + c2[-1:] if p in adds)
+            through = f" (a branch passes through the join {', '.join(joins)})" if joins else ""
+            raise NotImplementedError(
+                f"trace_network: the operands of {a} do not branch from one value{through}: "
+                "nested branches (e.g. a U-Net of more than one level) are not planned; plan a "
+                "network whose blocks hold convolutions only, or write its config by hand "
+                "(explain prices it)")
         b1, b2 = c1[:c1.index(entry)][::-1], c2[:c2.index(entry)][::-1]
         main, skip = (b1, b2) if len(b1) >= len(b2) else (b2, b1)
         blocks[a] = (entry, main, skip, main is b1)
@@ -669,11 +675,26 @@ class Plan:
     def config(self) -> dict[str, Any]:
         """The plan in the format of ``distconv.parallelize``: sample-parallel default and one
         entry per convolution that differs from it (exact names, in model order). Planned from a
-        config: that config with an exact entry, first, for every layer its ``auto`` chose."""
+        config: that config with an exact entry, first, for every layer its ``auto`` chose; an
+        ``auto`` entry or default, which then reaches Linear layers only, says what ``auto``
+        means for those where it can -- sample parallelism on a data grid of samples only -- so
+        that no ``auto`` is left to resolve."""
         if self.base is not None:
             chosen = [{"match": lp.conv.name, **lp.choice.config()} for lp in self.layers
                       if lp.conv.name in self.planned]
-            return {**self.base, "layers": chosen + list(self.base.get("layers", []))}
+            data = dict(self.base.get("data", {"N": self.world_size}))
+
+            def settled(entry: Mapping[str, Any]) -> dict[str, Any]:
+                if entry.get("algorithm") != "auto" or set(data) != {"N"}:
+                    return dict(entry)
+                rest = {k: v for k, v in entry.items() if k not in ("grid", "pipeline")}
+                return {**rest, "grid": data, "algorithm": "sample"}
+
+            out = {**self.base, "layers": chosen + [settled(e) for e in
+                                                     self.base.get("layers", [])]}
+            if "default" in self.base:
+                out["default"] = settled(self.base["default"])
+            return out
         default = sample_choice(self.world_size).config()
         return {
             "default": default,

@@ -464,10 +464,39 @@ def test_a_spatially_split_3d_unet_checkpoint_resumes_on_another_layout(tmp_path
         torch.testing.assert_close(plain[k], v, rtol=TOL, atol=TOL, msg=k)
 
 
-def test_an_auto_entry_for_a_3d_convolution_is_refused_naming_it() -> None:
-    config = {"layers": [{"match": "0", "algorithm": "auto"}]}
-    with pytest.raises(ValueError, match=r"'0'.*'auto'.*Conv2d.*give this Conv3d"):
-        explain(nn.Sequential(nn.Conv3d(2, 2, 3)), config, (2, 2, 5, 5, 5), world_size=2)
+def test_an_auto_entry_for_a_3d_convolution_is_planned_and_trains_as_one_process() -> None:
+    """``auto`` for a Conv3d and a ConvTranspose3d, resolved by the planner into exact entries
+    (the rest of the config kept), trains one step as one process moving what explain says
+    (two samples on four ranks: the layers split more than samples; two ranks hold none)."""
+    from distconv.planner import plan_network
+    from tests.parallel.cases import counted_step
+
+    torch.manual_seed(9)
+    model = nn.Sequential(nn.Conv3d(2, 4, 3, padding=1), nn.ReLU(),
+                          nn.ConvTranspose3d(4, 2, 2, stride=2)).double()
+    shape = (2, 2, 8, 8, 8)
+    gen = torch.Generator().manual_seed(10)
+    x = torch.randn(shape, generator=gen, dtype=torch.float64)
+    y = torch.randint(0, 2, (2, 16, 16, 16), generator=gen)
+    config = {"layers": [{"match": "*", "algorithm": "auto"}]}
+    planned = plan_network(model, shape, world_size=4, machine="lassen", config=config).config()
+    assert [e["match"] for e in planned["layers"]] == ["0", "2", "*"], planned
+    assert all(e["algorithm"] != "auto" for e in planned["layers"]), planned
+    assert any(set(e["grid"]) - {"N"} for e in planned["layers"]), planned
+    ex = explain(model, planned, shape, world_size=4)
+    ref = copy.deepcopy(model)
+    out_ref = ref(x)
+    F.cross_entropy(out_ref, y).backward()
+
+    def step(comm: Any) -> dict:
+        got = counted_step(comm, model, planned, x, y)
+        assert got["counted"] == tuple(ex.rank_bytes(comm.rank).values())
+        return {"out": got["out"] - out_ref.detach()[got["rows"]], "grads": got["grads"]}
+
+    for r in run_threads(step, 4):
+        assert r["out"].numel() == 0 or r["out"].abs().max().item() < TOL
+        for k, p in ref.named_parameters():
+            assert (r["grads"][k] - p.grad).abs().max().item() < TOL, k
 
 
 def _no_decay_names(comm: Any, model: nn.Module, config: dict) -> list[str]:

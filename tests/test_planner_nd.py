@@ -134,3 +134,31 @@ def test_a_tiny_wide_volume_is_split_over_channels_filters_or_samples_no_dearer_
 def test_a_large_cosmoflow_volume_is_planned_no_dearer_than_any_pure_plan() -> None:
     torch.manual_seed(0)
     _priced_plan(models.cosmoflow_mini(size=64, base=8), (1, 4, 64, 64, 64))
+
+
+def test_an_unresolved_auto_entry_for_a_3d_convolution_is_refused_naming_the_planner() -> None:
+    """parallelize resolves ``auto`` by itself for Conv2d layers only: an entry left for a Conv3d
+    names the layer, the planner that resolves it and the algorithms that run."""
+    config = {"layers": [{"match": "0", "algorithm": "auto"}]}
+    with pytest.raises(ValueError, match=r"'0'.*'auto'.*plan_network.*give this Conv3d sample"):
+        explain(nn.Sequential(nn.Conv3d(2, 2, 3)), config, (2, 2, 5, 5, 5), world_size=2)
+
+
+ALL = ("sample", "spatial", "stationary-x", "stationary-y", "stationary-w")
+
+
+@pytest.mark.parametrize("model, shape, config, algorithms, error, message", [
+    (lambda: models.unet3d(in_channels=1, base=2, depth=2), (1, 1, 8, 8, 8), None, ALL,
+     NotImplementedError, r"cat_1.*passes through the join cat.*nested branches"),
+    (lambda: nn.Sequential(nn.Conv3d(2, 2, 3)), (2, 2, 5, 5, 5),
+     {"layers": [{"match": "0", "algorithm": "auto", "grid": {"D": 4}}]}, ALL,
+     ValueError, r"no candidate for 0 \(Conv3d on \(2, 2, 5, 5, 5\)\) on the grid \{'D': 4\}"),
+    (lambda: nn.Sequential(nn.Conv1d(2, 2, 3, groups=2)), (1, 2, 9), None,
+     ("sample", "stationary-x"), ValueError, r"no candidate for 0 \(Conv1d on \(1, 2, 9\)\)"),
+])
+def test_what_the_planner_cannot_plan_is_refused_naming_it(model, shape, config,  # noqa: ANN001
+                                                           algorithms, error,  # noqa: ANN001
+                                                           message) -> None:  # noqa: ANN001
+    with pytest.raises(error, match=message):
+        plan_network(model(), shape, world_size=4, machine=lassen(), config=config,
+                     algorithms=algorithms)

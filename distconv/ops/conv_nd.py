@@ -11,7 +11,10 @@
   the bucketed allreduce, on the entry's grid or the data grid.
 
 Their inputs arrive in any distribution and are converted. A grouped convolution whose channel
-blocks would not hold whole groups, ``pipeline`` and an explicit ``auto`` are refused by name.
+blocks would not hold whole groups, ``pipeline`` and an explicit ``auto`` are refused by name: an
+``auto`` entry is resolved by the whole-network planner (``plan_network(..., config=...)``,
+which chooses among the options :func:`refusal` keeps and prices them with
+:func:`layer_report`, this handler's own pricing), whose config names each layer's choice.
 """
 
 from __future__ import annotations
@@ -124,8 +127,11 @@ class ConvNdHandler(LinearHandler):
         kind = type(module).__name__
         live = {d for d, e in (choice.layout or ()) if e > 1}
         if choice.algorithm == "auto" and choice.source != "default":
-            an.fail(node, f"{choice.source} asks for algorithm 'auto', which the §4 model "
-                    f"chooses for Conv2d layers; give this {kind} sample, spatial or "
+            an.fail(node, f"{choice.source} asks for algorithm 'auto', which parallelize "
+                    "resolves by itself for Conv2d layers only; resolve it with "
+                    "distconv.planner.plan_network(model, input_shape, config=..., "
+                    "world_size=..., machine=...) and pass the plan's config() (it chooses for "
+                    f"this {kind} too), or give this {kind} sample, spatial or "
                     "stationary-x/-y/-w", ValueError)
         # a stationary default plans the Conv2d layers: these run sample-parallel under it
         split = choice.algorithm == "spatial" or (
