@@ -262,18 +262,19 @@ def _coefficients(mean: torch.Tensor, invstd: torch.Tensor, weight: torch.Tensor
 
 
 class DistLayerNorm(nn.LayerNorm):
-    """``nn.LayerNorm`` over every dim but the samples (``(C, H, W)`` of an image, ``(C, D, H,
-    W)`` of a volume) on an activation in ``input_dist``, any of its dims split; the output in the
-    same Dist. Each sample's statistics are those of its blocks on the ranks that split its
-    channels and spatial dims (the allgather and allreduce of :class:`DistGroupNorm` with one
-    group, over the grid dims of every entry but the samples'). The elementwise weight and bias
-    (shape ``normalized_shape``) are sharded like the activation's entries after the samples'
-    (``w[o_C,o_H,*]`` and the like), replicated over the other grid dims, whose gradient
-    allreduce completes them. Build it with :meth:`from_module`.
+    """``nn.LayerNorm`` over the trailing dims of an activation (``(C, H, W)`` or ``(H, W)`` of
+    an image, ``(C, D, H, W)`` of a volume, ``(W,)`` of a signal) in ``input_dist``, any of its
+    dims split; the output in the same Dist. The statistics of each row (a sample and its
+    leading dims' indices) are those of its blocks on the ranks that split the normalised dims
+    (the allgather and allreduce of :class:`DistGroupNorm` with one group, over the grid dims of
+    the normalised entries). The elementwise weight and bias (shape ``normalized_shape``) are
+    sharded like those entries (``w[o_C,o_H,*]``, ``w[o_H,*]`` and the like), replicated over
+    the other grid dims, whose gradient allreduce completes them. Build it with
+    :meth:`from_module`.
 
     Raises:
         TypeError: ``grid`` or ``input_dist`` of the wrong type.
-        ValueError: a ``normalized_shape`` that is not every dim but the samples.
+        ValueError: a ``normalized_shape`` with as many dims as the activation or more.
     """
 
     def __init__(self, normalized_shape: Sequence[int], eps: float = 1e-5,
@@ -284,13 +285,17 @@ class DistLayerNorm(nn.LayerNorm):
         name = type(self).__name__
         self.grid = check_grid(name, grid)
         self.normalized_shape = tuple(int(s) for s in normalized_shape)
+        k = len(self.normalized_shape)
+        if not 1 <= k <= 4:
+            raise ValueError(f"{name}: normalized_shape must have 1 to 4 dims, got "
+                             f"{self.normalized_shape}")
         self.input_dist = self.output_dist = check_activation_dist(
-            name, grid, input_dist, (len(self.normalized_shape) + 1,))
+            name, grid, input_dist, tuple(range(max(k + 1, 2), 6)))
         if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0:
             raise ValueError(f"{name}: eps must be a non-negative number, got {eps!r}")
         self.eps, self.elementwise_affine = float(eps), bool(elementwise_affine)
-        #: the weight's and bias's Dist: the activation's entries after the samples'
-        self.param_dist = Dist(self.input_dist.entries[1:])
+        #: the weight's and bias's Dist: the activation's normalised (trailing) entries
+        self.param_dist = Dist(self.input_dist.entries[self.input_dist.ndim - k:])
         kw = {"device": device, "dtype": dtype}
         local = self.param_dist.local_shape(self.normalized_shape, grid)
         self.weight: nn.Parameter | None = (nn.Parameter(torch.ones(local, **kw))
@@ -302,7 +307,7 @@ class DistLayerNorm(nn.LayerNorm):
         if self.bias is None:
             self.register_parameter("bias", None)
         # created collectively, in the same order on every rank
-        segment = [g for d in range(1, self.input_dist.ndim)
+        segment = [g for d in range(self.input_dist.ndim - k, self.input_dist.ndim)
                    for g in split_dims(grid, self.input_dist, d)]
         self._comm = grid.subcomm(segment) if segment else None
         redundant = [d for d in self.param_dist.redundant(grid) if grid.extent(d) > 1]
@@ -346,12 +351,16 @@ class DistLayerNorm(nn.LayerNorm):
         input of ``global_shape`` (in :attr:`input_dist`)."""
         shape = resolve_shape(type(self).__name__, self.grid, self.input_dist, x, global_shape,
                               self._resolved)
-        if tuple(shape[1:]) != self.normalized_shape:
+        k = len(self.normalized_shape)
+        if tuple(shape[-k:]) != self.normalized_shape:
             raise ValueError(f"{type(self).__name__}: the input {shape} does not end in "
                              f"normalized_shape {self.normalized_shape}")
         if autocast_dtype(x.device.type) is not None:
             x = x.float()  # autocast runs layer_norm in float32, as here
-        y = _GroupNorm.apply(x, None, None, self._comm, self.eps, 1, math.prod(shape[1:]))
+        lead = x.shape[:x.dim() - k]  # one row of statistics per sample and leading index
+        rows = x.reshape(math.prod(lead), 1, *x.shape[x.dim() - k:])
+        y = _GroupNorm.apply(rows, None, None, self._comm, self.eps, 1,
+                             math.prod(self.normalized_shape)).view(x.shape)
         if self.weight is not None:
             y = y * self.weight.to(y.dtype)
         if self.bias is not None:

@@ -202,17 +202,18 @@ class _LocalNorm(Handler):
 
 
 def _sample_statistics(report: Any, p: Placement, ctx: PriceContext, first: int,
-                       per_sample: int) -> None:
-    """The collectives of statistics kept per sample (``per_sample`` sets of each) and reduced
-    over the grid dims of the entries from ``first`` on: the forward allgather of (count, mean,
-    M2) and the backward allreduce of the two sums."""
+                       per_sample: int, lead: int = 1) -> None:
+    """The collectives of statistics kept per row (each local index of the first ``lead``
+    entries; ``per_sample`` sets of each) and reduced over the grid dims of the entries from
+    ``first`` on: the forward allgather of (count, mean, M2) and the backward allreduce of the
+    two sums."""
     ext = dict(p.layout)
     seg = [g for d in range(first, p.dist.ndim) for g in p.dist.grid_dims_of(d)]
     s = math.prod(ext[g] for g in seg)
     fwd, bwd = {}, {}
     for r in ctx.ranks:
         g = paper_grid(p.layout, r)
-        stats = p.dist.local_shape(ctx.in_shape, g)[0] * per_sample
+        stats = math.prod(p.dist.local_shape(ctx.in_shape, g)[:lead]) * per_sample
         fwd[r] = (s - 1) * (1 + 2 * stats) * ctx.itemsize
         bwd[r] = allreduce_bytes(2 * stats, segment_rank(p.layout, seg, g.coords), s,
                                  ctx.itemsize)
@@ -241,10 +242,10 @@ class GroupNormHandler(_LocalNorm):
 
 
 class LayerNormHandler(_LocalNorm):
-    """``nn.LayerNorm`` over the trailing dims of an activation. Over every dim but the samples
-    (``(C, H, W)``) with any of them split, in place (:class:`DistLayerNorm`: the statistics
-    reduced over the grid dims that split them, the elementwise weight sharded like them);
-    otherwise on local blocks with the dims it reduces over whole."""
+    """``nn.LayerNorm`` over the trailing dims of an activation (``(C, H, W)``, ``(H, W)``,
+    ``(W,)``, ...). With any of those dims split, in place (:class:`DistLayerNorm`: the
+    statistics reduced over the grid dims that split them, the elementwise weight sharded like
+    them); otherwise the plain module on local blocks."""
 
     modules = (nn.LayerNorm,)
 
@@ -253,9 +254,10 @@ class LayerNormHandler(_LocalNorm):
 
         step = an.keep(node, "norm")
         dist, ext = step.out.dist, dict(step.out.layout)
-        split = [g for d in range(1, dist.ndim) for g in dist.grid_dims_of(d)
+        k = len(module.normalized_shape)
+        split = [g for d in range(dist.ndim - k, dist.ndim) for g in dist.grid_dims_of(d)
                  if ext.get(g, 1) > 1]
-        if split and len(module.normalized_shape) == dist.ndim - 1:
+        if split and k <= dist.ndim - 1:
             step.layer = LayerSpec("layernorm", str(node.target), step.out.layout,
                                    input=step.out)
             return step
@@ -270,17 +272,19 @@ class LayerNormHandler(_LocalNorm):
     def param_dists(self, step: Any, module: Any) -> dict[str, Any] | None:
         if step.layer is None or step.layer.kind != "layernorm":
             return None
-        d = Dist(step.layer.input.dist.entries[1:])
+        entries = step.layer.input.dist.entries
+        d = Dist(entries[len(entries) - len(module.normalized_shape):])
         return {"weight": d, "bias": d}
 
     def price(self, report: Any, step: Any, module: Any, ctx: PriceContext) -> None:
         if step.layer is None or step.layer.kind != "layernorm":
             super().price(report, step, module, ctx)
             return
-        w = Placement(step.out.layout, Dist(step.out.dist.entries[1:]))
+        first = step.out.dist.ndim - len(module.normalized_shape)
+        w = Placement(step.out.layout, Dist(step.out.dist.entries[first:]))
         report.param_elements = sum(largest_block(w, tuple(t.shape))
                                     for t in module.parameters())
-        _sample_statistics(report, step.out, ctx, 1, 1)  # one set per sample
+        _sample_statistics(report, step.out, ctx, first, 1, first)  # one set per row
 
     def whole(self, module: Any, ndim: int) -> tuple[int, ...]:
         return tuple(range(ndim - len(module.normalized_shape), ndim))
@@ -291,7 +295,18 @@ class LayerNormHandler(_LocalNorm):
                 Sample("layernorm-cdhw", lambda: _VolumeNorm(nn.LayerNorm((4, 3, 4, 3))),
                        (5, 2, 3, 4, 3), VOLUME_GRIDS),
                 Sample("layernorm-w", lambda: SampleNet(nn.LayerNorm(6, bias=False), 4),
-                       (5, 4, 7, 6), SAMPLE_GRIDS[1:2]))
+                       (5, 4, 7, 6), SAMPLE_GRIDS[1:2]),
+                Sample("layernorm-hw", lambda: SampleNet(nn.LayerNorm((7, 6)), 4),
+                       (5, 4, 7, 6), SAMPLE_GRIDS),
+                Sample("layernorm-dhw", lambda: _VolumeNorm(nn.LayerNorm((3, 4, 3))),
+                       (5, 2, 3, 4, 3), VOLUME_GRIDS),
+                Sample("layernorm-w-of-hw", lambda: SampleNet(nn.LayerNorm(6), 4),
+                       (5, 4, 7, 6), ((2, {"default": {"grid": {"N": 1, "W": 2},
+                                                       "algorithm": "spatial"},
+                                           "data": {"N": 1, "W": 2}}),
+                                      (4, {"default": {"grid": {"H": 2, "W": 2},
+                                                       "algorithm": "spatial"},
+                                           "data": {"N": 1, "H": 2, "W": 2}}))))
 
 
 class InstanceNormHandler(_LocalNorm):
