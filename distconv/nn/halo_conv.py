@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from distconv.conv_geometry import HaloPlan
 from distconv.halo import halo_accumulate_start, halo_adjoint, halo_parts, halo_parts_start
 
-__all__ = ["HaloConvSpec", "halo_conv"]
+__all__ = ["HaloConvSpec", "halo_conv", "interior_rows", "interior_share"]
 
 _CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 _TRANSPOSED = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}
@@ -108,23 +108,35 @@ def _overlapped(spec: HaloConvSpec, weight: torch.Tensor) -> _Rows | None:
     if spec.explicit is not None and any(spec.explicit[2 * (spec.spatial - 1 - i) + j]
                                          for j in (0, 1)):
         return None
-    plan, comm = spec.plans[i], spec.comms[i]
-    r = comm.rank
-    lo_need, hi_need = plan.needed[r]
-    pad_before, pad_after = plan.pad[r]
+    return interior_rows(spec.plans[i], spec.comms[i].rank, weight.shape[2 + i],
+                         spec.stride[i], spec.dilation[i], 2 + i, i)
+
+
+def interior_rows(plan: HaloPlan, rank: int, kernel: int, stride: int, dilation: int,
+                  dim: int = 2, index: int = 0) -> _Rows | None:
+    """Rank ``rank``'s interior and border output rows of a convolution whose split dim has the
+    zero-padding halo ``plan`` (None: no interior row)."""
+    lo_need, hi_need = plan.needed[rank]
+    pad_before, pad_after = plan.pad[rank]
     length = pad_before + max(0, hi_need - lo_need) + pad_after
-    before = plan.recv_rows(r, r)[0]
-    offset, own = plan.send_rows(r, r)
-    k, stride, dil = weight.shape[2 + i], spec.stride[i], spec.dilation[i]
-    reach = dil * (k - 1) + 1
-    if length < reach:
+    before = plan.recv_rows(rank, rank)[0]
+    offset, own = plan.send_rows(rank, rank)
+    reach = dilation * (kernel - 1) + 1
+    if length < reach or own < reach:
         return None
     n_out = (length - reach) // stride + 1
     lo = -(-before // stride)
-    hi = (before + own - reach) // stride
-    if own < reach or hi < lo:
+    hi = min((before + own - reach) // stride, n_out - 1)
+    if hi < lo:
         return None
-    return _Rows(2 + i, i, length, before, offset, lo, min(hi, n_out - 1), n_out, reach, stride)
+    return _Rows(dim, index, length, before, offset, lo, hi, n_out, reach, stride)
+
+
+def interior_share(plan: HaloPlan, rank: int, kernel: int, stride: int, dilation: int) -> float:
+    """The share of rank ``rank``'s output rows whose windows lie in its own rows: the part of
+    its convolution an overlapped step runs while the halo travels."""
+    rows = interior_rows(plan, rank, kernel, stride, dilation)
+    return 0.0 if rows is None else (rows.hi - rows.lo + 1) / rows.n_out
 
 
 def _tuple(value: Any, k: int) -> list[int]:

@@ -15,8 +15,9 @@ from torch import nn
 
 from distconv.nn.conv import DistConv2d, conv_dists
 from distconv.nn.conv_nd import spatial_roles
+from distconv.nn.halo_conv import interior_share
 from distconv.ops.base import SAMPLE_GRIDS, Handler, PriceContext, Sample, SampleNet
-from distconv.ops.pricing import CommStep, largest_block
+from distconv.ops.pricing import CommStep, halo_hidden, largest_block
 from distconv.parallel.placement import Placement, paper_grid
 from distconv.perfmodel import ConvProblem, conv_cost, conv_traffic
 
@@ -78,6 +79,22 @@ def _overlap(an: Any, node: Any, module: Any, choice: Any, ext: dict[str, int]) 
                 "padding and a direct convolution); leave overlap out for it, or put it in the "
                 "default entry (which applies where it can)", ValueError)
     return False
+
+
+def _interior(conv: Any, x_shape: tuple[int, ...], spec: Any, roles: dict[str, str]) -> float:
+    """The least share of a rank's output rows an overlapped layer convolves while its halo
+    travels (the interior rows of its one split spatial dim)."""
+    from distconv.conv_geometry import HaloPlan, conv_dims, normalize_padding
+
+    ext = dict(spec.layout)
+    i = next(i for i, r in enumerate(("H", "W")) if ext.get(roles[r], 1) > 1)
+    kernel, stride = _as_tuple(conv.kernel_size, 2), _as_tuple(conv.stride, 2)
+    dilation = _as_tuple(conv.dilation, 2)
+    pads = normalize_padding(conv.padding, kernel, stride, dilation)
+    dim = conv_dims(x_shape[2:], kernel, stride, dilation, pads)[i]
+    parts = ext[roles[("H", "W")[i]]]
+    plan = HaloPlan(dim, parts, "zeros")
+    return min(interior_share(plan, r, kernel[i], stride[i], dilation[i]) for r in range(parts))
 
 
 def _as_tuple(value: Any, k: int) -> tuple[int, ...]:
@@ -177,6 +194,8 @@ class ConvHandler(Handler):
                                       k: v for k, v in kw.items() if k != "input_grad"})
                 report.overlap = {"forward": cost.forward - piped.forward,
                                   "backward": cost.backward - piped.backward}
+            elif spec.overlap:
+                report.overlap = halo_hidden(cost.steps, _interior(conv, x, spec, roles))
 
     def samples(self) -> Sequence[Sample]:
         return (Sample("conv3x3", lambda: SampleNet(nn.Conv2d(4, 6, 3, padding=1), 4, 6),

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Sequence, Union
+from typing import Any, Mapping, Sequence, Union
 
 from distconv import machines
 from distconv.parallel.placement import Layout, Placement, paper_grid
 from distconv.perfmodel import Machine as FlatMachine
 
-__all__ = ["CommStep", "LayerReport", "Machine", "Timeline", "block_index", "largest_block",
+__all__ = ["CommStep", "LayerReport", "Machine", "Timeline", "block_index", "halo_hidden", "largest_block",
            "pair", "segment_rank", "timeline"]
 
 #: A flat :class:`distconv.perfmodel.Machine` or a hierarchical :class:`distconv.machines.Machine`.
@@ -154,3 +154,15 @@ def block_index(dims: Sequence[str], ext: dict[str, int], coords: dict[str, int]
 
 def pair(v: Any) -> tuple[int, int]:
     return (v, v) if isinstance(v, int) else (int(v[0]), int(v[1]))
+
+
+def halo_hidden(steps: Mapping[str, float], share: float) -> dict[str, float]:
+    """The seconds an overlapped layer hides (:func:`distconv.nn.halo_conv.halo_conv`): its
+    halo exchange runs beside the ``share`` of its local convolution on interior rows, its halo
+    accumulate beside that share of the local backward, so each hides the smaller of the two.
+    ``steps``: :func:`distconv.perfmodel.conv_cost`'s seconds per step."""
+    def part(prefix: str) -> float:
+        return sum(v for k, v in steps.items() if k.startswith(prefix))
+
+    return {"forward": min(part("halo exchange"), share * part("local conv forward")),
+            "backward": min(part("halo accumulate"), share * part("local conv backward"))}

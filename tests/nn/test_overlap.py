@@ -245,3 +245,45 @@ def test_overlap_where_nothing_can_overlap_is_refused_naming_the_entry(config, m
     model = models.resnet_mini(base=4)
     with pytest.raises(ValueError, match=message):
         explain(model, config, (4, 3, 32, 24), world_size=4)
+
+
+def test_the_seconds_an_overlapped_layer_hides_are_priced_by_hand() -> None:
+    """On a flat machine the hidden seconds are min(halo, interior share × local conv), forward
+    and backward, and the timeline's step is shorter by exactly them."""
+    from distconv import models
+    from distconv.conv_geometry import ConvDim, HaloPlan
+    from distconv.nn.halo_conv import interior_share
+    from distconv.parallel.explain import explain
+    from distconv.perfmodel import Machine
+
+    machine = Machine(alpha=1e-4, beta=1e-9, flop_rate=1e9)
+    model = models.resnet_mini(base=4)
+    shape = (4, 3, 32, 24)
+    plain = explain(model, {"default": {"grid": {"N": 2, "H": 2}, "algorithm": "spatial"},
+                            "data": {"N": 2, "H": 2}}, shape, world_size=4, machine=machine)
+    over = explain(model, OVERLAP_CONFIG, shape, world_size=4, machine=machine)
+    a = next(lay for lay in plain.layers if lay.name == "conv1")
+    b = next(lay for lay in over.layers if lay.name == "conv1")
+    # conv1: 3×3, stride 2, padding 1 over 32 rows split in 2; the interior share written out:
+    # rank 0 owns rows 0-15 (+1 padding row before): outputs 0..7 read rows 2o-1..2o+1, the
+    # interior ones (windows in rows 0..15) are 1..7 of 8; rank 1 (rows 16-31) reads one halo
+    # row (15) for output 8: interior 9..15, 7 of 8
+    plan = HaloPlan(ConvDim(32, 3, 2, 1, 1, 1), 2, "zeros")
+    assert [interior_share(plan, r, 3, 2, 1) for r in (0, 1)] == [7 / 8, 7 / 8]
+    assert not a.overlap and set(b.overlap) == {"forward", "backward"}
+    from distconv.perfmodel import ConvProblem, conv_cost
+
+    conv = model.conv1
+    cost = conv_cost(ConvProblem(4, 3, conv.out_channels, 32, 24, 3, 2, 1, bias=False),
+                     {"N": 2, "H": 2}, "stationary-x", machine)
+    halo = {ph: sum(v for k, v in cost.steps.items() if k.startswith(f"halo {ph}"))
+            for ph in ("exchange", "accumulate")}
+    assert halo["exchange"] > 0 and halo["accumulate"] > 0
+    local_f = cost.steps["local conv forward"]
+    local_b = cost.steps["local conv backward (data + filter)"]
+    assert b.overlap["forward"] == pytest.approx(min(halo["exchange"], 7 / 8 * local_f))
+    assert b.overlap["backward"] == pytest.approx(min(halo["accumulate"], 7 / 8 * local_b))
+    hidden = sum(lay.overlap.get(p, 0.0) for lay in over.layers for p in ("forward", "backward"))
+    assert over.timeline().step < plain.timeline().step
+    assert over.timeline().forward + over.timeline().backward == pytest.approx(
+        plain.timeline().forward + plain.timeline().backward - hidden)
