@@ -5,8 +5,9 @@ For every backend (gloo, MPI), on 2 ranks with one thread each, it interleaves t
 and with ``overlap`` (forward + backward, slowest rank per repeat, medians of the paired ratios)
 and the local convolution with no communication (its rank's rows and halo): ``bound =
 unoverlapped / (local only)`` is the largest speedup hiding the halo could show here. Bytes moved
-are compared (they must be equal). Layers: ResNet-50's early 3×3 convolutions split over H, and
-a CosmoFlow-style Conv3d split over D.
+are compared (they must be equal). Next to them, the §4 model's predicted speedup (the seconds
+``explain`` says the overlap hides), calibrated in the same world and on ``lassen()``. Layers:
+ResNet-50's early 3×3 convolutions split over H, and a CosmoFlow-style Conv3d split over D.
 
 Writes ``benchmarks/results/halo_overlap.{json,md}`` and prints the table.
 
@@ -56,8 +57,33 @@ def _step(layer: Any, x: torch.Tensor, g: torch.Tensor, shape: tuple) -> float:
     return elapsed
 
 
+def predicted(conv: nn.Conv2d, shape: tuple, dims: dict, machine: Any) -> float:
+    """The §4 model's speedup of the overlapped layer: its step over the step less the seconds
+    the overlap hides (distconv.ops.pricing.halo_hidden)."""
+    from distconv.conv_geometry import HaloPlan, conv_dims, normalize_padding
+    from distconv.nn.halo_conv import interior_share
+    from distconv.ops.pricing import halo_hidden
+    from distconv.perfmodel import ConvProblem, conv_cost
+
+    k, s, d, p = conv.kernel_size, conv.stride, conv.dilation, conv.padding
+    problem = ConvProblem(shape[0], conv.in_channels, conv.out_channels, shape[2], shape[3], k,
+                          s, p, d, bias=conv.bias is not None)
+    cost = conv_cost(problem, dims, "stationary-x", machine)
+    i = 0 if "H" in dims else 1
+    dim = conv_dims(shape[2:], k, s, d, normalize_padding(p, k, s, d))[i]
+    parts = dims["H" if i == 0 else "W"]
+    plan = HaloPlan(dim, parts, "zeros")
+    share = min(interior_share(plan, r, k[i], s[i], d[i]) for r in range(parts))
+    hidden = halo_hidden(cost.steps, share)
+    return cost.total / (cost.total - hidden["forward"] - hidden["backward"])
+
+
 def bench(comm: Any, names: list[str], repeats: int) -> list[dict]:
+    from distconv.machines import lassen
+    from distconv.perfmodel import calibrate
+
     torch.set_num_threads(1)
+    calibrated = calibrate(comm)
     out = []
     for name in names:
         build, shape, dims = LAYERS[name]
@@ -106,7 +132,12 @@ def bench(comm: Any, names: list[str], repeats: int) -> list[dict]:
         per = comm.allreduce(torch.tensor([times[k] for k in keys], dtype=torch.float64),
                              op="max")
         slow = {k: per[i].tolist() for i, k in enumerate(keys)}
+        row_model = {}
+        if x.dim() == 4:  # the §4 model's prediction (2-D layers)
+            for key, machine in (("model", calibrated), ("lassen", lassen())):
+                row_model[key] = predicted(conv, shape, dims, machine)
         out.append({
+            **row_model,
             "layer": name, "ranks": comm.size, "grid": dims, "shape": list(shape),
             "unoverlapped_ms": 1e3 * statistics.median(slow[False]),
             "overlapped_ms": 1e3 * statistics.median(slow[True]),
@@ -121,11 +152,14 @@ def _markdown(results: dict) -> str:
     lines = [f"`{results['command']}` ({results['host']}, 2 ranks, one thread each, "
              f"{results['repeats']} interleaved repeats, slowest rank, medians)", "",
              "| backend | layer | unoverlapped ms | overlapped ms | speedup | bound | "
-             "bytes equal |", "|---|---|---|---|---|---|---|"]
+             "model (calibrated) | model (lassen) | bytes equal |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for backend, rows in results["rows"].items():
         for r in rows:
             lines.append(f"| {backend} | {r['layer']} | {r['unoverlapped_ms']:.1f} | "
                          f"{r['overlapped_ms']:.1f} | {r['speedup']:.2f} | {r['bound']:.2f} | "
+                         f"{r.get('model', float('nan')):.3f} | "
+                         f"{r.get('lassen', float('nan')):.3f} | "
                          f"{'yes' if r['bytes_equal'] else 'NO'} |")
     return "\n".join(lines)
 
