@@ -1,8 +1,9 @@
 """A whole-network planner: per convolution, the grid and algorithm that minimise the step time.
 
 The model is traced (:func:`trace_network`) into a chain of **units** -- a single convolution, or
-a block (a main branch of convolutions and a skip that is the identity or its own convolutions,
-joined by a residual add or by a channel concatenation). Every convolution chooses a
+a block (a main branch and a skip that is the identity or its own branch, joined by a residual
+add or by a channel concatenation; a branch is itself a chain of units, so blocks nest, as a
+U-Net's levels do). Every convolution chooses a
 :class:`Choice` (grid layout and algorithm; its x and y distributions follow, as in
 :class:`~distconv.nn.DistConv2d`):
 
@@ -15,10 +16,11 @@ its own spatial dims (``D``, ``H``, ``W`` of a volume, ``W`` of a signal; every 
 ranks among them) and its candidates kept where it can run them
 (:func:`distconv.ops.conv_nd.refusal`). Dynamic programming runs over the chain with the
 distribution of the activation between units as the state; inside a block, for every entry
-state, a chain DP over the main branch and the cheapest skip (its redistribution, or its
-convolutions) give the block's cost to every exit state. The operands meet as the executor joins
-them: where the other reaches with fewer bytes (at a cat, among the operands' placements with the
-channels whole).
+state, a chain DP over the main branch and the cheapest skip (its redistribution, or its own
+chain) give the block's cost to every exit state (found once per entry state: a nested block is
+entered from every state of its branch). The operands meet as the executor joins them: where
+the other reaches with fewer bytes (at a cat, among the operands' placements with the channels
+whole).
 
 Costs (seconds, slowest rank): each Conv2d's :func:`~distconv.perfmodel.conv_cost` on the machine
 (another convolution's: its op handler's price, :func:`distconv.ops.conv_nd.layer_report`),
@@ -105,19 +107,29 @@ class ConvNode:
 class Block:
     """Two branches from one value, joined: ``add(main(x), skip(x))`` (a residual block) or
     ``cat([main(x), skip(x)], 1)`` (``join="cat"``, e.g. a dense or U-Net-style skip); ``skip``
-    is empty for the identity. ``main_first``: the main branch is the join's first operand (which
+    is empty for the identity. A branch is a chain of units: convolutions and blocks nested in
+    it (a U-Net's levels). ``main_first``: the main branch is the join's first operand (which
     wins a tie where the operands meet). ``shapes``: the global shapes of the (main, skip)
     operands of a cat."""
 
-    main: tuple[ConvNode, ...]
-    skip: tuple[ConvNode, ...]
+    main: tuple[ConvNode | Block, ...]
+    skip: tuple[ConvNode | Block, ...]
     main_first: bool = True
     join: str = "add"
     shapes: tuple[tuple[int, ...], ...] = ()
 
     @property
     def convs(self) -> tuple[ConvNode, ...]:
-        return self.main + self.skip
+        return tuple(c for u in self.main + self.skip
+                     for c in (u.convs if isinstance(u, Block) else (u,)))
+
+    @property
+    def out_shape(self) -> tuple[int, ...]:
+        """The global shape of the joined value."""
+        if self.join == "cat":
+            a, b = self.shapes
+            return (a[0], a[1] + b[1], *a[2:])
+        return self.main[-1].out_shape
 
 
 Unit = ConvNode | Block
@@ -152,8 +164,9 @@ def trace_network(model: torch.nn.Module, input_shape: Sequence[int]) -> Network
 
     Raises:
         distconv.ops.Unsupported: a node no op handler runs (the refusal ``parallelize`` and
-            ``explain`` give), or a graph that is not a chain of convolutions and residual
-            blocks.
+            ``explain`` give).
+        NotImplementedError: a graph that is not a chain of convolutions and blocks (nested
+            or not), naming the layer or join where it branches otherwise.
         ValueError: an ``input_shape`` the model cannot take (naming it and what the first
             layer expects).
     """
@@ -235,56 +248,70 @@ def _cat_dim(node: Any) -> int:
 
 
 def _units(order, convs, source, adds, cats) -> tuple[Unit, ...]:  # noqa: ANN001
-    def chain(p):  # noqa: ANN001, ANN202
+    """The chain of units from the input to the last convolution or join: walked back from
+    it, a convolution steps to its input, a join to the value its two branches leave from (the
+    nearest both pass, found the same way: blocks nest)."""
+    entries: dict[Any, Any] = {}  # join -> the value its branches leave from
+
+    def back(p):  # noqa: ANN001, ANN202
         out = [p]
-        while p in convs:
-            p = source[p]
+        while p in convs or p in adds:
+            p = source[p] if p in convs else entry(p)
             out.append(p)
         return out
 
-    in_block: dict[Any, Any] = {}
-    blocks: dict[Any, tuple[Any, list, list]] = {}
-    for a, (p1, p2) in adds.items():
-        c1, c2 = chain(p1), chain(p2)
-        entry = next((p for p in c1 if p in c2), None)
-        if entry is None:
-            joins = sorted(str(p) for p in c1[-1:] + c2[-1:] if p in adds)
-            through = f" (a branch passes through the join {', '.join(joins)})" if joins else ""
-            raise NotImplementedError(
-                f"trace_network: the operands of {a} do not branch from one value{through}: "
-                "nested branches (e.g. a U-Net of more than one level) are not planned; plan a "
-                "network whose blocks hold convolutions only, or write its config by hand "
-                "(explain prices it)")
-        b1, b2 = c1[:c1.index(entry)][::-1], c2[:c2.index(entry)][::-1]
-        main, skip = (b1, b2) if len(b1) >= len(b2) else (b2, b1)
-        blocks[a] = (entry, main, skip, main is b1)
-        for c in main + skip:
-            in_block[c] = a
-    units: list[Unit] = []
-    frontier: Any = "input"
-    for node in order:
-        if node in adds:
-            entry, main, skip, main_first = blocks[node]
-            if entry != frontier:
+    def entry(a):  # noqa: ANN001, ANN202
+        if a not in entries:
+            c1, c2 = back(adds[a][0]), back(adds[a][1])
+            entries[a] = next(p for p in c1 if p in c2)  # both reach the input
+        return entries[a]
+
+    def walk(end, start) -> tuple[Unit, ...]:  # noqa: ANN001
+        out: list[Unit] = []
+        p = end
+        while p != start:
+            if p in convs:
+                out.append(convs[p])
+                p = source[p]
+            elif p in adds:
+                out.append(block(p))
+                p = entry(p)
+            else:
                 raise NotImplementedError(
-                    f"trace_network: residual block ending at {node} starts at {entry}, not at "
-                    f"the previous unit's output {frontier}; nested branches are not supported"
-                )
-            shapes = cats.get(node, ())
-            units.append(Block(tuple(convs[c] for c in main), tuple(convs[c] for c in skip),
-                               main_first, "cat" if node in cats else "add",
-                               shapes if main_first else shapes[::-1]))
-            frontier = node
-        elif node not in in_block:
-            if source[node] != frontier:
-                raise NotImplementedError(
-                    f"trace_network: {convs[node].name} reads {source[node]}, not the previous "
-                    f"unit's output {frontier}; branches other than residual blocks are not "
-                    "supported"
-                )
-            units.append(convs[node])
-            frontier = node
-    return tuple(units)
+                    f"trace_network: a branch ending at {end} does not start at {start} but "
+                    "passes it by: the planner plans chains of convolutions and of blocks (two "
+                    "branches from one value joined by an add or a channel concatenation, "
+                    "nested or not), not branches that cross; write such a config by hand "
+                    "(explain prices it)")
+        return tuple(out[::-1])
+
+    def block(a):  # noqa: ANN001, ANN202
+        e = entry(a)
+        b1, b2 = walk(adds[a][0], e), walk(adds[a][1], e)
+        size = [sum(len(u.convs) if isinstance(u, Block) else 1 for u in b) for b in (b1, b2)]
+        main_first = size[0] >= size[1]
+        shapes = cats.get(a, ())
+        return Block(b1 if main_first else b2, b2 if main_first else b1, main_first,
+                     "cat" if a in cats else "add", shapes if main_first else shapes[::-1])
+
+    if not order:
+        return ()
+    units = walk(order[-1], "input")
+    flat = [c.name for u in units for c in (u.convs if isinstance(u, Block) else (u,))]
+    twice = sorted({n for n in flat if flat.count(n) > 1})
+    if twice:
+        raise NotImplementedError(
+            f"trace_network: the output of {twice} feeds two branches that do not leave from "
+            "one value; the planner plans chains of convolutions and of blocks (two branches "
+            "from one value joined by an add or a channel concatenation, nested or not), not "
+            "branches that cross; write such a config by hand (explain prices it)")
+    stray = [c.name for c in convs.values() if c.name not in flat]
+    if stray:
+        raise NotImplementedError(
+            f"trace_network: {stray} lie on no path from the input to {order[-1]}; the planner "
+            "plans chains of convolutions and of blocks (two branches from one value joined "
+            "by an add or a channel concatenation), not other branches")
+    return units
 
 
 # ============================================================================ choices
@@ -775,6 +802,7 @@ class _Model:
         self.head_params = sum(n for _, n in net.linears)
         self._moves: dict[tuple, tuple[float, int]] = {}
         self._meets: dict[tuple, bool] = {}
+        self._blocks: dict[tuple, dict[Any, tuple[float, Any]]] = {}
         self.entry = _sample_value(world_size, len(net.input_shape))
         self.exit = _sample_value(world_size, len(net.out_shape))
         self.picks: list[dict[str, Choice]] = []  # the DP's plans of the last search
@@ -828,48 +856,59 @@ class _Model:
         return lc.forward + lc.backward + lam * lc.allreduce + mu * lc.memory
 
     # ---------------------------------------------------------------- the DP
-    def chain(self, start: dict[Choice, tuple[float, Any]], convs: Sequence[ConvNode],
-              lam: float, mu: float) -> list[dict[Choice, tuple[float, Choice]]]:
-        """Per conv of a chain: best cost to each choice and the predecessor choice."""
-        out, cur = [], {a: v[0] for a, v in start.items()}
-        for c in convs:
-            step = {}
-            for b in self.options[c.name]:
-                w = self.weight(c, b, lam, mu)
-                step[b] = min(((cost + 2 * self.move(a, b, c.in_shape)[0] + w, a)
-                               for a, cost in cur.items()), key=_first)
-            out.append(step)
-            cur = {b: v[0] for b, v in step.items()}
-        return out
+    def run(self, start: Mapping[Any, float], units: Sequence[Unit], lam: float, mu: float
+            ) -> list[tuple[Unit, dict[Any, tuple[float, Any]]]]:
+        """Per unit of a chain from the states ``start`` (state -> cost so far): the best cost
+        to each state after it and how it is reached (a convolution: the state before; a block:
+        :meth:`block`'s way through it)."""
+        trail: list[tuple[Unit, dict[Any, tuple[float, Any]]]] = []
+        cur = dict(start)
+        for unit in units:
+            table: dict[Any, tuple[float, Any]] = {}
+            if isinstance(unit, ConvNode):
+                for b in self.options[unit.name]:
+                    w = self.weight(unit, b, lam, mu)
+                    table[b] = min(((cost + 2 * self.move(a, b, unit.in_shape)[0] + w, a)
+                                    for a, cost in cur.items()), key=_first)
+            else:
+                for a, base in cur.items():
+                    for out, (cost, way) in self.block(unit, a, lam, mu).items():
+                        if out not in table or base + cost < table[out][0]:
+                            table[out] = (base + cost, way)
+            trail.append((unit, table))
+            cur = {b: v[0] for b, v in table.items()}
+        return trail
+
+    def block(self, unit: Block, a: Any, lam: float, mu: float
+              ) -> dict[Any, tuple[float, Any]]:
+        """From the state ``a`` through ``unit``: per state after the join, the cost and the way
+        (``a``, the main branch's trail, the skip's, their end states); cached, as a block nested
+        in another's branch is entered from every state of that branch."""
+        key = (id(unit), a, lam, mu)
+        if key not in self._blocks:
+            main = self.run({a: 0.0}, unit.main, lam, mu)
+            skip = self.run({a: 0.0}, unit.skip, lam, mu) if unit.skip else None
+            ends = skip[-1][1].items() if skip else [(a, (0.0, None))]
+            best: dict[Any, tuple[float, Any]] = {}
+            for e, (cost, _) in main[-1][1].items():
+                for s_end, (sc, _) in ends:
+                    t, _, out = self.join(e, s_end, unit)
+                    total = cost + sc + 2 * t
+                    if out not in best or total < best[out][0]:
+                        best[out] = (total, (a, main, skip, s_end, e))
+            self._blocks[key] = best
+        return self._blocks[key]
 
     def solve(self, lam: float, mu: float) -> dict[str, Choice]:
-        state: dict[Choice, tuple[float, Any]] = {self.entry: (0.0, None)}
-        trail: list[tuple[Unit, Any]] = []
-        for unit in self.net.units:
-            if isinstance(unit, ConvNode):
-                (step,) = self.chain(state, [unit], lam, mu)
-                trail.append((unit, step))
-                state = {b: (v[0], v[1]) for b, v in step.items()}
-                continue
-            best: dict[Choice, tuple[float, Any]] = {}
-            for a, (base, _) in state.items():
-                main = self.chain({a: (base, None)}, unit.main, lam, mu)
-                skip = self.chain({a: (0.0, None)}, unit.skip, lam, mu) if unit.skip else None
-                ends = skip[-1].items() if skip else [(a, (0.0, None))]
-                for e, (cost, _) in main[-1].items():
-                    for s_end, (sc, _) in ends:
-                        t, _, out = self.join(e, s_end, unit)
-                        total = cost + sc + 2 * t
-                        if out not in best or total < best[out][0]:
-                            best[out] = (total, (a, main, skip, s_end, e))
-            trail.append((unit, best))
-            state = best
-        out_shape = self.net.out_shape
+        trail = self.run({self.entry: 0.0}, self.net.units, lam, mu)
+        if not trail:
+            return {}
+        state, out_shape = trail[-1][1], self.net.out_shape
         end = min(state, key=lambda e: state[e][0] + 2 * self.move(e, self.exit, out_shape)[0])
-        return self._backtrack(trail, end)
+        return self._backtrack(trail, end, {})
 
-    def _backtrack(self, trail: list[tuple[Unit, Any]], end: Choice) -> dict[str, Choice]:
-        pick: dict[str, Choice] = {}
+    def _backtrack(self, trail: list[tuple[Unit, Any]], end: Any,
+                   pick: dict[str, Choice]) -> dict[str, Choice]:
         cur = end
         for unit, table in reversed(trail):
             if isinstance(unit, ConvNode):
@@ -877,14 +916,9 @@ class _Model:
                 cur = table[cur][1]
                 continue
             a, main, skip, s_end, e = table[cur][1]
-            for c, step in zip(reversed(unit.main), reversed(main)):
-                pick[c.name] = e
-                e = step[e][1]
+            self._backtrack(main, e, pick)
             if skip:
-                s = s_end
-                for c, step in zip(reversed(unit.skip), reversed(skip)):
-                    pick[c.name] = s
-                    s = step[s][1]
+                self._backtrack(skip, s_end, pick)
             cur = a
         return pick
 
@@ -894,27 +928,22 @@ class _Model:
         gradient allreduces on a communication stream (each starts when its layer's backward is
         done and the previous allreduce has finished)."""
         layers: list[tuple[ConvNode, Choice, float, int]] = []  # conv, choice, move in, bytes
-        extra = 0.0
-        cur = self.entry
-        for unit in self.net.units:
-            if isinstance(unit, ConvNode):
-                t, b = self.move(cur, pick[unit.name], unit.in_shape)
-                layers.append((unit, pick[unit.name], t, b))
-                cur = pick[unit.name]
-                continue
-            entry = cur
-            for c in unit.main:
-                t, b = self.move(cur, pick[c.name], c.in_shape)
-                layers.append((c, pick[c.name], t, b))
-                cur = pick[c.name]
-            s = entry
-            for c in unit.skip:
-                t, b = self.move(s, pick[c.name], c.in_shape)
-                layers.append((c, pick[c.name], t, b))
-                s = pick[c.name]
-            t, _, cur = self.join(cur, s, unit)
-            extra += t
-        extra += self.move(cur, self.exit, self.net.out_shape)[0]
+        joins: list[float] = []
+
+        def walk(units: Sequence[Unit], cur: Any) -> Any:
+            for unit in units:
+                if isinstance(unit, ConvNode):
+                    t, b = self.move(cur, pick[unit.name], unit.in_shape)
+                    layers.append((unit, pick[unit.name], t, b))
+                    cur = pick[unit.name]
+                    continue
+                main, skip = walk(unit.main, cur), walk(unit.skip, cur)
+                t, _, cur = self.join(main, skip, unit)
+                joins.append(t)
+            return cur
+
+        cur = walk(self.net.units, self.entry)
+        extra = sum(joins) + self.move(cur, self.exit, self.net.out_shape)[0]
         forward = extra + sum(self.costs[(c.name, ch)].forward + t for c, ch, t, _ in layers)
         head = 0.0
         if self.head_params:
@@ -975,8 +1004,8 @@ def plan_network(
 
     Raises:
         ValueError: bad arguments, a bad ``config``, or no plan within ``memory_limit``.
-        NotImplementedError: a graph that is not a chain of convolutions, residual blocks and
-            two-branch concatenations (:func:`trace_network`, naming the node).
+        NotImplementedError: a graph that is not a chain of convolutions and blocks, nested or
+            not (:func:`trace_network`, naming the node).
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"plan_network: world_size must be an int >= 1, got {world_size!r}")

@@ -28,8 +28,9 @@ def _signal() -> nn.Module:
 
 def _case(name: str, shape: tuple[int, ...]) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
     torch.manual_seed(7)
-    if name == "unet":
-        model, classes = models.unet3d(in_channels=shape[1], base=2, depth=1), 2
+    if name.startswith("unet"):  # unet2: two levels, the inner skip nested in the outer
+        depth = 2 if name == "unet2" else 1
+        model, classes = models.unet3d(in_channels=shape[1], base=2, depth=depth), 2
         target = (shape[0], *shape[2:])
     elif name == "signal":
         model, classes, target = _signal(), 4, (shape[0], 2 * shape[2])
@@ -57,6 +58,7 @@ def _planned_step(comm: Any, explained: list, case: tuple, config: dict) -> dict
 
 
 @pytest.mark.parametrize("name, shape", [("unet", (2, 1, 8, 8, 8)), ("unet", (1, 1, 8, 8, 8)),
+                                         ("unet2", (1, 1, 8, 8, 8)),
                                          ("cosmoflow", (2, 4, 8, 8, 8)),
                                          ("cosmoflow", (1, 4, 8, 8, 8)),
                                          ("signal", (1, 3, 16)), ("signal", (2, 3, 16))])
@@ -147,9 +149,21 @@ def test_an_unresolved_auto_entry_for_a_3d_convolution_is_refused_naming_the_pla
 ALL = ("sample", "spatial", "stationary-x", "stationary-y", "stationary-w")
 
 
+class _Crossing(nn.Module):
+    """Two residual joins whose branches cross: ``c(b(a(x)) + x) + a(x)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = (nn.Conv3d(2, 2, 3, padding=1) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.a(x)
+        return self.c(self.b(y) + x) + y
+
+
 @pytest.mark.parametrize("model, shape, config, algorithms, error, message", [
-    (lambda: models.unet3d(in_channels=1, base=2, depth=2), (1, 1, 8, 8, 8), None, ALL,
-     NotImplementedError, r"cat_1.*passes through the join cat.*nested branches"),
+    (lambda: _Crossing(), (1, 2, 4, 4, 4), None, ALL, NotImplementedError,
+     r"output of \['a'\] feeds two branches.*not branches that cross"),
     (lambda: nn.Sequential(nn.Conv3d(2, 2, 3)), (2, 2, 5, 5, 5),
      {"layers": [{"match": "0", "algorithm": "auto", "grid": {"D": 4}}]}, ALL,
      ValueError, r"no candidate for 0 \(Conv3d on \(2, 2, 5, 5, 5\)\) on the grid \{'D': 4\}"),
