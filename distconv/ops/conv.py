@@ -58,7 +58,7 @@ def memory_elements(layout: Any, dists: dict[str, Any], conv: Any,
     return params, kept
 
 
-def _overlap(an: Any, node: Any, module: Any, choice: Any, ext: dict[str, int]) -> bool:
+def halo_overlap(an: Any, node: Any, module: Any, choice: Any, ext: dict[str, int]) -> bool:
     """Whether the layer overlaps its halo exchange with its interior rows (``overlap`` in its
     config entry): where it splits one spatial dim with a halo and pads with zeros; a layer
     entry that asks for it elsewhere is refused, the default's applies where it can."""
@@ -136,7 +136,7 @@ class ConvHandler(Handler):
         spec = LayerSpec("conv", name, choice.layout, algorithm,
                          tuple(sorted(roles.items())), need, choice.source,
                          pipeline=choice.pipeline,
-                         overlap=_overlap(an, node, module, choice, ext))
+                         overlap=halo_overlap(an, node, module, choice, ext))
         out = Placement(choice.layout, dists["output"])
         return Step(node, "conv", out, {args[0]: need}, spec)
 

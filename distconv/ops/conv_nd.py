@@ -32,7 +32,9 @@ from distconv.ops.base import (
     SAMPLE_GRIDS, SIGNAL_GRIDS, VOLUME_GRIDS, PriceContext, Sample, SampleNet,
 )
 from distconv.ops.linear import LinearHandler, compute
-from distconv.ops.pricing import CommStep, LayerReport, largest_block
+from distconv.nn.halo_conv import interior_share
+from distconv.ops.conv import halo_overlap
+from distconv.ops.pricing import CommStep, LayerReport, halo_hidden, largest_block
 from distconv.parallel.placement import Placement, paper_grid
 from distconv.redistribute import plan_redistribution
 
@@ -160,7 +162,9 @@ class ConvNdHandler(LinearHandler):
             args = an.tensor_args(node)
             need = Placement(choice.layout, dists["input"])
             spec = LayerSpec("conv-nd", name, choice.layout, algorithm,
-                             tuple(sorted(roles.items())), need, choice.source)
+                             tuple(sorted(roles.items())), need, choice.source,
+                             overlap=halo_overlap(an, node, module, choice,
+                                                  dict(choice.layout)))
             return Step(node, "conv", Placement(choice.layout, dists["output"]),
                         {args[0]: need}, spec)
         # sample-parallel: on the entry's grid where it is a sample entry or names a grid that
@@ -177,7 +181,8 @@ class ConvNdHandler(LinearHandler):
     def build(self, module: Any, node: Any, step: Any, grid: Any) -> Any:
         if step.layer.kind != "conv-nd":
             return super().build(module, node, step, grid)
-        return DistConvNd.from_module(module, grid=grid, algorithm=step.layer.algorithm)
+        return DistConvNd.from_module(module, grid=grid, algorithm=step.layer.algorithm,
+                                      overlap=step.layer.overlap)
 
     def param_dists(self, step: Any, module: Any) -> dict[str, Any] | None:
         if step.layer is None or step.layer.kind != "conv-nd":
@@ -226,6 +231,13 @@ class ConvNdHandler(LinearHandler):
             block = largest_block(Placement(layout, d["weight"]), tuple(module.weight.shape))
             report.forward_seconds = 2 * positions * block / ctx.machine.flop_rate
             report.backward_seconds = 2 * report.forward_seconds
+            if step.layer.overlap:  # the interior rows run while the halo travels
+                steps = {f"{s.what}": s.seconds(ctx.machine) for s in report.steps}
+                steps["local conv forward"] = report.forward_seconds
+                steps["local conv backward"] = report.backward_seconds
+                report.overlap = halo_hidden(steps, _interior_nd(module, x, layout))
+        if step.layer.overlap:
+            report.note = "halo overlapped"
 
     @staticmethod
     def _collective(report: Any, ctx: PriceContext, layout: Any, phase: str, what: str, op: str,
@@ -264,6 +276,17 @@ class ConvNdHandler(LinearHandler):
             Sample("grouped-volume", lambda: _Volume(groups=4), (5, 4, 4, 5, 3),
                    _split(SAMPLE_GRIDS, ("conv", "up")) + VOLUME_GRIDS[2:]),
         )
+
+
+def _interior_nd(module: Any, x_shape: tuple[int, ...], layout: Any) -> float:
+    """The least share of a rank's output rows an overlapped N-d layer convolves while its halo
+    travels (its one split spatial dim's interior rows)."""
+    ext = dict(layout)
+    rows = spatial_roles(len(x_shape) - 2)
+    i = next(i for i, r in enumerate(rows) if ext.get(r, 1) > 1)
+    plan = HaloPlan(conv_nd_dims(module, x_shape)[i], ext[rows[i]], "zeros")
+    return min(interior_share(plan, r, module.kernel_size[i], module.stride[i],
+                              module.dilation[i]) for r in range(ext[rows[i]]))
 
 
 def _split(grids: Sequence[tuple[int, dict]], names: Sequence[str]

@@ -287,3 +287,39 @@ def test_the_seconds_an_overlapped_layer_hides_are_priced_by_hand() -> None:
     assert over.timeline().step < plain.timeline().step
     assert over.timeline().forward + over.timeline().backward == pytest.approx(
         plain.timeline().forward + plain.timeline().backward - hidden)
+
+
+VOLUME_CONFIG = {"default": {"grid": {"N": 2, "D": 2}, "algorithm": "spatial", "overlap": True},
+                 "data": {"N": 2, "D": 2}}
+
+
+def _volume_run(comm, case: tuple, explained: list) -> dict:  # noqa: ANN001
+    from tests.test_conv_nd import unet_run
+
+    return unet_run(comm, explained, case, VOLUME_CONFIG)
+
+
+def test_a_volume_network_with_overlapped_halos_trains_as_one_process_priced_by_explain(
+) -> None:
+    from distconv import models
+    from distconv.parallel.explain import explain
+    from distconv.perfmodel import Machine
+    from tests.test_conv_nd import _check_unet
+
+    torch.manual_seed(13)
+    model = models.cosmoflow_mini().double()
+    gen = torch.Generator().manual_seed(14)
+    x = torch.randn((4, 4, 8, 8, 8), generator=gen, dtype=torch.float64)
+    y = torch.randint(0, 4, (4,), generator=gen)
+    machine = Machine(alpha=1e-4, beta=1e-9, flop_rate=1e9)
+    plan = explain(model, VOLUME_CONFIG, tuple(x.shape), world_size=4, machine=machine)
+    convs = {lay.name: lay for lay in plan.layers if lay.note == "halo overlapped"}
+    assert sorted(convs) == ["features.0", "features.4"]
+    # features.0: 8 rows of depth over 2 ranks, 4 each, a 3-row window: interior rows exist
+    # (the first layer has no input gradient, so nothing to hide in backward); features.4
+    # (after pooling): 2 rows each, fewer than a window, so no row is interior and nothing hides
+    first, second = convs["features.0"].overlap, convs["features.4"].overlap
+    assert 0 < first["forward"] <= convs["features.0"].forward_seconds and not first["backward"]
+    assert second["forward"] == second["backward"] == 0
+    explained = [tuple(plan.rank_bytes(r).values()) for r in range(4)]
+    _check_unet(run_threads(_volume_run, 4, (model, x, y), explained))
