@@ -367,8 +367,8 @@ def _volume_cases() -> list[tuple]:
          {"default": {"grid": {"H": 2, "W": 2}, "algorithm": "spatial"},
           "data": {"N": 1, "H": 2, "W": 2}},
          (2, 2, 12, 8), "classes"),
-        ("cosmoflow_NxD", lambda: models.cosmoflow_mini(),
-         {"default": {"grid": {"N": 2, "D": 2}, "algorithm": "spatial"},
+        ("cosmoflow_NxD_overlap", lambda: models.cosmoflow_mini(),
+         {"default": {"grid": {"N": 2, "D": 2}, "algorithm": "spatial", "overlap": True},
           "data": {"N": 2, "D": 2}},
          (4, 4, 8, 8, 8), "values"),
     ]
