@@ -553,8 +553,10 @@ class _BatchNorm(torch.autograd.Function):
         dy_w = dy.to(work.dtype).contiguous()
         _, v = _layout(x)
         if work.numel():  # sum(dy·x̂) and sum(dy) per channel, in torch's one fused kernel
+            # (a unit weight: CUDA's kernel computes the weight's gradient only with one)
             _, sum_dy_xhat, sum_dy = torch.ops.aten.native_batch_norm_backward(
-                dy_w, work, None, None, None, mean, invstd, True, 0.0, [False, True, True])
+                dy_w, work, torch.ones_like(mean), None, None, mean, invstd, True, 0.0,
+                [False, True, True])
         else:
             sum_dy_xhat = sum_dy = work.new_zeros(work.shape[1])
         dx = None
