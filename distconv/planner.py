@@ -1045,10 +1045,11 @@ def plan_network(
     pick, ev, lam = best
     pick, ev = _refine(m, pick, ev, limit)
     # the search's finalists, priced by the op handlers: the refined plan, the DP's plan at each
-    # allreduce weight, and every uniform plan (one grid and algorithm for every layer that can
-    # take it: pure sample parallelism among them), which weighs what the search does not see
-    # (normalisations, pooling, the head's input); the cheapest that fits is the plan
-    finalists = [pick, *m.picks, *_uniform(m)]
+    # allreduce weight, and the uniform plans (one grid and algorithm for every layer) the search
+    # puts near its best, pure sample parallelism always among them: the handlers weigh what the
+    # search does not see (normalisations, pooling, the head's input); the cheapest that fits is
+    # the plan
+    finalists = [pick, *m.picks, *_uniform(m, ev["step"])]
     plans: dict[tuple, tuple[Plan, dict[str, Choice]]] = {}
     for p in finalists:
         p = _pipelined(m, p)
@@ -1068,15 +1069,27 @@ def plan_network(
     return plan
 
 
-def _uniform(m: _Model) -> list[dict[str, Choice]]:
-    """Per grid and algorithm that every convolution the search chooses for can take, the plan
-    giving it to all of them (the layers a config fixes keep theirs)."""
+#: how much dearer than the search's best estimate a uniform plan's may be to be priced
+UNIFORM_SLACK = 1.5
+
+
+def _uniform(m: _Model, best: float) -> list[dict[str, Choice]]:
+    """The uniform plans worth pricing: per grid and algorithm that every convolution the search
+    chooses for can take, the plan giving it to all of them (the layers a config fixes keep
+    theirs); of each algorithm the one the search estimates cheapest, where that is within
+    :data:`UNIFORM_SLACK` of ``best`` (its best estimate) -- pure sample parallelism always."""
     convs = [c for c in m.net.convs if c.name not in m.fixed]
     kept = {c.name: m.options[c.name][0] for c in m.net.convs if c.name in m.fixed}
     keys = [{(ch.grid, ch.algorithm): ch for ch in m.options[c.name]} for c in convs]
     common = set(keys[0]).intersection(*keys[1:]) if keys else set()
-    return [{**kept, **{c.name: k[key] for c, k in zip(convs, keys)}}
-            for key in sorted(common, key=lambda g: (g[1], g[0]))]
+    cheapest: dict[str, tuple[float, tuple, dict[str, Choice]]] = {}
+    for key in sorted(common, key=lambda g: (g[1], g[0])):
+        plan = {**kept, **{c.name: k[key] for c, k in zip(convs, keys)}}
+        t = m.evaluate(plan)["step"]
+        if key[1] not in cheapest or t < cheapest[key[1]][0]:
+            cheapest[key[1]] = (t, key, plan)
+    return [plan for alg, (t, _, plan) in cheapest.items()
+            if alg == "sample" or t <= best * UNIFORM_SLACK]
 
 
 #: the chunk counts the planner tries for a layer whose collectives pipelining can overlap
