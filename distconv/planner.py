@@ -65,7 +65,8 @@ from distconv.perfmodel import ConvProblem, conv_cost
 from distconv.redistribute import plan_redistribution
 
 __all__ = ["Choice", "ConvNode", "Block", "Network", "Plan", "trace_network", "candidates",
-           "layer_candidates", "transition_bytes", "transition_time", "plan_network", "predict",
+           "layer_candidates", "nd_layer_cost", "transition_bytes", "transition_time",
+           "plan_network", "predict",
            "explain"]
 
 ACT = ("N", "C", "H", "W")
@@ -613,7 +614,7 @@ def layer_cost(conv: ConvNode, choice: Choice, machine: Machine, *, itemsize: in
     ``machine``: any form of :func:`~distconv.machines.resolve_machine`."""
     machine = resolve_machine(machine, hierarchical=True)
     if conv.module is not None:
-        return _nd_cost(conv, choice, machine, itemsize, optimizer_slots, activation_factor)
+        return nd_layer_cost(conv, choice, machine, itemsize, optimizer_slots, activation_factor)
     ranks = "corners"  # the slowest rank is among them, as for moves (one sampling rule)
     cost = conv_cost(conv.problem, choice.extents, choice.conv_algorithm, machine,
                      itemsize=itemsize, ranks=ranks, pipeline=choice.pipeline)
@@ -622,7 +623,7 @@ def layer_cost(conv: ConvNode, choice: Choice, machine: Machine, *, itemsize: in
                      _memory(conv, choice, itemsize, optimizer_slots, activation_factor))
 
 
-def _nd_cost(conv: ConvNode, ch: Choice, machine: Machine, itemsize: int, slots: int,
+def nd_layer_cost(conv: ConvNode, ch: Choice, machine: Machine, itemsize: int, slots: int,
              factor: int) -> LayerCost:
     """A ``Conv1d``, ``Conv3d`` or transposed convolution priced by its op handler, as
     ``explain`` prices it (:func:`~distconv.ops.conv_nd.layer_report`: compute from its FLOPs,

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from distconv import models
-from distconv.machines import lassen
+from distconv.machines import lassen, resolve_machine
 from distconv.parallel.explain import explain
 from distconv.planner import plan_network
 from distconv.testing import run_threads
@@ -138,12 +138,50 @@ def test_a_large_cosmoflow_volume_is_planned_no_dearer_than_any_pure_plan() -> N
     _priced_plan(models.cosmoflow_mini(size=64, base=8), (1, 4, 64, 64, 64))
 
 
-def test_an_unresolved_auto_entry_for_a_3d_convolution_is_refused_naming_the_planner() -> None:
-    """parallelize resolves ``auto`` by itself for Conv2d layers only: an entry left for a Conv3d
-    names the layer, the planner that resolves it and the algorithms that run."""
-    config = {"layers": [{"match": "0", "algorithm": "auto"}]}
-    with pytest.raises(ValueError, match=r"'0'.*'auto'.*plan_network.*give this Conv3d sample"):
-        explain(nn.Sequential(nn.Conv3d(2, 2, 3)), config, (2, 2, 5, 5, 5), world_size=2)
+def test_an_auto_entry_for_a_3d_convolution_is_resolved_per_layer_no_dearer_than_any_choice(
+) -> None:
+    """parallelize and explain resolve a layer entry's ``auto`` for a Conv3d or a transposed
+    layer by themselves, per layer (as for Conv2d): the decision lists every candidate the layer
+    can run with its price (the op handler's, as explain prices it), the chosen one first and
+    no dearer than any; the layer then runs exactly that entry."""
+    from distconv.planner import Choice, ConvNode, layer_candidates, nd_layer_cost
+
+    model = nn.Sequential(nn.Conv3d(2, 8, 3, padding=1), nn.ReLU(),
+                          nn.ConvTranspose3d(8, 2, 2, stride=2))
+    shape = (2, 2, 32, 32, 32)
+    config = {"layers": [{"match": "*", "algorithm": "auto"}]}
+    from distconv.parallel.auto import resolve_auto
+    from distconv.parallel.config import ParallelConfig
+    from distconv.parallel.graph import trace
+
+    ex = explain(model, config, shape, world_size=4, machine="lassen")
+    _, decisions = resolve_auto(trace(model), ParallelConfig(config, world_size=4), shape,
+                                "lassen")
+    assert set(decisions) == {"0", "2"}
+    machine = resolve_machine("lassen")
+    for name, x_shape, y_shape in (("0", shape, (2, 8, 32, 32, 32)),
+                                   ("2", (2, 8, 32, 32, 32), (2, 2, 64, 64, 64))):
+        decision = decisions[name]
+        conv = ConvNode(name, None, y_shape, model.get_submodule(name), x_shape)
+        every = layer_candidates(conv, 4)
+        assert len(decision.candidates) == len(every) > 3
+        prices = {(tuple(sorted(c.grid)), c.algorithm): sum(
+            (lambda t: (t.forward, t.backward, t.allreduce))(nd_layer_cost(conv, c, machine, 4,
+                                                                          0, 0)))
+            for c in every}
+        grid, alg, t = decision.chosen
+        assert t == pytest.approx(min(prices.values()))
+        assert prices[(tuple(sorted(grid.items())), alg)] == pytest.approx(t)
+        layer = next(lay for lay in ex.layers if lay.name == name)
+        runs = "stationary-x" if alg == "spatial" else alg  # spatial runs as stationary-x
+        assert layer.algorithm == runs and layer.note.startswith("auto: ")
+        assert all(isinstance(c, Choice) for c in every)
+
+
+def test_a_grid_an_auto_3d_layer_cannot_run_is_refused_naming_the_layer() -> None:
+    config = {"layers": [{"match": "0", "grid": {"C": 4}, "algorithm": "auto"}]}
+    with pytest.raises(ValueError, match=r"layer '0' \(Conv3d\) cannot run on \{'C': 4\}"):
+        explain(nn.Sequential(nn.Conv3d(2, 2, 3)), config, (2, 2, 5, 5, 5), world_size=4)
 
 
 ALL = ("sample", "spatial", "stationary-x", "stationary-y", "stationary-w")
@@ -176,3 +214,42 @@ def test_what_the_planner_cannot_plan_is_refused_naming_it(model, shape, config,
     with pytest.raises(error, match=message):
         plan_network(model(), shape, world_size=4, machine=lassen(), config=config,
                      algorithms=algorithms)
+
+
+def _auto_step(comm, model: nn.Module, config: dict, x: torch.Tensor, y: torch.Tensor  # noqa: ANN001
+               ) -> dict:
+    from distconv.data import sample_block
+    from distconv.parallel import parallelize
+    from tests.parallel.cases import _gathered_grads
+
+    pmodel = parallelize(copy.deepcopy(model), config, comm=comm, input_shape=tuple(x.shape),
+                         machine="lassen")
+    rows = sample_block(x.shape[0], pmodel.data_grid)
+    F.cross_entropy(pmodel(x[rows]), y[rows]).backward()
+    return {"grads": _gathered_grads(pmodel), "decided": sorted(pmodel.auto_decisions)}
+
+
+def test_parallelize_resolves_an_auto_entry_of_3d_layers_and_trains_as_one_process() -> None:
+    torch.manual_seed(21)
+    model = nn.Sequential(nn.Conv3d(2, 4, 3, padding=1), nn.ReLU(),
+                          nn.ConvTranspose3d(4, 2, 2, stride=2)).double()
+    gen = torch.Generator().manual_seed(22)
+    x = torch.randn((2, 2, 16, 8, 8), generator=gen, dtype=torch.float64)
+    y = torch.randint(0, 2, (2, 32, 16, 16), generator=gen)
+    ref = copy.deepcopy(model)
+    F.cross_entropy(ref(x), y).backward()
+    config = {"layers": [{"match": "*", "algorithm": "auto"}]}
+    for got in run_threads(_auto_step, 4, model, config, x, y):
+        assert got["decided"] == ["0", "2"]
+        for k, p in ref.named_parameters():
+            torch.testing.assert_close(got["grads"][k], p.grad, rtol=TOL, atol=TOL, msg=k)
+
+
+def test_auto_resolves_on_a_double_model_whose_first_convolution_has_a_bias() -> None:
+    """The shapes auto chooses from are propagated in the model's own dtype (a float input
+    through a double convolution with a bias would not run)."""
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(),
+                          nn.Identity()).double()
+    ex = explain(model, {"layers": [{"match": "0", "algorithm": "auto"}]}, (4, 3, 8, 8),
+                 world_size=2)
+    assert next(lay for lay in ex.layers if lay.name == "0").note.startswith("auto: ")

@@ -1,9 +1,12 @@
 """``algorithm: auto``: each such convolution gets the grid and algorithm the §4 model predicts
-fastest for its own global problem (:func:`distconv.perfmodel.conv_cost`, forward plus backward,
-slowest rank), among the layer's valid candidates (:func:`distconv.planner.candidates`; with a
-grid given, the algorithms that grid can run). The choice is per layer: redistributions between
-layers are not weighed here -- :func:`distconv.planner.plan_network` plans a whole network with
-them.
+fastest for its own global problem (forward plus backward and its gradient allreduce, slowest
+rank), among the layer's valid candidates (:func:`distconv.planner.layer_candidates`; with a
+grid given, the algorithm that grid runs). A ``Conv2d`` is priced by
+:func:`distconv.perfmodel.conv_cost`; a ``Conv1d``, ``Conv3d`` or transposed convolution by its
+op handler, as ``explain`` prices it (:func:`distconv.planner.nd_layer_cost`); those take
+``auto`` from a layer entry (a default ``auto`` leaves them sample-parallel). The choice is per
+layer: redistributions between layers are not weighed here --
+:func:`distconv.planner.plan_network` plans a whole network with them.
 """
 
 from __future__ import annotations
@@ -59,6 +62,46 @@ def _options(problem: ConvProblem, choice: LayerChoice, world_size: int) -> list
     return [(choice.layout, algorithm)]
 
 
+#: the convolutions :class:`~distconv.nn.conv_nd.DistConvNd` runs
+_VOLUME = (nn.Conv1d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
+
+
+def _volume_options(name: str, module: nn.Module, x_shape: tuple[int, ...],
+                    y_shape: tuple[int, ...], choice: LayerChoice, world_size: int,
+                    machine: Any, itemsize: int) -> list[tuple[dict[str, int], str, float]]:
+    """A ``Conv1d``, ``Conv3d`` or transposed layer's candidates, priced, fastest first."""
+    from distconv.ops.conv_nd import refusal
+    from distconv.planner import Choice, ConvNode, layer_candidates, nd_layer_cost
+
+    conv = ConvNode(name, None, y_shape, module, x_shape)
+    if choice.layout is None:
+        options = layer_candidates(conv, world_size)
+    else:
+        live = {d for d, e in choice.layout if e > 1}
+        c, f = "C" in live, "F" in live
+        algorithm = ("stationary-w" if c and f else "stationary-x" if c else "stationary-y"
+                     if f else "spatial" if live - {"N"} else "sample")
+        why = refusal(module, choice.layout, algorithm, x_shape)
+        if why is not None:
+            raise ValueError(f"{choice.source}: layer {name!r} ({type(module).__name__}) cannot "
+                             f"run on {dict(choice.layout)}: {why}")
+        ext = dict(choice.layout)
+        options = [Choice(tuple(choice.layout), algorithm,
+                          groups_aligned=module.groups > 1 and ext.get("C", 1) * ext.get(
+                              "F", 1) > 1, spatial=len(x_shape) - 2,
+                          transposed=conv.transposed)]
+    if not options:
+        raise ValueError(f"{choice.source}: no grid of {world_size} ranks can run layer "
+                         f"{name!r} ({type(module).__name__} on {x_shape})")
+    scored = []
+    for ch in options:
+        cost = nd_layer_cost(conv, ch, machine, itemsize, 0, 0)
+        scored.append((dict(ch.grid), ch.algorithm, cost.forward + cost.backward
+                       + cost.allreduce))
+    scored.sort(key=lambda item: item[2])
+    return scored
+
+
 def resolve_auto(gm: fx.GraphModule, config: ParallelConfig, input_shape: Sequence[int],
                  machine: Any, *, itemsize: int = 4
                  ) -> tuple[ParallelConfig, dict[str, AutoChoice]]:
@@ -71,12 +114,29 @@ def resolve_auto(gm: fx.GraphModule, config: ParallelConfig, input_shape: Sequen
     machine = resolve_machine(machine)
     meta = copy.deepcopy(gm).to("meta")
     shapes: dict[str, tuple[int, ...]] = {}
-    propagate_shapes(meta, input_shape)
+    volumes: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {}
+    ref = next((p for p in gm.parameters() if p.is_floating_point()), None)
+    propagate_shapes(meta, input_shape, dtype=None if ref is None else ref.dtype)
     for node in meta.graph.nodes:
-        if node.op == "call_module" and isinstance(meta.get_submodule(node.target), nn.Conv2d):
+        if node.op != "call_module":
+            continue
+        module = meta.get_submodule(node.target)
+        if isinstance(module, nn.Conv2d):
             shapes[str(node.target)] = tuple(node.args[0].meta["tensor_meta"].shape)
+        elif isinstance(module, _VOLUME) and str(node.target) not in volumes:
+            volumes[str(node.target)] = (tuple(node.args[0].meta["tensor_meta"].shape),
+                                         tuple(node.meta["tensor_meta"].shape))
     decisions: dict[str, AutoChoice] = {}
     entries = []
+    for name, (x_shape, y_shape) in volumes.items():
+        choice = config.choice(name)
+        if choice.algorithm != "auto" or choice.source == "default":
+            continue
+        scored = _volume_options(name, meta.get_submodule(name), x_shape, y_shape, choice,
+                                 config.world_size, machine, itemsize)
+        decisions[name] = AutoChoice(name, tuple(scored))
+        grid, alg, _ = scored[0]
+        entries.append({"match": name, "grid": grid, "algorithm": alg})
     for name, shape in shapes.items():
         choice = config.choice(name)
         if choice.algorithm != "auto":
