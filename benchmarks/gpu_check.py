@@ -285,20 +285,7 @@ def resnet_reference(model: nn.Module, batches: list) -> dict[str, Any]:
 
 
 def resnet_rank(comm: Any, model: nn.Module, batches: list) -> dict[str, Any]:
-    pmodel = parallelize(copy.deepcopy(model), RESNET_CONFIG, comm=comm)
-    opt = torch.optim.SGD(pmodel.parameters(), lr=LR, momentum=MOMENTUM)
-    outs, grads, rows = [], [], None
-    for x, y in batches:
-        rows = sample_block(x.shape[0], pmodel.data_grid)
-        opt.zero_grad()
-        out = pmodel(x[rows])
-        F.cross_entropy(out, y[rows]).backward()
-        outs.append(out.detach())
-        grads.append(_gathered_grads(pmodel))
-        opt.step()
-    local = list(pmodel.parameters()) + list(pmodel.buffers())
-    return {"rows": rows, "outs": outs, "grads": grads, "state": pmodel.gather_state_dict(),
-            "devices": devices_of([outs, [p.grad for p in pmodel.parameters()], local])}
+    return volume_rank(comm, model, RESNET_CONFIG, batches)  # (class targets: cross-entropy)
 
 
 def check_resnet(device: torch.device) -> dict[str, Any]:
