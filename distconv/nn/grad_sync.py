@@ -265,7 +265,10 @@ class BucketedGradSync:
             if not reached[i]:
                 offset = self._slot[id(p)][2]
                 flat[offset:offset + p.numel()].zero_()
-        flat[self._sizes[b]:].copy_(torch.tensor(reached, dtype=flat.dtype))
+        if all(reached):  # (a fill on the device: no copy from the host that waits on it)
+            flat[self._sizes[b]:].fill_(1.0)
+        else:
+            flat[self._sizes[b]:].copy_(torch.tensor(reached, dtype=flat.dtype))
         self._works[b] = self.comm.allreduce(
             flat, async_op=True, consume=True, meta=f"gradient bucket {b} {self.where}")
         self._next = b + 1
@@ -278,9 +281,12 @@ class BucketedGradSync:
             self._launch(self._next)
         for b, params in enumerate(self.buckets):
             total = self._works[b].wait()
-            flags = total[self._sizes[b]:].tolist()
+            # what this rank reached, some rank reached: the flags are read (from the device)
+            # only where this rank missed a parameter
+            flags = (None if all(self._reached[b])
+                     else total[self._sizes[b]:].tolist())
             for i, p in enumerate(params):
-                if not flags[i] > 0:  # no rank's backward reached it
+                if flags is not None and not flags[i] > 0:  # no rank's backward reached it
                     continue
                 offset = self._slot[id(p)][2]
                 part = total[offset:offset + p.numel()].view_as(p)
