@@ -66,7 +66,7 @@ class _Unsupported(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.conv = torch.nn.Conv2d(3, 8, 3, padding=1)
-        self.norm = torch.nn.InstanceNorm2d(8, track_running_stats=True)
+        self.norm = torch.nn.LocalResponseNorm(2)
         self.up = torch.nn.PixelShuffle(2)
         self.head = torch.nn.Linear(2, 2)
 
@@ -83,20 +83,57 @@ def test_explain_lists_every_unsupported_node_at_once() -> None:
     plan = explain(_Unsupported(), config, (2, 3, 8, 8), strict=False)
     assert [n for n, _, _ in plan.unsupported] == ["norm", "up"]
     reasons = dict((n, r) for n, _, r in plan.unsupported)
-    assert "averages them over the samples" in reasons["norm"] and "over N" in reasons["norm"]
+    assert "LocalResponseNorm is not supported" in reasons["norm"]
     assert "PixelShuffle is not supported" in reasons["up"] and "GroupNorm" in reasons["up"]
     assert "unsupported: 2 node(s)" in str(plan)
     assert [u["node"] for u in plan.to_dict()["unsupported"]] == ["norm", "up"]
 
 
-def test_tracked_instance_norm_over_split_samples_is_refused_naming_the_node() -> None:
-    from distconv.ops.base import SAMPLE_GRIDS, SampleNet
+def _tracked_steps(comm, model: torch.nn.Module, config: dict, xs: list) -> dict:  # noqa: ANN001
+    from distconv.data import sample_block
+    from distconv.parallel import parallelize
 
-    world, config = SAMPLE_GRIDS[0]  # samples split over N
-    norm = torch.nn.InstanceNorm2d(4, track_running_stats=True)
-    with pytest.raises(ops.Unsupported, match=r"node 'layer'") as info:
-        explain(SampleNet(norm, 4), config, (5, 4, 7, 6), world_size=world)
-    assert "averages them over the samples" in str(info.value)
+    pmodel = parallelize(copy.deepcopy(model), config, comm=comm)
+    for x in xs:  # two training steps: the running statistics move twice
+        rows = sample_block(x.shape[0], pmodel.data_grid)
+        pmodel(x[rows]).sum().backward()
+    pmodel.eval()
+    rows = sample_block(xs[0].shape[0], pmodel.data_grid)
+    return {"state": pmodel.gather_state_dict(), "rows": rows,
+            "eval": pmodel(xs[0][rows]).detach()}
+
+
+@pytest.mark.parametrize("momentum", [0.1, None])
+@pytest.mark.parametrize("world, grid", [(2, {"N": 2}), (4, {"N": 2, "H": 2})])
+def test_tracked_instance_norm_over_split_samples_keeps_one_process_s_statistics(
+        world, grid, momentum) -> None:  # noqa: ANN001
+    """Running statistics of an instance norm average its instances over the global batch: with
+    the samples split (and the rows), each step's means over the sample blocks (uneven: 5
+    samples on 2 blocks) move the running statistics as one process's do, and eval mode then
+    normalises with them as one process does."""
+    from distconv.ops.base import SampleNet
+
+    torch.manual_seed(0)
+    model = SampleNet(torch.nn.InstanceNorm2d(4, affine=True, track_running_stats=True,
+                                              momentum=momentum), 4).double()
+    gen = torch.Generator().manual_seed(1)
+    xs = [torch.randn((5, 4, 8, 6), generator=gen, dtype=torch.float64) * 3 + 1
+          for _ in range(2)]
+    ref = copy.deepcopy(model)
+    for x in xs:
+        ref(x).sum().backward()
+    ref.eval()
+    want = ref(xs[0]).detach()
+    config = {"default": {"grid": grid, "algorithm": "spatial" if "H" in grid else "sample"},
+              "data": grid}
+    for got in run_threads(_tracked_steps, world, model, config, xs):
+        for k in ("layer.running_mean", "layer.running_var", "layer.num_batches_tracked"):
+            assert torch.allclose(got["state"][k].double(), ref.state_dict()[k].double(),
+                                  rtol=0, atol=TOL), k
+        moved = not torch.equal(ref.state_dict()["layer.running_var"],
+                                torch.ones(4, dtype=torch.float64))
+        assert moved == (momentum is not None)  # torch's: momentum None blends nothing
+        torch.testing.assert_close(got["eval"], want[got["rows"]], rtol=TOL, atol=TOL)
 
 class _Picks(torch.nn.Module):
     def __init__(self) -> None:

@@ -1,8 +1,10 @@
 """Group and instance normalisation of an activation whose spatial dims are split.
 
 ``nn.GroupNorm`` normalises each sample's group of channels over the group's channels and every
-spatial position; ``nn.InstanceNorm1d/2d/3d`` (without running statistics) each sample's channel
-over its spatial positions: a group norm with one channel per group. With the channels whole on
+spatial position; ``nn.InstanceNorm1d/2d/3d`` each sample's channel over its spatial positions:
+a group norm with one channel per group (its running statistics, if it tracks them, the means
+over the global batch of its instances' statistics, allreduced over the grid dims that split
+the samples). With the channels whole on
 every rank and the samples and spatial dims blocked over grid dims, the statistics of a
 (sample, group) are those of its blocks on the ranks that split its spatial dims::
 
@@ -25,6 +27,7 @@ import math
 from typing import Any, Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from distconv.distribution import Dist
@@ -37,13 +40,14 @@ from distconv.nn.clip import register_parameter_specs
 from distconv.nn.grad_sync import GradSync
 from distconv.nn.sharding import ShardSpec, keep_requires_grad
 from distconv.nn.batchnorm import _moments
+from distconv.nn.recompute import is_recomputing
 
 __all__ = ["DistGroupNorm", "DistInstanceNorm1d", "DistInstanceNorm2d", "DistInstanceNorm3d",
            "DistLayerNorm", "from_module"]
 
 
 class _GroupedNorm(nn.Module):
-    """``nn.GroupNorm`` or an ``nn.InstanceNorm1d/2d/3d`` without running statistics on an
+    """``nn.GroupNorm`` or an ``nn.InstanceNorm1d/2d/3d`` (:class:`_DistInstanceNorm`) on an
     activation in ``input_dist`` (channels whole; samples and spatial dims split any way), its
     output in the same Dist (module docstring). Build one with :func:`from_module`; each is an
     instance of its torch class (:class:`DistGroupNorm`, :class:`DistInstanceNorm2d`, ...), so the
@@ -110,8 +114,14 @@ class _GroupedNorm(nn.Module):
         if autocast_dtype(x.device.type) is not None:
             x = x.float()  # autocast runs group_norm in float32, as here
         count = (self.num_channels // self.num_groups) * math.prod(shape[2:])
-        return _GroupNorm.apply(x, self.weight, self.bias, self._comm, self.eps,
-                                self.num_groups, count)
+        y, mean, var = _GroupNorm.apply(x, self.weight, self.bias, self._comm, self.eps,
+                                        self.num_groups, count)
+        self._track(mean, var, x.shape[0], shape[0], math.prod(shape[2:]))
+        return y
+
+    def _track(self, mean: torch.Tensor, var: torch.Tensor, n: int, total: int,
+               count: int) -> None:
+        """Running statistics (an instance norm that tracks them); nothing here."""
 
     def extra_repr(self) -> str:
         return (f"{self.num_groups}, {self.num_channels}, eps={self.eps}, affine={self.affine}, "
@@ -124,32 +134,72 @@ class DistGroupNorm(_GroupedNorm, nn.GroupNorm):
 
 
 class _DistInstanceNorm(_GroupedNorm):
-    """An instance norm without running statistics: one group per channel."""
+    """An instance norm: one group per channel. With ``track_running_stats`` its running
+    statistics are those of one process: in training, the means over the global batch of each
+    instance's mean and unbiased variance (summed over the grid dims that split the samples),
+    blended with ``momentum`` (None: not at all, as torch's instance norm); in eval mode it
+    normalises with them, a local op. They are replicated on every rank."""
 
-    momentum, track_running_stats = None, False
-
-    def __init__(self, num_features: int, eps: float = 1e-5, affine: bool = False,
-                 device: Any = None, dtype: torch.dtype | None = None, *,
-                 grid: ProcessorGrid, input_dist: Dist) -> None:
+    def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1,
+                 affine: bool = False, track_running_stats: bool = False, device: Any = None,
+                 dtype: torch.dtype | None = None, *, grid: ProcessorGrid,
+                 input_dist: Dist) -> None:
         super().__init__(num_features, num_features, eps, affine, device, dtype, grid=grid,
                          input_dist=input_dist)
         self.num_features = num_features
-        self.register_buffer("running_mean", None)
-        self.register_buffer("running_var", None)
+        self.momentum, self.track_running_stats = momentum, bool(track_running_stats)
+        kw = {"device": device, "dtype": dtype}
+        if self.track_running_stats:
+            self.register_buffer("running_mean", torch.zeros(num_features, **kw))
+            self.register_buffer("running_var", torch.ones(num_features, **kw))
+            self.register_buffer("num_batches_tracked",
+                                 torch.tensor(0, dtype=torch.long, device=device))
+            samples = split_dims(grid, self.input_dist, 0)  # created on every rank alike
+            self._sample_comm = grid.subcomm(samples) if samples else None
+        else:
+            self.register_buffer("running_mean", None)
+            self.register_buffer("running_var", None)
+            self.register_buffer("num_batches_tracked", None)
+
+    def forward(self, x: torch.Tensor, global_shape: Sequence[int] | None = None) -> torch.Tensor:
+        if self.training or not self.track_running_stats:
+            return super().forward(x, global_shape)
+        resolve_shape(type(self).__name__, self.grid, self.input_dist, x, global_shape,
+                      self._resolved)
+        work = x.float() if autocast_dtype(x.device.type) is not None else x
+        return F.instance_norm(work, self.running_mean, self.running_var, self.weight,
+                               self.bias, False, 0.0, self.eps)
+
+    @torch.no_grad()
+    def _track(self, mean: torch.Tensor, var: torch.Tensor, n: int, total: int,
+               count: int) -> None:
+        if not (self.training and self.track_running_stats) or is_recomputing():
+            return
+        c = self.num_features
+        unbiased = var * (count / (count - 1)) if count > 1 else var
+        sums = torch.cat([mean.view(n, c).sum(0), unbiased.view(n, c).sum(0)])
+        if self._sample_comm is not None:  # the other sample blocks' instances
+            sums = self._sample_comm.allreduce(
+                sums, meta=f"{type(self).__name__} running statistics over the samples")
+        # as torch's instance norm: momentum None blends nothing, num_batches_tracked stays
+        factor = 0.0 if self.momentum is None else float(self.momentum)
+        batch = (sums / total).to(self.running_mean.dtype)
+        self.running_mean.mul_(1 - factor).add_(factor * batch[:c])
+        self.running_var.mul_(1 - factor).add_(factor * batch[c:])
 
 
 class DistInstanceNorm1d(_DistInstanceNorm, nn.InstanceNorm1d):
-    """``nn.InstanceNorm1d`` (no running statistics) on a split signal; an
+    """``nn.InstanceNorm1d`` on a split signal; an
     ``nn.InstanceNorm1d`` for ``isinstance``."""
 
 
 class DistInstanceNorm2d(_DistInstanceNorm, nn.InstanceNorm2d):
-    """``nn.InstanceNorm2d`` (no running statistics) on a split image; an
+    """``nn.InstanceNorm2d`` on a split image; an
     ``nn.InstanceNorm2d`` for ``isinstance``."""
 
 
 class DistInstanceNorm3d(_DistInstanceNorm, nn.InstanceNorm3d):
-    """``nn.InstanceNorm3d`` (no running statistics) on a split volume; an
+    """``nn.InstanceNorm3d`` on a split volume; an
     ``nn.InstanceNorm3d`` for ``isinstance``."""
 
 
@@ -158,8 +208,8 @@ _INSTANCE = {nn.InstanceNorm1d: DistInstanceNorm1d, nn.InstanceNorm2d: DistInsta
 
 
 def from_module(module: nn.Module, *, grid: ProcessorGrid, input_dist: Dist) -> nn.Module:
-    """The distributed layer of an ``nn.GroupNorm``, an ``nn.InstanceNorm1d/2d/3d`` without
-    running statistics or an ``nn.LayerNorm`` (the same on every rank), with its parameters."""
+    """The distributed layer of an ``nn.GroupNorm``, an ``nn.InstanceNorm1d/2d/3d`` or an
+    ``nn.LayerNorm`` (the same on every rank), with its parameters and running statistics."""
     if isinstance(module, nn.LayerNorm):
         return DistLayerNorm.from_module(module, grid=grid, input_dist=input_dist)
     ref = getattr(module, "weight", None)
@@ -169,10 +219,13 @@ def from_module(module: nn.Module, *, grid: ProcessorGrid, input_dist: Dist) -> 
         out: _GroupedNorm = DistGroupNorm(module.num_groups, module.num_channels, module.eps,
                                           module.affine, **kw)
     elif type(module) in _INSTANCE:
+        out = _INSTANCE[type(module)](module.num_features, module.eps, module.momentum,
+                                      module.affine, module.track_running_stats, **kw)
         if module.track_running_stats:
-            raise ValueError("an instance norm with running statistics averages them over the "
-                             "samples; its distributed layer takes track_running_stats=False")
-        out = _INSTANCE[type(module)](module.num_features, module.eps, module.affine, **kw)
+            with torch.no_grad():
+                out.running_mean.copy_(module.running_mean)
+                out.running_var.copy_(module.running_var)
+                out.num_batches_tracked.copy_(module.num_batches_tracked)
     else:
         raise TypeError(f"module must be an nn.GroupNorm, nn.InstanceNorm1d/2d/3d or "
                         f"nn.LayerNorm, got {type(module).__name__}")
@@ -205,10 +258,11 @@ class _GroupNorm(torch.autograd.Function):
         y = torch.addcmul(shift.view(view), work, scale.view(view))
         ctx.comm, ctx.groups, ctx.count = comm, groups, count
         ctx.save_for_backward(x, weight, mean, invstd)
-        return y.to(x.dtype)
+        ctx.mark_non_differentiable(mean, var)
+        return y.to(x.dtype), mean, var
 
     @staticmethod
-    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    def backward(ctx: Any, dy: torch.Tensor, *_: Any) -> tuple[torch.Tensor | None, ...]:
         x, weight, mean, invstd = ctx.saved_tensors
         (n, c), g = x.shape[:2], ctx.groups
         work = x.float() if x.dtype in _LOW else x
@@ -360,7 +414,7 @@ class DistLayerNorm(nn.LayerNorm):
         lead = x.shape[:x.dim() - k]  # one row of statistics per sample and leading index
         rows = x.reshape(math.prod(lead), 1, *x.shape[x.dim() - k:])
         y = _GroupNorm.apply(rows, None, None, self._comm, self.eps, 1,
-                             math.prod(self.normalized_shape)).view(x.shape)
+                             math.prod(self.normalized_shape))[0].view(x.shape)
         if self.weight is not None:
             y = y * self.weight.to(y.dtype)
         if self.bias is not None:

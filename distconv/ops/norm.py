@@ -1,11 +1,12 @@
 """Normalisation: ``BatchNorm1d/2d/3d`` and ``SyncBatchNorm`` with the statistics of the whole
 global batch (:class:`~distconv.nn.DistBatchNorm2d`, ``3d``, ``1d``), in its input's distribution
 (any dim split; the statistics reduced over the grid dims of every entry but the channels');
-GroupNorm and InstanceNorm1d/2d/3d without running statistics on a spatially split input in place
+GroupNorm and InstanceNorm1d/2d/3d on a spatially split input in place
 (:class:`~distconv.nn.groupnorm.DistGroupNorm`, ``DistInstanceNorm1d/2d/3d``: the statistics of
-each sample's group reduced over the spatial grid dims, the channels made whole first); LayerNorm
-over every dim but the samples on any split in place (``DistLayerNorm``); otherwise these on
-local blocks with the dims they reduce over whole.
+each sample's group reduced over the spatial grid dims, the channels made whole first; an
+instance norm's running statistics reduced over the grid dims that split the samples, with the
+spatial dims split or not); LayerNorm over any trailing dims on any split in place
+(``DistLayerNorm``); otherwise these on local blocks with the dims they reduce over whole.
 
 Per rank: forward, an allgather of (count, mean, M2) per local channel (per local sample and
 group) over the statistics segment (the grid dims of the N and spatial entries; of the spatial
@@ -160,6 +161,11 @@ class _LocalNorm(Handler):
     def in_place(self, module: Any) -> bool:
         return False
 
+    def needs_layer(self, module: Any, dist: Any, ext: dict[str, int]) -> bool:
+        """Whether the distributed layer runs even with the spatial dims whole (its state
+        reduces over split samples)."""
+        return False
+
     def place(self, an: Any, node: Any, module: Any) -> Any:
         from distconv.parallel.graph import LayerSpec
 
@@ -168,7 +174,8 @@ class _LocalNorm(Handler):
         ext = dict(step.out.layout)
         spatial = [g for d in range(2, dist.ndim) for g in dist.grid_dims_of(d)
                    if ext.get(g, 1) > 1]
-        if spatial and dist.ndim > 2 and self.in_place(module):
+        if ((spatial or self.needs_layer(module, dist, ext)) and dist.ndim > 2
+                and self.in_place(module)):
             # the statistics reduced over the spatial grid dims; only the channels made whole
             entries = (dist.entries[0], None, *dist.entries[2:])
             p = Placement(step.out.layout, Dist(entries, frozenset(), dist.tensor_dims))
@@ -198,7 +205,11 @@ class _LocalNorm(Handler):
         if step.layer is None or step.layer.kind != "groupnorm":
             return
         groups = module.num_groups if isinstance(module, nn.GroupNorm) else module.num_features
-        _sample_statistics(report, step.out, ctx, 2, groups)  # per (sample, group)
+        if any(dict(step.out.layout).get(g, 1) > 1 for d in range(2, step.out.dist.ndim)
+               for g in step.out.dist.grid_dims_of(d)):
+            _sample_statistics(report, step.out, ctx, 2, groups)  # per (sample, group)
+        if getattr(module, "track_running_stats", False) and module.training:
+            _running_statistics(report, step.out, ctx, module.num_features)
 
 
 def _sample_statistics(report: Any, p: Placement, ctx: PriceContext, first: int,
@@ -223,6 +234,21 @@ def _sample_statistics(report: Any, p: Placement, ctx: PriceContext, first: int,
         report.steps.append(CommStep("backward", f"Σdx̂, Σdx̂·x̂ allreduce over "
                                      f"{'×'.join(seg)}", "allreduce", bwd, s, p.layout,
                                      tuple(seg)))
+
+
+def _running_statistics(report: Any, p: Placement, ctx: PriceContext, channels: int) -> None:
+    """An instance norm's running statistics: the sums of its instances' means and variances
+    (2C values) allreduced over the grid dims that split the samples, once per forward."""
+    ext = dict(p.layout)
+    seg = [g for g in p.dist.grid_dims_of(0) if ext.get(g, 1) > 1]
+    if not seg:
+        return
+    s = math.prod(ext[g] for g in seg)
+    per = {r: allreduce_bytes(2 * channels, segment_rank(p.layout, seg,
+                                                          paper_grid(p.layout, r).coords),
+                              s, ctx.itemsize) for r in ctx.ranks}
+    report.steps.append(CommStep("forward", f"running statistics allreduce over "
+                                 f"{'×'.join(seg)}", "allreduce", per, s, p.layout, tuple(seg)))
 
 
 class GroupNormHandler(_LocalNorm):
@@ -313,13 +339,19 @@ class InstanceNormHandler(_LocalNorm):
     modules = (nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)
 
     def in_place(self, module: Any) -> bool:
-        return not module.track_running_stats  # running statistics average over samples
+        return True
+
+    def needs_layer(self, module: Any, dist: Any, ext: dict[str, int]) -> bool:
+        # running statistics average over the samples: reduced over the grid dims that split
+        # them by the layer
+        return module.track_running_stats and any(ext.get(g, 1) > 1
+                                                  for g in dist.grid_dims_of(0))
 
     def whole(self, module: Any, ndim: int) -> tuple[int, ...]:
-        # the spatial dims of each sample and channel; per-channel weights need the channels;
-        # running statistics average over the samples
-        return ((0,) if module.track_running_stats else ()) + (
-            (1,) if module.affine or module.track_running_stats else ()) + tuple(range(2, ndim))
+        # the spatial dims of each sample and channel; per-channel weights and running
+        # statistics need the channels
+        return ((1,) if module.affine or module.track_running_stats else ()) + tuple(
+            range(2, ndim))
 
     def samples(self) -> Sequence[Sample]:
         return (Sample("instancenorm", lambda: SampleNet(nn.InstanceNorm2d(4), 4), (5, 4, 7, 6),
@@ -327,7 +359,11 @@ class InstanceNormHandler(_LocalNorm):
                 Sample("instancenorm-affine-tracked",
                        lambda: SampleNet(nn.InstanceNorm2d(4, affine=True,
                                                           track_running_stats=True), 4),
-                       (5, 4, 7, 6), (SAMPLE_GRIDS[1], SAMPLE_GRIDS[4])),
+                       (5, 4, 7, 6), SAMPLE_GRIDS),
+                Sample("instancenorm3d-tracked",
+                       lambda: _VolumeNorm(nn.InstanceNorm3d(4, track_running_stats=True,
+                                                             momentum=None)),
+                       (5, 2, 3, 4, 3), VOLUME_GRIDS),
                 Sample("instancenorm3d",
                        lambda: _VolumeNorm(nn.InstanceNorm3d(4, affine=True)), (5, 2, 3, 4, 3),
                        VOLUME_GRIDS))
