@@ -119,9 +119,12 @@ class _DistPool(nn.Module):
     dims are untouched: pooling is channel-wise, so channel distributions move no data.
     """
 
-    _name = "pool"
     _fill = 0.0
     _dims = 2
+
+    @property
+    def _name(self) -> str:
+        return type(self).__name__
 
     def _setup(self, grid: ProcessorGrid, input_dist: Dist, kernel_size: Any, stride: Any,
                padding: Any, dilation: Any) -> None:
@@ -425,42 +428,42 @@ class DistMaxPool1d(_DistMaxPool, nn.MaxPool1d):
     """``nn.MaxPool1d`` on a distributed activation (:class:`_DistMaxPool`); an
     ``nn.MaxPool1d`` for ``isinstance``."""
 
-    _name, _plain, _dims = "DistMaxPool1d", nn.MaxPool1d, 1
+    _plain, _dims = nn.MaxPool1d, 1
 
 
 class DistMaxPool2d(_DistMaxPool, nn.MaxPool2d):
     """``nn.MaxPool2d`` on a distributed activation (:class:`_DistMaxPool`); an
     ``nn.MaxPool2d`` for ``isinstance``."""
 
-    _name, _plain, _dims = "DistMaxPool2d", nn.MaxPool2d, 2
+    _plain, _dims = nn.MaxPool2d, 2
 
 
 class DistMaxPool3d(_DistMaxPool, nn.MaxPool3d):
     """``nn.MaxPool3d`` on a distributed activation (:class:`_DistMaxPool`); an
     ``nn.MaxPool3d`` for ``isinstance``."""
 
-    _name, _plain, _dims = "DistMaxPool3d", nn.MaxPool3d, 3
+    _plain, _dims = nn.MaxPool3d, 3
 
 
 class DistAvgPool1d(_DistAvgPool, nn.AvgPool1d):
     """``nn.AvgPool1d`` on a distributed activation (:class:`_DistAvgPool`); an
     ``nn.AvgPool1d`` for ``isinstance``."""
 
-    _name, _plain, _dims = "DistAvgPool1d", nn.AvgPool1d, 1
+    _plain, _dims = nn.AvgPool1d, 1
 
 
 class DistAvgPool2d(_DistAvgPool, nn.AvgPool2d):
     """``nn.AvgPool2d`` on a distributed activation (:class:`_DistAvgPool`); an
     ``nn.AvgPool2d`` for ``isinstance``."""
 
-    _name, _plain, _dims = "DistAvgPool2d", nn.AvgPool2d, 2
+    _plain, _dims = nn.AvgPool2d, 2
 
 
 class DistAvgPool3d(_DistAvgPool, nn.AvgPool3d):
     """``nn.AvgPool3d`` on a distributed activation (:class:`_DistAvgPool`); an
     ``nn.AvgPool3d`` for ``isinstance``."""
 
-    _name, _plain, _dims = "DistAvgPool3d", nn.AvgPool3d, 3
+    _plain, _dims = nn.AvgPool3d, 3
 
 
 #: the distributed layer of each plain windowed pooling module
