@@ -436,6 +436,9 @@ def check_volumes(device: torch.device) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------- K-FAC of N-d layers
+from tests.kfac.test_conv_nd import (  # noqa: E402  the tests' layers, data and K-FAC loop
+    _data as kfac_nd_data, _layer as kfac_nd_layer, _train as kfac_nd_train,
+)
 #: (module, global input shape, grid, algorithm): DistConvNd layers split over channels,
 #: filters and space, transposed ones read as the direct convolution they equal
 KFAC_ND_CASES = [
@@ -449,30 +452,8 @@ KFAC_ND_CASES = [
 ]
 
 
-def _kfac_nd_layer(build: Callable[[], nn.Module], device: torch.device) -> nn.Module:
-    conv = build().double()
-    gen = torch.Generator().manual_seed(3)
-    with torch.no_grad():
-        for p in conv.parameters():
-            p.copy_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * 0.3)
-    return conv.to(device)
-
-
 def _kfac_nd_data(step: int, shape: tuple, y_shape: tuple, device: torch.device):
-    gen = torch.Generator().manual_seed(100 + step)
-    return (torch.randn(shape, generator=gen, dtype=torch.float64).to(device),
-            torch.randn(y_shape, generator=gen, dtype=torch.float64).to(device))
-
-
-def _kfac_nd_train(layer: nn.Module, kfac: Any, step_data: Callable[[int], tuple]) -> None:
-    opt = torch.optim.SGD(layer.parameters(), lr=0.1)
-    for step in range(2):
-        opt.zero_grad()
-        y, t, n = step_data(step)
-        (torch.tanh(y) * t).sum().div(n).backward()
-        kfac.step()
-        if step == 0:
-            opt.step()
+    return tuple(t.to(device) for t in kfac_nd_data(step, shape, y_shape))
 
 
 def _kfac_nd_rank(comm: Any, conv: nn.Module, shape: tuple, dims: dict, algorithm: str,
@@ -489,7 +470,7 @@ def _kfac_nd_rank(comm: Any, conv: nn.Module, shape: tuple, dims: dict, algorith
         y = layer(x[layer.input_dist.local_slices(shape, grid)], shape)
         return y, t[layer.output_dist.local_slices(y_shape, grid)], shape[0]
 
-    _kfac_nd_train(layer, kfac, step_data)
+    kfac_nd_train(layer, kfac, step_data)
     grads = {"weight": gather(layer.weight.grad, layer.weight_dist, grid, layer.weight_shape)}
     if layer.bias is not None:
         grads["bias"] = gather(layer.bias.grad, layer.bias_dist, grid, (layer.out_channels,))
@@ -500,7 +481,7 @@ def _kfac_nd_rank(comm: Any, conv: nn.Module, shape: tuple, dims: dict, algorith
 def check_kfac_nd(device: torch.device) -> dict[str, Any]:
     cases, ok = {}, True
     for build, shape, dims, algorithm in KFAC_ND_CASES:
-        conv = _kfac_nd_layer(build, device)
+        conv = kfac_nd_layer(build()).to(device)
         name = f"{type(conv).__name__}-{'x'.join(dims)}"
         single = copy.deepcopy(conv)
         y_shape = tuple(single(torch.zeros(shape, dtype=torch.float64, device=device)).shape)
@@ -510,7 +491,7 @@ def check_kfac_nd(device: torch.device) -> dict[str, Any]:
             x, t = _kfac_nd_data(step, shape, y_shape, device)
             return single(x), t, shape[0]
 
-        _kfac_nd_train(single, distkfac.KFAC(single, comm=None, factor_dtype=torch.float64,
+        kfac_nd_train(single, distkfac.KFAC(single, comm=None, factor_dtype=torch.float64,
                                              **KFAC_KW), step_data)
         want = {k: p.grad for k, p in single.named_parameters()}
         ranks = run_ranks(_kfac_nd_rank, math.prod(dims.values()), conv, shape, dims, algorithm,
