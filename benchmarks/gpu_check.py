@@ -270,18 +270,33 @@ def resnet_case(device: torch.device) -> tuple[nn.Module, list[tuple[torch.Tenso
     return model.to(device), batches
 
 
-def resnet_reference(model: nn.Module, batches: list) -> dict[str, Any]:
+def reference_steps(model: nn.Module, batches: list) -> dict[str, Any]:
     model = copy.deepcopy(model)
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
     outs, grads = [], []
     for x, y in batches:
         opt.zero_grad()
         out = model(x)
-        F.cross_entropy(out, y).backward()
+        _volume_loss(out, y).backward()
         outs.append(out.detach())
         grads.append({k: p.grad.clone() for k, p in model.named_parameters()})
         opt.step()
     return {"outs": outs, "grads": grads, "state": copy.deepcopy(model.state_dict())}
+
+
+def step_errors(ranks: list[dict], ref: dict[str, Any]) -> dict[str, float]:
+    """The largest errors of the ranks' outputs (their rows), gathered gradients and final
+    gathered state against one process's steps."""
+    err = {"out": 0.0, "grads": 0.0, "state": 0.0}
+    for got in ranks:
+        for step in range(STEPS):
+            err["out"] = max(err["out"], max_err(got["outs"][step],
+                                                 ref["outs"][step][got["rows"]]))
+            err["grads"] = max(err["grads"], max(max_err(got["grads"][step][k], g)
+                                                 for k, g in ref["grads"][step].items()))
+        err["state"] = max(err["state"], max(max_err(got["state"][k], v)
+                                             for k, v in ref["state"].items()))
+    return err
 
 
 def resnet_rank(comm: Any, model: nn.Module, batches: list) -> dict[str, Any]:
@@ -290,17 +305,8 @@ def resnet_rank(comm: Any, model: nn.Module, batches: list) -> dict[str, Any]:
 
 def check_resnet(device: torch.device) -> dict[str, Any]:
     model, batches = resnet_case(device)
-    ref = resnet_reference(model, batches)
     ranks = run_ranks(resnet_rank, 4, model, batches)
-    err = {"out": 0.0, "grads": 0.0, "state": 0.0}
-    for got in ranks:
-        rows = got["rows"]
-        for step in range(STEPS):
-            err["out"] = max(err["out"], max_err(got["outs"][step], ref["outs"][step][rows]))
-            err["grads"] = max(err["grads"], max(max_err(got["grads"][step][k], g)
-                                                 for k, g in ref["grads"][step].items()))
-        err["state"] = max(err["state"], max(max_err(got["state"][k], v)
-                                             for k, v in ref["state"].items()))
+    err = step_errors(ranks, reference_steps(model, batches))
     rtol, atol = TOL[torch.float64]
     return {"ok": max(err.values()) < atol * 10, "tolerance": {"max_abs": atol * 10},
             "steps": STEPS, "ranks": 4, "config": RESNET_CONFIG["layers"],
@@ -403,26 +409,8 @@ def check_volumes(device: torch.device) -> dict[str, Any]:
     atol = TOL[torch.float64][1] * 10
     for case in _volume_cases():
         model, batches = volume_case(case, device)
-        ref = copy.deepcopy(model)
-        opt = torch.optim.SGD(ref.parameters(), lr=LR, momentum=MOMENTUM)
-        ref_outs, ref_grads = [], []
-        for x, y in batches:
-            opt.zero_grad()
-            out = ref(x)
-            _volume_loss(out, y).backward()
-            ref_outs.append(out.detach())
-            ref_grads.append({k: p.grad.clone() for k, p in ref.named_parameters()})
-            opt.step()
         ranks = run_ranks(volume_rank, 4, model, case[2], batches, timeout=60.0)
-        err = {"out": 0.0, "grads": 0.0, "state": 0.0}
-        for got in ranks:
-            for step in range(STEPS):
-                err["out"] = max(err["out"], max_err(got["outs"][step],
-                                                     ref_outs[step][got["rows"]]))
-                err["grads"] = max(err["grads"], max(max_err(got["grads"][step][k], g)
-                                                     for k, g in ref_grads[step].items()))
-            err["state"] = max(err["state"], max(max_err(got["state"][k], v)
-                                                 for k, v in ref.state_dict().items()))
+        err = step_errors(ranks, reference_steps(model, batches))
         case_ok = max(err.values()) < atol
         ok &= case_ok
         cases[case[0]] = {"config": case[2], "shape": case[3], "ok": case_ok,
