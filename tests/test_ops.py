@@ -149,3 +149,13 @@ def test_indexing_that_picks_elements_is_refused_naming_the_node() -> None:
     channels is refused before anything runs, naming the node and what would work."""
     with pytest.raises(ops.Unsupported, match=r"node 'getitem'.*picks elements.*None"):
         explain(_Picks(), {"default": {"grid": {"N": 2}}}, (4, 3, 5, 5), world_size=2)
+
+
+def test_explain_refuses_more_conv2d_channel_blocks_than_channels_as_parallelize_does() -> None:
+    """DistConv2d refuses C×F blocks beyond its channels; explain (and so the planner's final
+    pricing) refuses the same entry, naming the layer, instead of pricing what cannot run."""
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 16, 3), torch.nn.ReLU())
+    config = {"layers": [{"match": "0", "grid": {"C": 4}, "algorithm": "stationary-x"}]}
+    with pytest.raises(ValueError, match=r"layer '0': in_channels=3 is smaller than the 4 "
+                                         r"channel/filter blocks"):
+        explain(model, config, (4, 3, 8, 8), world_size=4)

@@ -58,6 +58,18 @@ def memory_elements(layout: Any, dists: dict[str, Any], conv: Any,
     return params, kept
 
 
+def check_channel_blocks(an: Any, node: Any, module: Any, choice: Any) -> None:
+    """Refuse a Conv2d entry whose C×F channel/filter blocks outnumber its channels or filters,
+    as DistConv2d does, so that explain never prices what parallelize refuses."""
+    ext = dict(choice.layout)
+    parts = ext.get("C", 1) * ext.get("F", 1)
+    for what, n in (("in_channels", module.in_channels), ("out_channels", module.out_channels)):
+        if n < parts:
+            an.fail(node, f"{choice.source}: layer {str(node.target)!r}: {what}={n} is smaller "
+                    f"than the {parts} channel/filter blocks of {dict(choice.layout)}; use at "
+                    "most that many C×F ranks", ValueError)
+
+
 def halo_overlap(an: Any, node: Any, module: Any, choice: Any, ext: dict[str, int]) -> bool:
     """Whether the layer overlaps its halo exchange with its interior rows (``overlap`` in its
     config entry): where it splits one spatial dim with a halo and pads with zeros; a layer
@@ -120,6 +132,7 @@ class ConvHandler(Handler):
             an.fail(node, f"{choice.source} splits D on {dict(choice.layout)}, but a Conv2d's "
                     "spatial dims are H and W: split those (D splits a volume's depth)",
                     ValueError)
+        check_channel_blocks(an, node, module, choice)
         grouped = module.groups > 1 and ext.get("C", 1) * ext.get("F", 1) > 1
         args = an.tensor_args(node)
         if algorithm == "stationary-w" and args:
