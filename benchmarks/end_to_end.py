@@ -29,6 +29,7 @@ Writes ``benchmarks/results/end_to_end.{json,md,png}``.
     .venv/bin/python benchmarks/end_to_end.py            # the full run (about ten minutes)
     .venv/bin/python benchmarks/end_to_end.py --quick    # a smoke run (gloo, 2 ranks, 2 steps)
     .venv/bin/python benchmarks/end_to_end.py --profile  # where a step's time goes, vs DDP
+    .venv/bin/python benchmarks/end_to_end.py --case resnet18:gloo:2:8  # one case of the run
     .venv/bin/python benchmarks/end_to_end.py --one-process --steps 30  # overhead on one rank
     python benchmarks/end_to_end.py --one-process --device cuda --steps 50  # the same on a GPU
 """
@@ -471,6 +472,9 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="gloo, 2 ranks, 2 steps")
+    parser.add_argument("--case", action="append", default=[], metavar="MODEL:BACKEND:P:B",
+                        help="run only this case of the full run (repeatable), e.g. "
+                             "resnet18:gloo:2:8; the results files are not written")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--profile", action="store_true",
@@ -490,6 +494,17 @@ def main() -> None:
         run_profile(1, args.steps)
         return
     print(HEADER)
+    if args.case:
+        cases = []
+        for text in args.case:
+            parts = text.split(":")
+            if len(parts) != 4 or parts[0] not in ("resnet18", "wrn") or parts[1] not in (
+                    "gloo", "mpi") or not (parts[2].isdigit() and parts[3].isdigit()):
+                parser.error(f"--case {text!r}: expected MODEL:BACKEND:P:B with MODEL resnet18 "
+                             "or wrn, BACKEND gloo or mpi, P and B positive ints")
+            cases.append((parts[0], parts[1], int(parts[2]), int(parts[3])))
+        run(cases, args.steps, args.warmup)
+        return
     if args.quick:
         rows = run([("resnet18", "gloo", 2, 2), ("wrn", "gloo", 2, 1)], 2, 1)
     else:

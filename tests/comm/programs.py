@@ -300,3 +300,75 @@ def chunks_of_one_tensor(comm, dtype_name: str = "float32"):
         storage = x.untyped_storage().data_ptr()
         assert all(g.untyped_storage().data_ptr() != storage for g in got), "result aliases input"
     return comm.backend
+
+
+# ---------------------------------------------------------------- the host channel (gloo)
+def host_channel_routes(comm):
+    """Small collectives go through the shared-memory channel, opened at the first one, its
+    file already unlinked; one larger than a slot goes to gloo; both kinds in flight at once
+    complete correctly, waited for in reverse order; bytes are counted as for gloo."""
+    import glob
+
+    from distconv.comm.host_channel import SLOT_BYTES, HostChannel
+
+    c = comm.split([list(range(comm.size))], timeout=29.0)
+    P, r = c.size, c.rank
+    c.stats.reset()
+    got = c.allreduce(torch.full((3,), float(r)))
+    _equal(got, torch.full((3,), float(sum(range(P)))), "small allreduce")
+    opened = isinstance(c._host, HostChannel)
+    pid = c.broadcast(torch.tensor([os.getpid()]), root=0)
+    no_file_left = not glob.glob(f"/dev/shm/distconv-{int(pid[0])}-*")
+    issued = c._host._issued if opened else 0
+    n_big = SLOT_BYTES // 4 + 1
+    big = c.allreduce(torch.full((n_big,), float(r + 1)))
+    _equal(big, torch.full((n_big,), float(P * (P + 1) // 2)), "big allreduce")
+    big_on_gloo = opened and c._host._issued == issued
+    w_big = c.allreduce(torch.full((n_big,), 1.0), async_op=True)
+    w_small = c.allreduce(torch.tensor([r], dtype=torch.int64), async_op=True)
+    w_gather = c.allgather(torch.tensor([r, -r]), async_op=True)
+    gathered = w_gather.wait()
+    _equal(w_small.wait(), torch.tensor([sum(range(P))]), "small async allreduce")
+    _equal(w_big.wait(), torch.full((n_big,), float(P)), "big async allreduce")
+    for s in range(P):
+        _equal(gathered[s], torch.tensor([s, -s]), f"allgather[{s}]")
+    c.barrier()
+    expected = (allreduce_bytes(3, r, P, 4) + 2 * allreduce_bytes(n_big, r, P, 4)
+                + allreduce_bytes(1, r, P, 8) + (P - 1) * 2 * 8 + (0 if r == 0 else 8))
+    return {"opened": opened, "no_file_left": no_file_left, "big_on_gloo": big_on_gloo,
+            "bytes": c.stats.total_bytes(), "bytes_expected": expected}
+
+
+def without_host_channel(comm):
+    """With DISTCONV_HOST_CHANNEL=0 a new communicator opens no channel and passes every check
+    on gloo alone."""
+    old = os.environ.get("DISTCONV_HOST_CHANNEL")
+    os.environ["DISTCONV_HOST_CHANNEL"] = "0"
+    try:
+        c = comm.split([list(range(comm.size))], timeout=28.0)
+    finally:
+        if old is None:
+            del os.environ["DISTCONV_HOST_CHANNEL"]
+        else:
+            os.environ["DISTCONV_HOST_CHANNEL"] = old
+    for dtype in ("float32", "bfloat16", "int16"):
+        programs_snap, backend = check_all_ops(c, dtype, 3)
+    return {"channel": c._host or None, "backend": backend}
+
+
+def dead_peer_in_channel(comm, timeout: float, path: str):
+    """The last rank exits while the others wait in a small (channel) allreduce; rank 0 writes
+    the seconds it waited and its error to ``path`` (the pool reports the exit itself)."""
+    c = comm.split([list(range(comm.size))], timeout=timeout)
+    c.allreduce(torch.ones(2))
+    if c.rank == c.size - 1:
+        os._exit(3)
+    t0 = time.monotonic()
+    try:
+        c.allreduce(torch.ones(2))
+    except CommError as exc:
+        if c.rank == 0:
+            with open(path, "w") as f:
+                f.write(f"{time.monotonic() - t0:.3f} {type(exc).__name__}: {exc}")
+        raise
+    raise AssertionError("allreduce with a dead peer returned")

@@ -1,0 +1,332 @@
+"""Small collectives through shared memory, for the ranks of one communicator on one host.
+
+A gloo collective of a few hundred bytes between two processes on one machine costs 0.4-0.7 ms
+(``benchmarks/latency.py``): two TCP round trips through gloo's worker threads. Global-batch
+BatchNorm runs two such collectives per layer and step (its statistics forward, its sums
+backward), the entry one more (the global batch), so a network of 20 BatchNorms waited 30 ms per
+step on latency alone. Through memory both ranks can read the same collective takes a few
+microseconds, as MPI's shared-memory transport does.
+
+:class:`HostChannel` is that transport for one communicator: a ring of ``SLOTS`` slots, each
+holding one payload of at most ``SLOT_BYTES`` per rank, in one file in ``/dev/shm`` that every
+rank maps (rank 0 creates it, the others open it, rank 0 unlinks it once all have it mapped, so
+no file outlives the run). Operation ``i`` uses slot ``i % SLOTS``:
+
+* *issue*: wait until every rank has read operation ``i - SLOTS`` (its slot is free), write this
+  rank's header and payload, then publish ``seq[rank] = i``;
+* *wait*: wait until every ``seq[r] >= i``, check that every rank's header describes the same
+  collective (else :class:`~distconv.comm.errors.CollectiveMismatchError`), compute the result
+  from the payloads (a reduction in rank order, the same on every rank), then publish
+  ``done[rank] = i``.
+
+Operations complete in issue order (waiting for one first reads every earlier one). The writes
+are ordered as the program orders them and x86-64 stores and loads are not reordered against
+each other, so a reader that sees ``seq[r] >= i`` sees rank r's payload; the channel is used only
+on x86-64 hosts. A wait yields the core while it spins (ranks may outnumber cores), sleeps after
+a few milliseconds, and raises :class:`~distconv.comm.errors.CommTimeoutError` after the
+communicator's timeout, or :class:`~distconv.comm.errors.CommError` as soon as a rank it waits
+for has exited (each rank records its process id and start time; checked where every rank sees
+the others' processes).
+
+The communicator decides per call, from what every rank knows alike (the dtype and shapes of an
+allreduce, allgather or broadcast), whether the payload fits; larger ones go to its backend.
+``DISTCONV_HOST_CHANNEL=0`` turns the channel off.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import platform
+import time
+import uuid
+import zlib
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from distconv.comm.base import Shape, Work, reduce_in_order
+from distconv.comm.errors import CollectiveMismatchError, CommError, CommTimeoutError
+
+__all__ = ["HostChannel", "enabled"]
+
+SLOTS = 4  #: operations in flight before a rank waits for its peers to read the oldest
+SLOT_BYTES = 32 << 10  #: largest payload per rank (a 2,000-channel BatchNorm's fp64 statistics)
+_CTRL = 64  # bytes per rank's control record: seq, done, pid, start time (one cache line)
+_HEAD = 64  # bytes of a slot's header: op id, signature, payload bytes
+_SPIN_S = 2e-3  # how long a wait only yields the core before it starts sleeping
+_LIVENESS_S = 0.1  # how often a long wait checks that the ranks it waits for are alive
+
+
+def enabled() -> bool:
+    """Whether communicators may use the channel here: ``DISTCONV_HOST_CHANNEL`` is not ``0``,
+    and the host is x86-64 (whose memory order the protocol relies on)."""
+    if os.environ.get("DISTCONV_HOST_CHANNEL", "1").strip() in ("0", "false", "off", "no"):
+        return False
+    return platform.machine().lower() in ("x86_64", "amd64")
+
+
+def _start_time(pid: int) -> int | None:
+    """A live process's start time in clock ticks since boot (``/proc/<pid>/stat``); None where
+    the process has exited (gone, or a zombie not yet reaped) or cannot be read. With its pid,
+    it names one process for as long as the host is up."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    try:  # the command name (field 2) may hold spaces and parentheses: skip past its last ')'
+        fields = stat[stat.rindex(b")") + 2:].split()
+        return None if fields[0] in (b"Z", b"X", b"x") else int(fields[19])
+    except (ValueError, IndexError):
+        return None
+
+
+def _signature(text: str) -> int:
+    return zlib.crc32(text.encode())
+
+
+class _Op:
+    __slots__ = ("id", "kind", "read", "result")
+
+    def __init__(self, op_id: int, kind: str, read: Callable[[], Any]) -> None:
+        self.id, self.kind, self.read = op_id, kind, read
+        self.result: Any = None
+
+
+class HostChannel:
+    """The shared-memory transport of one communicator's small collectives (module docstring).
+
+    Made collectively by :meth:`open`; ``rank`` and ``size`` are the communicator's.
+    """
+
+    def __init__(self, mm: mmap.mmap, *, rank: int, size: int, timeout: float,
+                 describe: str) -> None:
+        self._mm = mm
+        self.rank, self.size, self.timeout = rank, size, timeout
+        self._describe = describe  # "rank r, backend 'torch-gloo'": the start of every message
+        raw = torch.frombuffer(mm, dtype=torch.uint8)
+        ctrl = np.ndarray((size, _CTRL // 8), dtype=np.int64, buffer=mm)
+        self._ctrl = ctrl
+        self._seq = ctrl[:, 0]
+        self._done = ctrl[:, 1]
+        stride = _HEAD + SLOT_BYTES
+        base = size * _CTRL
+        self._heads = [np.ndarray((size, _HEAD // 8), dtype=np.int64, buffer=mm,
+                                  offset=base + s * size * stride, strides=(stride, 8))
+                       for s in range(SLOTS)]
+        # slot s as one [size, SLOT_BYTES] byte tensor: row r is rank r's payload
+        self._payloads = [raw[base + s * size * stride:base + (s + 1) * size * stride]
+                          .view(size, stride)[:, _HEAD:] for s in range(SLOTS)]
+        self._issued = 0
+        self._pending: deque[_Op] = deque()
+        self._visible = [False] * size  # whose process this rank sees (set by open)
+        self._next_liveness = 0.0
+
+    # ---------------------------------------------------------------- setup
+    @classmethod
+    def open(cls, *, rank: int, size: int, timeout: float, describe: str,
+             broadcast_name: Callable[[str], str], all_ok: Callable[[bool], bool]
+             ) -> HostChannel | None:
+        """Collective over the communicator's ranks: rank 0 creates the shared file and passes
+        its path through ``broadcast_name`` (the backend's broadcast of a string); every rank maps
+        it; ``all_ok`` (the backend's allreduce of a flag) says whether all could. Returns the
+        channel on every rank, or None on every rank (ranks on several hosts, no ``/dev/shm``)."""
+        length = size * _CTRL + SLOTS * size * (_HEAD + SLOT_BYTES)
+        path = ""
+        if rank == 0:
+            folder = "/dev/shm" if os.path.isdir("/dev/shm") else None
+            if folder is not None:
+                path = os.path.join(folder, f"distconv-{os.getpid()}-{uuid.uuid4().hex}")
+                try:
+                    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+                    try:
+                        os.ftruncate(fd, length)
+                    finally:
+                        os.close(fd)
+                except OSError:
+                    path = ""
+        path = broadcast_name(path)
+        mm = None
+        if path:
+            try:
+                fd = os.open(path, os.O_RDWR)
+                try:
+                    if os.fstat(fd).st_size == length:
+                        mm = mmap.mmap(fd, length)
+                finally:
+                    os.close(fd)
+            except OSError:
+                mm = None
+        if mm is not None:  # who this rank is, for its peers' liveness checks
+            ctrl = np.ndarray((size, _CTRL // 8), dtype=np.int64, buffer=mm)
+            ctrl[rank, 2], ctrl[rank, 3] = os.getpid(), _start_time(os.getpid()) or 0
+            del ctrl
+        ok = all_ok(mm is not None)  # also: every rank's record above is written
+        if rank == 0 and path:
+            try:  # every rank has it mapped (or none will use it): the name is no longer needed
+                os.unlink(path)
+            except OSError:
+                pass
+        if not ok:
+            if mm is not None:
+                mm.close()
+            return None
+        channel = cls(mm, rank=rank, size=size, timeout=timeout, describe=describe)
+        ctrl = channel._ctrl
+        channel._visible = [r != rank and ctrl[r, 3] > 0
+                            and _start_time(int(ctrl[r, 2])) == int(ctrl[r, 3])
+                            for r in range(size)]
+        return channel
+
+    def close(self) -> None:
+        """Unmap the shared file (idempotent). Results handed out are copies and stay valid."""
+        mm, self._mm = self._mm, None
+        if mm is None:
+            return
+        self._pending.clear()
+        self._heads = self._payloads = []
+        self._ctrl = self._seq = self._done = None
+        try:
+            mm.close()
+        except BufferError:  # a view is still exported somewhere: the mapping goes with it
+            pass
+
+    # ---------------------------------------------------------------- the protocol
+    def _check_open(self, kind: str) -> None:
+        if self._mm is None:
+            raise CommError(f"{self._describe}, op {kind!r}: the communicator is closed")
+
+    def _spin(self, ready: Callable[[], bool], kind: str, ranks: Callable[[], list[int]]) -> None:
+        """Wait until ``ready()``; ``ranks()`` names the ranks still waited for."""
+        if ready():
+            return
+        begin = time.monotonic()
+        deadline = begin + self.timeout
+        while not ready():
+            now = time.monotonic()
+            if now > deadline:
+                raise CommTimeoutError(
+                    f"{self._describe}, op {kind!r}: rank(s) {ranks()} did not arrive within "
+                    f"{self.timeout} s (a peer is missing, dead, or in a different collective)")
+            waited = now - begin
+            if waited < _SPIN_S:
+                os.sched_yield()
+            else:
+                time.sleep(min(1e-3, waited / 20))
+                if now >= self._next_liveness:
+                    self._next_liveness = now + _LIVENESS_S
+                    self._check_alive(kind, ranks())
+
+    def _check_alive(self, kind: str, ranks: list[int]) -> None:
+        """Raise if a rank waited for has exited: its process id no longer names the process
+        with its start time. Only for ranks whose process this rank could see at
+        :meth:`open` (the same process namespace); others are bounded by the timeout alone."""
+        for r in ranks:
+            if not self._visible[r]:
+                continue
+            pid = int(self._ctrl[r, 2])
+            if _start_time(pid) != int(self._ctrl[r, 3]):
+                raise CommError(f"{self._describe}, op {kind!r}: rank {r} (process {pid}) has "
+                                "exited in the middle of the collective")
+
+    def _issue(self, kind: str, signature: int, payload: torch.Tensor | None,
+               read: Callable[[torch.Tensor], Any]) -> Work:
+        """Write this rank's part of one operation; the Work reads everyone's (``read`` gets the
+        slot's payloads as a ``[size, SLOT_BYTES]`` byte tensor) and returns what ``read`` returns."""
+        self._check_open(kind)
+        op_id = self._issued + 1
+        slot = op_id % SLOTS
+        free = op_id - SLOTS
+        if free > 0:
+            if self._done[self.rank] < free:  # this rank has not read that one yet: read it now
+                self._complete_through(free)
+            done = self._done
+            self._spin(lambda: int(done.min()) >= free, kind,
+                       lambda: [r for r in range(self.size) if done[r] < free])
+        nbytes = 0 if payload is None else payload.numel()
+        if nbytes:
+            self._payloads[slot][self.rank, :nbytes].copy_(payload)
+        head = self._heads[slot][self.rank]
+        head[0], head[1], head[2] = op_id, signature, nbytes
+        self._issued = op_id
+        self._seq[self.rank] = op_id  # last: publishes the header and payload above
+        rows = self._payloads[slot]
+        op = _Op(op_id, kind, lambda: read(rows))
+        self._pending.append(op)
+        return Work(lambda: self._complete_through(op_id) or op.result,
+                    test_fn=lambda: self._arrived(op_id))
+
+    def _arrived(self, op_id: int) -> bool:
+        return self._mm is not None and int(self._seq.min()) >= op_id
+
+    def _complete_through(self, op_id: int) -> None:
+        """Read every pending operation up to ``op_id``, in issue order."""
+        while self._pending and self._pending[0].id <= op_id:
+            op = self._pending[0]
+            self._check_open(op.kind)
+            seq = self._seq
+            self._spin(lambda: int(seq.min()) >= op.id, op.kind,
+                       lambda: [r for r in range(self.size) if seq[r] < op.id])
+            heads = self._heads[op.id % SLOTS]
+            mine = int(heads[self.rank, 1])
+            if any(int(heads[r, 0]) != op.id or int(heads[r, 1]) != mine
+                   for r in range(self.size)):
+                self._pending.popleft()
+                raise CollectiveMismatchError(
+                    f"{self._describe}, op {op.kind!r}: the ranks called different collectives "
+                    f"(operation {op.id} on this communicator; signatures "
+                    f"{[hex(int(heads[r, 1])) for r in range(self.size)]}); set_debug(True) "
+                    "names what each rank called")
+            op.result = op.read()
+            self._done[self.rank] = op.id  # after the read: the slot may be written again
+            self._pending.popleft()
+
+    # ---------------------------------------------------------------- operations
+    @staticmethod
+    def fits(nbytes: int) -> bool:
+        return nbytes <= SLOT_BYTES
+
+    def allreduce(self, t: torch.Tensor, op: str, out: torch.Tensor | None = None) -> Work:
+        """``t`` reduced over the ranks in rank order (every rank computes the same sums); the
+        result is written into ``out`` when given (``t`` itself for a consuming allreduce)."""
+        flat = t.reshape(-1)
+        nbytes = flat.numel() * flat.element_size()
+        sig = _signature(f"allreduce|{op}|{t.dtype}|{flat.numel()}")
+
+        def read(rows: torch.Tensor) -> torch.Tensor:
+            parts = [rows[r, :nbytes].view(t.dtype) for r in range(self.size)]
+            res = reduce_in_order(parts, op, self.size).view(t.shape)
+            return out.copy_(res) if out is not None else res
+
+        return self._issue("allreduce", sig, flat.view(torch.uint8), read)
+
+    def allgather(self, t: torch.Tensor, shapes: list[Shape], opname: str) -> Work:
+        """Every rank's ``t`` (of shape ``shapes[r]``), copied out of the channel."""
+        isz = t.element_size()
+        nbytes = [int(np.prod(s, dtype=np.int64)) * isz for s in shapes]
+        width = max(nbytes)
+        sig = _signature(f"allgather|{t.dtype}|{shapes}")
+
+        def read(rows: torch.Tensor) -> list[torch.Tensor]:
+            out = rows[:, :width].clone()
+            return [out[r, :nbytes[r]].view(t.dtype).view(shapes[r]) for r in range(self.size)]
+
+        return self._issue(opname, sig, t.reshape(-1).view(torch.uint8), read)
+
+    def broadcast(self, t: torch.Tensor, root: int) -> Work:
+        """Root's ``t`` on every rank (a copy)."""
+        nbytes = t.numel() * t.element_size()
+        sig = _signature(f"broadcast|{root}|{t.dtype}|{tuple(t.shape)}")
+        payload = t.reshape(-1).view(torch.uint8) if self.rank == root else None
+
+        def read(rows: torch.Tensor) -> torch.Tensor:
+            return rows[root, :nbytes].clone().view(t.dtype).view(t.shape)
+
+        return self._issue("broadcast", sig, payload, read)
+
+    def barrier(self) -> Work:
+        return self._issue("barrier", _signature("barrier"), None, lambda rows: None)
