@@ -35,6 +35,7 @@ allreduce, allgather or broadcast), whether the payload fits; larger ones go to 
 
 from __future__ import annotations
 
+import functools
 import mmap
 import os
 import platform
@@ -48,7 +49,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from distconv.comm.base import Shape, Work, reduce_in_order
+from distconv.comm.base import _REDUCERS, Shape, Work
 from distconv.comm.errors import CollectiveMismatchError, CommError, CommTimeoutError
 
 __all__ = ["HostChannel", "enabled"]
@@ -85,8 +86,27 @@ def _start_time(pid: int) -> int | None:
         return None
 
 
-def _signature(text: str) -> int:
-    return zlib.crc32(text.encode())
+@functools.lru_cache(maxsize=4096)
+def _signature(*what: Any) -> int:
+    """A number naming one kind of collective (op, dtype, shapes): equal on every rank that
+    calls the same thing (a CRC of its text: Python's own hash differs between processes)."""
+    return zlib.crc32("|".join(map(str, what)).encode())
+
+
+def _reduce_rows(rows: torch.Tensor, op: str) -> torch.Tensor:
+    """Rank 0's row reduced with rank 1's, then rank 2's, ... (a new tensor): the order every
+    rank of a communicator uses, so all get the same bits; bf16 and fp16 in fp32, rounded once
+    (as :func:`~distconv.comm.base.reduce_in_order`)."""
+    dtype = rows.dtype
+    if dtype in (torch.bfloat16, torch.float16):
+        rows = rows.float()
+    fn = _REDUCERS[op]
+    out = fn(rows[0], rows[1]) if rows.shape[0] > 1 else rows[0].clone()
+    for r in range(2, rows.shape[0]):
+        out = fn(out, rows[r], out=out)
+    if op == "avg":
+        out = out / rows.shape[0]
+    return out.to(dtype)
 
 
 class _Op:
@@ -121,6 +141,7 @@ class HostChannel:
         # slot s as one [size, SLOT_BYTES] byte tensor: row r is rank r's payload
         self._payloads = [raw[base + s * size * stride:base + (s + 1) * size * stride]
                           .view(size, stride)[:, _HEAD:] for s in range(SLOTS)]
+        self._mine = [p[rank] for p in self._payloads]  # this rank's row of each slot
         self._issued = 0
         self._pending: deque[_Op] = deque()
         self._visible = [False] * size  # whose process this rank sees (set by open)
@@ -241,15 +262,15 @@ class HostChannel:
         op_id = self._issued + 1
         slot = op_id % SLOTS
         free = op_id - SLOTS
-        if free > 0:
-            if self._done[self.rank] < free:  # this rank has not read that one yet: read it now
+        done = self._done
+        if free > 0 and min(done.tolist()) < free:
+            if done[self.rank] < free:  # this rank has not read that one yet: read it now
                 self._complete_through(free)
-            done = self._done
-            self._spin(lambda: int(done.min()) >= free, kind,
+            self._spin(lambda: min(done.tolist()) >= free, kind,
                        lambda: [r for r in range(self.size) if done[r] < free])
         nbytes = 0 if payload is None else payload.numel()
         if nbytes:
-            self._payloads[slot][self.rank, :nbytes].copy_(payload)
+            self._mine[slot][:nbytes].copy_(payload)
         head = self._heads[slot][self.rank]
         head[0], head[1], head[2] = op_id, signature, nbytes
         self._issued = op_id
@@ -261,7 +282,7 @@ class HostChannel:
                     test_fn=lambda: self._arrived(op_id))
 
     def _arrived(self, op_id: int) -> bool:
-        return self._mm is not None and int(self._seq.min()) >= op_id
+        return self._mm is not None and min(self._seq.tolist()) >= op_id
 
     def _complete_through(self, op_id: int) -> None:
         """Read every pending operation up to ``op_id``, in issue order."""
@@ -269,18 +290,17 @@ class HostChannel:
             op = self._pending[0]
             self._check_open(op.kind)
             seq = self._seq
-            self._spin(lambda: int(seq.min()) >= op.id, op.kind,
-                       lambda: [r for r in range(self.size) if seq[r] < op.id])
-            heads = self._heads[op.id % SLOTS]
-            mine = int(heads[self.rank, 1])
-            if any(int(heads[r, 0]) != op.id or int(heads[r, 1]) != mine
-                   for r in range(self.size)):
+            if min(seq.tolist()) < op.id:
+                self._spin(lambda: min(seq.tolist()) >= op.id, op.kind,
+                           lambda: [r for r in range(self.size) if seq[r] < op.id])
+            heads = self._heads[op.id % SLOTS][:, :2].tolist()  # [op id, signature] per rank
+            if any(h != heads[self.rank] for h in heads) or heads[0][0] != op.id:
                 self._pending.popleft()
                 raise CollectiveMismatchError(
                     f"{self._describe}, op {op.kind!r}: the ranks called different collectives "
                     f"(operation {op.id} on this communicator; signatures "
-                    f"{[hex(int(heads[r, 1])) for r in range(self.size)]}); set_debug(True) "
-                    "names what each rank called")
+                    f"{[hex(h[1]) for h in heads]}); set_debug(True) names what each rank "
+                    "called")
             op.result = op.read()
             self._done[self.rank] = op.id  # after the read: the slot may be written again
             self._pending.popleft()
@@ -295,11 +315,10 @@ class HostChannel:
         result is written into ``out`` when given (``t`` itself for a consuming allreduce)."""
         flat = t.reshape(-1)
         nbytes = flat.numel() * flat.element_size()
-        sig = _signature(f"allreduce|{op}|{t.dtype}|{flat.numel()}")
+        sig = _signature("allreduce", op, t.dtype, flat.numel())
 
         def read(rows: torch.Tensor) -> torch.Tensor:
-            parts = [rows[r, :nbytes].view(t.dtype) for r in range(self.size)]
-            res = reduce_in_order(parts, op, self.size).view(t.shape)
+            res = _reduce_rows(rows[:, :nbytes].view(t.dtype), op).view(t.shape)
             return out.copy_(res) if out is not None else res
 
         return self._issue("allreduce", sig, flat.view(torch.uint8), read)
@@ -309,7 +328,7 @@ class HostChannel:
         isz = t.element_size()
         nbytes = [int(np.prod(s, dtype=np.int64)) * isz for s in shapes]
         width = max(nbytes)
-        sig = _signature(f"allgather|{t.dtype}|{shapes}")
+        sig = _signature("allgather", t.dtype, tuple(map(tuple, shapes)))
 
         def read(rows: torch.Tensor) -> list[torch.Tensor]:
             out = rows[:, :width].clone()
@@ -320,7 +339,7 @@ class HostChannel:
     def broadcast(self, t: torch.Tensor, root: int) -> Work:
         """Root's ``t`` on every rank (a copy)."""
         nbytes = t.numel() * t.element_size()
-        sig = _signature(f"broadcast|{root}|{t.dtype}|{tuple(t.shape)}")
+        sig = _signature("broadcast", root, t.dtype, tuple(t.shape))
         payload = t.reshape(-1).view(torch.uint8) if self.rank == root else None
 
         def read(rows: torch.Tensor) -> torch.Tensor:
