@@ -1,6 +1,8 @@
 """Small collectives, as global-batch BatchNorm runs them (one allgather of a channel's
 statistics per layer forward, one allreduce of two sums per layer backward), on gloo and MPI,
-2 ranks: distconv's communicator next to the raw backend call on the same buffer.
+2 ranks: distconv's communicator next to the raw backend call on the same buffer; on gloo also
+the communicator with its shared-memory channel turned off (``DISTCONV_HOST_CHANNEL=0``), i.e.
+every call on gloo itself.
 
 On a machine where a small gloo collective costs a millisecond, a network with 20 BatchNorms
 spends 40 of them per step waiting on statistics whatever the library does; this says which it
@@ -54,13 +56,34 @@ def _raw(comm: Any, op: str, t: torch.Tensor) -> Any:
     return lambda: mpi.Allgather(arr, res)
 
 
+def _without_channel(comm: Any) -> Any:
+    """A communicator of the same ranks that carries everything on its backend."""
+    import os
+
+    old = os.environ.get("DISTCONV_HOST_CHANNEL")
+    os.environ["DISTCONV_HOST_CHANNEL"] = "0"
+    try:
+        return comm.split([list(range(comm.size))], timeout=comm.timeout + 1)
+    finally:
+        if old is None:
+            del os.environ["DISTCONV_HOST_CHANNEL"]
+        else:
+            os.environ["DISTCONV_HOST_CHANNEL"] = old
+
+
+def _call(comm: Any, op: str, t: torch.Tensor) -> Any:
+    return (lambda: comm.allreduce(t)) if op == "allreduce" else (lambda: comm.allgather(t))
+
+
 def bench(comm: Any, repeats: int, inner: int) -> list[dict]:
     torch.set_num_threads(1)
     rows = []
+    plain = _without_channel(comm) if comm.backend == "torch-gloo" else None
     for what, op, n in CASES:
         t = torch.randn(n)
-        ours = (lambda: comm.allreduce(t)) if op == "allreduce" else (lambda: comm.allgather(t))
-        sides = {"distconv": ours, "raw": _raw(comm, op, t)}
+        sides = {"distconv": _call(comm, op, t), "raw": _raw(comm, op, t)}
+        if plain is not None:
+            sides["distconv_no_channel"] = _call(plain, op, t)
         times: dict[str, list[float]] = {k: [] for k in sides}
         for fn in sides.values():
             for _ in range(10):
@@ -91,12 +114,15 @@ def main(argv: list[str] | None = None) -> dict:
             results["rows"][backend] = pool.run(bench, args.repeats, args.inner)[0]
     lines = [f"`{results['command']}` (2 ranks, medians of {args.repeats} interleaved batches of "
              f"{args.inner} calls, rank 0)", "",
-             "| backend | what | op | elements | distconv µs | raw backend µs |",
-             "|---|---|---|---|---|---|"]
+             "| backend | what | op | elements | distconv µs | distconv, channel off µs | "
+             "raw backend µs |",
+             "|---|---|---|---|---|---|---|"]
     for backend, rows in results["rows"].items():
         for r in rows:
+            off = r.get("distconv_no_channel_us")
             lines.append(f"| {backend} | {r['what']} | {r['op']} | {r['elements']} | "
-                         f"{r['distconv_us']:.0f} | {r['raw_us']:.0f} |")
+                         f"{r['distconv_us']:.0f} | {'-' if off is None else f'{off:.0f}'} | "
+                         f"{r['raw_us']:.0f} |")
     table = "\n".join(lines)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "latency.json").write_text(json.dumps(results, indent=1))

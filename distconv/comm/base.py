@@ -428,6 +428,14 @@ class Communicator(abc.ABC):
         one device an NCCL communicator moves, else the CPU."""
         return getattr(self, "_device", None) or torch.device("cpu")
 
+    @property
+    def host(self) -> Communicator:
+        """A communicator of the same ranks, in the same order, that moves CPU tensors: for
+        control messages (shapes, flags) that the host needs at once, without a device round
+        trip. This communicator itself, except where it moves only device tensors (NCCL: a
+        gloo group of its ranks, made at the first use, collectively)."""
+        return self
+
     def shared_generator(self) -> torch.Generator:
         """A random generator in the same state on every rank of this communicator, on its
         :attr:`device`: created at the first call (a collective), seeded with rank 0's

@@ -154,6 +154,29 @@ class TorchCommunicator(Communicator):
 
         return Work(wait, test_fn=handle.is_completed)
 
+    @property
+    def host(self) -> Communicator:
+        """This communicator on gloo; on NCCL, a gloo communicator of the same ranks (made at
+        the first use, collectively, over this group's store), so that control messages go
+        between the hosts without a device round trip (:attr:`Communicator.host`)."""
+        if self._kind == "gloo":
+            return self
+        sibling = getattr(self, "_host_sibling", None)
+        if sibling is None or sibling.closed:
+            sibling = self._host_sibling = self._gloo_sibling()
+        return sibling
+
+    def _gloo_sibling(self) -> TorchCommunicator:
+        """A gloo communicator of this group's ranks, its group built on a prefix of the store."""
+        name = f"{self._name}/host"
+        store = dist.PrefixStore(name + "/", self._store)
+        try:
+            pg = dist.ProcessGroupGloo(store, self.rank, self.size, _td(self.timeout))
+        except RuntimeError as exc:
+            raise self._error("host", exc) from exc
+        return TorchCommunicator(pg, rank=self.rank, size=self.size, timeout=self.timeout,
+                                 store=self._store, kind="gloo", name=name, parent=self)
+
     # ---------------------------------------------------------------- the host channel
     def _channel(self, nbytes: int) -> HostChannel | None:
         """The host channel, for a payload of ``nbytes`` per rank (the same on every rank of the
@@ -362,6 +385,9 @@ class TorchCommunicator(Communicator):
         host, self._host = self._host, None
         if isinstance(host, HostChannel):
             host.close()
+        sibling = getattr(self, "_host_sibling", None)
+        if sibling is not None:
+            sibling.close()
         pg, self._pg = self._pg, None
         if pg is None or pg is dist.group.WORLD:
             return

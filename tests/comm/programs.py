@@ -372,3 +372,18 @@ def dead_peer_in_channel(comm, timeout: float, path: str):
                 f.write(f"{time.monotonic() - t0:.3f} {type(exc).__name__}: {exc}")
         raise
     raise AssertionError("allreduce with a dead peer returned")
+
+
+def host_sibling(comm):
+    """The gloo group an NCCL communicator makes for control messages, made here from a gloo
+    communicator by the same code: the same ranks in the same order, its own group, its bytes
+    counted in the parent's stats, closed with it."""
+    c = comm.split([list(range(comm.size))], timeout=27.0)
+    assert c.host is c  # gloo moves CPU tensors itself
+    sib = c._gloo_sibling()
+    before = c.stats.total_bytes()
+    got = sib.allgather(torch.tensor([c.rank, 10 * c.rank]))
+    _equal(torch.stack(got), torch.tensor([[s, 10 * s] for s in range(c.size)]), "sibling")
+    counted = c.stats.total_bytes() - before
+    sib.close()
+    return sib.rank, sib.size, sib.backend, counted

@@ -255,3 +255,11 @@ def test_gloo_dead_peer_is_seen_before_the_timeout(gloo2, tmp_path):
     assert msg.startswith("CommError: rank 0, backend 'torch-gloo', op 'allreduce': rank 1 "), msg
     assert "has exited in the middle of the collective" in msg
     assert [r[:2] for r in gloo2.run(programs.rank_and_size)] == [(0, 2), (1, 2)]
+
+
+@pytest.mark.gloo
+def test_gloo_sibling_for_control_messages(gloo4):
+    """What an NCCL communicator's ``host`` makes: a gloo group of the same ranks."""
+    for r, (rank, size, backend, counted) in enumerate(gloo4.run(programs.host_sibling)):
+        assert (rank, size, backend) == (r, 4, "torch-gloo")
+        assert counted == 3 * 2 * 8  # the three other ranks' two int64s
