@@ -209,7 +209,7 @@ class HostChannel:
         if mm is None:
             return
         self._pending.clear()
-        self._heads = self._payloads = []
+        self._heads, self._payloads, self._mine = [], [], []  # the views of the mapping
         self._ctrl = self._seq = self._done = None
         try:
             mm.close()

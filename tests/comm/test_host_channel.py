@@ -203,9 +203,13 @@ def test_a_missing_rank_times_out_naming_it():
         assert f"rank {r}, op 'allreduce': rank(s) [2] did not arrive within 0.5 s" in msgs[r]
 
 
-def test_a_closed_channel_raises():
+def test_a_closed_channel_raises_and_releases_its_mapping():
     ch = _channels(1)[0]
+    mm = ch._mm
+    kept = ch.allgather(torch.arange(3), [(3,)], "allgather").wait()
     ch.close()
+    assert mm.closed  # no view of the mapping outlives the channel
+    assert torch.equal(kept[0], torch.arange(3))
     ch.close()  # idempotent
     with pytest.raises(CommError, match="closed"):
         ch.allreduce(torch.ones(1), "sum")
