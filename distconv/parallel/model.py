@@ -28,6 +28,7 @@ import contextlib
 import copy
 import dataclasses
 import hashlib
+import operator
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
@@ -137,6 +138,10 @@ class ParallelModel(nn.Module):
         self._function_modules: dict[str, nn.Module] = {}
         self._layers: dict[str, nn.Module] = {}  # built distributed layers, by module target
         self.data_grid = self.grid(cfg.data)
+        #: whether this rank is the root replica of its sample block (the data grid's other
+        #: dims all at 0): its output's cotangent is the one kept
+        self._root = all(self.data_grid.coords[d] == 0 for d, e in self.data_grid.layout
+                         if d != "N" and e > 1)
         ties = _tied_parameters(gm)
         calls: dict[str, list[Step]] = {}  # module -> the steps that call it, in graph order
         for step in analysis.steps:
@@ -164,7 +169,7 @@ class ParallelModel(nn.Module):
         # The traced graph (its modules are this model's children): distkfac reads it to tell a
         # head, whose output is the model's, from a replicated layer inside the model.
         object.__setattr__(self, "_gm", gm)
-        self._plans: dict[tuple[int, ...], dict[str, tuple[int, ...]]] = {}
+        self._plans: dict[tuple[Any, ...], Callable[[torch.Tensor], Any]] = {}
         self.bucket_bytes = bucket_bytes
         self._local_norms = [m for m in self.modules() if isinstance(m, DistBatchNorm)
                              and m._block_comm is not None]
@@ -273,12 +278,12 @@ class ParallelModel(nn.Module):
             _eager(self._rebuild_gradient_syncs)
         shape = _eager(self._agree_batch, x)
         if not self._local_norms:
-            return self._plan(shape, x.dtype)(x)
+            return self._plan(shape, x.dtype, compiling())(x)
         collected: list[Any] = []  # local-statistics layers: one running-statistics broadcast
         for m in self._local_norms:
             m._collector = collected
         try:
-            out = self._plan(shape, x.dtype)(x)
+            out = self._plan(shape, x.dtype, compiling())(x)
         finally:
             for m in self._local_norms:
                 m._collector = None
@@ -365,21 +370,18 @@ class ParallelModel(nn.Module):
     def _exit(self, y: Any) -> Any:
         if not isinstance(y, torch.Tensor):
             return y
-        grid = self.data_grid
-        replicas = [d for d, e in grid.layout if d != "N" and e > 1]
-        root = all(grid.coords[d] == 0 for d in replicas)
         n_local = y.shape[0] if y.dim() else 1
         scale = 1.0 if self.loss_reduction == "sum" else n_local / self.global_batch_size
-        if root and scale == 1.0:  # one sample block and no replicas: the output as it is
+        if self._root and scale == 1.0:  # one sample block and no replicas: the output as is
             return y
-        return _Exit.apply(y, scale, root)
+        return _Exit.apply(y, scale, self._root)
 
     def _agree_batch(self, x: torch.Tensor) -> tuple[int, ...]:
         """The global input shape, from one small allgather of every rank's local shape."""
         if x.dim() == 0:
             raise ValueError("input must have a sample dim, got a 0-d tensor")
         if self.comm.size == 1:  # nothing to agree on: no tensor, no device round trip
-            self.global_batch_size = x.shape[0]
+            object.__setattr__(self, "global_batch_size", x.shape[0])  # a plain attribute
             return tuple(x.shape)
         local = torch.tensor(list(x.shape), dtype=torch.int64, device=self.comm.device)
         shapes = self.comm.allgather(local, meta="ParallelModel entry: local input shapes")
@@ -439,12 +441,14 @@ class ParallelModel(nn.Module):
                         "rank given the whole global batch? Each N block takes its own block of "
                         "it (distconv.data.GridSampler, or distconv.scatter of the batch)")
 
-    def _plan(self, shape: tuple[int, ...], dtype: torch.dtype) -> Callable[[torch.Tensor], Any]:
+    def _plan(self, shape: tuple[int, ...], dtype: torch.dtype,
+              compiled: bool = False) -> Callable[[torch.Tensor], Any]:
         """The step's code for a global input shape (cached): every node's global shape (a
         meta-device trace) and the placement each node's inputs are converted to on those shapes
         (:func:`~distconv.parallel.graph.operand_need`), written out as one function of this
-        rank's input block (:func:`~distconv.parallel.program.generate`)."""
-        key = shape + (str(dtype),)
+        rank's input block (:func:`~distconv.parallel.program.generate`); ``compiled``: the
+        program ``torch.compile`` traces."""
+        key = shape + (str(dtype), compiled)
         program = self._plans.get(key)
         if program is None:
             meta: fx.GraphModule = self._meta
@@ -454,7 +458,7 @@ class ParallelModel(nn.Module):
                       if isinstance(n.meta.get("tensor_meta"), fx.passes.shape_prop.TensorMetadata)}
             needs = {(s.node, a): operand_need(s, a, shapes) for s in self._analysis.steps
                      for a in s.node.all_input_nodes}
-            program = self._plans[key] = generate(self, shapes, needs)
+            program = self._plans[key] = generate(self, shapes, needs, compiled=compiled)
         return program
 
     # ------------------------------------------------------------------ state dicts
@@ -648,7 +652,7 @@ class _Trainable:
             stack.extend(c for c in m._modules.values() if c is not None)
         self.params = params
         self.ids = tuple(map(id, params))
-        self.flags = tuple(p.requires_grad for p in params)
+        self.flags = tuple(map(_REQUIRES_GRAD, params))
 
     def changed(self, model: nn.Module) -> bool:
         if self.version != _TREE_VERSION[0]:
@@ -656,7 +660,10 @@ class _Trainable:
             if now.ids != self.ids:
                 return True
             self.version = now.version
-        return tuple(p.requires_grad for p in self.params) != self.flags
+        return tuple(map(_REQUIRES_GRAD, self.params)) != self.flags
+
+
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
 
 
 def _eager(fn: Any, *args: Any) -> Any:

@@ -8,14 +8,17 @@ looking conversions up in dicts. :func:`generate` writes the step out instead, o
 straight-line code (the technique of ``torch.fx``'s own code generation)::
 
     def program(x):
-        v_conv1 = E(L0, x, S0)                          # a distributed layer, its input's shape
+        v_conv1 = L0(x, S0)                             # a distributed layer, its input's shape
         v_relu = R._modules['relu'](v_conv1)            # a module that runs as traced
-        c0 = E(convert, v_relu, P0, P1, S1, G)          # an operand converted, once
+        c0 = convert(v_relu, P0, P1, S1, G)             # an operand converted, once
         ...
-        return map_aggregate(v_fc, exit)
+        return exit(v_fc)
 
 Every constant the code uses is bound in its namespace (``L*`` layers, ``S*`` shapes, ``P*``
-placements, ``K*`` other arguments), never printed into it. Modules that run as traced are looked
+placements, ``K*`` other arguments), never printed into it. The program that ``torch.compile``
+traces is written apart: there each layer call and conversion is wrapped as ``E(L0, x, S0)``, run
+eagerly as a graph break (collectives cannot be traced); eager execution needs no wrapper, so its
+program calls them directly. Modules that run as traced are looked
 up from the model root at each call (``R._modules[...]``), so a module the user swaps between
 steps is the one that runs, as in eager PyTorch; a distributed layer swapped after ``parallelize``
 is refused, naming it. Activation-checkpointed segments run through the model's segment runner.
@@ -34,11 +37,13 @@ __all__ = ["generate"]
 
 
 def generate(model: Any, shapes: dict[str, tuple[int, ...]],
-             needs: dict[tuple[fx.Node, fx.Node], Any]) -> Callable[[Any], Any]:
+             needs: dict[tuple[fx.Node, fx.Node], Any], *, compiled: bool = False
+             ) -> Callable[[Any], Any]:
     """The step of ``model`` (a :class:`ParallelModel`) for one set of global ``shapes`` and
     operand ``needs``: a function of this rank's input block that returns the model's output,
-    exactly what interpreting the analysed graph gives."""
-    return _Writer(model, shapes, needs).program()
+    exactly what interpreting the analysed graph gives. ``compiled``: the program
+    ``torch.compile`` traces (layers and conversions run eagerly, as graph breaks)."""
+    return _Writer(model, shapes, needs, compiled).program()
 
 
 def _replaced(target: str, module: Any) -> None:
@@ -50,10 +55,10 @@ def _replaced(target: str, module: Any) -> None:
 
 class _Writer:
     def __init__(self, model: Any, shapes: dict[str, tuple[int, ...]],
-                 needs: dict[tuple[fx.Node, fx.Node], Any]) -> None:
+                 needs: dict[tuple[fx.Node, fx.Node], Any], compiled: bool) -> None:
         from distconv.parallel.model import _eager, _get_attr
 
-        self.model, self.shapes, self.needs = model, shapes, needs
+        self.model, self.shapes, self.needs, self.compiled = model, shapes, needs, compiled
         self.analysis = model._analysis
         self.ns: dict[str, Any] = {"E": _eager, "convert": convert, "G": model._grids,
                                    "R": model, "GA": _get_attr, "replaced": _replaced,
@@ -84,8 +89,9 @@ class _Writer:
         key = (a, need)
         if key not in self.converted:
             name = self.converted[key] = f"c{len(self.converted)}"
-            self.emit(f"{name} = E(convert, {self.var[a]}, {self.const(src, 'P')}, "
-                      f"{self.const(need, 'P')}, {self.const(self.shapes[a.name], 'S')}, G)")
+            args = (f"{self.var[a]}, {self.const(src, 'P')}, {self.const(need, 'P')}, "
+                    f"{self.const(self.shapes[a.name], 'S')}, G")
+            self.emit(f"{name} = {self.call('convert', args)}")
         return self.converted[key]
 
     def expr(self, node: fx.Node, value: Any) -> str:
@@ -111,6 +117,11 @@ class _Writer:
         parts += [f"{k}={self.expr(node, v)}" for k, v in kwargs.items()]
         return ", ".join(parts)
 
+    def call(self, fn: str, args: str) -> str:
+        """A call of a layer or a conversion: run eagerly (a graph break) in the compiled
+        program, a plain call otherwise."""
+        return f"E({fn}, {args})" if self.compiled else f"{fn}({args})"
+
     def emit(self, line: str) -> None:
         self.lines.append("    " + line)
 
@@ -126,7 +137,11 @@ class _Writer:
                     self.segment(step.segment)
                     done.add(step.segment)
             elif step.kind == "output":
-                self.emit(f"return map_aggregate({self.expr(node, node.args[0])}, exit)")
+                out = node.args[0]
+                if isinstance(out, fx.Node) and out.name in self.shapes:  # one tensor
+                    self.emit(f"return exit({self.expr(node, out)})")
+                else:
+                    self.emit(f"return map_aggregate({self.expr(node, out)}, exit)")
                 break
             else:
                 self.node(step)
@@ -151,8 +166,9 @@ class _Writer:
         layer = model._function_modules.get(node.name)
         if layer is not None:  # this node's own layer: a function's, or a module's without state
             # called in another layout than its first call
-            self.emit(f"{out} = E({self.const(layer, 'L')}, {self.expr(node, node.args[0])}, "
-                      f"{self.const(self.shapes[node.args[0].name], 'S')})")
+            args = (f"{self.expr(node, node.args[0])}, "
+                    f"{self.const(self.shapes[node.args[0].name], 'S')}")
+            self.emit(f"{out} = {self.call(self.const(layer, 'L'), args)}")
         elif node.op == "call_module" and f"_call_{node.name}" in model._modules:
             # this call's own plain module (the module at its name is another call's layer)
             self.emit(f"{out} = R._modules[{f'_call_{node.name}'!r}]("
@@ -164,8 +180,9 @@ class _Writer:
                 mine = self.const(layer, "L")
                 self.emit(f"if {self.module_expr(target)} is not {mine}: "
                           f"replaced({target!r}, {self.module_expr(target)})")
-                self.emit(f"{out} = E({mine}, {self.expr(node, node.args[0])}, "
-                          f"{self.const(self.shapes[node.args[0].name], 'S')})")
+                args = (f"{self.expr(node, node.args[0])}, "
+                        f"{self.const(self.shapes[node.args[0].name], 'S')}")
+                self.emit(f"{out} = {self.call(mine, args)}")
             else:
                 self.emit(f"{out} = {self.module_expr(target)}("
                           f"{self.call_args(node, node.args, node.kwargs)})")
