@@ -609,30 +609,13 @@ class DistConv2d(nn.Module):
         self._check_input(x)
         if self._local and global_shape is None and self.input_shape is None:
             return self._local_conv(x)
-        if x.dim() != 4:
-            raise ValueError(
-                f"DistConv2d on a distributed grid (or given a global shape) takes a 4-d input, "
-                f"got {tuple(x.shape)}"
-            )
         key = (x.shape, global_shape) if type(global_shape) is tuple else None
         shape = self._checked.get(key) if key is not None else None
         if shape is None:  # a block and global shape not seen yet: checked once
-            shape = self._global_shape(x, global_shape)
-            self._geometry(shape)
-            expected = local_shape(self.grid, self.input_dist, tuple(shape))
-            if tuple(x.shape) != expected:
-                raise ValueError(
-                    f"rank {self.grid.rank} (coords {self.grid.coords}) got an input block of "
-                    f"shape {tuple(x.shape)}, but {self.input_dist.format('x')} of the global "
-                    f"shape {shape} gives it {expected}"
-                )
-            if key is not None:
-                if len(self._checked) > 64:
-                    self._checked.clear()
-                self._checked[key] = shape
-        geo = self._geometry(shape)
-        if self._local:
+            shape = self._check_block(x, global_shape, key)
+        if self._local:  # no communication: torch's convolution of the block, as nn.Conv2d
             return self._local_conv(x)
+        geo = self._geometry(shape)
         if (self.pipeline > 1 and x.shape[0] > 1 and self.work_hook is None
                 and autocast_dtype(x.device.type) is None):
             y = pipelined_conv(self, x, geo, shape, None if self._reduce_y else self.bias)
@@ -661,6 +644,30 @@ class DistConv2d(nn.Module):
                 y = y + self.bias.to(y.dtype).view(1, -1, 1, 1)
         return y
 
+    def _check_block(self, x: torch.Tensor, global_shape: Sequence[int] | None,
+                     key: tuple[Any, tuple[int, ...]] | None) -> tuple[int, ...]:
+        """The global input shape of block ``x``, checked against the layer's geometry and
+        input distribution; remembered under ``key`` (None: not remembered)."""
+        if x.dim() != 4:
+            raise ValueError(
+                f"DistConv2d on a distributed grid (or given a global shape) takes a 4-d input, "
+                f"got {tuple(x.shape)}"
+            )
+        shape = self._global_shape(x, global_shape)
+        self._geometry(shape)
+        expected = local_shape(self.grid, self.input_dist, tuple(shape))
+        if tuple(x.shape) != expected:
+            raise ValueError(
+                f"rank {self.grid.rank} (coords {self.grid.coords}) got an input block of "
+                f"shape {tuple(x.shape)}, but {self.input_dist.format('x')} of the global "
+                f"shape {shape} gives it {expected}"
+            )
+        if key is not None:
+            if len(self._checked) > 64:
+                self._checked.clear()
+            self._checked[key] = shape
+        return shape
+
     def _halo_spec(self, geo: _Geometry) -> HaloConvSpec:
         spec = self._specs.get(geo.x_shape)
         if spec is None:
@@ -675,26 +682,31 @@ class DistConv2d(nn.Module):
                 f"DistConv2d.forward: x must be a torch.Tensor (this rank's block of the input), "
                 f"got {type(x).__name__}"
             )
-        if x.dtype != self.weight.dtype and x.dtype != autocast_dtype(x.device.type):
+        weight = self.weight
+        if x.dtype == weight.dtype and x.device == weight.device:
+            return
+        if x.dtype != weight.dtype and x.dtype != autocast_dtype(x.device.type):
             raise TypeError(
                 f"DistConv2d.forward: x has dtype {x.dtype} but the layer's weight is "
-                f"{self.weight.dtype}; convert one of them (e.g. x.to({self.weight.dtype}))"
+                f"{weight.dtype}; convert one of them (e.g. x.to({weight.dtype}))"
             )
-        if x.device != self.weight.device:
+        if x.device != weight.device:
             raise ValueError(
                 f"DistConv2d.forward: x is on {x.device} but the layer's weight is on "
                 f"{self.weight.device}"
             )
 
     def _local_conv(self, x: torch.Tensor) -> torch.Tensor:
-        if self.padding_mode != "zeros":
-            x, padding = F.pad(x, self._reversed_padding, mode=self.padding_mode), (0, 0, 0, 0)
-            y = F.conv2d(x, self.weight, self.bias, self.stride, 0, self.dilation, self.groups)
-        else:
-            padding = self._reversed_padding
+        """The convolution of a layer that splits no channel, filter or spatial dim: the calls
+        ``nn.Conv2d`` makes."""
+        if self.padding_mode == "zeros":
             y = F.conv2d(
                 x, self.weight, self.bias, self.stride, self.padding, self.dilation, self.groups
             )
+            padding = self._reversed_padding
+        else:
+            x, padding = F.pad(x, self._reversed_padding, mode=self.padding_mode), (0, 0, 0, 0)
+            y = F.conv2d(x, self.weight, self.bias, self.stride, 0, self.dilation, self.groups)
         if self.work_hook is not None:
             self.work_hook(self, x, padding, y, (-1, *y.shape[1:]))
         return y
