@@ -116,13 +116,80 @@ def test_local_statistics_move_fewer_bytes_than_global() -> None:
 def test_statistics_option_is_checked_naming_the_entry() -> None:
     from distconv.parallel.config import ParallelConfig
 
-    with pytest.raises(ValueError, match=r"default: statistics must be one of .*'batch'"):
-        ParallelConfig({"default": {"grid": {"N": 2}, "statistics": "batch"}}, world_size=2)
+    for bad in ("batch", 0, -2, True, 1.5):
+        with pytest.raises(ValueError, match=r"default: statistics must be 'global', 'local' or "
+                                             r"a positive int k \(groups of k consecutive sample "
+                                             r"blocks\), got "):
+            ParallelConfig({"default": {"grid": {"N": 2}, "statistics": bad}}, world_size=2)
     model = resnet_case()[0]
     with pytest.raises(ValueError, match="matches no BatchNorm module"):
         explain(model, {"default": {"grid": {"N": 2}},
                         "layers": [{"match": "nothing*", "statistics": "local"}]},
                 (4, 3, 16, 16), world_size=2)
+
+
+#: groups of 2 sample blocks out of 4: two groups of 4 samples each
+GROUPS = {"default": {"grid": {"N": 4}, "algorithm": "sample", "statistics": 2}}
+#: the same groups under a spatial split of the volume's rows: statistics reduced over N×H
+GROUPS_SPATIAL = {"default": {"grid": {"N": 4, "H": 2}, "algorithm": "spatial", "statistics": 2}}
+
+
+def test_groups_of_sample_blocks_equal_ddp_over_the_groups_by_hand() -> None:
+    """``statistics: 2`` on 4 sample blocks is DDP's plain BatchNorm on 2 replicas, each given
+    one group's samples: every parameter and buffer after two steps, bytes as explain says."""
+    model, x, _ = resnet_case(seed=9)
+    gen = torch.Generator().manual_seed(10)  # four sample blocks of 2; two groups of 4
+    x = torch.randn((8,) + tuple(x.shape[1:]), generator=gen, dtype=torch.float64)
+    y = torch.randint(0, 10, (8,), generator=gen)
+    ref = ddp_reference(model, x, y, blocks=2)
+    plan = explain(model, GROUPS, tuple(x.shape), world_size=4, itemsize=8)
+    text = str(plan)
+    assert "(groups of 2 sample blocks)" in text and "running statistics" in text
+    for r, got in enumerate(run_threads(ours, 4, model, GROUPS, x, y)):
+        for k, v in ref.items():
+            assert (got["state"][k].double() - v.double()).abs().max() < TOL, (r, k)
+        assert got["counted"] == tuple(plan.rank_bytes(r).values()), r
+
+
+def test_groups_of_sample_blocks_under_a_spatial_split() -> None:
+    """A volume network over N×H (8 ranks): each group's statistics are reduced over its two
+    sample blocks and the rows. (Sample blocks are those of each layer's own grid: a
+    BatchNorm1d after the head's Linear, which runs over {N: 8}, would group blocks of 1.)"""
+    torch.manual_seed(4)
+    model = torch.nn.Sequential(
+        torch.nn.Conv3d(2, 4, 3, padding=1), torch.nn.BatchNorm3d(4), torch.nn.ReLU(),
+        torch.nn.Conv3d(4, 4, 3, padding=1), torch.nn.BatchNorm3d(4), torch.nn.ReLU(),
+        torch.nn.AdaptiveAvgPool3d(1), torch.nn.Flatten(), torch.nn.Linear(4, 3)).double()
+    x = torch.randn(8, 2, 3, 4, 3, dtype=torch.float64)
+    y = torch.randint(0, 3, (8,))
+    ref = ddp_reference(model, x, y, blocks=2)
+    plan = explain(model, GROUPS_SPATIAL, tuple(x.shape), world_size=8, itemsize=8)
+    for r, got in enumerate(run_threads(ours, 8, model, GROUPS_SPATIAL, x, y)):
+        for k, v in ref.items():
+            assert (got["state"][k].double() - v.double()).abs().max() < TOL, (r, k)
+        assert got["counted"] == tuple(plan.rank_bytes(r).values()), r
+
+
+def test_groups_of_one_and_of_all_blocks_are_local_and_global() -> None:
+    model, x, _ = resnet_case()
+    shape = (8,) + tuple(x.shape[1:])
+
+    def steps(statistics: Any) -> list[Any]:
+        cfg = {"default": {"grid": {"N": 4}, "algorithm": "sample", "statistics": statistics}}
+        return [(s.op, s.bytes) for lay in explain(model, cfg, shape, world_size=4).layers
+                for s in lay.steps]
+
+    assert steps(1) == steps("local")
+    assert steps(4) == steps("global")
+    assert steps(2) != steps("local") and steps(2) != steps("global")
+
+
+def test_groups_that_do_not_divide_the_sample_blocks_are_refused() -> None:
+    model, x, _ = resnet_case()
+    cfg = {"default": {"grid": {"N": 4}, "algorithm": "sample", "statistics": 3}}
+    with pytest.raises(ValueError, match=r"node 'bn1' .*statistics 3 groups sample blocks 3 by "
+                                         r"3, but the layer has 4 sample block\(s\)"):
+        explain(model, cfg, (8,) + tuple(x.shape[1:]), world_size=4)
 
 
 def _ddp_and_ours(comm: Any, model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor
@@ -164,5 +231,17 @@ def test_local_statistics_under_a_hybrid_on_mpi(mpi4) -> None:
     x, y = x[:6], y[:6]
     ref = ddp_reference(model, x, y, blocks=2)
     for got in mpi4.run(ours, model, HYBRID_LOCAL, x, y):
+        for k, v in ref.items():
+            assert (got["state"][k].double() - v.double()).abs().max() < TOL, k
+
+
+@pytest.mark.mpi
+def test_groups_of_sample_blocks_on_mpi(mpi4) -> None:
+    model, x, _ = resnet_case(seed=9)
+    gen = torch.Generator().manual_seed(10)
+    x = torch.randn((8,) + tuple(x.shape[1:]), generator=gen, dtype=torch.float64)
+    y = torch.randint(0, 10, (8,), generator=gen)
+    ref = ddp_reference(model, x, y, blocks=2)
+    for got in mpi4.run(ours, model, GROUPS, x, y):
         for k, v in ref.items():
             assert (got["state"][k].double() - v.double()).abs().max() < TOL, k

@@ -11,6 +11,9 @@ from torch import nn
 
 from distconv.distribution import Dist
 from distconv.grid import ProcessorGrid
+from distconv.nn._statistics import (
+    STATISTICS, check_statistics, resolve_statistics, statistics_groups,
+)
 from distconv.nn._activation import (
     check_activation_dist, check_grid, resolve_shape, show, split_dims,
 )
@@ -22,8 +25,6 @@ from distconv.redistribute import gather
 
 __all__ = ["STATISTICS", "DistBatchNorm", "DistBatchNorm1d", "DistBatchNorm2d", "DistBatchNorm3d",
            "broadcast_running"]
-
-STATISTICS = ("global", "local")
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
@@ -88,7 +89,11 @@ class DistBatchNorm(nn.modules.batchnorm._BatchNorm):
             H and W entries only), DDP's plain-BN semantics; the running statistics are sample
             block 0's on every rank (as DDP's broadcast buffers make them), sent by one
             asynchronous broadcast of the block's batch statistics per step and applied at the
-            next forward or ``state_dict``.
+            next forward or ``state_dict``. An int ``k``: each group of k consecutive sample
+            blocks normalises by the statistics of its samples (the segment is the group's
+            ranks over the N, H and W entries), the running statistics sample block 0's group's,
+            sent as with ``'local'``; k must divide the number of sample blocks (``1`` is
+            ``'local'``, that number ``'global'``, and :attr:`statistics` says which runs).
 
     Raises:
         TypeError: ``grid`` or ``input_dist`` of the wrong type.
@@ -121,9 +126,7 @@ class DistBatchNorm(nn.modules.batchnorm._BatchNorm):
             isinstance(momentum, bool) or not isinstance(momentum, (int, float))
         ):
             raise ValueError(f"momentum must be a number or None, got {momentum!r}")
-        if statistics not in STATISTICS:
-            raise ValueError(f"statistics must be one of {STATISTICS}, got {statistics!r}")
-        self.statistics = statistics
+        check_statistics(statistics)
         self.num_features, self.eps, self.momentum = num_features, float(eps), momentum
         self.affine, self.track_running_stats = bool(affine), bool(track_running_stats)
         self.grid = check_grid(name, grid)
@@ -134,13 +137,28 @@ class DistBatchNorm(nn.modules.batchnorm._BatchNorm):
         #: the dims a channel's statistics reduce over (all but the channels)
         self._reduce = (0, *range(2, nd))
         self._view = (1, -1, *([1] * (nd - 2)))  # a per-channel vector against x
+        samples = split_dims(grid, self._dist, 0)
+        statistics = resolve_statistics(
+            statistics, math.prod(grid.extent(g) for g in samples), f"{name}({num_features})")
+        self.statistics = statistics
         # Sub-communicators are created collectively, in the same order on every rank.
-        over = self._reduce if statistics == "global" else tuple(range(2, nd))
+        over = tuple(range(2, nd)) if statistics == "local" else self._reduce
         segment = [g for d in over for g in split_dims(grid, self._dist, d)]
-        self._stats_comm = grid.subcomm(segment) if segment else None
-        # local statistics: the running statistics are sample block 0's (DDP's broadcast
-        # buffers), sent to the other sample blocks asynchronously, off the critical path
-        blocks = split_dims(grid, self._dist, 0) if statistics == "local" else []
+        #: groups of k sample blocks: the sample blocks of this rank's group (their N coords)
+        self._group: list[dict[str, int]] | None = None
+        if isinstance(statistics, int):
+            groups = statistics_groups(grid.layout, samples, segment, statistics)
+            self._stats_comm = grid.comm.split(groups)
+            mine = next(g for g in groups if grid.rank in g)
+            seen = {tuple(grid.coords_of(r)[d] for d in samples): grid.coords_of(r)
+                    for r in mine}
+            self._group = list(seen.values())
+        else:
+            self._stats_comm = grid.subcomm(segment) if segment else None
+        # statistics per sample block or group: the running statistics are sample block 0's
+        # (DDP's broadcast buffers), sent to the other sample blocks asynchronously, off the
+        # critical path
+        blocks = samples if statistics != "global" else []
         self._block_comm = grid.subcomm(blocks) if blocks else None
         self._pending: tuple[RunningBroadcast, int, float | None] | None = None
         #: set by a ParallelModel for one forward: the layers' broadcasts go out as one
@@ -322,6 +340,9 @@ class DistBatchNorm(nn.modules.batchnorm._BatchNorm):
             self.num_batches_tracked.add_(1)
             factor = (1.0 / float(self.num_batches_tracked) if self.momentum is None
                       else float(self.momentum))
+        if self._group is not None:  # the samples of this rank's group of sample blocks
+            count = spatial * sum(self._dist.local_shape(shape, self.grid, c)[0]
+                                  for c in self._group)
         if self.statistics == "local":
             count = x.shape[0] * spatial  # this sample block's values per channel
             if self.training and count <= 1:

@@ -22,6 +22,7 @@ from torch import nn
 
 from distconv.comm.base import allreduce_bytes
 from distconv.distribution import Dist
+from distconv.nn._statistics import resolve_statistics, statistics_groups
 from distconv.nn.batchnorm import DistBatchNorm1d, DistBatchNorm2d, DistBatchNorm3d
 from distconv.nn.groupnorm import DistLayerNorm
 from distconv.nn.groupnorm import from_module as norm_from_module
@@ -47,8 +48,14 @@ class BatchNormHandler(Handler):
         if dist.ndim not in (2, 3, 4, 5):
             an.fail(node, f"{type(module).__name__} takes (N, C) to (N, C, D, H, W) inputs, got "
                     f"{dist.ndim} dims")
+        ext = dict(step.out.layout)
+        blocks = math.prod(ext[g] for g in dist.grid_dims_of(0))
+        try:
+            statistics = resolve_statistics(an.config.statistics(name), blocks, name)
+        except ValueError as exc:
+            an.fail(node, str(exc).split(": ", 1)[1], ValueError)
         step.layer = LayerSpec("batchnorm", name, step.out.layout, input=step.out,
-                               statistics=an.config.statistics(name))
+                               statistics=statistics)
         return step
 
     def build(self, module: Any, node: Any, step: Any, grid: Any) -> Any:
@@ -63,11 +70,20 @@ class BatchNormHandler(Handler):
     def price(self, report: Any, step: Any, bn: Any, ctx: PriceContext) -> None:
         p = step.out
         ext = dict(p.layout)
-        local = step.layer.statistics == "local"
+        statistics = step.layer.statistics
+        local = statistics == "local"
         over = (() if local else (0,)) + tuple(range(2, p.dist.ndim))  # all but the channels
         seg = [g for i in over for g in p.dist.grid_dims_of(i)]
-        blocks = list(p.dist.grid_dims_of(0)) if local and bn.track_running_stats else []
+        per_block = statistics != "global"  # running statistics: sample block 0's, broadcast
+        blocks = list(p.dist.grid_dims_of(0)) if per_block and bn.track_running_stats else []
         s = math.prod(ext[g] for g in seg)
+        # groups of k sample blocks: each group's ranks reduce together (sub-rank = position)
+        group_of = ({r: g for g in statistics_groups(p.layout, p.dist.grid_dims_of(0), seg,
+                                                     statistics) for r in g}
+                    if isinstance(statistics, int) else None)
+        label = "×".join(seg) + (f" (groups of {statistics} sample blocks)" if group_of else "")
+        if group_of:
+            s = s // math.prod(ext[g] for g in p.dist.grid_dims_of(0)) * statistics
         fwd, bwd, running, params = {}, {}, {}, 0
         isz = ctx.itemsize
         for r in ctx.ranks:
@@ -75,16 +91,17 @@ class BatchNormHandler(Handler):
             c = p.dist.local_shape(ctx.in_shape, g)[1]
             params = max(params, 2 * c if bn.affine else 0)
             fwd[r] = (s - 1) * (1 + 2 * c) * isz
-            bwd[r] = allreduce_bytes(2 * c, segment_rank(p.layout, seg, g.coords), s, isz)
+            sub = (group_of[r].index(r) if group_of
+                   else segment_rank(p.layout, seg, g.coords))
+            bwd[r] = allreduce_bytes(2 * c, sub, s, isz)
             root = all(g.coords.get(d, 0) == 0 for d in blocks)
             running[r] = 0 if root else 2 * c * isz
         report.param_elements = params
         report.dists["w"] = Placement(p.layout, Dist((p.dist.entries[1],))).dist.format("w")
         if s > 1:
-            report.steps.append(CommStep("forward", f"statistics allgather over {'×'.join(seg)}",
+            report.steps.append(CommStep("forward", f"statistics allgather over {label}",
                                          "allgather", fwd, s, p.layout, tuple(seg)))
-            report.steps.append(CommStep("backward",
-                                         f"Σdy, Σdy·x̂ allreduce over {'×'.join(seg)}",
+            report.steps.append(CommStep("backward", f"Σdy, Σdy·x̂ allreduce over {label}",
                                          "allreduce", bwd, s, p.layout, tuple(seg)))
         if blocks:
             report.steps.append(CommStep(

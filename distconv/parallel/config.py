@@ -21,9 +21,12 @@ An entry may carry only ``match`` and ``checkpoint`` (e.g. ``{match: "layer2", c
 true}``).
 
 BatchNorm statistics are chosen per entry with ``statistics``: ``global`` (default: the
-statistics of the whole global batch, one process's semantics) or ``local`` (each sample block's
+statistics of the whole global batch, one process's semantics), ``local`` (each sample block's
 own statistics, reduced only over the ranks that split its rows and columns: DDP's plain-BN
-semantics). An entry may carry only ``match`` and ``statistics`` (e.g. ``{match: "*.bn*",
+semantics), or an int ``k``: each group of k consecutive sample blocks normalises by the
+statistics of its samples (LBANN's statistics groups; the running statistics are the first
+group's, as with ``local``; ``1`` is ``local``, the number of sample blocks ``global``, and k
+must divide it). An entry may carry only ``match`` and ``statistics`` (e.g. ``{match: "*.bn*",
 statistics: local}``); it then applies to the BatchNorm layers it matches.
 
 A stationary-x, -y or -w entry may ask for ``pipeline: k``: the local convolution runs on k
@@ -58,6 +61,8 @@ import os
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
+from distconv.nn._statistics import STATISTICS, check_statistics
+
 __all__ = ["ALGORITHMS", "GRID_DIMS", "STATISTICS", "LayerChoice", "ParallelConfig",
            "load_config"]
 
@@ -66,7 +71,6 @@ ALGORITHMS = ("sample", "spatial", "stationary-x", "stationary-y", "stationary-w
 _KEYS = frozenset({"default", "data", "layers"})
 _ENTRY_KEYS = frozenset({"match", "grid", "algorithm", "statistics", "checkpoint", "pipeline",
                          "overlap"})
-STATISTICS = ("global", "local")
 
 Layout = tuple[tuple[str, int], ...]
 
@@ -78,7 +82,7 @@ class LayerChoice:
     layout: Layout | None  # None: algorithm 'auto' with no grid given (every layout is a candidate)
     algorithm: str
     source: str
-    statistics: str | None = None  # BatchNorm statistics the entry asks for (None: not given)
+    statistics: str | int | None = None  # BatchNorm statistics asked for (None: not given)
     checkpoint: bool | None = None  # activation checkpointing the entry asks for (None: not given)
     pipeline: int = 1  # chunks of samples a stationary-x/-y/-w layer is pipelined over
     #: halo exchange overlapped with the interior rows: "" (no), "required" (a layer entry:
@@ -220,9 +224,8 @@ class ParallelConfig:
         if needs_match and (not isinstance(pattern, str) or not pattern):
             raise ValueError(f"{where}: match must be a non-empty fnmatch pattern, got {pattern!r}")
         statistics = entry.get("statistics")
-        if statistics is not None and statistics not in STATISTICS:
-            raise ValueError(f"{where}: statistics must be one of {STATISTICS}, got "
-                             f"{statistics!r}")
+        if statistics is not None:
+            check_statistics(statistics, f"{where}: statistics")
         checkpoint = entry.get("checkpoint")
         if checkpoint is not None and not isinstance(checkpoint, bool):
             raise ValueError(f"{where}: checkpoint must be true or false, got {checkpoint!r}")
@@ -273,7 +276,7 @@ class ParallelConfig:
                 return choice
         return self.default[1]
 
-    def statistics(self, name: str) -> str:
+    def statistics(self, name: str) -> str | int:
         """The BatchNorm statistics for the module named ``name``: those of the first matching
         entry that states them, else the default's, else ``'global'``."""
         for pattern, choice in self.layers:
