@@ -160,6 +160,12 @@ class DistBatchNorm(nn.modules.batchnorm._BatchNorm):
         # critical path
         blocks = samples if statistics != "global" else []
         self._block_comm = grid.subcomm(blocks) if blocks else None
+        #: every value of this rank's channels is its own and its running statistics are no
+        #: other rank's: the layer is torch's kernel on the block, as nn.BatchNorm runs it
+        self._kernel_only = self._stats_comm is None and self._block_comm is None
+        #: (block shape, global shape) -> values per channel, once checked (0: an empty block)
+        self._counts: dict[tuple[Any, Any], int] = {}
+        self._resolved: dict[Any, Any] = {}
         self._pending: tuple[RunningBroadcast, int, float | None] | None = None
         #: set by a ParallelModel for one forward: the layers' broadcasts go out as one
         self._collector: list[tuple[DistBatchNorm, torch.Tensor, float | None]] | None = None
@@ -314,14 +320,15 @@ class DistBatchNorm(nn.modules.batchnorm._BatchNorm):
 
         ``global_shape`` may be left out only when ``input_dist`` splits nothing.
         """
+        if self._kernel_only and (global_shape is None or type(global_shape) is tuple):
+            key = (x.shape, global_shape)
+            count = self._counts.get(key)
+            if count is None:
+                count = self._count(x, global_shape, key)
+            if count > 1 and self._same_dtype(x):
+                return self._kernel(x)
         self.settle()
-        shape = resolve_shape(type(self).__name__, self.grid, self._dist, x, global_shape,
-                              self.__dict__.setdefault("_resolved", {}))
-        if shape[1] != self.num_features:
-            raise ValueError(
-                f"{type(self).__name__}: global_shape {shape} has {shape[1]} channels, expected "
-                f"num_features={self.num_features}"
-            )
+        shape = self._shape(x, global_shape)
         self._check_dtype(x)
         if not self.training and self.track_running_stats:
             return self._normalize_with_running_stats(x)
@@ -354,15 +361,14 @@ class DistBatchNorm(nn.modules.batchnorm._BatchNorm):
             # every value of this rank's channels (of its sample block) is local: torch's own
             # kernel is exact (its backward is linear in dy, so a pending-sum cotangent gives
             # pending-sum gradients)
+            mean, var = ((self.running_mean, self.running_var) if running
+                         else self._running_stand_ins() if self.training and is_recomputing()
+                         else (None, None))
             if self._block_comm is None:
-                return F.batch_norm(x, self.running_mean if running else None,
-                                    self.running_var if running else None,
-                                    self.weight, self.bias, True, factor, self.eps)
+                return F.batch_norm(x, mean, var, self.weight, self.bias, True, factor, self.eps)
             # the kernel updates this block's running statistics as one process would; sample
             # block 0's are sent to the others (DDP's broadcast buffers), applied by settle()
-            y = F.batch_norm(x, self.running_mean if running else None,
-                             self.running_var if running else None, self.weight, self.bias,
-                             True, factor, self.eps)
+            y = F.batch_norm(x, mean, var, self.weight, self.bias, True, factor, self.eps)
             if running:
                 self._send_running(torch.cat([self.running_mean, self.running_var]), None)
             return y
@@ -373,6 +379,54 @@ class DistBatchNorm(nn.modules.batchnorm._BatchNorm):
             with torch.no_grad():
                 self._send_running(torch.cat([mean, var * (count / (count - 1))]), factor)
         return y
+
+    def _shape(self, x: torch.Tensor, global_shape: Sequence[int] | None) -> tuple[int, ...]:
+        """The global shape of block ``x``, checked."""
+        shape = resolve_shape(type(self).__name__, self.grid, self._dist, x, global_shape,
+                              self._resolved)
+        if shape[1] != self.num_features:
+            raise ValueError(
+                f"{type(self).__name__}: global_shape {shape} has {shape[1]} channels, expected "
+                f"num_features={self.num_features}"
+            )
+        return shape
+
+    def _count(self, x: torch.Tensor, global_shape: tuple[int, ...] | None,
+               key: tuple[Any, Any]) -> int:
+        """The values per channel (N·H·W) of block ``x``, checked and remembered under ``key``;
+        0 for a block without values (the general path handles it)."""
+        shape = self._shape(x, global_shape)
+        count = math.prod(shape[2:]) * shape[0] if x.numel() else 0
+        if len(self._counts) > 64:
+            self._counts.clear()
+        self._counts[key] = count
+        return count
+
+    def _kernel(self, x: torch.Tensor) -> torch.Tensor:
+        """The forward of a layer whose statistics need no other rank (:attr:`_kernel_only`),
+        on a block of more than one value per channel in the state's dtype: the one
+        ``F.batch_norm`` call ``nn.BatchNorm`` makes, the same running-statistics update."""
+        if not self.track_running_stats:
+            return F.batch_norm(x, None, None, self.weight, self.bias, True, 0.0, self.eps)
+        if not self.training:
+            return F.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias,
+                                False, 0.0, self.eps)
+        if is_recomputing():  # the first forward updated the running statistics
+            mean, var = self._running_stand_ins()
+            return F.batch_norm(x, mean, var, self.weight, self.bias, True, 0.0, self.eps)
+        self.num_batches_tracked.add_(1)
+        factor = (1.0 / float(self.num_batches_tracked) if self.momentum is None
+                  else float(self.momentum))
+        return F.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias, True,
+                            factor, self.eps)
+
+    def _running_stand_ins(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """What a checkpoint's recomputation gives ``F.batch_norm`` for the running statistics:
+        copies (the kernel saves for backward what the first forward saved, which checkpoint
+        requires, and the running statistics are not updated twice), or none without them."""
+        if not self.track_running_stats:
+            return None, None
+        return self.running_mean.clone(), self.running_var.clone()
 
     @torch.no_grad()
     def _send_running(self, stats: torch.Tensor, factor: float | None) -> None:
