@@ -158,6 +158,10 @@ class Handler:
     #: whether :meth:`run` computes the node's local block (else the traced call runs as is)
     runs_locally = False
 
+    def runs_as_traced(self, step: Step) -> bool:
+        """Whether the traced call computes ``step``'s local block (else :meth:`run` does)."""
+        return not self.runs_locally
+
     def run(self, node: fx.Node, args: Any, kwargs: Any, in_shape: tuple[int, ...]) -> Any:
         """This rank's block of the node's value from its inputs' blocks (``in_shape``: the
         first input's global shape)."""

@@ -204,6 +204,12 @@ class MeanHandler(Handler):
     methods = frozenset({"mean"})
     runs_locally = True
 
+    def runs_as_traced(self, step: Any) -> bool:
+        """Where no rank shares the averaged dims (no pending sum over more than one rank) the
+        block's own mean is the value: the traced call, torch's kernel, runs as written."""
+        extent = dict(step.out.layout)
+        return all(extent.get(g, 1) == 1 for g in step.out.dist.pending)
+
     def run(self, node: Any, args: Any, kwargs: Any, in_shape: tuple[int, ...]) -> Any:
         """The local part of ``x.mean(dims)``: a sum over the local block over the global count
         (the blocks' parts add up to the mean: a pending sum over the grid dims that split

@@ -341,7 +341,7 @@ class ParallelModel(nn.Module):
 
     def _run(self, step: Step, args: Any, kwargs: Any, shapes: dict[str, tuple[int, ...]]) -> Any:
         node = step.node
-        if step.handler is not None and step.handler.runs_locally:
+        if step.handler is not None and not step.handler.runs_as_traced(step):
             return step.handler.run(node, args, kwargs, shapes[node.args[0].name])
         if node.name in self._function_modules:  # this call's own layer (a function, or a
             # module without state called in another layout than its first call)

@@ -157,7 +157,7 @@ class _Writer:
     def node(self, step: Any) -> None:
         node, model = step.node, self.model
         out = self.var[node] = f"v{len(self.var)}"
-        if step.handler is not None and step.handler.runs_locally:
+        if step.handler is not None and not step.handler.runs_as_traced(step):
             args = self.expr(node, tuple(node.args))
             kwargs = self.expr(node, dict(node.kwargs))
             self.emit(f"{out} = {self.const(step.handler.run, 'H')}({self.const(node, 'N')}, "
