@@ -37,6 +37,7 @@ __all__ = ["MPICommunicator", "init_mpi"]
 _KINDS = ("allreduce", "allgather", "reduce_scatter", "alltoall", "broadcast", "barrier", "p2p")
 _WIDEN = {torch.bfloat16: torch.float32, torch.float16: torch.float32, torch.bool: torch.int32}
 _SPIN_S = 5e-3  # how long a wait only yields the core before it starts sleeping
+_POLL_S = 50e-6  # how long it only polls, before it starts yielding
 
 
 def _mpi() -> Any:
@@ -57,7 +58,11 @@ def _pause(waited: float) -> None:
     start took 0.8 ms, the blocking call 0.07-0.3 ms). For the first ``_SPIN_S`` this rank only
     yields the core, as a blocking MPI call spins; later it sleeps at most 1/20 of the time
     already waited (1 ms at most), so a long wait costs little CPU and at most ~5% more time.
+    The first ``_POLL_S`` it does not even yield: a small collective needs a dozen tests to
+    progress, and a yield between each (a system call) doubled its latency.
     """
+    if waited < _POLL_S:
+        return
     if waited < _SPIN_S:
         os.sched_yield()
     else:
