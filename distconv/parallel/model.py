@@ -383,8 +383,10 @@ class ParallelModel(nn.Module):
         if self.comm.size == 1:  # nothing to agree on: no tensor, no device round trip
             object.__setattr__(self, "global_batch_size", x.shape[0])  # a plain attribute
             return tuple(x.shape)
-        local = torch.tensor(list(x.shape), dtype=torch.int64, device=self.comm.device)
-        shapes = self.comm.allgather(local, meta="ParallelModel entry: local input shapes")
+        # on the host (on NCCL, its gloo sibling): the shapes are needed there at once, and a
+        # device tensor would cost a device round trip per step
+        local = torch.tensor(list(x.shape), dtype=torch.int64)
+        shapes = self.comm.host.allgather(local, meta="ParallelModel entry: local input shapes")
         grid = self.data_grid
         p_n = grid.extent("N")
         blocks: dict[int, tuple[int, int]] = {}
