@@ -642,12 +642,11 @@ class _BatchNorm(torch.autograd.Function):
                 sums = ctx.comm.allreduce(sums, meta="DistBatchNorm backward sums")
             scale = invstd if weight is None else invstd * weight.to(work.dtype)
             # dx = scale·(dy - Σdy/n - x̂·Σ(dy·x̂)/n), x̂ = (x - mean)·invstd, is per channel
-            # dy·scale + x·b + c: the affine x·b + c in one pass (torch's eval-mode kernel with
-            # mean 0, variance 1 and eps 0 is exactly x·weight + bias), then dy·scale added
-            b = -sums[1] / ctx.count * invstd * scale
-            c = -sums[0] / ctx.count * scale - b * mean
-            dx = F.batch_norm(work, torch.zeros_like(b), torch.ones_like(b), b, c, False, 0.0,
-                              0.0) if work.shape[1] else work.clone()
+            # c + x·b + dy·scale: two passes over the block
+            k = scale / ctx.count
+            b = sums[1].mul(invstd).mul_(k).neg_()
+            c = torch.addcmul(sums[0].mul(k).neg_(), b, mean, value=-1)
+            dx = torch.addcmul(c.view(v), work, b.view(v))
             dx = dx.addcmul_(dy_w, scale.view(v)).to(x.dtype)
         # Local sums: the parameters' gradient sync completes them over the segment and replicas.
         dw = sum_dy_xhat.to(weight.dtype) if ctx.needs_input_grad[1] else None
