@@ -65,6 +65,8 @@ class _Writer:
                                    "map_aggregate": fx.node.map_aggregate, "exit": model._exit,
                                    "segment": model._run_segment}
         self.lines: list[str] = []
+        self.reads: list[frozenset[str]] = []  # the local names each line reads
+        self._reading: set[str] = set()  # read so far by the statement being written
         self.var: dict[fx.Node, str] = {}
         self.converted: dict[tuple[fx.Node, Any], str] = {}
         self._ids = itertools.count()
@@ -85,14 +87,14 @@ class _Writer:
         need = self.needs[(node, a)]
         src = self.analysis.step(a).out
         if need is None or need == src:  # a conversion that moves nothing is not emitted
-            return self.var[a]
+            return self.use(self.var[a])
         key = (a, need)
         if key not in self.converted:
             name = self.converted[key] = f"c{len(self.converted)}"
             args = (f"{self.var[a]}, {self.const(src, 'P')}, {self.const(need, 'P')}, "
                     f"{self.const(self.shapes[a.name], 'S')}, G")
-            self.emit(f"{name} = {self.call('convert', args)}")
-        return self.converted[key]
+            self.emit(f"{name} = {self.call('convert', args)}", reads={self.var[a]})
+        return self.use(self.converted[key])
 
     def expr(self, node: fx.Node, value: Any) -> str:
         """Source for an argument structure, its nodes replaced by their operand expressions."""
@@ -122,8 +124,31 @@ class _Writer:
         program, a plain call otherwise."""
         return f"E({fn}, {args})" if self.compiled else f"{fn}({args})"
 
-    def emit(self, line: str) -> None:
+    def use(self, name: str) -> str:
+        """``name``, a local value, read by the statement being written."""
+        self._reading.add(name)
+        return name
+
+    def emit(self, line: str, reads: set[str] | None = None) -> None:
+        """Append a statement that reads ``reads`` (default: the values :meth:`use` marked
+        since the last statement)."""
+        if reads is None:
+            reads, self._reading = self._reading, set()
         self.lines.append("    " + line)
+        self.reads.append(frozenset(reads))
+
+    def body(self) -> list[str]:
+        """The statements, each value deleted after the statement that reads it last (as
+        ``torch.fx``'s code sets it to None): an activation that backward does not keep is freed
+        where the plain module frees it, not when the step returns."""
+        last = {name: i for i, reads in enumerate(self.reads) for name in reads}
+        lines = []
+        for i, line in enumerate(self.lines):
+            lines.append(line)
+            dead = sorted(n for n in self.reads[i] if last[n] == i and n != "x")
+            if dead and i + 1 < len(self.lines):
+                lines.append("    del " + ", ".join(dead))
+        return lines
 
     # ------------------------------------------------------------------ the step
     def program(self) -> Callable[[Any], Any]:
@@ -147,7 +172,7 @@ class _Writer:
                 self.node(step)
         else:
             raise AssertionError("the traced graph has no output")
-        source = "def program(x):\n" + "\n".join(self.lines) + "\n"
+        source = "def program(x):\n" + "\n".join(self.body()) + "\n"
         code = compile(source, "<distconv program>", "exec")
         exec(code, self.ns)  # noqa: S102 -- our own generated source, constants bound by name
         program = self.ns["program"]
@@ -205,21 +230,21 @@ class _Writer:
         steps = [s for s in self.analysis.steps if s.segment == index]
         inside = {s.node for s in steps}
         outer = {a for s in steps for a in s.node.all_input_nodes if a not in inside}
-        env = ", ".join(f"{self.const(a, 'N')}: {self.var[a]}" for a in outer)
-        conv = ", ".join(f"({self.const(k[0], 'N')}, {self.const(k[1], 'P')}): {v}"
-                         for k, v in self.converted.items())
+        env = ", ".join(f"{self.const(a, 'N')}: {self.use(self.var[a])}" for a in outer)
         self.emit(f"env = {{{env}}}")
+        conv = ", ".join(f"({self.const(k[0], 'N')}, {self.const(k[1], 'P')}): {self.use(v)}"
+                         for k, v in self.converted.items())
         self.emit(f"converted = {{{conv}}}")
-        self.emit(f"segment({index}, env, converted, {self.const(self.shapes, 'S')}, "
-                  f"{self.const(self.needs, 'K')})")
+        self.emit(f"segment({index}, {self.use('env')}, {self.use('converted')}, "
+                  f"{self.const(self.shapes, 'S')}, {self.const(self.needs, 'K')})")
         for s in steps:  # the outer values the runner converted
             for a in s.node.all_input_nodes:
                 need = self.needs[(s.node, a)]
                 if a not in inside and need is not None and (a, need) not in self.converted:
                     name = self.converted[(a, need)] = f"c{len(self.converted)}"
-                    self.emit(f"{name} = converted[({self.const(a, 'N')}, "
+                    self.emit(f"{name} = {self.use('converted')}[({self.const(a, 'N')}, "
                               f"{self.const(need, 'P')})]")
         for s in steps:
             if any(u not in inside for u in s.node.users):
                 self.var[s.node] = f"v{len(self.var)}"
-                self.emit(f"{self.var[s.node]} = env[{self.const(s.node, 'N')}]")
+                self.emit(f"{self.var[s.node]} = {self.use('env')}[{self.const(s.node, 'N')}]")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import weakref
 from typing import Any
 
 import pytest
@@ -109,6 +110,21 @@ def test_one_process_step_runs_exactly_the_plain_modules_ops(mode: str) -> None:
             model.zero_grad()
         counts.append(ops.counts)
     assert counts[1] == counts[0]
+
+
+def test_one_process_frees_what_backward_does_not_keep_where_the_plain_module_does() -> None:
+    """bn1's output is read by a ReLU only (which keeps its own output for backward): once the
+    ReLU ran it is garbage in the plain module, and in the parallel model's step too (not held
+    until the step returns)."""
+    alive = {}
+    for name, model in zip(("plain", "ours"), _pair()):
+        seen: list[Any] = []
+        model.get_submodule("bn1").register_forward_hook(
+            lambda m, args, out, seen=seen: seen.append(weakref.ref(out)))
+        model.get_submodule("head").register_forward_hook(
+            lambda m, args, out, seen=seen, name=name: alive.update({name: seen[0]() is not None}))
+        F.cross_entropy(model(torch.randn(4, 3, 8, 8)), torch.randint(0, 4, (4,))).backward()
+    assert alive == {"plain": False, "ours": False}
 
 
 def _one_rank_bn(**options: Any) -> tuple[nn.BatchNorm2d, DistBatchNorm2d]:
