@@ -29,7 +29,8 @@ for has exited (each rank records its process id and start time; checked where e
 the others' processes).
 
 The communicator decides per call, from what every rank knows alike (the dtype and shapes of an
-allreduce, allgather or broadcast), whether the payload fits; larger ones go to its backend.
+allreduce, allgather, broadcast or reduce-scatter), whether the payload fits; larger ones go to
+its backend, and so do all-to-alls (a rank knows only its own row and column of their sizes).
 ``DISTCONV_HOST_CHANNEL=0`` turns the channel off.
 """
 
@@ -254,7 +255,8 @@ class HostChannel:
                 raise CommError(f"{self._describe}, op {kind!r}: rank {r} (process {pid}) has "
                                 "exited in the middle of the collective")
 
-    def _issue(self, kind: str, signature: int, payload: torch.Tensor | None,
+    def _issue(self, kind: str, signature: int,
+               payload: torch.Tensor | list[torch.Tensor] | None,
                read: Callable[[torch.Tensor], Any]) -> Work:
         """Write this rank's part of one operation; the Work reads everyone's (``read`` gets the
         slot's payloads as a ``[size, SLOT_BYTES]`` byte tensor) and returns what ``read`` returns."""
@@ -268,9 +270,12 @@ class HostChannel:
                 self._complete_through(free)
             self._spin(lambda: min(done.tolist()) >= free, kind,
                        lambda: [r for r in range(self.size) if done[r] < free])
-        nbytes = 0 if payload is None else payload.numel()
-        if nbytes:
-            self._mine[slot][:nbytes].copy_(payload)
+        nbytes = 0
+        for part in ([] if payload is None else [payload] if isinstance(payload, torch.Tensor)
+                     else payload):  # byte tensors, back to back
+            if part.numel():
+                self._mine[slot][nbytes:nbytes + part.numel()].copy_(part)
+                nbytes += part.numel()
         head = self._heads[slot][self.rank]
         head[0], head[1], head[2] = op_id, signature, nbytes
         self._issued = op_id
@@ -335,6 +340,23 @@ class HostChannel:
             return [out[r, :nbytes[r]].view(t.dtype).view(shapes[r]) for r in range(self.size)]
 
         return self._issue(opname, sig, t.reshape(-1).view(torch.uint8), read)
+
+    def reduce_scatter(self, chunks: list[torch.Tensor], op: str) -> Work:
+        """The reduction over the ranks, in rank order, of every rank's ``chunks[self.rank]``
+        (each rank writes all its chunks back to back; every rank knows where each starts, as
+        every rank's chunk for one destination has one shape)."""
+        dtype, isz = chunks[0].dtype, chunks[0].element_size()
+        sizes = [c.numel() * isz for c in chunks]
+        lo = sum(sizes[:self.rank])
+        hi = lo + sizes[self.rank]
+        shape = chunks[self.rank].shape
+        sig = _signature("reduce_scatter", op, dtype, tuple(tuple(c.shape) for c in chunks))
+
+        def read(rows: torch.Tensor) -> torch.Tensor:
+            return _reduce_rows(rows[:, lo:hi].view(dtype), op).view(shape)
+
+        return self._issue("reduce_scatter", sig,
+                           [c.reshape(-1).view(torch.uint8) for c in chunks], read)
 
     def broadcast(self, t: torch.Tensor, root: int) -> Work:
         """Root's ``t`` on every rank (a copy)."""

@@ -18,7 +18,7 @@ What gloo (torch 2.13) lacks, and what is done about it:
   buffers, so every dtype moves, bit for bit.
 - a collective of a few hundred bytes costs gloo 0.4-0.7 ms between two processes of one host
   (two TCP round trips through its worker threads). Where every rank of a gloo communicator is on
-  one host, an allreduce, allgather or broadcast of at most
+  one host, an allreduce, allgather, broadcast or reduce-scatter of at most
   :data:`~distconv.comm.host_channel.SLOT_BYTES` per rank, and the barrier, go through a
   :class:`~distconv.comm.host_channel.HostChannel` in shared memory instead (a few microseconds;
   the choice depends only on what every rank of the call knows alike). The channel is opened at
@@ -271,6 +271,9 @@ class TorchCommunicator(Communicator):
     def _reduce_scatter_by_alltoall(self, chunks: list[torch.Tensor], op: str) -> Work:
         """Each rank receives every rank's chunk for it and reduces them in rank order: the
         bytes a ring reduce-scatter moves, for a gloo without (uneven) reduce-scatter."""
+        host = self._channel(sum(c.numel() for c in chunks) * chunks[0].element_size())
+        if host is not None:  # (every rank's chunks have the same shapes: the same total)
+            return host.reduce_scatter(chunks, op)
         mine = tuple(chunks[self.rank].shape)
         work = self._alltoall(chunks, [mine] * self.size)
         return Work(lambda: reduce_in_order(work.wait(), op, self.size), test_fn=work.is_completed)

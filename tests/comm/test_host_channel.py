@@ -72,7 +72,8 @@ def _sum_in_rank_order(parts: list[torch.Tensor]) -> torch.Tensor:
     return acc.to(parts[0].dtype)
 
 
-OP = st.tuples(st.sampled_from(["allreduce", "allgather", "broadcast", "barrier", "max"]),
+OP = st.tuples(st.sampled_from(["allreduce", "allgather", "broadcast", "barrier", "max",
+                                "reduce_scatter"]),
                st.sampled_from(DTYPES), st.integers(0, 40), st.integers(0, 3))
 
 
@@ -85,9 +86,15 @@ def test_ops_equal_their_reference_whatever_is_in_flight(size, ops, batch, seed)
     def shape(i, r, n, kind):
         return (n + (r if kind == "allgather" else 0) % 3,)
 
+    def chunk_shape(n, d):
+        return ((n + d) % 5, 2)  # uneven, some empty
+
     def want(i, kind, dtype, n, root, r):
         if kind == "barrier":
             return None
+        if kind == "reduce_scatter":
+            return _sum_in_rank_order([_value(i, s, (size, 7, 2), dtype)[r, :chunk_shape(n, r)[0]]
+                                       for s in range(size)])
         if kind == "allgather":
             return [_value(i, s, shape(i, s, n, kind), dtype) for s in range(size)]
         parts = [_value(i, s, (n,), dtype) for s in range(size)]
@@ -112,6 +119,10 @@ def test_ops_equal_their_reference_whatever_is_in_flight(size, ops, batch, seed)
                 w = ch.allgather(t, [shape(i, s, n, kind) for s in range(size)], "allgather")
             elif kind == "broadcast":
                 w = ch.broadcast(t, root % size)
+            elif kind == "reduce_scatter":
+                full = _value(i, ch.rank, (size, 7, 2), dtype)
+                w = ch.reduce_scatter([full[d, :chunk_shape(n, d)[0]].contiguous()
+                                       for d in range(size)], "sum")
             else:
                 w = ch.barrier()
             works.append((i, kind, w))
