@@ -50,7 +50,7 @@ from distconv.parallel.config import ParallelConfig
 from distconv.parallel.graph import (
     Analysis, LayerSpec, Step, analyse, operand_need, trace,
 )
-from distconv.parallel.program import generate
+from distconv.parallel.program import _replaced, generate
 from distconv.parallel.shapes import propagate_shapes
 from distconv.parallel.placement import Layout, Placement, convert, layout_str
 from distconv.redistribute import gather
@@ -174,6 +174,7 @@ class ParallelModel(nn.Module):
         self._local_norms = [m for m in self.modules() if isinstance(m, DistBatchNorm)
                              and m._block_comm is not None]
         self._trainable = _Trainable(self)
+        self._placed = _Placed(self, self._layers)
         self.grad_sync = self._fuse_gradient_syncs(bucket_bytes)
         register_parameter_specs(self, comm)
 
@@ -276,14 +277,19 @@ class ParallelModel(nn.Module):
             raise TypeError(f"input must be a torch.Tensor, got {type(x).__name__}")
         if self._trainable.changed(self):
             _eager(self._rebuild_gradient_syncs)
-        shape = _eager(self._agree_batch, x)
+        compiled = compiling()
+        if compiled:  # the traced program checks its layers one by one
+            shape = eager(self._agree_batch)(x)
+        else:
+            self._placed.check()
+            shape = self._agree_batch(x)
         if not self._local_norms:
-            return self._plan(shape, x.dtype, compiling())(x)
+            return self._plan(shape, x.dtype, compiled)(x)
         collected: list[Any] = []  # local-statistics layers: one running-statistics broadcast
         for m in self._local_norms:
             m._collector = collected
         try:
-            out = self._plan(shape, x.dtype, compiling())(x)
+            out = self._plan(shape, x.dtype, compiled)(x)
         finally:
             for m in self._local_norms:
                 m._collector = None
@@ -450,7 +456,7 @@ class ParallelModel(nn.Module):
         (:func:`~distconv.parallel.graph.operand_need`), written out as one function of this
         rank's input block (:func:`~distconv.parallel.program.generate`); ``compiled``: the
         program ``torch.compile`` traces."""
-        key = shape + (str(dtype), compiled)
+        key = (shape, dtype, compiled)
         program = self._plans.get(key)
         if program is None:
             meta: fx.GraphModule = self._meta
@@ -666,6 +672,41 @@ class _Trainable:
 
 
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
+
+
+class _Placed:
+    """The distributed layers at their module names, checked cheaply every forward: every
+    (parent, name) edge on the paths from the model to its layers is compared, in one pass in C,
+    with the module it held last time; only where one differs are the layers looked up by name
+    (a replaced layer is refused, naming it) and the edges taken again."""
+
+    def __init__(self, model: nn.Module, layers: dict[str, nn.Module]) -> None:
+        self.model, self.layers = model, layers
+        self._take()
+
+    def _take(self) -> None:
+        edges: dict[tuple[int, str], tuple[dict[str, Any], str, Any]] = {}
+        for target in self.layers:
+            module: Any = self.model
+            for part in target.split("."):
+                children = module._modules
+                module = children[part]
+                edges[(id(children), part)] = (children, part, module)
+        self.dicts = [e[0] for e in edges.values()]
+        self.names = [e[1] for e in edges.values()]
+        self.held = [e[2] for e in edges.values()]
+
+    def check(self) -> None:
+        """Raise TypeError, naming it, when a layer was replaced after parallelize."""
+        if not any(map(operator.is_not, map(dict.get, self.dicts, self.names), self.held)):
+            return
+        for target, layer in self.layers.items():
+            module: Any = self.model
+            for part in target.split("."):
+                module = module._modules[part]
+            if module is not layer:
+                _replaced(target, module)
+        self._take()  # containers on the way were replaced, the layers are the same
 
 
 def _eager(fn: Any, *args: Any) -> Any:

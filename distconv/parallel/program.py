@@ -15,13 +15,15 @@ straight-line code (the technique of ``torch.fx``'s own code generation)::
         return exit(v_fc)
 
 Every constant the code uses is bound in its namespace (``L*`` layers, ``S*`` shapes, ``P*``
-placements, ``K*`` other arguments), never printed into it. The program that ``torch.compile``
-traces is written apart: there each layer call and conversion is wrapped as ``E(L0, x, S0)``, run
-eagerly as a graph break (collectives cannot be traced); eager execution needs no wrapper, so its
-program calls them directly. Modules that run as traced are looked
-up from the model root at each call (``R._modules[...]``), so a module the user swaps between
-steps is the one that runs, as in eager PyTorch; a distributed layer swapped after ``parallelize``
-is refused, naming it. Activation-checkpointed segments run through the model's segment runner.
+placements, ``K*`` other arguments), never printed into it; each value is deleted after the
+statement that reads it last. Modules that run as traced are looked up from the model root at
+each call (``R._modules[...]``), so a module the user swaps between steps is the one that runs,
+as in eager PyTorch; a distributed layer swapped after ``parallelize`` is refused, naming it (the
+eager forward checks them all before its program runs). Activation-checkpointed segments run
+through the model's segment runner. The program that ``torch.compile`` traces is written apart:
+there each layer call and conversion is wrapped as ``E(L0, x, S0)``, run eagerly as a graph
+break (collectives cannot be traced), and each layer is checked where it is called; eager
+execution needs neither.
 """
 
 from __future__ import annotations
@@ -203,8 +205,9 @@ class _Writer:
             layer = model._layers.get(target)
             if layer is not None:
                 mine = self.const(layer, "L")
-                self.emit(f"if {self.module_expr(target)} is not {mine}: "
-                          f"replaced({target!r}, {self.module_expr(target)})")
+                if self.compiled:  # (the eager forward checks every layer at once first)
+                    self.emit(f"if {self.module_expr(target)} is not {mine}: "
+                              f"replaced({target!r}, {self.module_expr(target)})")
                 args = (f"{self.expr(node, node.args[0])}, "
                         f"{self.const(self.shapes[node.args[0].name], 'S')}")
                 self.emit(f"{out} = {self.call(mine, args)}")

@@ -211,3 +211,35 @@ def test_one_rank_conv_is_bitwise_conv2d(padding_mode: str) -> None:
     for got in results[1:]:
         for a, b in zip(got, results[0]):
             assert torch.equal(a, b)
+
+
+class Blocks(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU())
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x).mean((2, 3)))
+
+
+def test_layers_are_checked_through_replaced_containers() -> None:
+    """A container on the way to a layer replaced by one holding the same layers runs on; a
+    layer replaced inside a new container is refused by name, before anything runs."""
+    torch.manual_seed(6)
+    plain = Blocks()
+    ours = parallelize(copy.deepcopy(plain), {"default": {"grid": {"N": 1}}},
+                       comm=SingleCommunicator())
+    x = torch.randn(2, 3, 5, 5)
+    assert torch.equal(ours(x), plain(x))
+    same = nn.Module()  # the same layers in a new container
+    for name, child in ours.body.named_children():
+        same.add_module(name, child)
+    ours.body = same
+    assert torch.equal(ours(x), plain(x))
+    other = nn.Module()
+    for name, child in ours.body.named_children():
+        other.add_module(name, nn.BatchNorm2d(4) if name == "1" else child)
+    ours.body = other
+    with pytest.raises(TypeError, match="'body.1' was replaced after parallelize"):
+        ours(x)
