@@ -22,9 +22,9 @@ no file outlives the run). Operation ``i`` uses slot ``i % SLOTS``:
 Operations complete in issue order (waiting for one first reads every earlier one). The writes
 are ordered as the program orders them and x86-64 stores and loads are not reordered against
 each other, so a reader that sees ``seq[r] >= i`` sees rank r's payload; the channel is used only
-on x86-64 hosts. A wait yields the core while it spins (ranks may outnumber cores), sleeps after
-a few milliseconds, and raises :class:`~distconv.comm.errors.CommTimeoutError` after the
-communicator's timeout, or :class:`~distconv.comm.errors.CommError` as soon as a rank it waits
+on x86-64 hosts. A wait yields the core while it spins, sleeps after a few milliseconds (after
+50 us where the host's ranks outnumber its cores), and raises
+:class:`~distconv.comm.errors.CommTimeoutError` after the communicator's timeout, or :class:`~distconv.comm.errors.CommError` as soon as a rank it waits
 for has exited (each rank records its process id and start time; checked where every rank sees
 the others' processes).
 
@@ -60,6 +60,7 @@ SLOT_BYTES = 32 << 10  #: largest payload per rank (a 2,000-channel BatchNorm's 
 _CTRL = 64  # bytes per rank's control record: seq, done, pid, start time (one cache line)
 _HEAD = 64  # bytes of a slot's header: op id, signature, payload bytes
 _SPIN_S = 2e-3  # how long a wait only yields the core before it starts sleeping
+_SPIN_OVERSUBSCRIBED_S = 50e-6  # the same where the host's ranks outnumber its cores
 _LIVENESS_S = 0.1  # how often a long wait checks that the ranks it waits for are alive
 
 
@@ -88,6 +89,22 @@ def _start_time(pid: int) -> int | None:
 
 
 @functools.lru_cache(maxsize=4096)
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def _local_ranks(size: int) -> int:
+    """The processes of this job on this host: torchrun's ``LOCAL_WORLD_SIZE`` where set, else
+    at least the channel's own ranks."""
+    try:
+        return max(size, int(os.environ.get("LOCAL_WORLD_SIZE", "0")))
+    except ValueError:
+        return size
+
+
 def _signature(*what: Any) -> int:
     """A number naming one kind of collective (op, dtype, shapes): equal on every rank that
     calls the same thing (a CRC of its text: Python's own hash differs between processes)."""
@@ -146,6 +163,9 @@ class HostChannel:
         self._issued = 0
         self._pending: deque[_Op] = deque()
         self._visible = [False] * size  # whose process this rank sees (set by open)
+        #: a waiting rank that yields is still runnable and takes its share of a core from the
+        #: ranks it waits for: where the ranks outnumber the cores, it soon sleeps instead
+        self._spin_s = _SPIN_S if _local_ranks(size) <= _cores() else _SPIN_OVERSUBSCRIBED_S
         self._next_liveness = 0.0
 
     # ---------------------------------------------------------------- setup
@@ -235,7 +255,7 @@ class HostChannel:
                     f"{self._describe}, op {kind!r}: rank(s) {ranks()} did not arrive within "
                     f"{self.timeout} s (a peer is missing, dead, or in a different collective)")
             waited = now - begin
-            if waited < _SPIN_S:
+            if waited < self._spin_s:
                 os.sched_yield()
             else:
                 time.sleep(min(1e-3, waited / 20))
