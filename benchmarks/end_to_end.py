@@ -26,7 +26,7 @@ layers.
 
 Writes ``benchmarks/results/end_to_end.{json,md,png}``.
 
-    .venv/bin/python benchmarks/end_to_end.py            # the full run (about ten minutes)
+    .venv/bin/python benchmarks/end_to_end.py            # the full run (two to ten minutes)
     .venv/bin/python benchmarks/end_to_end.py --quick    # a smoke run (gloo, 2 ranks, 2 steps)
     .venv/bin/python benchmarks/end_to_end.py --profile  # where a step's time goes, vs DDP
     .venv/bin/python benchmarks/end_to_end.py --case resnet18:gloo:2:8  # one case of the run
