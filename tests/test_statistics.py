@@ -73,16 +73,25 @@ def ours(comm: Any, model: torch.nn.Module, config: dict, x: torch.Tensor, y: to
     return {"state": pmodel.gather_state_dict(), "counted": counted[0]}
 
 
-@pytest.mark.parametrize("world,config", [(2, LOCAL), (4, HYBRID_LOCAL)], ids=["sample", "hybrid"])
-def test_local_statistics_equal_ddp_by_hand(world: int, config: dict) -> None:
-    model, x, y = resnet_case(seed=9)
-    x, y = x[:6], y[:6]  # two sample blocks of 3
-    ref = ddp_reference(model, x, y, blocks=2)
+def check_equals_ddp(model: torch.nn.Module, config: dict, x: torch.Tensor, y: torch.Tensor,
+                     world: int, blocks: int) -> str:
+    """Two steps of ``config`` on ``world`` thread ranks against DDP's loop by hand over
+    ``blocks`` blocks: every parameter and buffer on every rank, and each rank's bytes against
+    explain's. Returns explain's text."""
+    ref = ddp_reference(model, x, y, blocks=blocks)
     plan = explain(model, config, tuple(x.shape), world_size=world, itemsize=8)
     for r, got in enumerate(run_threads(ours, world, model, config, x, y)):
         for k, v in ref.items():
             assert (got["state"][k].double() - v.double()).abs().max() < TOL, (r, k)
         assert got["counted"] == tuple(plan.rank_bytes(r).values()), r
+    return str(plan)
+
+
+@pytest.mark.parametrize("world,config", [(2, LOCAL), (4, HYBRID_LOCAL)], ids=["sample", "hybrid"])
+def test_local_statistics_equal_ddp_by_hand(world: int, config: dict) -> None:
+    model, x, y = resnet_case(seed=9)
+    x, y = x[:6], y[:6]  # two sample blocks of 3
+    check_equals_ddp(model, config, x, y, world, blocks=2)
 
 
 def test_local_statistics_of_a_3d_network_equal_ddp_by_hand() -> None:
@@ -95,12 +104,7 @@ def test_local_statistics_of_a_3d_network_equal_ddp_by_hand() -> None:
         torch.nn.BatchNorm1d(5), torch.nn.Linear(5, 3)).double()
     x = torch.randn(6, 2, 3, 4, 3, dtype=torch.float64)
     y = torch.randint(0, 3, (6,))
-    ref = ddp_reference(model, x, y, blocks=2)
-    plan = explain(model, LOCAL, tuple(x.shape), world_size=2, itemsize=8)
-    for r, got in enumerate(run_threads(ours, 2, model, LOCAL, x, y)):
-        for k, v in ref.items():
-            assert (got["state"][k].double() - v.double()).abs().max() < TOL, (r, k)
-        assert got["counted"] == tuple(plan.rank_bytes(r).values()), r
+    check_equals_ddp(model, LOCAL, x, y, 2, blocks=2)
 
 
 def test_local_statistics_move_fewer_bytes_than_global() -> None:
@@ -141,14 +145,8 @@ def test_groups_of_sample_blocks_equal_ddp_over_the_groups_by_hand() -> None:
     gen = torch.Generator().manual_seed(10)  # four sample blocks of 2; two groups of 4
     x = torch.randn((8,) + tuple(x.shape[1:]), generator=gen, dtype=torch.float64)
     y = torch.randint(0, 10, (8,), generator=gen)
-    ref = ddp_reference(model, x, y, blocks=2)
-    plan = explain(model, GROUPS, tuple(x.shape), world_size=4, itemsize=8)
-    text = str(plan)
+    text = check_equals_ddp(model, GROUPS, x, y, 4, blocks=2)
     assert "(groups of 2 sample blocks)" in text and "running statistics" in text
-    for r, got in enumerate(run_threads(ours, 4, model, GROUPS, x, y)):
-        for k, v in ref.items():
-            assert (got["state"][k].double() - v.double()).abs().max() < TOL, (r, k)
-        assert got["counted"] == tuple(plan.rank_bytes(r).values()), r
 
 
 def test_groups_of_sample_blocks_under_a_spatial_split() -> None:
@@ -162,12 +160,7 @@ def test_groups_of_sample_blocks_under_a_spatial_split() -> None:
         torch.nn.AdaptiveAvgPool3d(1), torch.nn.Flatten(), torch.nn.Linear(4, 3)).double()
     x = torch.randn(8, 2, 3, 4, 3, dtype=torch.float64)
     y = torch.randint(0, 3, (8,))
-    ref = ddp_reference(model, x, y, blocks=2)
-    plan = explain(model, GROUPS_SPATIAL, tuple(x.shape), world_size=8, itemsize=8)
-    for r, got in enumerate(run_threads(ours, 8, model, GROUPS_SPATIAL, x, y)):
-        for k, v in ref.items():
-            assert (got["state"][k].double() - v.double()).abs().max() < TOL, (r, k)
-        assert got["counted"] == tuple(plan.rank_bytes(r).values()), r
+    check_equals_ddp(model, GROUPS_SPATIAL, x, y, 8, blocks=2)
 
 
 def test_groups_of_one_and_of_all_blocks_are_local_and_global() -> None:
