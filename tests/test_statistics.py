@@ -12,6 +12,8 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from distconv.data import sample_block
 from distconv.parallel import parallelize
@@ -238,3 +240,43 @@ def test_groups_of_sample_blocks_on_mpi(mpi4) -> None:
     for got in mpi4.run(ours, model, GROUPS, x, y):
         for k, v in ref.items():
             assert (got["state"][k].double() - v.double()).abs().max() < TOL, k
+
+
+@settings(max_examples=60)
+@given(extents=st.lists(st.integers(1, 3), min_size=4, max_size=4),
+       names=st.permutations(["N", "D", "H", "C"]), k_index=st.integers(0, 8),
+       sample_two=st.booleans())
+def test_statistics_groups_partition_the_grid_into_runs_of_k_blocks(extents, names, k_index,
+                                                                    sample_two):
+    """Over random layouts: every group holds the ranks that agree outside the segment and whose
+    sample blocks (nested over one or two grid dims) form one run of k consecutive blocks."""
+    import math
+
+    from distconv.nn._statistics import statistics_groups
+
+    layout = tuple(zip(names, extents))
+    ext = dict(layout)
+    sample_dims = ["N", "D"] if sample_two else ["N"]  # D as a second grid dim of the samples
+    segment = sample_dims + ["H"]
+    blocks = math.prod(ext[d] for d in sample_dims)
+    divisors = [d for d in range(1, blocks + 1) if blocks % d == 0]
+    k = divisors[k_index % len(divisors)]
+    groups = statistics_groups(layout, sample_dims, segment, k)
+
+    def coords(rank):  # row-major over the layout, written out independently
+        out = {}
+        for name, e in zip(reversed(names), reversed(extents)):
+            rank, out[name] = divmod(rank, e)
+        return out
+
+    def block(c):
+        return c["N"] * ext["D"] + c["D"] if sample_two else c["N"]
+
+    assert sorted(r for g in groups for r in g) == list(range(math.prod(extents)))
+    for g in groups:
+        assert list(g) == sorted(g)
+        cs = [coords(r) for r in g]
+        assert len({tuple(c[d] for d in names if d not in segment) for c in cs}) == 1
+        runs = sorted({block(c) for c in cs})
+        assert runs == list(range(runs[0], runs[0] + k)) and runs[0] % k == 0
+        assert len(g) == k * ext["H"] * math.prod(ext[d] for d in sample_dims) // blocks
