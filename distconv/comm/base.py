@@ -537,10 +537,16 @@ class Communicator(abc.ABC):
         parts = self._allgather(rec, [(n,)] * self.size, f"{op}:debug-check").wait()
         return [decode_signature(p.cpu().numpy().tobytes(), self.size) for p in parts]
 
-    def _enter(self, op: str, meta: str, common: str, nbytes: int, *, sends=None, recvs=None):
+    def _enter(self, op: str, meta: str, common: Callable[[], str], nbytes: int, *,
+               sends: Callable[[], Any] | None = None, recvs: Callable[[], Any] | None = None):
+        """Count the call; in debug mode first agree with the other ranks on it. ``common``,
+        ``sends`` and ``recvs`` describe the call and are only formatted in debug mode."""
         if not isinstance(meta, str):
             raise TypeError(f"meta must be a str, got {type(meta).__name__}")
         if _debug:
+            common = common()
+            sends = sends() if sends is not None else None
+            recvs = recvs() if recvs is not None else None
             desc = f"{op}({common}, meta={meta!r})"
             self._agree(CallSignature(desc, f"{op}|{meta}|{common}", sends, recvs), op)
         self.stats.add(op, nbytes)
@@ -570,7 +576,8 @@ class Communicator(abc.ABC):
         t = self._tensor(t, "t").contiguous()
         op = self._reduce_op(op, t.dtype)
         nbytes = allreduce_bytes(t.numel(), self.rank, self.size, t.element_size())
-        self._enter("allreduce", meta, f"op={op}, dtype={t.dtype}, shape={tuple(t.shape)}", nbytes)
+        self._enter("allreduce", meta, lambda: f"op={op}, dtype={t.dtype}, shape={tuple(t.shape)}",
+                    nbytes)
         if consume:
             return self._finish(self._allreduce_consuming(t, op), async_op)
         return self._finish(self._allreduce(t, op), async_op)
@@ -608,7 +615,7 @@ class Communicator(abc.ABC):
                 )
         isz = t.element_size()
         nbytes = sum(_numel(s) for i, s in enumerate(shapes_) if i != self.rank) * isz
-        self._enter("allgather", meta, f"dtype={t.dtype}, shapes={shapes_}", nbytes)
+        self._enter("allgather", meta, lambda: f"dtype={t.dtype}, shapes={shapes_}", nbytes)
         return self._finish(self._allgather(t, shapes_, "allgather"), async_op)
 
     @eager
@@ -624,10 +631,9 @@ class Communicator(abc.ABC):
         self._check_async(async_op)
         cs = self._tensors(chunks, "chunks")
         op = self._reduce_op(op, cs[0].dtype)
-        shapes = [tuple(c.shape) for c in cs]
         nbytes = (self.size - 1) * cs[self.rank].numel() * cs[0].element_size()
-        common = f"op={op}, dtype={cs[0].dtype}, shapes={shapes}"
-        self._enter("reduce_scatter", meta, common, nbytes)
+        self._enter("reduce_scatter", meta, lambda: f"op={op}, dtype={cs[0].dtype}, shapes="
+                    f"{[tuple(c.shape) for c in cs]}", nbytes)
         return self._finish(self._reduce_scatter(cs, op), async_op)
 
     @eager
@@ -662,15 +668,13 @@ class Communicator(abc.ABC):
                 )
         isz = cs[0].element_size()
         nbytes = sum(_numel(s) for i, s in enumerate(rshapes) if i != self.rank) * isz
-        sends = tuple(str(tuple(c.shape)) for c in cs)
-        recvs = tuple(str(s) for s in rshapes)
         self._enter(
             "alltoall",
             meta,
-            f"dtype={cs[0].dtype}",
+            lambda: f"dtype={cs[0].dtype}",
             nbytes,
-            sends=sends,
-            recvs=recvs,
+            sends=lambda: tuple(str(tuple(c.shape)) for c in cs),
+            recvs=lambda: tuple(str(s) for s in rshapes),
         )
         return self._finish(self._alltoall(cs, rshapes), async_op)
 
@@ -682,13 +686,13 @@ class Communicator(abc.ABC):
         root = self._peer(root, "root")
         nbytes = 0 if self.rank == root else t.numel() * t.element_size()
         self._enter(
-            "broadcast", meta, f"root={root}, dtype={t.dtype}, shape={tuple(t.shape)}", nbytes
-        )
+            "broadcast", meta, lambda: f"root={root}, dtype={t.dtype}, shape={tuple(t.shape)}",
+            nbytes)
         return self._finish(self._broadcast(t, root), async_op)
 
     @eager
     def barrier(self, *, meta: str = "") -> None:
-        self._enter("barrier", meta, "", 0)
+        self._enter("barrier", meta, lambda: "", 0)
         self._barrier().wait()
 
     @eager

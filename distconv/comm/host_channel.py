@@ -37,6 +37,7 @@ its backend, and so do all-to-alls (a rank knows only its own row and column of 
 from __future__ import annotations
 
 import functools
+import math
 import mmap
 import os
 import platform
@@ -351,7 +352,7 @@ class HostChannel:
     def allgather(self, t: torch.Tensor, shapes: list[Shape], opname: str) -> Work:
         """Every rank's ``t`` (of shape ``shapes[r]``), copied out of the channel."""
         isz = t.element_size()
-        nbytes = [int(np.prod(s, dtype=np.int64)) * isz for s in shapes]
+        nbytes = [math.prod(s) * isz for s in shapes]
         width = max(nbytes)
         sig = _signature("allgather", t.dtype, tuple(map(tuple, shapes)))
 

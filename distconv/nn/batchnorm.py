@@ -377,7 +377,13 @@ class DistBatchNorm(nn.modules.batchnorm._BatchNorm):
         )
         if running:
             with torch.no_grad():
-                self._send_running(torch.cat([mean, var * (count / (count - 1))]), factor)
+                unbiased = var * (count / (count - 1))
+                if self._block_comm is None and mean.dtype == self.running_mean.dtype:
+                    # in place: the same arithmetic as _update_running, without the concatenation
+                    self.running_mean.mul_(1 - factor).add_(mean * factor)
+                    self.running_var.mul_(1 - factor).add_(unbiased * factor)
+                else:
+                    self._send_running(torch.cat([mean, unbiased]), factor)
         return y
 
     def _shape(self, x: torch.Tensor, global_shape: Sequence[int] | None) -> tuple[int, ...]:
