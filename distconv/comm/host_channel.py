@@ -1,6 +1,6 @@
 """Small collectives through shared memory, for the ranks of one communicator on one host.
 
-A gloo collective of a few hundred bytes between two processes on one machine costs 0.4-0.7 ms
+A gloo collective of a few hundred bytes between two processes on one machine costs 0.4-2 ms
 (``benchmarks/latency.py``): two TCP round trips through gloo's worker threads. Global-batch
 BatchNorm runs two such collectives per layer and step (its statistics forward, its sums
 backward), the entry one more (the global batch), so a network of 20 BatchNorms waited 30 ms per
@@ -24,9 +24,9 @@ are ordered as the program orders them and x86-64 stores and loads are not reord
 each other, so a reader that sees ``seq[r] >= i`` sees rank r's payload; the channel is used only
 on x86-64 hosts. A wait yields the core while it spins, sleeps after a few milliseconds (after
 50 us where the host's ranks outnumber its cores), and raises
-:class:`~distconv.comm.errors.CommTimeoutError` after the communicator's timeout, or :class:`~distconv.comm.errors.CommError` as soon as a rank it waits
-for has exited (each rank records its process id and start time; checked where every rank sees
-the others' processes).
+:class:`~distconv.comm.errors.CommTimeoutError` after the communicator's timeout, or
+:class:`~distconv.comm.errors.CommError` as soon as a rank it waits for has exited (each rank
+records its process id and start time; checked where every rank sees the others' processes).
 
 The communicator decides per call, from what every rank knows alike (the dtype and shapes of an
 allreduce, allgather, broadcast or reduce-scatter), whether the payload fits; larger ones go to
