@@ -70,8 +70,13 @@ def test_allreduces_pair_by_parameter_whatever_order_the_hooks_fire_in() -> None
 def _bucketed_steps(comm):  # noqa: ANN001, ANN202
     from distconv.nn.grad_sync import BucketedGradSync
 
-    torch.manual_seed(0)
+    # the same weights on every rank from a generator of its own: thread ranks share torch's
+    # global generator, so seeding it on each would interleave their draws
+    gen = torch.Generator().manual_seed(0)
     net = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2)).double()
+    with torch.no_grad():
+        for p in net.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen, dtype=p.dtype))
     BucketedGradSync(comm, list(net.parameters()), bucket_bytes=64, where="test")
     xs = [torch.full((2, 4), float(i + comm.rank), dtype=torch.float64) for i in range(4)]
 
