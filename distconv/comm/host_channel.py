@@ -188,9 +188,15 @@ class HostChannel:
                     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
                     try:
                         os.ftruncate(fd, length)
+                        # the pages now, not at the first write: a full /dev/shm then fails
+                        # here (and gloo carries everything) instead of a SIGBUS mid-step
+                        if hasattr(os, "posix_fallocate"):
+                            os.posix_fallocate(fd, 0, length)
                     finally:
                         os.close(fd)
                 except OSError:
+                    if os.path.exists(path):
+                        os.unlink(path)
                     path = ""
         path = broadcast_name(path)
         mm = None

@@ -196,9 +196,8 @@ class TorchCommunicator(Communicator):
         buf = torch.zeros(512, dtype=torch.uint8)
         if self.rank == 0:
             data = name.encode()
-            if len(data) > buf.numel():
-                data = b""  # a path this long is not worth a channel
-            buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+            if data and len(data) <= buf.numel():  # (a path this long is not worth a channel)
+                buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         opts = BroadcastOptions()
         opts.rootRank, opts.rootTensor, opts.timeout = 0, 0, _td(self.timeout)
         self._issue("broadcast", lambda: self._pg.broadcast([buf], opts), lambda: None).wait()

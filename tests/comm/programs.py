@@ -387,3 +387,28 @@ def host_sibling(comm):
     counted = c.stats.total_bytes() - before
     sib.close()
     return sib.rank, sib.size, sib.backend, counted
+
+
+def host_channel_without_room(comm):
+    """A /dev/shm without room for the channel (its pages cannot be allocated): no channel, no
+    file left behind, and every collective on gloo alone."""
+    import errno
+    import glob
+
+    real = getattr(os, "posix_fallocate", None)
+
+    def full(fd, offset, length):  # noqa: ANN001, ANN202
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    os.posix_fallocate = full
+    try:
+        c = comm.split([list(range(comm.size))], timeout=26.0)
+        got = c.allreduce(torch.full((3,), float(c.rank)))
+    finally:
+        if real is None:
+            del os.posix_fallocate
+        else:
+            os.posix_fallocate = real
+    _equal(got, torch.full((3,), float(sum(range(c.size)))), "allreduce without a channel")
+    pid = int(c.broadcast(torch.tensor([os.getpid()]), root=0)[0])
+    return {"channel": c._host, "no_file_left": not glob.glob(f"/dev/shm/distconv-{pid}-*")}

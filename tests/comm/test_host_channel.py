@@ -278,3 +278,9 @@ def test_gloo_sibling_for_control_messages(gloo4):
     for r, (rank, size, backend, counted) in enumerate(gloo4.run(programs.host_sibling)):
         assert (rank, size, backend) == (r, 4, "torch-gloo")
         assert counted == 3 * 2 * 8  # the three other ranks' two int64s
+
+
+@pytest.mark.gloo
+def test_gloo_without_room_in_shared_memory_stays_on_gloo(gloo2):
+    for res in gloo2.run(programs.host_channel_without_room):
+        assert res == {"channel": None, "no_file_left": True}
