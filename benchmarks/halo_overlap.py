@@ -34,6 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from benchmarks._paired import layer_step, moved_per_step, slowest  # noqa: E402
 from distconv.grid import ProcessorGrid  # noqa: E402
 from distconv.nn.conv_nd import DistConvNd  # noqa: E402
 
@@ -46,15 +47,6 @@ LAYERS = {
     "conv3d 3³ 32³ over D": (lambda: nn.Conv3d(16, 16, 3, padding=1, bias=False),
                              (2, 16, 32, 32, 32), {"D": 2}),
 }
-
-
-def _step(layer: Any, x: torch.Tensor, g: torch.Tensor, shape: tuple) -> float:
-    t0 = time.perf_counter()
-    layer(x, shape).backward(g)
-    elapsed = time.perf_counter() - t0
-    x.grad = None
-    layer.zero_grad(set_to_none=True)
-    return elapsed
 
 
 def predicted(conv: nn.Conv2d, shape: tuple, dims: dict, machine: Any) -> float:
@@ -114,12 +106,7 @@ def bench(comm: Any, names: list[str], repeats: int) -> list[dict]:
             local_x.grad = w.grad = None
             return time.perf_counter() - t0
 
-        moved = {}
-        for o, layer in layers.items():
-            _step(layer, x, g, shape)  # warm-up
-            comm.stats.reset()
-            _step(layer, x, g, shape)
-            moved[o] = comm.stats.total_bytes()
+        moved = {o: moved_per_step(comm, layer, x, g, shape) for o, layer in layers.items()}
         local_only()
         times: dict[Any, list[float]] = {False: [], True: [], "local": []}
         for rep in range(repeats):
@@ -127,11 +114,8 @@ def bench(comm: Any, names: list[str], repeats: int) -> list[dict]:
             for key in order:
                 comm.barrier()
                 times[key].append(local_only() if key == "local"
-                                  else _step(layers[key], x, g, shape))
-        keys = list(times)
-        per = comm.allreduce(torch.tensor([times[k] for k in keys], dtype=torch.float64),
-                             op="max")
-        slow = {k: per[i].tolist() for i, k in enumerate(keys)}
+                                  else layer_step(layers[key], x, g, shape))
+        slow = slowest(comm, times)
         row_model = {}
         if x.dim() == 4:  # the §4 model's prediction (2-D layers)
             for key, machine in (("model", calibrated), ("lassen", lassen())):

@@ -32,6 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from benchmarks._paired import layer_step, moved_per_step, slowest  # noqa: E402
 from distconv.grid import ProcessorGrid  # noqa: E402
 from distconv.machines import lassen  # noqa: E402
 from distconv.nn import DistConv2d  # noqa: E402
@@ -43,15 +44,6 @@ LAYERS = {"wide 3x3": (512, 512, 14, 3), "wide 1x1": (1024, 1024, 14, 1)}
 CONFIGS = [("stationary-x C=2", {"C": 2}, "stationary-x"),
            ("stationary-y F=2", {"F": 2}, "stationary-y")]
 PIPELINES = (2, 4)
-
-
-def _step(layer: Any, x: torch.Tensor, g: torch.Tensor, shape: tuple) -> float:
-    t0 = time.perf_counter()
-    layer(x, shape).backward(g)
-    elapsed = time.perf_counter() - t0
-    x.grad = None
-    layer.zero_grad(set_to_none=True)
-    return elapsed
 
 
 def _local_only(x: torch.Tensor, w: torch.Tensor, g: torch.Tensor, padding: int) -> float:
@@ -87,24 +79,16 @@ def bench(comm: Any, jobs: list[tuple[str, int, str, dict, str]], repeats: int) 
         w = plain.weight.detach().clone().requires_grad_(True)
         gw = torch.randn(plain.partial_dist.local_shape(plain.output_shape(shape), grid),
                          generator=gen)
-        bytes_moved = {}
-        for p, layer in layers.items():
-            _step(layer, x, g, shape)  # warm-up
-            comm.stats.reset()
-            _step(layer, x, g, shape)
-            bytes_moved[p] = comm.stats.total_bytes()
+        bytes_moved = {p: moved_per_step(comm, layer, x, g, shape) for p, layer in layers.items()}
         _local_only(xw, w, gw, k // 2)
         times: dict[Any, list[float]] = {key: [] for key in (*layers, "local")}
         for _ in range(repeats):
             for key in times:
                 comm.barrier()
                 t = (_local_only(xw, w, gw, k // 2) if key == "local"
-                     else _step(layers[key], x, g, shape))
+                     else layer_step(layers[key], x, g, shape))
                 times[key].append(t)
-        keys = list(times)
-        per = comm.allreduce(torch.tensor([times[key] for key in keys], dtype=torch.float64),
-                             op="max")
-        slow = {key: per[i].tolist() for i, key in enumerate(keys)}
+        slow = slowest(comm, times)
         pb = ConvProblem(batch, cin, cout, hw, hw, k, 1, k // 2, bias=False)
 
         def model(m: Any, p: int) -> float:

@@ -41,6 +41,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from benchmarks._paired import slowest  # noqa: E402
 from distconv import explain, models, parallelize  # noqa: E402
 from distconv.data import sample_block  # noqa: E402
 
@@ -143,14 +144,12 @@ def bench(comm: Any, jobs: list[tuple[str, int]], repeats: int,
                     t = _step(sides[side], x[rows[side]], y[rows[side]], kind)
                 times[side].append(t)
         keys = list(times)
-        slow = comm.allreduce(torch.tensor([times[s] for s in keys], dtype=torch.float64),
-                              op="max")
+        per = slowest(comm, times)
         most = comm.allreduce(torch.tensor([kept[s] for s in keys], dtype=torch.float64),
                               op="max")
         equal = comm.allreduce(torch.tensor(
             [float(counted[s] == explained[f"{name}/{batch}/{s}"][comm.rank]) for s in sides]),
             op="min")
-        per = {s: slow[i].tolist() for i, s in enumerate(keys)}
         row: dict[str, Any] = {"network": name, "ranks": comm.size, "batch": batch,
                                "input": list(shape)}
         for i, s in enumerate(keys):
