@@ -54,7 +54,7 @@ if str(ROOT) not in sys.path:
 
 from distconv import explain, parallelize  # noqa: E402
 from distconv.data import sample_block  # noqa: E402
-from distconv.models import wide_resnet_mini  # noqa: E402
+from distconv.models import resnet18_mini, wide_resnet_mini  # noqa: E402
 from distconv.testing import WorkerPool  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
@@ -73,56 +73,10 @@ HYBRID = {
 }
 
 
-class BasicBlock(torch.nn.Module):
-    """ResNet-18's block: two 3×3 convolutions with BN, a 1×1 projection where the shape
-    changes."""
-
-    def __init__(self, cin: int, cout: int, stride: int) -> None:
-        super().__init__()
-        nn = torch.nn
-        self.conv1 = nn.Conv2d(cin, cout, 3, stride=stride, padding=1, bias=False)
-        self.bn1 = nn.BatchNorm2d(cout)
-        self.conv2 = nn.Conv2d(cout, cout, 3, padding=1, bias=False)
-        self.bn2 = nn.BatchNorm2d(cout)
-        self.relu = nn.ReLU()
-        self.shortcut = (nn.Sequential(nn.Conv2d(cin, cout, 1, stride=stride, bias=False),
-                                       nn.BatchNorm2d(cout))
-                         if stride != 1 or cin != cout else nn.Identity())
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.bn2(self.conv2(self.relu(self.bn1(self.conv1(x)))))
-        return self.relu(out + self.shortcut(x))
-
-
-class ResNet18(torch.nn.Module):
-    """A ResNet-18-style network for 32×32 inputs: a 3×3 stem, four stages of two BasicBlocks
-    (widths 32, 64, 128, 256; stride 2 from the second), average pooling, a linear head."""
-
-    def __init__(self, widths: tuple[int, ...] = (32, 64, 128, 256), classes: int = 10) -> None:
-        super().__init__()
-        nn = torch.nn
-        self.conv1 = nn.Conv2d(3, widths[0], 3, padding=1, bias=False)
-        self.bn1 = nn.BatchNorm2d(widths[0])
-        self.relu = nn.ReLU()
-        cin = widths[0]
-        for i, w in enumerate(widths):
-            stride = 1 if i == 0 else 2
-            setattr(self, f"layer{i + 1}", nn.Sequential(BasicBlock(cin, w, stride),
-                                                         BasicBlock(w, w, 1)))
-            cin = w
-        self.avgpool = nn.AdaptiveAvgPool2d((1, 1))
-        self.fc = nn.Linear(cin, classes)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.relu(self.bn1(self.conv1(x)))
-        x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
-        return self.fc(torch.flatten(self.avgpool(x), 1))
-
-
 def build_model(name: str = "wrn") -> torch.nn.Module:
     torch.manual_seed(0)
     if name == "resnet18":
-        return ResNet18()
+        return resnet18_mini()
     return wide_resnet_mini(in_channels=3, num_classes=10, base=16, widen=4)
 
 

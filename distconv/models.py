@@ -5,6 +5,8 @@
   expand, each with BN; a projection shortcut where the shape changes; residual add, ReLU),
   global average pooling and a linear head. Module names follow torchvision's
   (``layer1.0.conv2``), so configs written for those models read the same here.
+- :func:`resnet18_mini`: ResNet-18's layout (basic blocks of two 3×3 convolutions) at
+  CIFAR-sized widths, without the max-pool.
 - :func:`unet2d` and :func:`unet3d`: U-Nets for segmentation (encoder blocks, max-pooling, a
   decoder of transposed convolutions or upsampling, skip connections concatenated).
 - :func:`cosmoflow_mini`: a CosmoFlow-style 3-D CNN regressing parameters of a volume.
@@ -19,9 +21,9 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-__all__ = ["Bottleneck", "CosmoFlow", "ResNet", "SEBlock", "UNet", "cosmoflow_mini",
-           "mobilenet_mini", "resnet_mini", "se_resnet_mini", "unet2d", "unet3d",
-           "wide_resnet_mini"]
+__all__ = ["BasicBlock", "BasicResNet", "Bottleneck", "CosmoFlow", "ResNet", "SEBlock", "UNet",
+           "cosmoflow_mini", "mobilenet_mini", "resnet18_mini", "resnet_mini", "se_resnet_mini",
+           "unet2d", "unet3d", "wide_resnet_mini"]
 
 
 class Bottleneck(nn.Module):
@@ -267,28 +269,81 @@ def cosmoflow_mini(*, in_channels: int = 4, outputs: int = 4, base: int = 4, dep
                      hidden=hidden, batch_norm=batch_norm, dropout=dropout)
 
 
-# ============================================================================ SE-ResNet
-class SEBlock(nn.Module):
-    """A basic residual block (two 3×3 convolutions with BN) whose residual branch is gated per
-    channel by squeeze-and-excitation: the channel means through two Linear layers (ReLU,
-    sigmoid), broadcast back as ``s[:, :, None, None]``; a 1×1 projection shortcut where the
-    shape changes."""
+# ============================================================================ ResNet-18-style
+class BasicBlock(nn.Module):
+    """ResNet-18's block: two 3×3 convolutions with BN, ``relu(bn2(conv2(relu(bn1(conv1(x))))) +
+    shortcut(x))``, the shortcut a 1×1 projection with BN where the shape changes."""
 
-    def __init__(self, cin: int, cout: int, stride: int = 1, reduction: int = 4) -> None:
+    def __init__(self, cin: int, cout: int, stride: int = 1) -> None:
         super().__init__()
         self.conv1 = nn.Conv2d(cin, cout, 3, stride=stride, padding=1, bias=False)
         self.bn1 = nn.BatchNorm2d(cout)
         self.conv2 = nn.Conv2d(cout, cout, 3, padding=1, bias=False)
         self.bn2 = nn.BatchNorm2d(cout)
-        self.fc1 = nn.Linear(cout, max(1, cout // reduction))
-        self.fc2 = nn.Linear(max(1, cout // reduction), cout)
         self.relu = nn.ReLU()
         self.shortcut = (nn.Sequential(nn.Conv2d(cin, cout, 1, stride=stride, bias=False),
                                        nn.BatchNorm2d(cout))
                          if stride != 1 or cin != cout else nn.Identity())
 
+    def residual(self, x: torch.Tensor) -> torch.Tensor:
+        return self.bn2(self.conv2(self.relu(self.bn1(self.conv1(x)))))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.bn2(self.conv2(self.relu(self.bn1(self.conv1(x)))))
+        return self.relu(self.residual(x) + self.shortcut(x))
+
+
+class BasicResNet(nn.Module):
+    """A ResNet-18-style network for small images: a 3×3 stem (conv, BN, ReLU), one stage of
+    ``blocks`` :class:`BasicBlock` s per width (``layer1``, ``layer2``, ...; stride 2 from the
+    second), global average pooling and a linear head ``fc``."""
+
+    def __init__(self, widths: Sequence[int], *, blocks: int = 2, in_channels: int = 3,
+                 num_classes: int = 10) -> None:
+        super().__init__()
+        for name, value in (("blocks", blocks), ("in_channels", in_channels),
+                            ("num_classes", num_classes), *(("widths", w) for w in widths)):
+            _positive(name, value)
+        if not widths:
+            raise ValueError("widths must name at least one stage's channels, got ()")
+        self.conv1 = nn.Conv2d(in_channels, widths[0], 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(widths[0])
+        self.relu = nn.ReLU()
+        cin = widths[0]
+        self.stages = len(widths)
+        for i, w in enumerate(widths):
+            stage = [BasicBlock(cin, w, 1 if i == 0 else 2)]
+            stage += [BasicBlock(w, w) for _ in range(blocks - 1)]
+            setattr(self, f"layer{i + 1}", nn.Sequential(*stage))
+            cin = w
+        self.avgpool = nn.AdaptiveAvgPool2d((1, 1))
+        self.fc = nn.Linear(cin, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.relu(self.bn1(self.conv1(x)))
+        for i in range(self.stages):
+            x = getattr(self, f"layer{i + 1}")(x)
+        return self.fc(torch.flatten(self.avgpool(x), 1))
+
+
+def resnet18_mini(*, num_classes: int = 10, in_channels: int = 3,
+                  widths: Sequence[int] = (32, 64, 128, 256)) -> BasicResNet:
+    """ResNet-18's layout (four stages of two :class:`BasicBlock` s) at CIFAR-sized widths."""
+    return BasicResNet(widths, blocks=2, in_channels=in_channels, num_classes=num_classes)
+
+
+# ============================================================================ SE-ResNet
+class SEBlock(BasicBlock):
+    """A :class:`BasicBlock` whose residual branch is gated per channel by
+    squeeze-and-excitation: the channel means through two Linear layers (ReLU, sigmoid),
+    broadcast back as ``s[:, :, None, None]``."""
+
+    def __init__(self, cin: int, cout: int, stride: int = 1, reduction: int = 4) -> None:
+        super().__init__(cin, cout, stride)
+        self.fc1 = nn.Linear(cout, max(1, cout // reduction))
+        self.fc2 = nn.Linear(max(1, cout // reduction), cout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.residual(x)
         s = torch.sigmoid(self.fc2(self.relu(self.fc1(out.mean((2, 3))))))
         return self.relu(out * s[:, :, None, None] + self.shortcut(x))
 

@@ -35,6 +35,8 @@ NETWORKS_2D: dict[str, tuple[Any, tuple[int, ...], str]] = {
         (3, 6, 6), "pixels"),
     "se-resnet": (lambda: models.se_resnet_mini(in_channels=3, base=4, num_classes=3),
                   (3, 8, 8), "classes"),
+    "resnet18": (lambda: models.resnet18_mini(in_channels=3, widths=(4, 8), num_classes=3),
+                 (3, 8, 8), "classes"),
     "mobilenet": (lambda: models.mobilenet_mini(in_channels=3, base=4, num_classes=3,
                                                 blocks=2), (3, 8, 8), "classes"),
 }
@@ -197,3 +199,15 @@ def test_each_network_on_four_ranks_equals_one_process(name: str) -> None:
     with torch.no_grad():
         out_shape = tuple(copy.deepcopy(model).eval()(x).shape)
     _check((name, 4, model, config, x, _targets(kind, out_shape, gen), kind))
+
+
+def test_resnet18_mini_is_resnet18s_layout_and_refuses_bad_sizes() -> None:
+    model = models.resnet18_mini()
+    blocks = [m for m in model.modules() if isinstance(m, models.BasicBlock)]
+    convs = [m for m in model.modules() if isinstance(m, nn.Conv2d)]
+    assert len(blocks) == 8 and len(convs) == 1 + 16 + 3  # stem, two per block, 3 projections
+    assert model(torch.randn(2, 3, 32, 32)).shape == (2, 10)
+    with pytest.raises(ValueError, match="widths must name at least one stage"):
+        models.BasicResNet(())
+    with pytest.raises(ValueError, match="blocks must be a positive int, got 0"):
+        models.BasicResNet((4,), blocks=0)
