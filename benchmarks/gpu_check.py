@@ -424,8 +424,8 @@ def check_volumes(device: torch.device) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------- K-FAC of N-d layers
-from tests.kfac.test_conv_nd import (  # noqa: E402  the tests' layers, data and K-FAC loop
-    _data as kfac_nd_data, _layer as kfac_nd_layer, _train as kfac_nd_train,
+from tests.kfac.test_conv_nd import (  # noqa: E402  the tests' layers, data and K-FAC runs
+    _layer as kfac_nd_layer, _sharded as kfac_nd_sharded, _single as kfac_nd_single,
 )
 #: (module, global input shape, grid, algorithm): DistConvNd layers split over channels,
 #: filters and space, transposed ones read as the direct convolution they equal
@@ -440,30 +440,9 @@ KFAC_ND_CASES = [
 ]
 
 
-def _kfac_nd_data(step: int, shape: tuple, y_shape: tuple, device: torch.device):
-    return tuple(t.to(device) for t in kfac_nd_data(step, shape, y_shape))
-
-
-def _kfac_nd_rank(comm: Any, conv: nn.Module, shape: tuple, dims: dict, algorithm: str,
-                  device: torch.device) -> dict:
-    from distconv.nn import DistConvNd
-
-    grid = ProcessorGrid(dims, comm=comm)
-    layer = DistConvNd.from_module(copy.deepcopy(conv), grid=grid, algorithm=algorithm)
-    y_shape = layer.output_shape(shape)
-    kfac = distkfac.KFAC(layer, factor_dtype=torch.float64, factor_sharding="exact", **KFAC_KW)
-
-    def step_data(step: int) -> tuple:
-        x, t = _kfac_nd_data(step, shape, y_shape, device)
-        y = layer(x[layer.input_dist.local_slices(shape, grid)], shape)
-        return y, t[layer.output_dist.local_slices(y_shape, grid)], shape[0]
-
-    kfac_nd_train(layer, kfac, step_data)
-    grads = {"weight": gather(layer.weight.grad, layer.weight_dist, grid, layer.weight_shape)}
-    if layer.bias is not None:
-        grads["bias"] = gather(layer.bias.grad, layer.bias_dist, grid, (layer.out_channels,))
-    return {"grads": grads, "exact": len(kfac.exact_layers),
-            "devices": devices_of([grads, layer.weight])}
+def _kfac_nd_rank(comm: Any, conv: nn.Module, shape: tuple, dims: dict, algorithm: str) -> dict:
+    grads, exact, _ = kfac_nd_sharded(comm, conv, shape, dims, algorithm, "exact")
+    return {"grads": grads, "exact": exact, "devices": devices_of(grads)}
 
 
 def check_kfac_nd(device: torch.device) -> dict[str, Any]:
@@ -471,19 +450,8 @@ def check_kfac_nd(device: torch.device) -> dict[str, Any]:
     for build, shape, dims, algorithm in KFAC_ND_CASES:
         conv = kfac_nd_layer(build()).to(device)
         name = f"{type(conv).__name__}-{'x'.join(dims)}"
-        single = copy.deepcopy(conv)
-        y_shape = tuple(single(torch.zeros(shape, dtype=torch.float64, device=device)).shape)
-
-        def step_data(step: int, single: nn.Module = single, shape: tuple = shape,
-                      y_shape: tuple = y_shape) -> tuple:
-            x, t = _kfac_nd_data(step, shape, y_shape, device)
-            return single(x), t, shape[0]
-
-        kfac_nd_train(single, distkfac.KFAC(single, comm=None, factor_dtype=torch.float64,
-                                             **KFAC_KW), step_data)
-        want = {k: p.grad for k, p in single.named_parameters()}
-        ranks = run_ranks(_kfac_nd_rank, math.prod(dims.values()), conv, shape, dims, algorithm,
-                          device)
+        want = kfac_nd_single(conv, shape)
+        ranks = run_ranks(_kfac_nd_rank, math.prod(dims.values()), conv, shape, dims, algorithm)
         err = max(max_err(r["grads"][k], g) for r in ranks for k, g in want.items())
         case_ok = all(within(r["grads"][k], g, KFAC_TOL) for r in ranks
                       for k, g in want.items()) and all(r["exact"] == 1 for r in ranks)

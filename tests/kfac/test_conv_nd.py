@@ -24,6 +24,7 @@ from distkfac.sharded import ShardAdapter, ShardGeometry
 from tests.parallel.cases import _gathered_grads
 
 from .test_parallelized import KW, _unet_case, reference, train
+from .test_parallelized import _volume_case as _parallelized_volume_case
 
 RTOL, ATOL = 1e-9, 1e-11  # test_parallelized's
 _KFAC = dict(damping=1e-2, kl_clip=1e-2, factor_decay=0.6)
@@ -39,10 +40,12 @@ def _layer(conv: nn.Module) -> nn.Module:
     return conv
 
 
-def _data(step: int, shape: tuple, y_shape: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+def _data(step: int, shape: tuple, y_shape: tuple, device: torch.device | None = None
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step ``step``'s input and target (drawn on the CPU, the same wherever they go)."""
     gen = torch.Generator().manual_seed(100 + step)
-    return (torch.randn(shape, generator=gen, dtype=torch.float64),
-            torch.randn(y_shape, generator=gen, dtype=torch.float64))
+    return (torch.randn(shape, generator=gen, dtype=torch.float64).to(device),
+            torch.randn(y_shape, generator=gen, dtype=torch.float64).to(device))
 
 
 def _loss(y: torch.Tensor, t: torch.Tensor, n: int) -> torch.Tensor:
@@ -60,11 +63,13 @@ def _train(layer: nn.Module, kfac: distkfac.KFAC, step_data, steps: int = 2) -> 
 
 
 def _single(conv: nn.Module, shape: tuple) -> dict[str, torch.Tensor]:
+    """Single-process K-FAC's gradients after two steps, on ``conv``'s device."""
     conv = copy.deepcopy(conv)
-    y_shape = tuple(conv(torch.zeros(shape, dtype=torch.float64)).shape)
+    device = next(conv.parameters()).device
+    y_shape = tuple(conv(torch.zeros(shape, dtype=torch.float64, device=device)).shape)
 
     def step_data(step: int):
-        x, t = _data(step, shape, y_shape)
+        x, t = _data(step, shape, y_shape, device)
         return conv(x), t, shape[0]
 
     _train(conv, distkfac.KFAC(conv, comm=None, factor_dtype=torch.float64, **_KFAC), step_data)
@@ -72,14 +77,17 @@ def _single(conv: nn.Module, shape: tuple) -> dict[str, torch.Tensor]:
 
 
 def _sharded(comm, conv: nn.Module, shape: tuple, dims: dict, algorithm: str, layout: str):
+    """The split layer's gathered gradients after two steps of sharded K-FAC (on ``conv``'s
+    device), its exact layers, and its layers' adapters."""
     grid = ProcessorGrid(dims, comm=comm)
     layer = DistConvNd.from_module(copy.deepcopy(conv), grid=grid, algorithm=algorithm)
+    device = layer.weight.device
     y_shape = layer.output_shape(shape)
     # no comm: K-FAC takes the layer's grid's (the factors' all-to-alls run over all its ranks)
     kfac = distkfac.KFAC(layer, factor_dtype=torch.float64, factor_sharding=layout, **_KFAC)
 
     def step_data(step: int):
-        x, t = _data(step, shape, y_shape)
+        x, t = _data(step, shape, y_shape, device)
         y = layer(x[layer.input_dist.local_slices(shape, grid)], shape)
         return y, t[layer.output_dist.local_slices(y_shape, grid)], shape[0]
 
@@ -145,15 +153,7 @@ def _split(match: str, grid: dict, algorithm: str, default: dict | None = None) 
 def _volume_case():
     """A CosmoFlow-style network with 3 input channels and 4 filters (one filter per rank of
     a C×F = 4 split's output ``y[o, o_{F×C}, ..]``)."""
-    from distconv.models import cosmoflow_mini
-
-    torch.manual_seed(2)
-    model = cosmoflow_mini(in_channels=3, base=4, size=4, depth=1, hidden=6,
-                           batch_norm=False).double()
-    gen = torch.Generator().manual_seed(3)
-    x = torch.randn(7, 3, 4, 4, 4, generator=gen, dtype=torch.float64)
-    y = torch.randint(0, 4, (7,), generator=gen)
-    return model, x, y
+    return _parallelized_volume_case(in_channels=3, base=4)
 
 
 VOLUME = [

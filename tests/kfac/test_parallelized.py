@@ -151,14 +151,14 @@ def test_replicated_layer_whose_output_a_channel_parallel_layer_splits():
 
 
 # ---------------------------------------------------------------- 3-D networks
-def _volume_case():
+def _volume_case(in_channels: int = 2, base: int = 2):
     from distconv.models import cosmoflow_mini
 
     torch.manual_seed(2)
-    model = cosmoflow_mini(in_channels=2, base=2, size=4, depth=1, hidden=6,
+    model = cosmoflow_mini(in_channels=in_channels, base=base, size=4, depth=1, hidden=6,
                            batch_norm=False).double()
     gen = torch.Generator().manual_seed(3)
-    x = torch.randn(7, 2, 4, 4, 4, generator=gen, dtype=torch.float64)
+    x = torch.randn(7, in_channels, 4, 4, 4, generator=gen, dtype=torch.float64)
     y = torch.randint(0, 4, (7,), generator=gen)
     return model, x, y
 
