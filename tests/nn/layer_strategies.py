@@ -4,6 +4,8 @@ or leave it redundant."""
 
 from __future__ import annotations
 
+import math
+
 from hypothesis import strategies as st
 
 GRID_DIMS = "NCFHW"
@@ -29,3 +31,17 @@ def activation_entries(draw: st.DrawFn, layout: tuple[tuple[str, int], ...]) -> 
         if role < 4:
             entries[role].append(name)
     return tuple(None if not e else e[0] if len(e) == 1 else tuple(e) for e in entries)
+
+
+@st.composite
+def spatial_layouts(draw: st.DrawFn, dims: int, max_extent: int, max_ranks: int
+                    ) -> list[tuple[str, int]]:
+    """A grid for an N-d layer (``dims`` of D, H, W): one or two of its spatial dims split (2 to
+    ``max_extent`` parts alone, 2 each together) and N over what ``max_ranks`` leaves, in any
+    order."""
+    names = ("D", "H", "W")[3 - dims:]
+    split = draw(st.lists(st.sampled_from(names), min_size=1, max_size=min(2, dims),
+                          unique=True))
+    layout = [(n, draw(st.integers(2, max_extent if len(split) == 1 else 2))) for n in split]
+    layout.append(("N", draw(st.integers(1, max_ranks // math.prod(e for _, e in layout)))))
+    return draw(st.permutations(layout))

@@ -17,6 +17,7 @@ from distconv.grid import ProcessorGrid
 from distconv.nn.pool import POOLS
 from distconv.redistribute import gather
 from distconv.testing import run_threads
+from tests.nn.layer_strategies import spatial_layouts
 from tests.parallel.cases import TOL
 
 PLAIN = {("max", 1): nn.MaxPool1d, ("max", 3): nn.MaxPool3d, ("avg", 1): nn.AvgPool1d,
@@ -27,11 +28,7 @@ PLAIN = {("max", 1): nn.MaxPool1d, ("max", 3): nn.MaxPool3d, ("avg", 1): nn.AvgP
 def cases(draw: st.DrawFn) -> tuple:
     kind, dims = draw(st.sampled_from(sorted(PLAIN)))
     names = ("D", "H", "W")[3 - dims:]
-    split = draw(st.lists(st.sampled_from(names), min_size=1, max_size=min(2, dims),
-                          unique=True))
-    layout = [(n, draw(st.integers(2, 3 if len(split) == 1 else 2))) for n in split]
-    layout.append(("N", draw(st.integers(1, 8 // math.prod(e for _, e in layout)))))
-    layout = draw(st.permutations(layout))
+    layout = draw(spatial_layouts(dims, 3, 8))
     kernel = tuple(draw(st.integers(1, 3)) for _ in range(dims))
     options: dict[str, Any] = {
         "kernel_size": kernel,

@@ -20,6 +20,7 @@ from distconv.grid import ProcessorGrid
 from distconv.nn.resample import DistUpsample, upsample_halo_bytes
 from distconv.redistribute import gather
 from distconv.testing import run_threads
+from tests.nn.layer_strategies import spatial_layouts
 
 TOL = 1e-12
 SPATIAL = {"nearest": (1, 2, 3), "nearest-exact": (1, 2, 3), "area": (1, 2, 3), "linear": (1,),
@@ -32,11 +33,7 @@ def cases(draw: st.DrawFn) -> tuple:
     mode = draw(st.sampled_from(sorted(SPATIAL)))
     dims = draw(st.sampled_from(SPATIAL[mode]))
     names = ("D", "H", "W")[3 - dims:]
-    split = draw(st.lists(st.sampled_from(names), min_size=1, max_size=min(2, dims),
-                          unique=True))
-    layout = [(n, draw(st.integers(2, 4 if len(split) == 1 else 2))) for n in split]
-    layout.append(("N", draw(st.integers(1, 4 // math.prod(e for _, e in layout)))))
-    layout = draw(st.permutations(layout))
+    layout = draw(spatial_layouts(dims, 4, 4))
     sizes = tuple(draw(st.integers(2, 9 if dims < 3 else 5)) for _ in range(dims))
     kw: dict[str, Any] = {"mode": mode}
     if draw(st.booleans()):
