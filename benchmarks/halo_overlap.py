@@ -18,7 +18,6 @@ Writes ``benchmarks/results/halo_overlap.{json,md}`` and prints the table.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -34,7 +33,9 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks._paired import layer_step, moved_per_step, slowest  # noqa: E402
+from benchmarks._paired import (  # noqa: E402
+    command_line, layer_step, moved_per_step, slowest, write_results,
+)
 from distconv.grid import ProcessorGrid  # noqa: E402
 from distconv.nn.conv_nd import DistConvNd  # noqa: E402
 
@@ -160,18 +161,11 @@ def main(argv: list[str] | None = None) -> dict:
     names = list(LAYERS)[:1] if args.quick else list(LAYERS)
     repeats = 2 if args.quick else args.repeats
     results: dict[str, Any] = {"host": f"{os.cpu_count()} cores", "repeats": repeats,
-                               "command": " ".join(["python", "benchmarks/halo_overlap.py",
-                                                    *(argv if argv is not None
-                                                      else sys.argv[1:])]),
-                               "rows": {}}
+                               "command": command_line("halo_overlap.py", argv), "rows": {}}
     for backend in args.backends:
         with WorkerPool(backend=backend, size=2, task_timeout=1800) as pool:
             results["rows"][backend] = pool.run(bench, names, repeats)[0]
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "halo_overlap.json").write_text(json.dumps(results, indent=1))
-    table = _markdown(results)
-    (args.out / "halo_overlap.md").write_text(table + "\n")
-    print(table)
+    write_results(args.out, "halo_overlap", results, _markdown(results))
     return results
 
 

@@ -16,7 +16,6 @@ Writes ``benchmarks/results/latency.{json,md}``.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -29,6 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from benchmarks._paired import command_line, write_results  # noqa: E402
 from distconv.testing import WorkerPool  # noqa: E402
 
 #: (what, op, elements): a 64- and a 256-channel BatchNorm's statistics and sums
@@ -106,9 +106,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--inner", type=int, default=50)
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     args = p.parse_args(argv)
-    results: dict[str, Any] = {"command": " ".join(["python", "benchmarks/latency.py",
-                                                    *(argv if argv is not None
-                                                      else sys.argv[1:])]), "rows": {}}
+    results: dict[str, Any] = {"command": command_line("latency.py", argv), "rows": {}}
     for backend in ("gloo", "mpi"):
         with WorkerPool(backend=backend, size=2, task_timeout=600) as pool:
             results["rows"][backend] = pool.run(bench, args.repeats, args.inner)[0]
@@ -123,11 +121,7 @@ def main(argv: list[str] | None = None) -> dict:
             lines.append(f"| {backend} | {r['what']} | {r['op']} | {r['elements']} | "
                          f"{r['distconv_us']:.0f} | {'-' if off is None else f'{off:.0f}'} | "
                          f"{r['raw_us']:.0f} |")
-    table = "\n".join(lines)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "latency.json").write_text(json.dumps(results, indent=1))
-    (args.out / "latency.md").write_text(table + "\n")
-    print(table)
+    write_results(args.out, "latency", results, "\n".join(lines))
     return results
 
 

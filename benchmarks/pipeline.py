@@ -17,7 +17,6 @@ Writes ``benchmarks/results/pipeline.{json,md}`` and prints the table.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -32,7 +31,9 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks._paired import layer_step, moved_per_step, slowest  # noqa: E402
+from benchmarks._paired import (  # noqa: E402
+    command_line, layer_step, moved_per_step, slowest, write_results,
+)
 from distconv.grid import ProcessorGrid  # noqa: E402
 from distconv.machines import lassen  # noqa: E402
 from distconv.nn import DistConv2d  # noqa: E402
@@ -143,19 +144,12 @@ def main(argv: list[str] | None = None) -> dict:
     jobs = [(layer, b, label, g, alg) for layer in args.layers for b in args.batches
             for label, g, alg in CONFIGS]
     results: dict[str, Any] = {"host": f"{os.cpu_count()} cores", "repeats": args.repeats,
-                               "command": " ".join(["python", "benchmarks/pipeline.py",
-                                                    *(argv if argv is not None
-                                                      else sys.argv[1:])]),
-                               "rows": {}}
+                               "command": command_line("pipeline.py", argv), "rows": {}}
     for backend in args.backends:
         with WorkerPool(backend=backend, size=2, task_timeout=1800) as pool:
             results["rows"][backend] = pool.run(bench, jobs, args.repeats)[0]
         print(f"{backend} done", file=sys.stderr, flush=True)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "pipeline.json").write_text(json.dumps(results, indent=1))
-    table = _markdown(results)
-    (args.out / "pipeline.md").write_text(table + "\n")
-    print(table)
+    write_results(args.out, "pipeline", results, _markdown(results))
     return results
 
 

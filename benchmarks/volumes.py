@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import os
 import statistics
 import sys
@@ -41,7 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks._paired import slowest  # noqa: E402
+from benchmarks._paired import command_line, slowest, write_results  # noqa: E402
 from distconv import explain, models, parallelize  # noqa: E402
 from distconv.data import sample_block  # noqa: E402
 
@@ -244,10 +243,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.quick:
         args.backends, args.ranks, args.networks, args.repeats = ["gloo"], [2], ["unet3d"], 2
     results: dict[str, Any] = {"host": f"{os.cpu_count()} cores", "repeats": args.repeats,
-                               "command": " ".join(["python", "benchmarks/volumes.py",
-                                                    *(argv if argv is not None
-                                                      else sys.argv[1:])]),
-                               "rows": {}}
+                               "command": command_line("volumes.py", argv), "rows": {}}
     worlds = [(b, r) for b in args.backends for r in args.ranks]
     for backend, ranks in tqdm(worlds, desc="worlds"):
         jobs = [(n, ranks * args.per_rank) for n in args.networks]
@@ -255,12 +251,8 @@ def main(argv: list[str] | None = None) -> dict:
         with WorkerPool(backend=backend, size=ranks, task_timeout=3600) as pool:
             rows = pool.run(bench, jobs, args.repeats, explained)[0]
         results["rows"].setdefault(backend, []).extend(rows)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "volumes.json").write_text(json.dumps(results, indent=1))
-    table = _markdown(results)
-    (args.out / "volumes.md").write_text(table + "\n")
+    write_results(args.out, "volumes", results, _markdown(results))
     plot(results, args.out / "volumes.png")
-    print(table)
     return results
 
 
