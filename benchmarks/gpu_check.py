@@ -423,6 +423,44 @@ def check_volumes(device: torch.device) -> dict[str, Any]:
             "devices": sorted({d for c in cases.values() for d in c["devices"]})}
 
 
+# ---------------------------------------------------------------- BatchNorm statistics
+from tests.test_statistics import (  # noqa: E402  the tests' configs, DDP loop and our loop
+    GROUPS, HYBRID_LOCAL, LOCAL, ddp_reference, ours as statistics_rank,
+)
+#: (name, config, ranks, blocks DDP sees, global batch): each sample block's own statistics
+#: (sample and hybrid), and groups of 2 of 4 sample blocks, against DDP's loop by hand
+STATISTICS_CASES = [("local-sample", LOCAL, 2, 2, 6), ("local-hybrid", HYBRID_LOCAL, 4, 2, 6),
+                    ("groups-of-2", GROUPS, 4, 2, 8)]
+
+
+def check_statistics(device: torch.device) -> dict[str, Any]:
+    from distconv.parallel.explain import explain
+
+    model = resnet_case(device)[0]
+    gen = torch.Generator().manual_seed(10)
+    cases, ok = {}, True
+    atol = TOL[torch.float64][1]
+    for name, config, world, blocks, batch in STATISTICS_CASES:
+        x = torch.randn((batch,) + tuple(RESNET_SHAPE[1:]), generator=gen, dtype=torch.float64)
+        y = torch.randint(0, 10, (batch,), generator=gen)
+        x, y = x.to(device), y.to(device)
+        want = ddp_reference(model, x, y, blocks=blocks)
+        plan = explain(model, config, tuple(x.shape), world_size=world, itemsize=8)
+        ranks = run_ranks(statistics_rank, world, model, config, x, y)
+        err = max(max_err(r["state"][k], v) for r in ranks for k, v in want.items())
+        moved = all(r["counted"] == tuple(plan.rank_bytes(i).values())
+                    for i, r in enumerate(ranks))
+        case_ok = err < atol and moved
+        ok &= case_ok
+        cases[name] = {"config": config, "ranks": world, "ok": case_ok, "max_abs_error": err,
+                       "bytes_as_explain_says": moved,
+                       "devices": devices_of([r["state"] for r in ranks])}
+        log(f"    {name}: {'pass' if case_ok else 'FAIL'} {err:.3g}, bytes {moved}")
+    return {"ok": ok, "tolerance": {"max_abs": atol}, "steps": 2, "cases": cases,
+            "max_abs_error": max(c["max_abs_error"] for c in cases.values()),
+            "devices": sorted({d for c in cases.values() for d in c["devices"]})}
+
+
 # ---------------------------------------------------------------- K-FAC of N-d layers
 from tests.kfac.test_conv_nd import (  # noqa: E402  the tests' layers, data and K-FAC runs
     _layer as kfac_nd_layer, _sharded as kfac_nd_sharded, _single as kfac_nd_single,
@@ -765,6 +803,16 @@ def check_nccl(device: torch.device) -> dict[str, Any]:
                 return max_err(out, ref) < 1e-4, {"max_abs_error": max_err(out, ref),
                                                   "devices": devices_of([out])}
 
+            def host():
+                # control messages (the global batch's agreement) go between the hosts: on
+                # NCCL through a gloo sibling of the same ranks, made once; on gloo, itself
+                sibling = comm.host
+                shapes = sibling.allgather(torch.tensor([5, 3]), meta="host check")
+                ok = (sibling is comm.host and sibling.backend == "torch-gloo"
+                      and (sibling is comm) == (backend == "gloo")
+                      and torch.equal(shapes[0], torch.tensor([5, 3])))
+                return ok, {"backend": sibling.backend, "sibling": sibling is not comm}
+
             def checkpoint():
                 model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)).to(device)
                 grid = ProcessorGrid({"N": 1}, comm=comm)
@@ -779,6 +827,7 @@ def check_nccl(device: torch.device) -> dict[str, Any]:
             run("wrong_device_refused", wrong_device_refused)
             run("dist_conv2d", conv)
             run("parallelize", parallel)
+            run("host_sibling", host)
             run("checkpoint_save", checkpoint)
         finally:
             dist.destroy_process_group()
@@ -1210,6 +1259,7 @@ def main(argv: list[str] | None = None) -> int:
         ("conv_fp32", lambda: check_conv(device, torch.float32)),
         ("resnet_bn_2_steps", lambda: check_resnet(device)),
         ("volumes_decoders_2_steps", lambda: check_volumes(device)),
+        ("bn_statistics_local_groups", lambda: check_statistics(device)),
         ("kfac_sharded_exact", lambda: check_kfac(device)),
         ("kfac_nd_sharded_exact", lambda: check_kfac_nd(device)),
         ("checkpoint_cuda_cpu_cuda", lambda: check_checkpoint(device)),
