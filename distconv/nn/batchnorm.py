@@ -597,11 +597,26 @@ def _moments(x: torch.Tensor, comm: Any, count: int) -> tuple[torch.Tensor, torc
         m2 = x.new_zeros(x.shape[1])
     if comm is None:
         return mean, m2 / count
+    c = x.shape[1]
     mine = torch.cat([x.new_full((1,), float(n)), mean, m2])
-    parts = torch.stack(comm.allgather(mine, meta="DistBatchNorm statistics"))
-    ns, means, m2s = parts[:, :1], parts[:, 1:1 + x.shape[1]], parts[:, 1 + x.shape[1]:]
-    mean = (ns * means).sum(0) / count
-    m2 = m2s.sum(0) + (ns * (means - mean).square()).sum(0)
+    parts = comm.allgather(mine, meta="DistBatchNorm statistics")
+    # Chan et al.'s pairwise update, folding the ranks' moments in rank order (the same bits on
+    # every rank): per rank four small ops, the weights Python numbers
+    total, mean, m2 = 0.0, None, None
+    for part in parts:
+        nb = float(part[0])
+        if nb == 0:
+            continue
+        if mean is None:
+            total, mean, m2 = nb, part[1:1 + c], part[1 + c:]
+            continue
+        delta = part[1:1 + c] - mean
+        both = total + nb
+        mean = torch.add(mean, delta, alpha=nb / both)
+        m2 = torch.add(m2, part[1 + c:]).addcmul_(delta, delta, value=total * nb / both)
+        total = both
+    if mean is None:  # no rank holds a value: what the one-process kernel gives (nan)
+        return x.new_full((c,), math.nan), x.new_full((c,), math.nan)
     return mean, m2 / count
 
 
@@ -631,14 +646,17 @@ class _BatchNorm(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor, *_: Any) -> tuple[torch.Tensor | None, ...]:
         x, weight, mean, invstd = ctx.saved_tensors
+        x = x.detach()  # (the ops below then skip autograd's bookkeeping)
         work = x.float() if x.dtype in _LOW_PRECISION else x
+        w = None if weight is None else weight.detach().to(work.dtype)
         dy_w = dy.to(work.dtype).contiguous()
         _, v = _layout(x)
         if work.numel():  # sum(dy·x̂) and sum(dy) per channel, in torch's one fused kernel
-            # (a unit weight: CUDA's kernel computes the weight's gradient only with one)
+            # (with a weight: CUDA's kernel computes the weight's gradient only with one; that
+            # gradient, sum(dy·x̂), does not depend on the weight's values)
             _, sum_dy_xhat, sum_dy = torch.ops.aten.native_batch_norm_backward(
-                dy_w, work, torch.ones_like(mean), None, None, mean, invstd, True, 0.0,
-                [False, True, True])
+                dy_w, work, torch.ones_like(mean) if w is None else w, None, None, mean, invstd,
+                True, 0.0, [False, True, True])
         else:
             sum_dy_xhat = sum_dy = work.new_zeros(work.shape[1])
         dx = None
@@ -646,12 +664,13 @@ class _BatchNorm(torch.autograd.Function):
             sums = torch.stack([sum_dy, sum_dy_xhat])
             if ctx.comm is not None:
                 sums = ctx.comm.allreduce(sums, meta="DistBatchNorm backward sums")
-            scale = invstd if weight is None else invstd * weight.to(work.dtype)
+            scale = invstd if w is None else invstd * w
             # dx = scale·(dy - Σdy/n - x̂·Σ(dy·x̂)/n), x̂ = (x - mean)·invstd, is per channel
-            # c + x·b + dy·scale: two passes over the block
-            k = scale / ctx.count
-            b = sums[1].mul(invstd).mul_(k).neg_()
-            c = torch.addcmul(sums[0].mul(k).neg_(), b, mean, value=-1)
+            # c + x·b + dy·scale: two passes over the block, b = -scale·invstd·Σ(dy·x̂)/n and
+            # c = -scale·Σdy/n - b·mean
+            t = sums * (scale / -ctx.count)
+            b = t[1].mul_(invstd)
+            c = torch.addcmul(t[0], b, mean, value=-1)
             dx = torch.addcmul(c.view(v), work, b.view(v))
             dx = dx.addcmul_(dy_w, scale.view(v)).to(x.dtype)
         # Local sums: the parameters' gradient sync completes them over the segment and replicas.
