@@ -305,11 +305,13 @@ def chunks_of_one_tensor(comm, dtype_name: str = "float32"):
 # ---------------------------------------------------------------- the host channel (gloo)
 def host_channel_routes(comm):
     """Small collectives go through the shared-memory channel, opened at the first one, its
-    file already unlinked; one larger than a slot goes to gloo; both kinds in flight at once
-    complete correctly, waited for in reverse order; bytes are counted as for gloo."""
+    file already unlinked; a larger allreduce through the bulk channel (its file unlinked too),
+    one larger than a bulk slot in chunks, consuming its input or not; a larger allgather goes
+    to gloo; all kinds in flight at once complete correctly, waited for in reverse order; bytes
+    are counted as for gloo."""
     import glob
 
-    from distconv.comm.host_channel import SLOT_BYTES, HostChannel
+    from distconv.comm.host_channel import BULK_BYTES, SLOT_BYTES, HostChannel
 
     c = comm.split([list(range(comm.size))], timeout=29.0)
     P, r = c.size, c.rank
@@ -317,26 +319,38 @@ def host_channel_routes(comm):
     got = c.allreduce(torch.full((3,), float(r)))
     _equal(got, torch.full((3,), float(sum(range(P)))), "small allreduce")
     opened = isinstance(c._host, HostChannel)
-    pid = c.broadcast(torch.tensor([os.getpid()]), root=0)
-    no_file_left = not glob.glob(f"/dev/shm/distconv-{int(pid[0])}-*")
+    pid = int(c.broadcast(torch.tensor([os.getpid()]), root=0)[0])
     issued = c._host._issued if opened else 0
     n_big = SLOT_BYTES // 4 + 1
     big = c.allreduce(torch.full((n_big,), float(r + 1)))
     _equal(big, torch.full((n_big,), float(P * (P + 1) // 2)), "big allreduce")
-    big_on_gloo = opened and c._host._issued == issued
+    bulk = isinstance(c._bulk, HostChannel) and c._host._issued == issued
+    c.barrier()
+    no_file_left = not glob.glob(f"/dev/shm/distconv-{pid}-*")
+    n_huge = 2 * BULK_BYTES // 8 + 3  # three chunks, the last of 3 elements
+    huge = torch.arange(n_huge, dtype=torch.float64) * (r + 1)
+    w_huge = c.allreduce(huge, async_op=True, consume=True)
     w_big = c.allreduce(torch.full((n_big,), 1.0), async_op=True)
     w_small = c.allreduce(torch.tensor([r], dtype=torch.int64), async_op=True)
     w_gather = c.allgather(torch.tensor([r, -r]), async_op=True)
+    w_wide = c.allgather(torch.full((n_big,), float(r)), async_op=True)  # on gloo
+    wide = w_wide.wait()
     gathered = w_gather.wait()
     _equal(w_small.wait(), torch.tensor([sum(range(P))]), "small async allreduce")
     _equal(w_big.wait(), torch.full((n_big,), float(P)), "big async allreduce")
+    summed = w_huge.wait()
+    _equal(summed, torch.arange(n_huge, dtype=torch.float64) * (P * (P + 1) // 2),
+           "chunked allreduce")
     for s in range(P):
         _equal(gathered[s], torch.tensor([s, -s]), f"allgather[{s}]")
+        _equal(wide[s], torch.full((n_big,), float(s)), f"wide allgather[{s}]")
     c.barrier()
     expected = (allreduce_bytes(3, r, P, 4) + 2 * allreduce_bytes(n_big, r, P, 4)
-                + allreduce_bytes(1, r, P, 8) + (P - 1) * 2 * 8 + (0 if r == 0 else 8))
-    return {"opened": opened, "no_file_left": no_file_left, "big_on_gloo": big_on_gloo,
-            "bytes": c.stats.total_bytes(), "bytes_expected": expected}
+                + allreduce_bytes(n_huge, r, P, 8) + allreduce_bytes(1, r, P, 8)
+                + (P - 1) * (2 * 8 + n_big * 4) + (0 if r == 0 else 8))
+    return {"opened": opened, "no_file_left": no_file_left, "big_on_bulk": bulk,
+            "consumed_in_place": summed.data_ptr() == huge.data_ptr(), "bytes": c.stats.total_bytes(),
+            "bytes_expected": expected}
 
 
 def without_host_channel(comm):

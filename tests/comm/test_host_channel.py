@@ -21,17 +21,20 @@ DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int
           torch.int16, torch.uint8, torch.complex64]
 
 
-def _channels(size: int, timeout: float = 10.0) -> list[hc.HostChannel]:
-    length = size * hc._CTRL + hc.SLOTS * size * (hc._HEAD + hc.SLOT_BYTES)
+def _channels(size: int, timeout: float = 10.0, slots: int = hc.SLOTS,
+              slot_bytes: int = hc.SLOT_BYTES) -> list[hc.HostChannel]:
+    length = size * hc._CTRL + slots * size * (hc._HEAD + slot_bytes)
     mm = mmap.mmap(-1, length)  # one mapping, shared by the thread ranks
-    return [hc.HostChannel(mm, rank=r, size=size, timeout=timeout, describe=f"rank {r}")
+    return [hc.HostChannel(mm, rank=r, size=size, timeout=timeout, describe=f"rank {r}",
+                           slots=slots, slot_bytes=slot_bytes)
             for r in range(size)]
 
 
-def _on_threads(size: int, fn, *, timeout: float = 10.0, limit: float = 60.0) -> list:
-    """fn(channel) on ``size`` threads over one mapping; results in rank order; the first
-    exception raised again."""
-    chans = _channels(size, timeout)
+def _on_threads(size: int, fn, *, timeout: float = 10.0, limit: float = 60.0,
+                **ring: int) -> list:
+    """fn(channel) on ``size`` threads over one mapping (``ring``: its slots and slot_bytes);
+    results in rank order; the first exception raised again."""
+    chans = _channels(size, timeout, **ring)
     out: list = [None] * size
     errors: list = [None] * size
 
@@ -148,6 +151,54 @@ def test_ops_equal_their_reference_whatever_is_in_flight(size, ops, batch, seed)
                 assert torch.equal(got, expect), (i, got_kind, dtype, got, expect)
 
 
+@settings(max_examples=30)
+@given(size=st.integers(2, 4), slots=st.integers(1, 3), slot_bytes=st.sampled_from([8, 24, 64]),
+       ops=st.lists(st.tuples(st.sampled_from([torch.float32, torch.float64, torch.bfloat16,
+                                                torch.int64, torch.int16]),
+                              st.integers(0, 50), st.sampled_from(["sum", "avg", "max"]),
+                              st.booleans()), min_size=1, max_size=6),
+       seed=st.integers(0, 2**16))
+def test_allreduces_larger_than_a_slot_go_in_chunks(size, slots, slot_bytes, ops, seed):
+    """The bulk channel's case on a ring of tiny slots: allreduces of up to 50 elements in
+    chunks of a slot, all issued before any is waited for (chunks beyond the ring wait for the
+    peers to read the oldest), waited for in a per-rank random order, into the input or a new
+    tensor: each equals the reduction in rank order, bit for bit."""
+    ops = [(d, n, "sum" if op == "avg" and not d.is_floating_point else op, into)
+           for d, n, op, into in ops]
+
+    def want(i, dtype, n, op):
+        parts = [_value(i, s, (n,), dtype) for s in range(size)]
+        if op == "max":
+            return torch.stack(parts).amax(0)
+        total = _sum_in_rank_order(parts)
+        if op == "avg":
+            wide = dtype in (torch.float16, torch.bfloat16)
+            acc = parts[0].float() if wide else parts[0].clone()
+            for q in parts[1:]:
+                acc = acc + (q.float() if wide else q)
+            total = (acc / size).to(dtype)
+        return total
+
+    def rank(ch):
+        gen = torch.Generator().manual_seed(seed + ch.rank)
+        ins, works = [], []
+        for i, (dtype, n, op, into) in enumerate(ops):
+            t = _value(i, ch.rank, (n,), dtype)
+            ins.append(t)
+            works.append(ch.allreduce(t, op, out=t if into else None))
+        got = {}
+        for j in torch.randperm(len(works), generator=gen).tolist():
+            got[j] = works[j].wait()
+        return [(got[i], got[i].data_ptr() == ins[i].data_ptr()) for i in range(len(ops))]
+
+    for results in _on_threads(size, rank, slots=slots, slot_bytes=slot_bytes):
+        for i, ((dtype, n, op, into), (got, in_place)) in enumerate(zip(ops, results)):
+            expect = want(i, dtype, n, op)
+            assert got.dtype == expect.dtype and got.shape == expect.shape
+            assert torch.equal(got, expect), (i, dtype, n, op, got, expect)
+            assert in_place == into or n == 0
+
+
 def test_results_are_copies_that_outlive_the_slot():
     """A result stays what it was after its slot has been written by later operations."""
     def rank(ch):
@@ -241,11 +292,11 @@ GLOO = [pytest.param("gloo2", marks=pytest.mark.gloo), pytest.param("gloo4", mar
 
 
 @pytest.mark.parametrize("name", GLOO)
-def test_gloo_routes_small_collectives_through_the_channel(request, name):
+def test_gloo_routes_small_and_large_allreduces_through_the_channels(request, name):
     pool = request.getfixturevalue(name)
     for r, res in enumerate(pool.run(programs.host_channel_routes)):
         assert res["opened"] and res["no_file_left"], res
-        assert res["big_on_gloo"], res
+        assert res["big_on_bulk"] and res["consumed_in_place"], res
         assert res["bytes"] == res["bytes_expected"], res
 
 
