@@ -155,6 +155,13 @@ class Handler:
         """Parameter name -> Dist on ``step.layer.layout`` (None: replicated everywhere)."""
         return None
 
+    def refuse(self, step: Step, module: nn.Module | None,
+               in_shape: tuple[int, ...]) -> str | None:
+        """Why ``step`` cannot run on its first input's global shape ``in_shape`` (a layout
+        that leaves some rank no rows, say), or None where it can. Asked by ``explain`` and by
+        the parallel model for each input shape, before any step runs."""
+        return None
+
     #: whether :meth:`run` computes the node's local block (else the traced call runs as is)
     runs_locally = False
 

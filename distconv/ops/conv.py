@@ -160,6 +160,11 @@ class ConvHandler(Handler):
             filter_dim=roles["F"], sample_dim=roles["N"], spatial_dims=(roles["H"], roles["W"]),
             pipeline=step.layer.pipeline, overlap=step.layer.overlap)
 
+    def refuse(self, step: Any, module: Any, in_shape: tuple[int, ...]) -> str | None:
+        from distconv.ops.conv_nd import row_refusal
+
+        return row_refusal(module, step.layer.layout, in_shape)
+
     def param_dists(self, step: Any, module: Any) -> dict[str, Any]:
         d = _dists(step, module)
         return {"weight": d["weight"], "bias": d["bias"]}

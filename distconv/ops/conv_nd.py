@@ -78,6 +78,15 @@ def refusal(module: Any, layout: Any, algorithm: str, in_shape: Sequence[int]) -
                "filters"
     if module.groups > 1 and module.groups % (c * f):
         return f"{c * f} channel blocks would not hold whole groups (groups={module.groups})"
+    return row_refusal(module, layout, in_shape)
+
+
+def row_refusal(module: Any, layout: Any, in_shape: Sequence[int]) -> str | None:
+    """Why the grid ``layout`` cannot split the spatial dims of convolution ``module`` (any
+    dimensionality) on the global input ``in_shape``: some rank would hold no input or no
+    output row, or a padding mode cannot be split; None where it can."""
+    ext = {d: e for d, e in layout if e > 1}
+    rows = spatial_roles(module.weight.dim() - 2)
     for row, d in zip(rows, conv_nd_dims(module, in_shape)):
         if ext.get(row, 1) > 1:
             try:
@@ -183,6 +192,11 @@ class ConvNdHandler(LinearHandler):
             return super().build(module, node, step, grid)
         return DistConvNd.from_module(module, grid=grid, algorithm=step.layer.algorithm,
                                       overlap=step.layer.overlap)
+
+    def refuse(self, step: Any, module: Any, in_shape: tuple[int, ...]) -> str | None:
+        if step.layer is None or step.layer.kind != "conv-nd":
+            return None
+        return row_refusal(module, step.layer.layout, in_shape)
 
     def param_dists(self, step: Any, module: Any) -> dict[str, Any] | None:
         if step.layer is None or step.layer.kind != "conv-nd":

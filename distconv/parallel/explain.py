@@ -29,7 +29,7 @@ from distconv.ops import PriceContext, Unsupported
 from distconv.ops.pricing import (
     CommStep, LayerReport, Machine, Timeline, largest_block, segment_rank, timeline,
 )
-from distconv.parallel.graph import Step, analyse, operand_need, trace
+from distconv.parallel.graph import Step, analyse, check_shapes, operand_need, trace
 from distconv.parallel.placement import (
     ALL_RANKS, Placement, conversion_bytes, evaluated_ranks, layout_str, paper_grid,
     repartition_bytes,
@@ -272,6 +272,7 @@ def _explain(model: nn.Module, cfg: ParallelConfig, shape: tuple[int, ...],
     shapes = {n.name: tuple(n.meta["tensor_meta"].shape) for n in meta.graph.nodes
               if isinstance(n.meta.get("tensor_meta"), TensorMetadata)}
     modules = dict(gm.named_modules())
+    check_shapes(analysis, modules, shapes)
     P = cfg.world_size
     ranks = _evaluated_ranks(analysis, P)
     needs_grad: dict[str, bool] = {}

@@ -79,6 +79,26 @@ class Analysis:
         self._by_node = {s.node: s for s in self.steps}
 
 
+def check_shapes(analysis: Analysis, modules: dict[str, nn.Module],
+                 shapes: dict[str, tuple[int, ...]]) -> None:
+    """Raise ``ValueError``, naming the node, where a placed node cannot run on its input's
+    global shape (its handler's ``refuse``: a split that leaves some rank no rows, say). The one
+    check ``explain`` and the parallel model's plan for an input shape make, before any step."""
+    for step in analysis.steps:
+        node = step.node
+        if step.handler is None or step.layer is None or not node.args:
+            continue
+        first = node.args[0]
+        if not isinstance(first, fx.Node) or first.name not in shapes:
+            continue
+        module = modules.get(str(node.target)) if node.op == "call_module" else None
+        why = step.handler.refuse(step, module, shapes[first.name])
+        if why:
+            raise ValueError(f"parallelize: node {node.name!r} ({node.op} {_target(node)}) on "
+                             f"{dict(step.layer.layout)}, input of global shape "
+                             f"{tuple(shapes[first.name])}: {why}")
+
+
 # torch.fx patches module-level functions while it traces: thread ranks must take turns.
 _TRACE_LOCK = threading.Lock()
 

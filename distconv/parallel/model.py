@@ -48,7 +48,7 @@ from distconv.nn.sharding import ShardSpec, shard_specs
 from distconv.nn.recompute import recompute_context
 from distconv.parallel.config import ParallelConfig
 from distconv.parallel.graph import (
-    Analysis, LayerSpec, Step, analyse, operand_need, trace,
+    Analysis, LayerSpec, Step, analyse, check_shapes, operand_need, trace,
 )
 from distconv.parallel.program import _replaced, generate
 from distconv.parallel.shapes import propagate_shapes
@@ -464,6 +464,7 @@ class ParallelModel(nn.Module):
             propagate_shapes(meta, shape, dtype=dtype, argument="the input's global shape")
             shapes = {n.name: tuple(n.meta["tensor_meta"].shape) for n in meta.graph.nodes
                       if isinstance(n.meta.get("tensor_meta"), fx.passes.shape_prop.TensorMetadata)}
+            check_shapes(self._analysis, dict(meta.named_modules()), shapes)
             needs = {(s.node, a): operand_need(s, a, shapes) for s in self._analysis.steps
                      for a in s.node.all_input_nodes}
             program = self._plans[key] = generate(self, shapes, needs, compiled=compiled)

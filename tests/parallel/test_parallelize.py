@@ -110,11 +110,48 @@ def network_cases(draw: st.DrawFn) -> tuple:
 @settings(max_examples=10, suppress_health_check=[HealthCheck.too_slow], deadline=None)
 @given(network_cases())
 def test_user_loop_on_random_networks_equals_one_process(case: tuple) -> None:
+    """Exact or refused: a drawn split that some layer cannot take (more row blocks than the
+    rows pooling left it) is refused by ``explain``, and by the user's first forward before any
+    layer runs, with the same message naming the node."""
     p, model, config, x, y = case
+    try:
+        explain(model, config, tuple(x.shape), world_size=p)
+    except ValueError as exc:
+        assert "exceeds what this layer can split" in str(exc), exc
+        with pytest.raises(ValueError) as got:
+            run_threads(train_step, p, model, config, x, y)
+        assert str(exc) in str(got.value), (exc, got.value)
+        return
     ref = reference_step(model, x, y)
     for got in run_threads(train_step, p, model, config, x, y):
         err = max_errors(ref, got)
         assert max(err.values()) < TOL, (config, err)
+
+
+@pytest.mark.parametrize("dims", [2, 3], ids=["conv2d", "conv3d"])
+def test_a_split_that_leaves_a_rank_no_rows_is_refused_naming_the_node(dims: int) -> None:
+    """Pooling leaves the last convolution one row: H=2 there gives a rank none. explain
+    refuses it, and the parallel model's first forward too, before any layer has run (no
+    collective issued), naming the node, its layout and the input's global shape."""
+    conv, pool = (nn.Conv2d, nn.MaxPool2d) if dims == 2 else (nn.Conv3d, nn.MaxPool3d)
+    model = nn.Sequential(conv(2, 3, 3, padding=1), pool(2), pool(2), conv(3, 3, 3, padding=1))
+    size = (4,) * dims
+    config = {"layers": [{"match": "3", "grid": {"H": 2}, "algorithm": "spatial"}]}
+    want = (r"parallelize: node '_3' \(call_module 3\) on \{'H': 2\}, input of global shape "
+            rf"\(2, 3, {', '.join(['1'] * dims)}\): grid dim H=2 exceeds what this layer can "
+            r"split: .* so use H <= 1")
+    with pytest.raises(ValueError, match=want):
+        explain(model, config, (2, 2, *size), world_size=2)
+
+    def rank(comm):
+        pmodel = parallelize(copy.deepcopy(model), config, comm=comm)
+        before = comm.stats.total_bytes()
+        with pytest.raises(ValueError, match=want):
+            pmodel(torch.randn(1, 2, *size))  # one sample a rank: the global batch of 2
+        return comm.stats.total_bytes() - before
+
+    moved = run_threads(rank, 2)
+    assert all(m <= 2 * 8 * (dims + 2) for m in moved), moved  # the batch's agreement only
 
 
 def test_uneven_blocks_and_sum_reduction() -> None:
