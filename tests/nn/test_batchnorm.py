@@ -29,6 +29,11 @@ def bn_cases(draw: st.DrawFn, dtype: torch.dtype = torch.float64) -> LayerCase:
     shape = (draw(st.integers(1, 4)), draw(st.integers(1, 5)), draw(st.integers(1, 4)),
              draw(st.integers(1, 4)))
     assume(shape[0] * shape[2] * shape[3] > 1)  # torch refuses to train on one value per channel
+    # With 2 values per channel dx is exactly 0 and what fp32 computes is its rounding of the
+    # cancellation, scaled by invstd (up to 1/sqrt(eps)): torch's own fp32 kernel is 1.3e-3
+    # from its fp64 result there (worst of 300 draws; 1.0e-5 at 3 values, 2.6e-6 at 4), so two
+    # exact fp32 implementations differ by more than fp32's tolerance. fp64 covers those shapes.
+    assume(dtype == torch.float64 or shape[0] * shape[2] * shape[3] >= 4)
     options = {
         "eps": draw(st.sampled_from([1e-5, 1e-3])),
         "momentum": draw(st.sampled_from([0.1, 0.7, None])),
