@@ -121,6 +121,7 @@ def _local_ranks(size: int) -> int:
         return size
 
 
+@functools.lru_cache(maxsize=4096)
 def _signature(*what: Any) -> int:
     """A number naming one kind of collective (op, dtype, shapes): equal on every rank that
     calls the same thing (a CRC of its text: Python's own hash differs between processes)."""
@@ -184,6 +185,10 @@ class HostChannel:
         self._payloads = [raw[base + s * size * stride:base + (s + 1) * size * stride]
                           .view(size, stride)[:, _HEAD:] for s in range(slots)]
         self._mine = [p[rank] for p in self._payloads]  # this rank's row of each slot
+        #: (slot, bytes, dtype) -> every rank's payload of a slot as rows of that dtype, and
+        #: (slot, bytes, None) -> this rank's: the views a step's collectives use again and
+        #: again, made once
+        self._rows: dict[tuple[int, int, Any], list[torch.Tensor]] = {}
         self._issued = 0
         self._pending: deque[_Op] = deque()
         self._visible = [False] * size  # whose process this rank sees (set by open)
@@ -272,6 +277,7 @@ class HostChannel:
             return
         self._pending.clear()
         self._heads, self._payloads, self._mine = [], [], []  # the views of the mapping
+        self._rows = {}
         self._ctrl = self._seq = self._done = None
         try:
             mm.close()
@@ -332,11 +338,18 @@ class HostChannel:
             self._spin(lambda: min(done.tolist()) >= free, kind,
                        lambda: [r for r in range(self.size) if done[r] < free])
         nbytes = 0
-        for part in ([] if payload is None else [payload] if isinstance(payload, torch.Tensor)
-                     else payload):  # byte tensors, back to back
-            if part.numel():
-                self._mine[slot][nbytes:nbytes + part.numel()].copy_(part)
-                nbytes += part.numel()
+        if isinstance(payload, torch.Tensor):  # one byte tensor: into this rank's row
+            nbytes = payload.numel()
+            if nbytes:
+                dst = self._rows.get((slot, nbytes, None))
+                if dst is None:
+                    dst = self._rows[(slot, nbytes, None)] = [self._mine[slot][:nbytes]]
+                dst[0].copy_(payload)
+        else:
+            for part in payload or ():  # byte tensors, back to back
+                if part.numel():
+                    self._mine[slot][nbytes:nbytes + part.numel()].copy_(part)
+                    nbytes += part.numel()
         head = self._heads[slot][self.rank]
         head[0], head[1], head[2] = op_id, signature, nbytes
         self._issued = op_id
@@ -396,19 +409,40 @@ class HostChannel:
 
         return Work(wait, test_fn=lambda: all(w.is_completed() for w in parts))
 
+    def _typed_rows(self, slot: int, nbytes: int, dtype: torch.dtype) -> list[torch.Tensor]:
+        """Every rank's first ``nbytes`` of ``slot`` as ``dtype`` (views, made once)."""
+        key = (slot, nbytes, dtype)
+        rows = self._rows.get(key)
+        if rows is None:
+            if len(self._rows) > 1024:
+                self._rows.clear()
+            typed = self._payloads[slot][:, :nbytes].view(dtype)
+            rows = self._rows[key] = list(typed.unbind(0))
+        return rows
+
     def _allreduce_part(self, flat: torch.Tensor, op: str, out: torch.Tensor | None,
                         shape: Any) -> Work:
         """One operation: ``flat`` reduced into ``out`` (returned as it is), or into a new
         tensor of ``shape``."""
         nbytes = flat.numel() * flat.element_size()
-        sig = _signature("allreduce", op, flat.dtype, flat.numel())
+        dtype = flat.dtype
+        sig = _signature("allreduce", op, dtype, flat.numel())
+        if dtype in (torch.bfloat16, torch.float16) or op != "sum" or self.size != 2:
+            def read(rows: torch.Tensor) -> torch.Tensor:
+                rows = rows[:, :nbytes].view(dtype)
+                if out is not None:
+                    _reduce_rows(rows, op, out.view(-1))
+                    return out
+                return _reduce_rows(rows, op).view(shape)
+        else:  # the common case, two ranks' sum: rank 0's row plus rank 1's, on cached views
+            slot = (self._issued + 1) % self.slots  # the slot _issue gives this operation
 
-        def read(rows: torch.Tensor) -> torch.Tensor:
-            rows = rows[:, :nbytes].view(flat.dtype)
-            if out is not None:
-                _reduce_rows(rows, op, out.view(-1))
-                return out
-            return _reduce_rows(rows, op).view(shape)
+            def read(_: torch.Tensor) -> torch.Tensor:
+                a, b = self._typed_rows(slot, nbytes, dtype)
+                if out is not None:
+                    torch.add(a, b, out=out.view(-1))
+                    return out
+                return torch.add(a, b).view(shape)
 
         return self._issue("allreduce", sig, flat.view(torch.uint8), read)
 
@@ -419,9 +453,17 @@ class HostChannel:
         width = max(nbytes)
         sig = _signature("allgather", t.dtype, tuple(map(tuple, shapes)))
 
-        def read(rows: torch.Tensor) -> list[torch.Tensor]:
-            out = rows[:, :width].clone()
-            return [out[r, :nbytes[r]].view(t.dtype).view(shapes[r]) for r in range(self.size)]
+        if all(s == shapes[0] for s in shapes):  # one shape: one copy, viewed as the P results
+            shape = tuple(shapes[0])
+
+            def read(rows: torch.Tensor) -> list[torch.Tensor]:
+                return list(rows[:, :width].clone().view(t.dtype).view(self.size, *shape)
+                            .unbind(0))
+        else:
+            def read(rows: torch.Tensor) -> list[torch.Tensor]:
+                out = rows[:, :width].clone()
+                return [out[r, :nbytes[r]].view(t.dtype).view(shapes[r])
+                        for r in range(self.size)]
 
         return self._issue(opname, sig, t.reshape(-1).view(torch.uint8), read)
 
