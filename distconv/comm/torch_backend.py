@@ -207,7 +207,7 @@ class TorchCommunicator(Communicator):
                 return None
             self._bulk = HostChannel.open(
                 rank=self.rank, size=self.size, timeout=self.timeout,
-                describe=f"rank {self.rank}, backend {self.backend!r} (bulk)",
+                describe=f"rank {self.rank}, backend {self.backend!r}",
                 broadcast_name=self._broadcast_name, all_ok=self._all_ok,
                 slots=BULK_SLOTS, slot_bytes=BULK_BYTES)
         return self._bulk or None

@@ -367,19 +367,25 @@ def without_host_channel(comm):
             os.environ["DISTCONV_HOST_CHANNEL"] = old
     for dtype in ("float32", "bfloat16", "int16"):
         programs_snap, backend = check_all_ops(c, dtype, 3)
-    return {"channel": c._host or None, "backend": backend}
+    from distconv.comm.host_channel import SLOT_BYTES
+
+    n = SLOT_BYTES // 4 + 1  # beyond a small slot: the bulk ring's, were it on
+    _equal(c.allreduce(torch.full((n,), float(c.rank + 1))),
+           torch.full((n,), float(c.size * (c.size + 1) // 2)), "large allreduce on gloo")
+    return {"channel": c._host or None, "bulk": c._bulk or None, "backend": backend}
 
 
-def dead_peer_in_channel(comm, timeout: float, path: str):
-    """The last rank exits while the others wait in a small (channel) allreduce; rank 0 writes
-    the seconds it waited and its error to ``path`` (the pool reports the exit itself)."""
+def dead_peer_in_channel(comm, timeout: float, path: str, elements: int = 2):
+    """The last rank exits while the others wait in an allreduce of ``elements`` float32s (the
+    small ring's, or the bulk ring's in chunks); rank 0 writes the seconds it waited and its
+    error to ``path`` (the pool reports the exit itself)."""
     c = comm.split([list(range(comm.size))], timeout=timeout)
-    c.allreduce(torch.ones(2))
+    c.allreduce(torch.ones(elements))
     if c.rank == c.size - 1:
         os._exit(3)
     t0 = time.monotonic()
     try:
-        c.allreduce(torch.ones(2))
+        c.allreduce(torch.ones(elements))
     except CommError as exc:
         if c.rank == 0:
             with open(path, "w") as f:

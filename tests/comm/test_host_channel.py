@@ -304,18 +304,20 @@ def test_gloo_routes_small_and_large_allreduces_through_the_channels(request, na
 def test_gloo_without_the_channel_still_passes_every_op(gloo2):
     """``DISTCONV_HOST_CHANNEL=0``: the communicators made afterwards carry everything on gloo."""
     for res in gloo2.run(programs.without_host_channel):
-        assert res["channel"] is None
+        assert res["channel"] is None and res["bulk"] is None
         assert res["backend"] == "torch-gloo"
 
 
 @pytest.mark.gloo
-def test_gloo_dead_peer_is_seen_before_the_timeout(gloo2, tmp_path):
-    """A rank that exits in the middle of a collective is reported within about a second,
-    not after the communicator's 30 s timeout."""
+@pytest.mark.parametrize("elements", [2, hc.BULK_BYTES // 4 + 5], ids=["small", "bulk"])
+def test_gloo_dead_peer_is_seen_before_the_timeout(gloo2, tmp_path, elements):
+    """A rank that exits in the middle of a collective (of the small ring, or a chunked one of
+    the bulk ring) is reported within about a second, not after the communicator's 30 s
+    timeout."""
     gloo2.run(programs.rank_and_size)
     path = tmp_path / "rank0.txt"
     with pytest.raises(CommError):
-        gloo2.run(programs.dead_peer_in_channel, 30.0, str(path))
+        gloo2.run(programs.dead_peer_in_channel, 30.0, str(path), elements)
     waited, msg = path.read_text().split(" ", 1)
     assert float(waited) < 3.0, msg
     assert msg.startswith("CommError: rank 0, backend 'torch-gloo', op 'allreduce': rank 1 "), msg
