@@ -33,11 +33,12 @@ allreduce, allgather, broadcast or reduce-scatter), whether the payload fits; la
 its backend, and so do all-to-alls (a rank knows only its own row and column of their sizes).
 
 Large allreduces (the gradient buckets of data parallelism) have a second channel of their own,
-the *bulk* channel: the same protocol over :data:`BULK_SLOTS` slots of :data:`BULK_BYTES` per
-rank, opened at the first allreduce larger than a small slot; an allreduce larger than a bulk
-slot goes as consecutive operations of one slot each. Through gloo, two processes on this
-machine allreduced 4 MiB in 7 ms and 16 MiB in 22 ms (TCP through the kernel, on gloo's
-threads); through memory it is a copy in, the reduction and nothing else. Each rank reduces
+the *bulk* channel, on gloo and on MPI communicators: the same protocol over :data:`BULK_SLOTS`
+slots of :data:`BULK_BYTES` per rank, opened at the first allreduce larger than a small slot;
+an allreduce larger than a bulk slot goes as consecutive operations of one slot each. Through
+gloo, two processes on this machine allreduced 4 MiB in 7 ms and 16 MiB in 22 ms (TCP through
+the kernel, on gloo's threads), and MPICH's non-blocking allreduce took 7-20 ms for 16 MiB;
+through memory it is a copy in, the reduction and nothing else (3-4 ms). Each rank reduces
 every chunk itself, when it waits (or needs the slot again): no rank waits on another's
 progress past its issue, as with the small operations, so mixing channel and backend
 operations cannot deadlock.
@@ -65,7 +66,8 @@ import torch
 from distconv.comm.base import _REDUCERS, Shape, Work
 from distconv.comm.errors import CollectiveMismatchError, CommError, CommTimeoutError
 
-__all__ = ["BULK_BYTES", "BULK_SLOTS", "HostChannel", "SLOTS", "SLOT_BYTES", "enabled"]
+__all__ = ["BULK_BYTES", "BULK_SLOTS", "HostChannel", "SLOTS", "SLOT_BYTES", "enabled", "name_buffer",
+           "name_of"]
 
 SLOTS = 4  #: operations in flight before a rank waits for its peers to read the oldest
 SLOT_BYTES = 32 << 10  #: largest payload per rank (a 2,000-channel BatchNorm's fp64 statistics)
@@ -86,6 +88,25 @@ def enabled() -> bool:
     if os.environ.get("DISTCONV_HOST_CHANNEL", "1").strip() in ("0", "false", "off", "no"):
         return False
     return platform.machine().lower() in ("x86_64", "amd64")
+
+
+#: bytes of the buffer that carries the shared file's path from rank 0 at opening
+NAME_BYTES = 512
+
+
+def name_buffer(name: str, rank: int) -> torch.Tensor:
+    """The byte buffer a backend broadcasts from rank 0 to open a channel: rank 0's ``name``
+    (empty where it is too long to be worth a channel), zeros on the others."""
+    buf = torch.zeros(NAME_BYTES, dtype=torch.uint8)
+    data = name.encode() if rank == 0 else b""
+    if data and len(data) <= NAME_BYTES:
+        buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    return buf
+
+
+def name_of(buf: torch.Tensor) -> str:
+    """The name a broadcast :func:`name_buffer` carries."""
+    return bytes(buf.numpy()).rstrip(b"\0").decode()
 
 
 def _start_time(pid: int) -> int | None:

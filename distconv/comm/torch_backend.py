@@ -56,7 +56,7 @@ from distconv.comm.base import (
 )
 from distconv.comm.errors import CommError, CommTimeoutError
 from distconv.comm.host_channel import (
-    BULK_BYTES, BULK_SLOTS, HostChannel, enabled as host_channel_enabled,
+    BULK_BYTES, BULK_SLOTS, HostChannel, enabled as host_channel_enabled, name_buffer, name_of,
 )
 from distconv.comm.single import SingleCommunicator
 
@@ -213,15 +213,11 @@ class TorchCommunicator(Communicator):
         return self._bulk or None
 
     def _broadcast_name(self, name: str) -> str:
-        buf = torch.zeros(512, dtype=torch.uint8)
-        if self.rank == 0:
-            data = name.encode()
-            if data and len(data) <= buf.numel():  # (a path this long is not worth a channel)
-                buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        buf = name_buffer(name, self.rank)
         opts = BroadcastOptions()
         opts.rootRank, opts.rootTensor, opts.timeout = 0, 0, _td(self.timeout)
         self._issue("broadcast", lambda: self._pg.broadcast([buf], opts), lambda: None).wait()
-        return bytes(buf.numpy()).rstrip(b"\0").decode()
+        return name_of(buf)
 
     def _all_ok(self, ok: bool) -> bool:
         flag = torch.tensor([1 if ok else 0], dtype=torch.int32)

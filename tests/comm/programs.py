@@ -353,6 +353,35 @@ def host_channel_routes(comm):
             "bytes_expected": expected}
 
 
+def bulk_ring_routes(comm):
+    """On any backend whose ranks share this host (MPI here): an allreduce larger than a small
+    slot takes the bulk ring, opened at the first one, its file unlinked; one of three chunks
+    consumes its input and is exact; small ones and bool ones stay on the backend."""
+    import glob
+
+    from distconv.comm.host_channel import BULK_BYTES, HostChannel
+
+    c = comm.split([list(range(comm.size))], timeout=29.0)
+    P, r = c.size, c.rank
+    c.stats.reset()
+    _equal(c.allreduce(torch.full((3,), float(r))), torch.full((3,), float(sum(range(P)))),
+           "small allreduce")
+    small_on_backend = c._bulk is True  # not opened by a small one
+    pid = int(c.broadcast(torch.tensor([os.getpid()]), root=0)[0])
+    n = 2 * BULK_BYTES // 8 + 3
+    huge = torch.arange(n, dtype=torch.float64) * (r + 1)
+    summed = c.allreduce(huge, consume=True)
+    _equal(summed, torch.arange(n, dtype=torch.float64) * (P * (P + 1) // 2), "chunked allreduce")
+    flags = c.allreduce(torch.full((BULK_BYTES + 1,), r == 0))  # bool: the backend's any
+    _equal(flags, torch.ones(BULK_BYTES + 1, dtype=torch.bool), "bool allreduce")
+    c.barrier()
+    return {"bulk": isinstance(c._bulk, HostChannel), "small_on_backend": small_on_backend,
+            "no_file_left": not glob.glob(f"/dev/shm/distconv-{pid}-*"),
+            "in_place": summed.data_ptr() == huge.data_ptr(), "bytes": c.stats.total_bytes(),
+            "bytes_expected": (allreduce_bytes(3, r, P, 4) + allreduce_bytes(n, r, P, 8)
+                               + allreduce_bytes(BULK_BYTES + 1, r, P, 1) + (0 if r == 0 else 8))}
+
+
 def without_host_channel(comm):
     """With DISTCONV_HOST_CHANNEL=0 a new communicator opens no channel and passes every check
     on gloo alone."""

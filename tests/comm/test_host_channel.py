@@ -300,6 +300,13 @@ def test_gloo_routes_small_and_large_allreduces_through_the_channels(request, na
         assert res["bytes"] == res["bytes_expected"], res
 
 
+@pytest.mark.mpi
+def test_mpi_routes_large_allreduces_through_the_bulk_ring(mpi4):
+    for res in mpi4.run(programs.bulk_ring_routes):
+        assert res["bulk"] and res["small_on_backend"] and res["no_file_left"], res
+        assert res["in_place"] and res["bytes"] == res["bytes_expected"], res
+
+
 @pytest.mark.gloo
 def test_gloo_without_the_channel_still_passes_every_op(gloo2):
     """``DISTCONV_HOST_CHANNEL=0``: the communicators made afterwards carry everything on gloo."""
