@@ -212,6 +212,13 @@ class TorchCommunicator(Communicator):
                 slots=BULK_SLOTS, slot_bytes=BULK_BYTES)
         return self._bulk or None
 
+    def _ring(self, nbytes: int) -> HostChannel | None:
+        """The ring for a payload of ``nbytes`` per rank that goes in one operation: the small
+        one where it fits a slot, else the bulk one where it fits a bulk slot; else None."""
+        if HostChannel.fits(nbytes):
+            return self._channel(nbytes)
+        return self._bulk_channel() if nbytes <= BULK_BYTES else None
+
     def _broadcast_name(self, name: str) -> str:
         buf = name_buffer(name, self.rank)
         opts = BroadcastOptions()
@@ -253,7 +260,7 @@ class TorchCommunicator(Communicator):
         width = max(nbytes)
         if width == 0:
             return Work.completed([torch.empty(s, dtype=t.dtype, device=t.device) for s in shapes])
-        host = self._channel(width)
+        host = self._ring(width)
         if host is not None:
             return host.allgather(t, shapes, opname)
         src = _flat_bytes(t)
@@ -287,7 +294,7 @@ class TorchCommunicator(Communicator):
     def _reduce_scatter_by_alltoall(self, chunks: list[torch.Tensor], op: str) -> Work:
         """Each rank receives every rank's chunk for it and reduces them in rank order: the
         bytes a ring reduce-scatter moves, for a gloo without (uneven) reduce-scatter."""
-        host = self._channel(sum(c.numel() for c in chunks) * chunks[0].element_size())
+        host = self._ring(sum(c.numel() for c in chunks) * chunks[0].element_size())
         if host is not None:  # (every rank's chunks have the same shapes: the same total)
             return host.reduce_scatter(chunks, op)
         mine = tuple(chunks[self.rank].shape)
@@ -332,7 +339,7 @@ class TorchCommunicator(Communicator):
         )
 
     def _broadcast(self, t: torch.Tensor, root: int) -> Work:
-        host = self._channel(t.numel() * t.element_size()) if t.numel() else None
+        host = self._ring(t.numel() * t.element_size()) if t.numel() else None
         if host is not None:
             return host.broadcast(t, root)
         out = t.clone() if self.rank == root else torch.empty_like(t)

@@ -306,9 +306,10 @@ def chunks_of_one_tensor(comm, dtype_name: str = "float32"):
 def host_channel_routes(comm):
     """Small collectives go through the shared-memory channel, opened at the first one, its
     file already unlinked; a larger allreduce through the bulk channel (its file unlinked too),
-    one larger than a bulk slot in chunks, consuming its input or not; a larger allgather goes
-    to gloo; all kinds in flight at once complete correctly, waited for in reverse order; bytes
-    are counted as for gloo."""
+    one larger than a bulk slot in chunks, consuming its input or not; an allgather larger than
+    a small slot through the bulk one, and one larger than a bulk slot on gloo; all kinds in
+    flight at once complete correctly, waited for in reverse order; bytes are counted as for
+    gloo."""
     import glob
 
     from distconv.comm.host_channel import BULK_BYTES, SLOT_BYTES, HostChannel
@@ -333,8 +334,14 @@ def host_channel_routes(comm):
     w_big = c.allreduce(torch.full((n_big,), 1.0), async_op=True)
     w_small = c.allreduce(torch.tensor([r], dtype=torch.int64), async_op=True)
     w_gather = c.allgather(torch.tensor([r, -r]), async_op=True)
-    w_wide = c.allgather(torch.full((n_big,), float(r)), async_op=True)  # on gloo
+    in_bulk = c._bulk._issued if bulk else 0
+    w_wide = c.allgather(torch.full((n_big,), float(r)), async_op=True)  # the bulk ring
+    wide_in_bulk = bulk and c._bulk._issued == in_bulk + 1
+    n_gloo = BULK_BYTES // 4 + 1
+    w_gloo = c.allgather(torch.full((n_gloo,), float(r)), async_op=True)  # beyond it: gloo
+    gloo_outside = bulk and c._bulk._issued == in_bulk + 1
     wide = w_wide.wait()
+    on_gloo = w_gloo.wait()
     gathered = w_gather.wait()
     _equal(w_small.wait(), torch.tensor([sum(range(P))]), "small async allreduce")
     _equal(w_big.wait(), torch.full((n_big,), float(P)), "big async allreduce")
@@ -344,11 +351,13 @@ def host_channel_routes(comm):
     for s in range(P):
         _equal(gathered[s], torch.tensor([s, -s]), f"allgather[{s}]")
         _equal(wide[s], torch.full((n_big,), float(s)), f"wide allgather[{s}]")
+        _equal(on_gloo[s], torch.full((n_gloo,), float(s)), f"allgather on gloo[{s}]")
     c.barrier()
     expected = (allreduce_bytes(3, r, P, 4) + 2 * allreduce_bytes(n_big, r, P, 4)
                 + allreduce_bytes(n_huge, r, P, 8) + allreduce_bytes(1, r, P, 8)
-                + (P - 1) * (2 * 8 + n_big * 4) + (0 if r == 0 else 8))
-    return {"opened": opened, "no_file_left": no_file_left, "big_on_bulk": bulk,
+                + (P - 1) * (2 * 8 + n_big * 4 + n_gloo * 4) + (0 if r == 0 else 8))
+    return {"opened": opened, "no_file_left": no_file_left,
+            "big_on_bulk": bulk and wide_in_bulk and gloo_outside,
             "consumed_in_place": summed.data_ptr() == huge.data_ptr(), "bytes": c.stats.total_bytes(),
             "bytes_expected": expected}
 
