@@ -24,8 +24,9 @@ What gloo (torch 2.13) lacks, and what is done about it:
   the choice depends only on what every rank of the call knows alike). The channel is opened at
   the first such call, collectively. Larger allreduces (gradient buckets) go through a second,
   bulk channel of the same kind, in chunks of :data:`~distconv.comm.host_channel.BULK_BYTES`
-  (gloo took 7 ms for 4 MiB between two processes here). ``DISTCONV_HOST_CHANNEL=0`` keeps
-  everything on gloo.
+  (gloo took 7 ms for 4 MiB between two processes here), and so do allgathers, broadcasts and
+  reduce-scatters of up to one bulk slot per rank (a channel-parallel layer's activations).
+  ``DISTCONV_HOST_CHANNEL=0`` keeps everything on gloo.
 
 Sub-communicators are separate process groups built on a prefix of the world's store, named from
 the parent's name and its split count, so only the members of a group take part in creating it
@@ -116,7 +117,7 @@ class TorchCommunicator(Communicator):
         # the shared-memory channel for small collectives: opened at the first one that fits
         self._host: HostChannel | None | bool = (
             kind == "gloo" and size > 1 and host_channel_enabled())
-        # and the bulk channel of large allreduces: opened at the first one
+        # and the bulk channel of larger payloads: opened at the first one
         self._bulk: HostChannel | None | bool = self._host
         if kind == "nccl":
             self._device = torch.device("cuda", torch.cuda.current_device())
@@ -200,8 +201,8 @@ class TorchCommunicator(Communicator):
         return self._host
 
     def _bulk_channel(self) -> HostChannel | None:
-        """The bulk channel (large allreduces), or None: gloo carries them. Opens it
-        collectively at the first call (every rank makes the call: the sizes are the same)."""
+        """The bulk channel (payloads beyond a small slot), or None: gloo carries them. Opens
+        it collectively at the first call (every rank makes the call: the sizes are the same)."""
         if self._bulk is True:
             if self._pg is None:
                 return None
