@@ -21,9 +21,10 @@ unless they already lie back to back in one storage, see :func:`~distconv.comm.b
 
 from __future__ import annotations
 
+import math
 import os
 import time
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -116,13 +117,15 @@ class MPICommunicator(Communicator):
             reqs = start()
         except MPI.Exception as exc:
             raise self._error(opname, exc) from exc
-        if not isinstance(reqs, list):
-            reqs = [reqs]
+        if isinstance(reqs, list):
+            done: Callable[[], bool] = lambda: MPI.Request.Testall(reqs)  # noqa: E731
+        else:
+            done = reqs.Test  # one request (a collective): its own test, no list
 
         def wait() -> Any:
             begin = time.monotonic()
             try:
-                while not MPI.Request.Testall(reqs):
+                while not done():
                     now = time.monotonic()
                     if now > deadline:
                         raise CommTimeoutError(
@@ -139,7 +142,7 @@ class MPICommunicator(Communicator):
         # concatenated send buffer, a temporary block to send): MPI may read and write them until
         # the request completes (Open MPI reads a send buffer during progress, not in the call),
         # so the Work keeps them until it completes, never only as long as the call
-        return Work(wait, test_fn=lambda: MPI.Request.Testall(reqs), keep=start)
+        return Work(wait, test_fn=done, keep=start)
 
     def _error(self, opname: str, exc: BaseException) -> CommError:
         return CommError(f"rank {self.rank}, backend 'mpi', op {opname!r}: {exc}")
@@ -215,9 +218,20 @@ class MPICommunicator(Communicator):
 
     def _allgather(self, t: torch.Tensor, shapes: list[Shape], opname: str) -> Work:
         isz = t.element_size()
+        B = self._MPI.BYTE
+        if all(s == shapes[0] for s in shapes):
+            # one shape (a BatchNorm's statistics): the plain allgather, its result viewed as
+            # the P tensors (the v-variant's count lists and the split cost more than the call)
+            shape = tuple(shapes[0])
+            out = torch.empty((self.size, math.prod(shape) * isz), dtype=torch.uint8)
+            return self._issue(
+                opname,
+                lambda: self._by_op["allgather"].Iallgather([_bytes_np(t), B], [out.numpy(), B]),
+                lambda: list(out.view(t.dtype).view(self.size, *shape).unbind(0)),
+                out.numel(),
+            )
         counts = [torch.Size(s).numel() * isz for s in shapes]
         out = torch.empty(sum(counts), dtype=torch.uint8)
-        B = self._MPI.BYTE
 
         def finish() -> list[torch.Tensor]:
             return [p.view(t.dtype).view(s) for p, s in zip(out.split(counts), shapes)]
