@@ -53,6 +53,7 @@ from distconv.distribution import Dist
 from distconv.machines import resolve_machine
 from distconv.machines.base import Machine, group_of
 from distconv.comm.base import allreduce_bytes
+from distconv.conv_geometry import HaloPlan
 from distconv.nn.conv import conv_dists
 from distconv.nn.conv_nd import conv_nd_dists, spatial_roles
 from distconv.ops.conv import memory_elements, moves_data
@@ -431,7 +432,6 @@ def candidates(problem: ConvProblem, world_size: int, *, max_model: int = 16,
     world size with ``m <= max_model``, N takes the rest (at most the batch and ``max_sample``),
     and no dim is split into more blocks than it has items."""
     pb, out = problem, []
-    ho, wo = pb.output_hw
     for m in _divisors(world_size):
         n = world_size // m
         if m > max_model or n > min(pb.batch, max_sample or pb.batch):
@@ -453,7 +453,7 @@ def candidates(problem: ConvProblem, world_size: int, *, max_model: int = 16,
                 if alg not in algorithms:
                     continue
                 for g in grids:
-                    ch = _valid(pb, Choice(N + g, alg), ho, wo)
+                    ch = _valid(pb, Choice(N + g, alg))
                     if ch is not None:
                         out.append(ch)
     return out
@@ -513,11 +513,20 @@ def _splits(m: int, rows: Sequence[str]) -> list[tuple[tuple[str, int], ...]]:
     return out
 
 
-def _valid(pb: ConvProblem, ch: Choice, ho: int, wo: int) -> Choice | None:
+def _valid(pb: ConvProblem, ch: Choice) -> Choice | None:
+    """``ch`` where the layer can run it (as ``DistConv2d`` and ``explain`` decide: every rank
+    at least one input and one output row of each split spatial dim, a padding mode that can be
+    split, whole channel blocks), else None."""
     e = ch.extents
     c, f = e.get("C", 1), e.get("F", 1)
-    if e.get("H", 1) > ho or e.get("W", 1) > wo or c * f > min(pb.in_channels, pb.out_channels):
+    if c * f > min(pb.in_channels, pb.out_channels):
         return None
+    for row, dim in zip(("H", "W"), pb.dims()):
+        if e.get(row, 1) > 1:
+            try:
+                HaloPlan(dim, e[row], pb.padding_mode).check(row)
+            except ValueError:
+                return None
     if pb.groups > 1 and c * f > 1:
         if pb.groups % (c * f):
             return None
@@ -1270,7 +1279,7 @@ def _layout_choice(c: ConvNode, grid: tuple[tuple[str, int], ...]) -> Choice | N
                       spatial=c.spatial, transposed=c.transposed)
     if live - {"C", "F", "H", "W"}:
         return None
-    return _valid(c.problem, Choice(grid, algorithm), *c.problem.output_hw)
+    return _valid(c.problem, Choice(grid, algorithm))
 
 
 def _canonical(layout: Sequence[tuple[str, int]]) -> tuple[tuple[str, int], ...]:

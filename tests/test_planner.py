@@ -320,3 +320,33 @@ def test_the_step_overlaps_gradient_allreduces_with_the_rest_of_backward() -> No
     # forward 1 + 1 + 1; backward b (2), a (2); bucket 0 runs 5..8, bucket 1 8..11
     assert (t.forward, t.backward, t.gradients) == (3.0, 4.0, 6.0)
     assert t.step == 11.0 and t.exposed == 4.0
+
+
+@pytest.mark.parametrize("problem", [
+    ConvProblem(2, 4, 4, 1, 6, kernel_size=1, padding=1),  # 3 output rows from 1 input row
+    ConvProblem(2, 4, 4, 3, 5, kernel_size=3, padding=1, padding_mode="reflect"),
+    ConvProblem(2, 4, 4, 3, 7, kernel_size=3, stride=2, padding=1),  # 2 output rows
+], ids=["padding-grows-rows", "reflect", "strided"])
+def test_planner_candidates_are_the_layouts_explain_accepts(problem: ConvProblem) -> None:
+    """The planner offers a spatial split exactly where explain (and DistConv2d) can run it:
+    every rank at least one input and one output row, a padding mode that splits."""
+    from distconv.parallel.explain import explain
+
+    model = nn.Sequential(nn.Conv2d(problem.in_channels, problem.out_channels,
+                                    problem.kernel_size, stride=problem.stride,
+                                    padding=problem.padding, padding_mode=problem.padding_mode))
+    shape = (problem.batch, problem.in_channels, problem.height, problem.width)
+    offered = {c.grid for c in candidates(problem, 4, algorithms=("spatial",))}
+    # the spatial grids the planner considers on 4 ranks (N the rest, named where it splits)
+    shaped = [(("N", 2), ("H", 2)), (("H", 4),), (("H", 2), ("W", 2))]
+    accepted = set()
+    for grid in shaped:
+        config = {"layers": [{"match": "0", "grid": dict(grid), "algorithm": "spatial"}]}
+        try:
+            explain(model, config, shape, world_size=4)
+        except ValueError as exc:
+            assert "exceeds what this layer can split" in str(exc) or "padding" in str(exc), exc
+            continue
+        accepted.add(grid)
+    assert offered == accepted
+    assert accepted != set(shaped)  # each case has a split explain refuses
