@@ -70,7 +70,7 @@ from distconv.comm.base import _REDUCERS, Shape, Work
 from distconv.comm.errors import CollectiveMismatchError, CommError, CommTimeoutError
 
 __all__ = ["BULK_BYTES", "BULK_SLOTS", "HostChannel", "SLOTS", "SLOT_BYTES", "enabled", "name_buffer",
-           "name_of"]
+           "name_of", "open_ring"]
 
 SLOTS = 4  #: operations in flight before a rank waits for its peers to read the oldest
 SLOT_BYTES = 32 << 10  #: largest payload per rank (a 2,000-channel BatchNorm's fp64 statistics)
@@ -110,6 +110,18 @@ def name_buffer(name: str, rank: int) -> torch.Tensor:
 def name_of(buf: torch.Tensor) -> str:
     """The name a broadcast :func:`name_buffer` carries."""
     return bytes(buf.numpy()).rstrip(b"\0").decode()
+
+
+def open_ring(comm: Any, *, slots: int = SLOTS, slot_bytes: int = SLOT_BYTES
+              ) -> HostChannel | None:
+    """:meth:`HostChannel.open` for the communicator ``comm`` (collective over its ranks),
+    through its backend's own broadcast of the file's name (``comm._broadcast_name``) and
+    allreduce of a flag (``comm._all_ok``), never through a ring."""
+    return HostChannel.open(
+        rank=comm.rank, size=comm.size, timeout=comm.timeout,
+        describe=f"rank {comm.rank}, backend {comm.backend!r}",
+        broadcast_name=comm._broadcast_name, all_ok=comm._all_ok, slots=slots,
+        slot_bytes=slot_bytes)
 
 
 def _start_time(pid: int) -> int | None:
@@ -184,7 +196,8 @@ class _Op:
 
 
 class HostChannel:
-    """The shared-memory transport of one communicator's small collectives (module docstring).
+    """One shared-memory ring of a communicator: its small collectives' (``SLOTS`` slots of
+    ``SLOT_BYTES``) or its bulk one (module docstring).
 
     Made collectively by :meth:`open`; ``rank`` and ``size`` are the communicator's.
     """
@@ -348,9 +361,10 @@ class HostChannel:
 
     def _issue(self, kind: str, signature: int,
                payload: torch.Tensor | list[torch.Tensor] | None,
-               read: Callable[[torch.Tensor], Any]) -> Work:
+               read: Callable[[int], Any]) -> Work:
         """Write this rank's part of one operation; the Work reads everyone's (``read`` gets the
-        slot's payloads as a ``[size, slot_bytes]`` byte tensor) and returns what ``read`` returns."""
+        operation's slot: :meth:`_rows_of` gives its payloads) and returns what ``read``
+        returns."""
         self._check_open(kind)
         op_id = self._issued + 1
         slot = op_id % self.slots
@@ -365,10 +379,7 @@ class HostChannel:
         if isinstance(payload, torch.Tensor):  # one byte tensor: into this rank's row
             nbytes = payload.numel()
             if nbytes:
-                dst = self._rows.get((slot, nbytes, None))
-                if dst is None:
-                    dst = self._rows[(slot, nbytes, None)] = [self._mine[slot][:nbytes]]
-                dst[0].copy_(payload)
+                self._view(slot, nbytes, None)[0].copy_(payload)
         else:
             for part in payload or ():  # byte tensors, back to back
                 if part.numel():
@@ -378,8 +389,7 @@ class HostChannel:
         head[0], head[1], head[2] = op_id, signature, nbytes
         self._issued = op_id
         self._seq[self.rank] = op_id  # last: publishes the header and payload above
-        rows = self._payloads[slot]
-        op = _Op(op_id, kind, lambda: read(rows))
+        op = _Op(op_id, kind, lambda: read(slot))
         self._pending.append(op)
         return Work(lambda: self._complete_through(op_id) or op.result,
                     test_fn=lambda: self._arrived(op_id))
@@ -433,16 +443,22 @@ class HostChannel:
 
         return Work(wait, test_fn=lambda: all(w.is_completed() for w in parts))
 
-    def _typed_rows(self, slot: int, nbytes: int, dtype: torch.dtype) -> list[torch.Tensor]:
-        """Every rank's first ``nbytes`` of ``slot`` as ``dtype`` (views, made once)."""
+    def _view(self, slot: int, nbytes: int, dtype: torch.dtype | None) -> list[torch.Tensor]:
+        """Every rank's first ``nbytes`` of ``slot`` as ``dtype``, or (``dtype`` None) this
+        rank's as bytes: views, made once per slot and size."""
         key = (slot, nbytes, dtype)
         rows = self._rows.get(key)
         if rows is None:
             if len(self._rows) > 1024:
                 self._rows.clear()
-            typed = self._payloads[slot][:, :nbytes].view(dtype)
-            rows = self._rows[key] = list(typed.unbind(0))
+            rows = self._rows[key] = (
+                [self._mine[slot][:nbytes]] if dtype is None
+                else list(self._payloads[slot][:, :nbytes].view(dtype).unbind(0)))
         return rows
+
+    def _rows_of(self, slot: int) -> torch.Tensor:
+        """``slot``'s payloads as one ``[size, slot_bytes]`` byte tensor: row r is rank r's."""
+        return self._payloads[slot]
 
     def _allreduce_part(self, flat: torch.Tensor, op: str, out: torch.Tensor | None,
                         shape: Any) -> Work:
@@ -452,17 +468,15 @@ class HostChannel:
         dtype = flat.dtype
         sig = _signature("allreduce", op, dtype, flat.numel())
         if dtype in (torch.bfloat16, torch.float16) or op != "sum" or self.size != 2:
-            def read(rows: torch.Tensor) -> torch.Tensor:
-                rows = rows[:, :nbytes].view(dtype)
+            def read(slot: int) -> torch.Tensor:
+                rows = self._rows_of(slot)[:, :nbytes].view(dtype)
                 if out is not None:
                     _reduce_rows(rows, op, out.view(-1))
                     return out
                 return _reduce_rows(rows, op).view(shape)
         else:  # the common case, two ranks' sum: rank 0's row plus rank 1's, on cached views
-            slot = (self._issued + 1) % self.slots  # the slot _issue gives this operation
-
-            def read(_: torch.Tensor) -> torch.Tensor:
-                a, b = self._typed_rows(slot, nbytes, dtype)
+            def read(slot: int) -> torch.Tensor:
+                a, b = self._view(slot, nbytes, dtype)
                 if out is not None:
                     torch.add(a, b, out=out.view(-1))
                     return out
@@ -480,12 +494,12 @@ class HostChannel:
         if all(s == shapes[0] for s in shapes):  # one shape: one copy, viewed as the P results
             shape = tuple(shapes[0])
 
-            def read(rows: torch.Tensor) -> list[torch.Tensor]:
-                return list(rows[:, :width].clone().view(t.dtype).view(self.size, *shape)
-                            .unbind(0))
+            def read(slot: int) -> list[torch.Tensor]:
+                return list(self._rows_of(slot)[:, :width].clone().view(t.dtype)
+                            .view(self.size, *shape).unbind(0))
         else:
-            def read(rows: torch.Tensor) -> list[torch.Tensor]:
-                out = rows[:, :width].clone()
+            def read(slot: int) -> list[torch.Tensor]:
+                out = self._rows_of(slot)[:, :width].clone()
                 return [out[r, :nbytes[r]].view(t.dtype).view(shapes[r])
                         for r in range(self.size)]
 
@@ -502,8 +516,8 @@ class HostChannel:
         shape = chunks[self.rank].shape
         sig = _signature("reduce_scatter", op, dtype, tuple(tuple(c.shape) for c in chunks))
 
-        def read(rows: torch.Tensor) -> torch.Tensor:
-            return _reduce_rows(rows[:, lo:hi].view(dtype), op).view(shape)
+        def read(slot: int) -> torch.Tensor:
+            return _reduce_rows(self._rows_of(slot)[:, lo:hi].view(dtype), op).view(shape)
 
         return self._issue("reduce_scatter", sig,
                            [c.reshape(-1).view(torch.uint8) for c in chunks], read)
@@ -514,10 +528,10 @@ class HostChannel:
         sig = _signature("broadcast", root, t.dtype, tuple(t.shape))
         payload = t.reshape(-1).view(torch.uint8) if self.rank == root else None
 
-        def read(rows: torch.Tensor) -> torch.Tensor:
-            return rows[root, :nbytes].clone().view(t.dtype).view(t.shape)
+        def read(slot: int) -> torch.Tensor:
+            return self._rows_of(slot)[root, :nbytes].clone().view(t.dtype).view(t.shape)
 
         return self._issue("broadcast", sig, payload, read)
 
     def barrier(self) -> Work:
-        return self._issue("barrier", _signature("barrier"), None, lambda rows: None)
+        return self._issue("barrier", _signature("barrier"), None, lambda slot: None)

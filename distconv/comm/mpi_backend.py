@@ -33,7 +33,7 @@ from distconv.comm.base import AlltoallBuffers, Communicator, Shape, Work, flat_
 from distconv.comm.errors import CommError, CommTimeoutError
 from distconv.comm.host_channel import (
     BULK_BYTES, BULK_SLOTS, SLOT_BYTES, HostChannel, enabled as host_channel_enabled, name_buffer,
-    name_of,
+    name_of, open_ring,
 )
 from distconv.comm.single import SingleCommunicator
 
@@ -171,10 +171,7 @@ class MPICommunicator(Communicator):
         if self._bulk is True:
             if not self._by_op:
                 return None
-            self._bulk = HostChannel.open(
-                rank=self.rank, size=self.size, timeout=self.timeout,
-                describe=f"rank {self.rank}, backend 'mpi'", broadcast_name=self._broadcast_name,
-                all_ok=self._all_ok, slots=BULK_SLOTS, slot_bytes=BULK_BYTES)
+            self._bulk = open_ring(self, slots=BULK_SLOTS, slot_bytes=BULK_BYTES)
         return self._bulk or None
 
     def _broadcast_name(self, name: str) -> str:

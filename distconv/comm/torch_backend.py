@@ -58,6 +58,7 @@ from distconv.comm.base import (
 from distconv.comm.errors import CommError, CommTimeoutError
 from distconv.comm.host_channel import (
     BULK_BYTES, BULK_SLOTS, HostChannel, enabled as host_channel_enabled, name_buffer, name_of,
+    open_ring,
 )
 from distconv.comm.single import SingleCommunicator
 
@@ -194,10 +195,7 @@ class TorchCommunicator(Communicator):
         if self._host is True:
             if self._pg is None:
                 return None  # closed: the backend path raises
-            self._host = HostChannel.open(
-                rank=self.rank, size=self.size, timeout=self.timeout,
-                describe=f"rank {self.rank}, backend {self.backend!r}",
-                broadcast_name=self._broadcast_name, all_ok=self._all_ok)
+            self._host = open_ring(self)
         return self._host
 
     def _bulk_channel(self) -> HostChannel | None:
@@ -206,11 +204,7 @@ class TorchCommunicator(Communicator):
         if self._bulk is True:
             if self._pg is None:
                 return None
-            self._bulk = HostChannel.open(
-                rank=self.rank, size=self.size, timeout=self.timeout,
-                describe=f"rank {self.rank}, backend {self.backend!r}",
-                broadcast_name=self._broadcast_name, all_ok=self._all_ok,
-                slots=BULK_SLOTS, slot_bytes=BULK_BYTES)
+            self._bulk = open_ring(self, slots=BULK_SLOTS, slot_bytes=BULK_BYTES)
         return self._bulk or None
 
     def _ring(self, nbytes: int) -> HostChannel | None:
