@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import math
 import re
-from typing import TYPE_CHECKING, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
 
 if TYPE_CHECKING:
     from distconv.comm import Communicator
@@ -70,6 +70,8 @@ class ProcessorGrid:
         self.comm = comm
         self._coords = self.coords_of(comm.rank)
         self._subcomms: dict[tuple[str, ...], Communicator] = {}
+        # redistributions planned on this grid and bound to it (distconv.redistribute's)
+        self._bound: dict[Any, Any] = {}
 
     # ----------------------------------------------------------------- value
     @property

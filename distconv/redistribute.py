@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Sequence
 
 import torch
@@ -68,11 +68,13 @@ def _extent(layout: Layout, name: str) -> int:
 # --------------------------------------------------------------------------- execution context
 @dataclass(frozen=True)
 class _Ctx:
-    """What a step needs at run time: the grid, this rank's coords and the global shape."""
+    """What a step needs at run time: the grid, this rank's coords and the global shape. What
+    it derives from them (block sizes, sub-communicators, messages) it derives once."""
 
     grid: ProcessorGrid
     global_shape: tuple[int, ...]
     where: str  # description for debug-mode agreement checks and error messages
+    memo: dict = field(default_factory=dict, compare=False, repr=False)
 
     def extent(self, g: str) -> int:
         return self.grid.extent(g)
@@ -90,8 +92,12 @@ class _Ctx:
 
     def parts(self, dim: int, prefix: tuple[str, ...], g: str) -> list[int]:
         """Sizes of the sub-blocks over ``g`` of this rank's ``prefix`` block of ``dim``."""
-        n, p = self.prefix_block(dim, prefix), self.extent(g)
-        return [balanced_block(n, p, j)[1] for j in range(p)]
+        key = (dim, prefix, g)
+        sizes = self.memo.get(key)
+        if sizes is None:
+            n, p = self.prefix_block(dim, prefix), self.extent(g)
+            sizes = self.memo[key] = [balanced_block(n, p, j)[1] for j in range(p)]
+        return sizes
 
     def subrank(self, dims: Sequence[str]) -> int:
         """This rank's index in the segment over ``dims`` (row-major in grid order)."""
@@ -101,8 +107,18 @@ class _Ctx:
                 index = index * self.extent(name) + self.coord(name)
         return index
 
-    def comm(self, dims: Sequence[str]) -> Communicator:
-        return self.grid.subcomm(dims)
+    def comm(self, dims: tuple[str, ...]) -> Communicator:
+        comm = self.memo.get(dims)
+        if comm is None:
+            comm = self.memo[dims] = self.grid.subcomm(dims)
+        return comm
+
+    def meta(self, step: Step) -> str:
+        """The message a step's collective carries (debug checks, errors)."""
+        text = self.memo.get(step)
+        if text is None:
+            text = self.memo[step] = f"{step} in {self.where}"
+        return text
 
 
 def _with(shape: Sequence[int], dim: int, size: int) -> tuple[int, ...]:
@@ -146,8 +162,8 @@ class AllGather:
         """:meth:`run` started without blocking; the handle's ``wait()`` gives its result."""
         sizes = ctx.parts(self.dim, self.prefix, self.g)
         shapes = [_with(x.shape, self.dim, s) for s in sizes]
-        work = ctx.comm([self.g]).allgather(x, shapes=shapes, async_op=True,
-                                            meta=f"{self} in {ctx.where}")
+        work = ctx.comm((self.g,)).allgather(x, shapes=shapes, async_op=True,
+                                            meta=ctx.meta(self))
         return Work(lambda: _concat(work.wait(), self.dim), test_fn=work.is_completed)
 
     def adjoint(self) -> ReduceScatter:
@@ -177,8 +193,8 @@ class ReduceScatter:
     def start(self, x: torch.Tensor, ctx: _Ctx) -> Work:
         """:meth:`run` started without blocking; the handle's ``wait()`` gives its result."""
         chunks = _send_chunks(x, ctx.parts(self.dim, self.prefix, self.g), self.dim)
-        return ctx.comm([self.g]).reduce_scatter(chunks, async_op=True,
-                                                 meta=f"{self} in {ctx.where}")
+        return ctx.comm((self.g,)).reduce_scatter(chunks, async_op=True,
+                                                 meta=ctx.meta(self))
 
     def adjoint(self) -> AllGather:
         return AllGather(self.dim, self.g, self.prefix)
@@ -199,7 +215,7 @@ class AllReduce:
     dims: tuple[str, ...]
 
     def run(self, x: torch.Tensor, ctx: _Ctx) -> torch.Tensor:
-        return ctx.comm(self.dims).allreduce(x, meta=f"{self} in {ctx.where}")
+        return ctx.comm(self.dims).allreduce(x, meta=ctx.meta(self))
 
     def adjoint(self) -> AllReduce:
         return self
@@ -276,8 +292,8 @@ class AllToAll:
         mine = send_sizes[ctx.coord(self.g)]
         chunks = _send_chunks(x, send_sizes, self.dst)
         recv_shapes = [_with(_with(x.shape, self.dst, mine), self.src, s) for s in recv_sizes]
-        parts = ctx.comm([self.g]).alltoall(
-            chunks, recv_shapes=recv_shapes, meta=f"{self} in {ctx.where}"
+        parts = ctx.comm((self.g,)).alltoall(
+            chunks, recv_shapes=recv_shapes, meta=ctx.meta(self)
         )
         return _concat(parts, self.src)
 
@@ -512,6 +528,25 @@ def redistribute(
         ValueError: a distribution that does not fit the grid or the shape, or an ``x`` whose shape
             is not ``src``'s local block of ``global_shape``.
     """
+    # a block shape, distributions and global shape seen on this grid before: checked and
+    # planned then (the layers of a network call this per step with the same arguments)
+    key = bound = None
+    if (type(grid) is ProcessorGrid and type(src) is Dist and type(dst) is Dist
+            and type(global_shape) is tuple and all(type(n) is int for n in global_shape)):
+        key = (src, dst, global_shape)
+        bound = grid._bound.get(key)
+    if bound is None or not isinstance(x, torch.Tensor) or x.shape != bound[0]:
+        bound = _bind(x, grid, src, dst, global_shape, key)
+    _, steps, rctx = bound
+    for step in steps:
+        x = _StepFunction.apply(x, step, rctx)
+    return x
+
+
+def _bind(x: object, grid: object, src: object, dst: object, global_shape: object,
+          key: tuple | None) -> tuple[tuple[int, ...], tuple[Step, ...], _Ctx]:
+    """Check ``redistribute``'s arguments and plan it: ``(x's shape, steps, context)``,
+    remembered on the grid under ``key`` (None: not remembered)."""
     global_shape = _check_args("redistribute", x, grid, global_shape, src=src, dst=dst)
     expected = src.local_shape(global_shape, grid)  # also rejects unknown grid dims
     if tuple(x.shape) != expected:
@@ -521,9 +556,12 @@ def redistribute(
         )
     plan = plan_redistribution(grid.layout, src, dst, global_shape)
     rctx = _Ctx(grid, global_shape, f"{src} -> {dst} of {global_shape}")
-    for step in plan.steps:
-        x = _StepFunction.apply(x, step, rctx)
-    return x
+    bound = (expected, plan.steps, rctx)
+    if key is not None:
+        if len(grid._bound) > 256:  # shapes that keep changing: a bounded cache
+            grid._bound.clear()
+        grid._bound[key] = bound
+    return bound
 
 
 def scatter(x: torch.Tensor, dist: Dist, grid: ProcessorGrid) -> torch.Tensor:

@@ -195,6 +195,29 @@ def test_wrong_local_shape_names_the_rank():
         run_threads(bad, 2)
 
 
+def test_a_redistribution_seen_before_is_still_checked():
+    """The second call with the same grid, distributions and global shape reuses the first
+    call's plan; a block of another shape, or a global shape of floats, is still refused."""
+    def seen(comm):
+        grid = ProcessorGrid({"P": 2}, comm=comm)
+        src, dst = Dist(("P",)), Dist((None,))
+        x = torch.arange(2.0) + 2 * comm.rank
+        first = redistribute(x, grid, src, dst, (4,))
+        again = redistribute(x + 1, grid, src, dst, (4,))
+        errors = []
+        for args in ((torch.zeros(3), (4,)), (x, (4.0,))):
+            try:
+                redistribute(args[0], grid, src, dst, args[1])
+            except (TypeError, ValueError) as exc:
+                errors.append(str(exc))
+        return first, again, errors
+
+    for first, again, errors in run_threads(seen, 2):
+        assert torch.equal(first, torch.arange(4.0)) and torch.equal(again, torch.arange(4.0) + 1)
+        assert "local block has shape (3,)" in errors[0]
+        assert "global_shape" in errors[1] and len(errors) == 2
+
+
 def disagreeing_ranks(comm):
     grid = ProcessorGrid({"P": 2}, comm=comm)
     src = Dist(("P", None))
