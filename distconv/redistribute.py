@@ -730,6 +730,28 @@ def repartition(
     Raises:
         ValueError: grids over different communicators, or a block that does not match ``src``.
     """
+    # arguments seen on this grid before (a network's transition between two layers' grids,
+    # each step): checked and planned then
+    key = bound = None
+    if (type(src_grid) is ProcessorGrid and type(dst_grid) is ProcessorGrid and type(src) is Dist
+            and type(dst) is Dist and not src.pending and type(global_shape) is tuple
+            and all(type(n) is int for n in global_shape)):
+        key = ("repartition", dst_grid, src, dst, global_shape)
+        bound = src_grid._bound.get(key)
+    if bound is None or not isinstance(x, torch.Tensor) or x.shape != bound[0]:
+        x, bound = _bind_repartition(x, src_grid, src, dst_grid, dst, global_shape, key)
+    _, plan, where, plain_dst, shape = bound
+    y = _Repartition.apply(x, plan, src_grid.comm, where)
+    if dst.pending:
+        y = redistribute(y, dst_grid, plain_dst, dst, shape)
+    return y
+
+
+def _bind_repartition(x: object, src_grid: object, src: object, dst_grid: object, dst: object,
+                      global_shape: object, key: tuple | None) -> tuple[torch.Tensor, tuple]:
+    """Check ``repartition``'s arguments and plan it: ``x`` with ``src``'s pending sums summed,
+    and ``(its shape, plan, message, dst without pending sums, global shape)``, remembered on
+    the source grid under ``key`` (None: not remembered)."""
     for name, g in (("src_grid", src_grid), ("dst_grid", dst_grid)):
         if not isinstance(g, ProcessorGrid):
             raise TypeError(f"repartition: {name} must be a distconv.ProcessorGrid, got {g!r}")
@@ -753,7 +775,9 @@ def repartition(
     plain_dst = dst.with_pending(())
     plan = _repartition_plan(src_grid.layout, src, dst_grid.layout, plain_dst, shape)
     where = f"repartition {src} on {dict(src_grid.layout)} -> {plain_dst} on {dict(dst_grid.layout)}"
-    y = _Repartition.apply(x, plan, src_grid.comm, where)
-    if dst.pending:
-        y = redistribute(y, dst_grid, plain_dst, dst, shape)
-    return y
+    bound = (expected, plan, where, plain_dst, shape)
+    if key is not None:
+        if len(src_grid._bound) > 256:
+            src_grid._bound.clear()
+        src_grid._bound[key] = bound
+    return x, bound

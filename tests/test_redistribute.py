@@ -218,6 +218,31 @@ def test_a_redistribution_seen_before_is_still_checked():
         assert "global_shape" in errors[1] and len(errors) == 2
 
 
+def test_a_repartition_seen_before_is_still_checked():
+    """The same for a move between two grids: the second call reuses the first's plan; a
+    block of another shape, or a target grid over other ranks, is still refused."""
+    def seen(comm):
+        rows, cols = ProcessorGrid({"R": 2, "S": 1}, comm=comm), ProcessorGrid({"S": 2}, comm=comm)
+        src, dst = Dist(("R", None)), Dist((None, "S"))
+        x = torch.arange(4.0).view(2, 2) + 4 * comm.rank  # rows 2r, 2r+1 of arange(8).view(4, 2)
+        first = repartition(x, rows, src, cols, dst, (4, 2))
+        again = repartition(x + 1, rows, src, cols, dst, (4, 2))
+        errors = []
+        other = ProcessorGrid({"S": 2}, comm=comm.split([[0, 1]]))
+        for y, target in ((torch.zeros(3, 2), cols), (x, other)):
+            try:
+                repartition(y, rows, src, target, dst, (4, 2))
+            except (TypeError, ValueError) as exc:
+                errors.append(str(exc))
+        return first, again, errors
+
+    for rank, (first, again, errors) in enumerate(run_threads(seen, 2)):
+        column = torch.arange(8.0).view(4, 2)[:, rank:rank + 1]
+        assert torch.equal(first, column) and torch.equal(again, column + 1)
+        assert "local block has shape (3, 2)" in errors[0]
+        assert "same communicator" in errors[1] and len(errors) == 2
+
+
 def disagreeing_ranks(comm):
     grid = ProcessorGrid({"P": 2}, comm=comm)
     src = Dist(("P", None))
