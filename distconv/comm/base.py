@@ -171,7 +171,7 @@ class AlltoallBuffers:
         isz = chunks[0].element_size()
         self.send = flat_concat(chunks).view(torch.uint8)
         self.send_counts = [c.numel() * isz for c in chunks]
-        self.recv_counts = [torch.Size(s).numel() * isz for s in recv_shapes]
+        self.recv_counts = [math.prod(s) * isz for s in recv_shapes]
         self.recv = torch.empty(sum(self.recv_counts), dtype=torch.uint8, device=self.send.device)
         self._shapes = list(recv_shapes)
 
@@ -383,6 +383,8 @@ def decode_signature(rec: bytes, size: int) -> CallSignature:
 
 
 def _shape_of(shape: Any, name: str) -> Shape:
+    if type(shape) is tuple and all(type(d) is int and d >= 0 for d in shape):
+        return shape  # (the common case, checked without the general path's abc checks)
     if isinstance(shape, torch.Size):
         return tuple(shape)
     if isinstance(shape, int) and not isinstance(shape, bool):
@@ -479,7 +481,8 @@ class Communicator(abc.ABC):
             )
 
     def _tensors(self, chunks: Any, name: str) -> list[torch.Tensor]:
-        if isinstance(chunks, torch.Tensor) or not isinstance(chunks, Sequence):
+        if type(chunks) not in (list, tuple) and (
+                isinstance(chunks, torch.Tensor) or not isinstance(chunks, Sequence)):
             raise TypeError(f"{name} must be a sequence of {self.size} tensors (one per rank)")
         if len(chunks) != self.size:
             raise ValueError(
@@ -601,7 +604,8 @@ class Communicator(abc.ABC):
         if shapes is None:
             shapes_ = [tuple(t.shape)] * self.size
         else:
-            if isinstance(shapes, (str, torch.Size)) or not isinstance(shapes, Sequence):
+            if type(shapes) not in (list, tuple) and (
+                    isinstance(shapes, (str, torch.Size)) or not isinstance(shapes, Sequence)):
                 raise TypeError(f"shapes must be a sequence of {self.size} shapes, got {shapes!r}")
             if len(shapes) != self.size:
                 raise ValueError(
@@ -652,7 +656,8 @@ class Communicator(abc.ABC):
         if recv_shapes is None:
             rshapes = [tuple(c.shape) for c in cs]
         else:
-            if isinstance(recv_shapes, (str, torch.Size)) or not isinstance(recv_shapes, Sequence):
+            if type(recv_shapes) not in (list, tuple) and (isinstance(
+                    recv_shapes, (str, torch.Size)) or not isinstance(recv_shapes, Sequence)):
                 raise TypeError(f"recv_shapes must be a sequence of {self.size} shapes")
             if len(recv_shapes) != self.size:
                 raise ValueError(
