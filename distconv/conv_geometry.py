@@ -334,6 +334,18 @@ class HaloPlan:
             self.sources[r] == tuple(range(*self.owned[r])) for r in range(self.parts)
         )
 
+    @cached_property
+    def most_sent(self) -> int:
+        """The most halo rows any rank sends in the exchange (zero padding)."""
+        return max(sum(self.send_rows(p, q)[1] for q in range(self.parts) if q != p)
+                   for p in range(self.parts))
+
+    @cached_property
+    def most_returned(self) -> int:
+        """The most rows' gradients any rank sends back in the halo accumulate (zero padding)."""
+        return max(sum(self.recv_rows(q, p)[1] for q in range(self.parts) if q != p)
+                   for p in range(self.parts))
+
     def halo_rows_received(self, rank: int) -> int:
         """Rows ``rank`` receives from other ranks in the forward halo exchange."""
         return sum(len(self.rows_from(q, rank)) for q in range(self.parts) if q != rank)

@@ -13,6 +13,7 @@ global sizes, so all ranks take the same collective path; when no rank needs ano
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, Sequence
 
 import torch
@@ -32,11 +33,13 @@ def _with_len(t: torch.Tensor, dim: int, n: int) -> tuple[int, ...]:
 
 def _swap_rows(
     t: torch.Tensor, comm: Any, parts: int, dim: int, outgoing: Any, incoming: Any, meta: str,
-    async_op: bool = False,
+    async_op: bool = False, most_rows: int | None = None,
 ) -> Any:
     """One all-to-all: rows ``outgoing(q) = (offset, count)`` of ``t`` go to rank ``q``, and
     ``incoming(q)`` rows arrive from it (nothing to or from this rank itself). ``async_op``:
-    return the started operation (the rows sent are copied when it starts)."""
+    return the started operation (the rows sent are copied when it starts). ``most_rows``: the
+    most rows any rank of the exchange sends (a row has the same size on each: the ranks of
+    one split dim hold the same blocks of the other dims)."""
     r = comm.rank
     chunks, shapes = [], []
     for q in range(parts):
@@ -47,7 +50,11 @@ def _swap_rows(
         off, cnt = outgoing(q)
         chunks.append(t.narrow(dim, off, cnt).contiguous())
         shapes.append(_with_len(t, dim, incoming(q)))
-    return comm.alltoall(chunks, recv_shapes=shapes, meta=meta, async_op=async_op)
+    bound = None
+    if most_rows is not None:
+        bound = most_rows * math.prod(_with_len(t, dim, 1)) * t.element_size()
+    return comm.alltoall(chunks, recv_shapes=shapes, meta=meta, async_op=async_op,
+                         max_bytes=bound)
 
 
 def halo_parts(x: torch.Tensor, comm: Any, plan: HaloPlan, dim: int
@@ -67,6 +74,7 @@ def halo_parts_start(x: torch.Tensor, comm: Any, plan: HaloPlan, dim: int
     work = _swap_rows(
         x, comm, plan.parts, dim, lambda q: plan.send_rows(r, q),
         lambda q: plan.recv_rows(q, r)[1], f"halo exchange dim {dim}", async_op=True,
+        most_rows=plan.most_sent,
     ) if plan.exchanges else None
 
     def finish() -> tuple[torch.Tensor, tuple[int, int], torch.Tensor]:
@@ -121,6 +129,7 @@ def halo_accumulate_start(g: torch.Tensor, comm: Any, plan: HaloPlan, dim: int
     work = _swap_rows(
         g, comm, plan.parts, dim, lambda q: plan.recv_rows(q, r),
         lambda q: plan.send_rows(r, q)[1], f"halo accumulate dim {dim}", async_op=True,
+        most_rows=plan.most_returned,
     ) if plan.exchanges else None
 
     def finish(g: torch.Tensor) -> torch.Tensor:

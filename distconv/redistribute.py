@@ -300,8 +300,10 @@ class AllToAll:
         mine = send_sizes[ctx.coord(self.g)]
         chunks = _send_chunks(x, send_sizes, self.dst)
         recv_shapes = [_with(_with(x.shape, self.dst, mine), self.src, s) for s in recv_sizes]
+        # every rank of the segment holds this block but for its own rows of dim src
+        most = max(recv_sizes) * math.prod(_with(x.shape, self.src, 1)) * x.element_size()
         parts = ctx.comm((self.g,)).alltoall(
-            chunks, recv_shapes=recv_shapes, meta=ctx.meta(self)
+            chunks, recv_shapes=recv_shapes, meta=ctx.meta(self), max_bytes=most
         )
         return _concat(parts, self.src)
 
@@ -652,6 +654,20 @@ class RepartitionPlan:
             if s != rank and row[rank] is not None
         )
 
+    @functools.cached_property
+    def most_sent(self) -> int:
+        """The most elements any rank sends (its own block's share included) forward."""
+        return max(sum(_volume(b) for b in row) for row in self.sends)
+
+    @functools.cached_property
+    def most_returned(self) -> int:
+        """The most elements any rank sends back in the adjoint."""
+        return max(sum(_volume(row[r]) for row in self.sends) for r in range(len(self.sends)))
+
+
+def _volume(box: Box | None) -> int:
+    return 0 if box is None else math.prod(n for _, n in box)
+
 
 @functools.lru_cache(maxsize=1024)
 def _repartition_plan(
@@ -682,15 +698,17 @@ def _repartition_plan(
 
 def _exchange(
     x: torch.Tensor, comm: Communicator, outgoing: Sequence[Box | None], own: Box,
-    incoming: Sequence[Box | None], result: Box, accumulate: bool, where: str,
+    incoming: Sequence[Box | None], result: Box, accumulate: bool, where: str, most: int,
 ) -> torch.Tensor:
-    """Send the boxes ``outgoing[t]`` of ``x`` (whose block is ``own``) and place what arrives."""
+    """Send the boxes ``outgoing[t]`` of ``x`` (whose block is ``own``) and place what arrives
+    (``most``: the most elements any rank sends)."""
     ndim = x.dim()
     empty = (0,) * ndim
     chunks = packed([x[_relative(b, own)] if b is not None else x.new_empty(empty)
                      for b in outgoing])
     shapes = [tuple(n for _, n in b) if b is not None else empty for b in incoming]
-    parts = comm.alltoall(chunks, recv_shapes=shapes, meta=where)
+    parts = comm.alltoall(chunks, recv_shapes=shapes, meta=where,
+                          max_bytes=most * x.element_size())
     shape = tuple(n for _, n in result)
     out = x.new_zeros(shape) if accumulate else x.new_empty(shape)
     for box, part in zip(incoming, parts):
@@ -712,14 +730,14 @@ class _Repartition(torch.autograd.Function):
         r = comm.rank
         incoming = [row[r] for row in plan.sends]
         return _exchange(x, comm, plan.sends[r], plan.src_boxes[r], incoming, plan.dst_boxes[r],
-                         False, where)
+                         False, where, plan.most_sent)
 
     @staticmethod
     def backward(ctx, grad):  # noqa: ANN001, ANN205
         plan, comm, r = ctx.plan, ctx.comm, ctx.comm.rank
         outgoing = [row[r] for row in plan.sends]
         grad_x = _exchange(grad.contiguous(), comm, outgoing, plan.dst_boxes[r], plan.sends[r],
-                           plan.src_boxes[r], True, "adjoint of " + ctx.where)
+                           plan.src_boxes[r], True, "adjoint of " + ctx.where, plan.most_returned)
         return grad_x, None, None, None
 
 

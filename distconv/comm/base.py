@@ -648,11 +648,21 @@ class Communicator(abc.ABC):
         recv_shapes: Sequence[Sequence[int]] | None = None,
         async_op: bool = False,
         meta: str = "",
+        max_bytes: int | None = None,
     ):
         """``chunks[r]`` goes to rank r; ``result[s]`` came from rank s (shape ``recv_shapes[s]``;
-        None: the same shape as ``chunks[s]``)."""
+        None: the same shape as ``chunks[s]``).
+
+        ``max_bytes``: the most bytes any rank sends in this call (the sum of its chunks),
+        given alike on every rank, or None (default: not known). Each rank knows only its own
+        row and column of the sizes; with the bound, the ranks of one host can all choose the
+        shared-memory channel for a small all-to-all (a halo exchange, a transition between
+        layers) where gloo carries it over TCP."""
         self._check_async(async_op)
         cs = self._tensors(chunks, "chunks")
+        if max_bytes is not None and (isinstance(max_bytes, bool)
+                                      or not isinstance(max_bytes, int)):
+            raise TypeError(f"max_bytes must be an int or None, got {max_bytes!r}")
         if recv_shapes is None:
             rshapes = [tuple(c.shape) for c in cs]
         else:
@@ -672,6 +682,10 @@ class Communicator(abc.ABC):
                     "(this rank's own chunk)"
                 )
         isz = cs[0].element_size()
+        if max_bytes is not None and max_bytes < sum(c.numel() for c in cs) * isz:
+            raise ValueError(
+                f"max_bytes = {max_bytes} is less than the {sum(c.numel() for c in cs) * isz} "
+                f"bytes rank {self.rank} sends; it bounds every rank's chunks together")
         nbytes = sum(_numel(s) for i, s in enumerate(rshapes) if i != self.rank) * isz
         self._enter(
             "alltoall",
@@ -681,7 +695,15 @@ class Communicator(abc.ABC):
             sends=lambda: tuple(str(tuple(c.shape)) for c in cs),
             recvs=lambda: tuple(str(s) for s in rshapes),
         )
-        return self._finish(self._alltoall(cs, rshapes), async_op)
+        if max_bytes is None:
+            return self._finish(self._alltoall(cs, rshapes), async_op)
+        return self._finish(self._alltoall_bounded(cs, rshapes, max_bytes), async_op)
+
+    def _alltoall_bounded(self, chunks: list[torch.Tensor], recv_shapes: list[Shape],
+                          max_bytes: int) -> Work:
+        """``_alltoall`` where every rank sends at most ``max_bytes`` (the same bound on every
+        rank): backends with a shared-memory channel may carry it there."""
+        return self._alltoall(chunks, recv_shapes)
 
     @eager
     def broadcast(self, t: torch.Tensor, *, root: int, async_op: bool = False, meta: str = ""):

@@ -30,7 +30,12 @@ records its process id and start time; checked where every rank sees the others'
 
 The communicator decides per call, from what every rank knows alike (the dtype and shapes of an
 allreduce, allgather, broadcast or reduce-scatter), whether the payload fits; larger ones go to
-its backend, and so do all-to-alls (a rank knows only its own row and column of their sizes).
+its backend. A rank knows only its own row and column of an all-to-all's sizes, so an all-to-all
+takes a ring only where the caller gives the bound on every rank's bytes (``max_bytes``: the
+halo exchanges and the transitions between layers' layouts know it from their plans); its
+payload starts with the rank's byte offsets per destination, which each reader looks its chunk
+up in. Through gloo, two processes exchanged a halo in 0.7-1 ms (TCP); a spatially split
+network's steps, of a dozen exchanges, took 60% longer on gloo than on MPI before.
 
 Large allreduces (the gradient buckets of data parallelism) have a second channel of their own,
 the *bulk* channel, on gloo and on MPI communicators: the same protocol over :data:`BULK_SLOTS`
@@ -521,6 +526,41 @@ class HostChannel:
 
         return self._issue("reduce_scatter", sig,
                            [c.reshape(-1).view(torch.uint8) for c in chunks], read)
+
+    def alltoall(self, chunks: list[torch.Tensor], recv_shapes: list[Shape]) -> Work:
+        """``chunks[r]`` to rank r; the result's ``[s]`` is what rank s sent here (of shape
+        ``recv_shapes[s]``), copied out of the channel. A rank knows only its own row and column
+        of the sizes, so its payload starts with its row's byte offsets (one int64 per rank),
+        which each reader looks its chunk up in. The caller chooses the channel only where
+        every rank's payload fits a slot (:meth:`alltoall_bytes`)."""
+        dtype, isz = chunks[0].dtype, chunks[0].element_size()
+        sizes = [c.numel() * isz for c in chunks]
+        table = torch.tensor([0, *sizes[:-1]], dtype=torch.int64).cumsum_(0)
+        if self.alltoall_bytes(sum(sizes)) > self.slot_bytes:
+            raise ValueError(f"{self._describe}: an all-to-all of {sum(sizes)} bytes does not fit "
+                             f"a slot of {self.slot_bytes}")
+        head = table.numel() * 8
+        counts = [math.prod(s) * isz for s in recv_shapes]
+        sig = _signature("alltoall", dtype)
+
+        def read(slot: int) -> list[torch.Tensor]:
+            rows = self._rows_of(slot)
+            starts = rows[:, :head].view(torch.int64)[:, self.rank].tolist()
+            out = torch.empty(sum(counts), dtype=torch.uint8)
+            at = 0
+            for s, n in enumerate(counts):
+                if n:
+                    out[at:at + n].copy_(rows[s, head + starts[s]:head + starts[s] + n])
+                at += n
+            return [part.view(dtype).view(shape)
+                    for part, shape in zip(out.split(counts), recv_shapes)]
+
+        return self._issue("alltoall", sig, [table.view(torch.uint8)]
+                           + [c.reshape(-1).view(torch.uint8) for c in chunks], read)
+
+    def alltoall_bytes(self, sent: int) -> int:
+        """A rank's payload for an all-to-all in which it sends ``sent`` bytes in all."""
+        return 8 * self.size + sent
 
     def broadcast(self, t: torch.Tensor, root: int) -> Work:
         """Root's ``t`` on every rank (a copy)."""

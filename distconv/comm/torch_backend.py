@@ -333,6 +333,14 @@ class TorchCommunicator(Communicator):
             buf.received,
         )
 
+    def _alltoall_bounded(self, chunks: list[torch.Tensor], recv_shapes: list[Shape],
+                          max_bytes: int) -> Work:
+        # the bound is the same on every rank, so every rank makes the same choice
+        host = self._ring(8 * self.size + max_bytes)
+        if host is not None:
+            return host.alltoall(chunks, recv_shapes)
+        return self._alltoall(chunks, recv_shapes)
+
     def _broadcast(self, t: torch.Tensor, root: int) -> Work:
         host = self._ring(t.numel() * t.element_size()) if t.numel() else None
         if host is not None:

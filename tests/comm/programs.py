@@ -362,6 +362,52 @@ def host_channel_routes(comm):
             "bytes_expected": expected}
 
 
+def alltoall_routes(comm):
+    """An all-to-all given the bound on every rank's bytes goes through the small ring where it
+    fits a slot, through the bulk ring where it fits a bulk slot, and without the bound over
+    gloo; uneven and empty chunks, in flight together, arrive where they should; a bound below
+    this rank's bytes is refused before anything moves; bytes are counted as for gloo."""
+    from distconv.comm.host_channel import SLOT_BYTES, HostChannel
+
+    c = comm.split([list(range(comm.size))], timeout=29.0)
+    P, r = c.size, c.rank
+    c.allreduce(torch.zeros(1))  # the small ring, opened
+    c.allreduce(torch.zeros(SLOT_BYTES // 4 + 1))  # and the bulk one
+    assert isinstance(c._host, HostChannel) and isinstance(c._bulk, HostChannel)
+    c.stats.reset()
+
+    def rows(src, dst, scale):  # uneven, some empty
+        return ((src + 2 * dst) % 3) * scale
+
+    def chunk(src, dst, scale):
+        return torch.arange(rows(src, dst, scale) * 2, dtype=torch.float64).view(-1, 2) + (
+            1000 * src + 100 * dst)
+
+    def call(scale, bounded):
+        most = max(sum(rows(s, d, scale) for d in range(P)) for s in range(P)) * 2 * 8
+        return c.alltoall([chunk(r, d, scale) for d in range(P)],
+                          recv_shapes=[(rows(s, r, scale), 2) for s in range(P)],
+                          async_op=True, max_bytes=most if bounded else None)
+
+    small, bulk = c._host._issued, c._bulk._issued
+    wide = SLOT_BYTES // 16 // 2 + 1  # a rank's rows then pass a small slot
+    works = [(1, call(1, True)), (wide, call(wide, True)), (1, call(1, False))]
+    routed = (c._host._issued - small, c._bulk._issued - bulk)
+    refused = ""
+    try:
+        c.alltoall([chunk(r, d, 1) for d in range(P)],
+                   recv_shapes=[(rows(s, r, 1), 2) for s in range(P)], max_bytes=0)
+    except ValueError as exc:
+        refused = str(exc)
+    for scale, work in reversed(works):
+        got = work.wait()
+        for s in range(P):
+            _equal(got[s], chunk(s, r, scale), f"alltoall of scale {scale} from rank {s}")
+    expected = sum(rows(s, r, scale) * 2 * 8 for scale, _ in works for s in range(P) if s != r)
+    return {"routed": routed, "refused": refused, "bytes": c.stats.total_bytes(),
+            "bytes_expected": expected}
+
+
 def bulk_ring_routes(comm):
     """On any backend whose ranks share this host (MPI here): an allreduce larger than a small
     slot takes the bulk ring, opened at the first one, its file unlinked; one of three chunks

@@ -76,7 +76,7 @@ def _sum_in_rank_order(parts: list[torch.Tensor]) -> torch.Tensor:
 
 
 OP = st.tuples(st.sampled_from(["allreduce", "allgather", "broadcast", "barrier", "max",
-                                "reduce_scatter"]),
+                                "reduce_scatter", "alltoall"]),
                st.sampled_from(DTYPES), st.integers(0, 40), st.integers(0, 3))
 
 
@@ -98,6 +98,9 @@ def test_ops_equal_their_reference_whatever_is_in_flight(size, ops, batch, seed)
         if kind == "reduce_scatter":
             return _sum_in_rank_order([_value(i, s, (size, 7, 2), dtype)[r, :chunk_shape(n, r)[0]]
                                        for s in range(size)])
+        if kind == "alltoall":  # rank s's chunk for r: its row r, of (n + s + 2r) % 5 rows
+            return [_value(i, s, (size, 7, 2), dtype)[r, :(n + s + 2 * r) % 5]
+                    for s in range(size)]
         if kind == "allgather":
             return [_value(i, s, shape(i, s, n, kind), dtype) for s in range(size)]
         parts = [_value(i, s, (n,), dtype) for s in range(size)]
@@ -126,6 +129,10 @@ def test_ops_equal_their_reference_whatever_is_in_flight(size, ops, batch, seed)
                 full = _value(i, ch.rank, (size, 7, 2), dtype)
                 w = ch.reduce_scatter([full[d, :chunk_shape(n, d)[0]].contiguous()
                                        for d in range(size)], "sum")
+            elif kind == "alltoall":
+                full, r = _value(i, ch.rank, (size, 7, 2), dtype), ch.rank
+                w = ch.alltoall([full[d, :(n + r + 2 * d) % 5].contiguous() for d in range(size)],
+                                [((n + s + 2 * r) % 5, 2) for s in range(size)])
             else:
                 w = ch.barrier()
             works.append((i, kind, w))
@@ -297,6 +304,15 @@ def test_gloo_routes_small_and_large_allreduces_through_the_channels(request, na
     for r, res in enumerate(pool.run(programs.host_channel_routes)):
         assert res["opened"] and res["no_file_left"], res
         assert res["big_on_bulk"] and res["consumed_in_place"], res
+        assert res["bytes"] == res["bytes_expected"], res
+
+
+@pytest.mark.parametrize("name", GLOO)
+def test_gloo_routes_bounded_alltoalls_through_the_rings(request, name):
+    pool = request.getfixturevalue(name)
+    for res in pool.run(programs.alltoall_routes):
+        assert res["routed"] == (1, 1), res  # the unbounded one went over gloo
+        assert "max_bytes = 0 is less than" in res["refused"], res
         assert res["bytes"] == res["bytes_expected"], res
 
 
