@@ -690,7 +690,7 @@ class Communicator(abc.ABC):
         self._enter(
             "alltoall",
             meta,
-            lambda: f"dtype={cs[0].dtype}",
+            lambda: f"dtype={cs[0].dtype}, max_bytes={max_bytes}",
             nbytes,
             sends=lambda: tuple(str(tuple(c.shape)) for c in cs),
             recvs=lambda: tuple(str(s) for s in rshapes),
