@@ -6,8 +6,9 @@ every call on gloo itself.
 
 On a machine where a small gloo collective costs a millisecond, a network with 20 BatchNorms
 spends 40 of them per step waiting on statistics whatever the library does; this says which it
-is here. Next to them, the allreduce of a 1 MiB and a 16 MiB gradient bucket (on gloo through
-the bulk channel; ten times fewer calls per batch).
+is here. Next to them, a spatially split layer's halo exchange (an all-to-all of one row block
+each way, called with its bound, as the halo exchange calls it), and the allreduce of a 1 MiB
+and a 16 MiB gradient bucket (on gloo through the bulk channel; ten times fewer calls per batch).
 
 Writes ``benchmarks/results/latency.{json,md}``.
 
@@ -37,6 +38,7 @@ CASES = [("BN statistics, 64 channels", "allgather", 1 + 2 * 64),
          ("BN statistics, 256 channels", "allgather", 1 + 2 * 256),
          ("BN backward sums, 64 channels", "allreduce", 2 * 64),
          ("BN backward sums, 256 channels", "allreduce", 2 * 256),
+         ("halo rows, 2 x 64 x 1 x 32 (16 KiB)", "alltoall", 2 * 64 * 32),
          ("gradient bucket, 1 MiB", "allreduce", 1 << 18),
          ("gradient bucket, 16 MiB", "allreduce", 1 << 22)]
 #: elements above which a batch times fewer calls (a 16 MiB allreduce takes milliseconds)
@@ -47,6 +49,15 @@ def _raw(comm: Any, op: str, t: torch.Tensor) -> Any:
     """The backend's own call on the same buffer (torch.distributed's process group, or the
     mpi4py communicator)."""
     pg = getattr(comm, "_pg", None)
+    if op == "alltoall":  # the halo pattern: t to the other rank, nothing to itself
+        n, r = t.numel(), comm.rank
+        splits = [0 if d == r else n for d in range(comm.size)]
+        out = torch.empty_like(t)
+        if pg is not None:
+            return lambda: pg.alltoall_base(out, t, splits, splits).wait()
+        displs = [sum(splits[:d]) for d in range(comm.size)]
+        return lambda: comm._comm.Alltoallv([t.numpy(), splits, displs, None],
+                                            [out.numpy(), splits, displs, None])
     if pg is not None:
         if op == "allreduce":
             return lambda: pg.allreduce([t]).wait()
@@ -77,6 +88,12 @@ def _without_channel(comm: Any) -> Any:
 
 
 def _call(comm: Any, op: str, t: torch.Tensor) -> Any:
+    if op == "alltoall":  # as a halo exchange calls it: with the bound on every rank's bytes
+        r = comm.rank
+        chunks = [t[:0] if d == r else t for d in range(comm.size)]
+        shapes = [(0 if s == r else t.numel(),) for s in range(comm.size)]
+        return lambda: comm.alltoall(chunks, recv_shapes=shapes,
+                                     max_bytes=t.numel() * t.element_size())
     return (lambda: comm.allreduce(t)) if op == "allreduce" else (lambda: comm.allgather(t))
 
 
