@@ -26,7 +26,7 @@ layers.
 
 Writes ``benchmarks/results/end_to_end.{json,md,png}``.
 
-    .venv/bin/python benchmarks/end_to_end.py            # the full run (two to ten minutes)
+    .venv/bin/python benchmarks/end_to_end.py            # the full run (three to fifteen minutes)
     .venv/bin/python benchmarks/end_to_end.py --quick    # a smoke run (gloo, 2 ranks, 2 steps)
     .venv/bin/python benchmarks/end_to_end.py --profile  # where a step's time goes, vs DDP
     .venv/bin/python benchmarks/end_to_end.py --case resnet18:gloo:2:8  # one case of the run
@@ -429,7 +429,9 @@ def main() -> None:
     parser.add_argument("--case", action="append", default=[], metavar="MODEL:BACKEND:P:B",
                         help="run only this case of the full run (repeatable), e.g. "
                              "resnet18:gloo:2:8; the results files are not written")
-    parser.add_argument("--steps", type=int, default=10)
+    # 30 timed steps per side: on a machine whose step times swing by 10-20% from one minute to
+    # the next, medians of 10 moved ratios by 0.1 between runs
+    parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--profile", action="store_true",
                         help="where a sample-parallel step's time goes, next to DDP (gloo, 2 ranks)")
