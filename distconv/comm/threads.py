@@ -141,13 +141,20 @@ class ThreadCommunicator(Communicator):
         parts = self._exchange("reduce_scatter", sig, [c.clone() for c in chunks])
         return Work.completed(reduce_in_order([p[self.rank] for p in parts], op, self.size))
 
-    def _alltoall(self, chunks: list[torch.Tensor], recv_shapes: list[Shape]) -> Work:
+    def _alltoall_bounded(self, chunks: list[torch.Tensor], recv_shapes: list[Shape],
+                          max_bytes: int) -> Work:
+        # the bound is part of the signature: thread ranks check that every rank was given the
+        # same one (the communicator checked that it covers this rank's bytes)
+        return self._alltoall(chunks, recv_shapes, max_bytes)
+
+    def _alltoall(self, chunks: list[torch.Tensor], recv_shapes: list[Shape],
+                  max_bytes: int | None = None) -> Work:
         sends = tuple(str(tuple(c.shape)) for c in chunks)
         recvs = tuple(str(s) for s in recv_shapes)
         sig = CallSignature(
             f"alltoall(dtype={chunks[0].dtype}, send_shapes={list(sends)}, "
-            f"recv_shapes={list(recvs)}, device={chunks[0].device})",
-            f"alltoall|{chunks[0].dtype}|{chunks[0].device}",
+            f"recv_shapes={list(recvs)}, device={chunks[0].device}, max_bytes={max_bytes})",
+            f"alltoall|{chunks[0].dtype}|{chunks[0].device}|{max_bytes}",
             sends,
             recvs,
         )

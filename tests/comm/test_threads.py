@@ -101,6 +101,32 @@ def test_alltoall_uneven_matches_reference(size, draw, dtype):
         assert snap["bytes"]["alltoall"] == want
 
 
+def test_alltoall_bound_is_checked_against_every_rank():
+    """``max_bytes`` must cover this rank's bytes (ValueError at the call) and be the same on
+    every rank (thread ranks compare it: ranks given different bounds could choose different
+    transports on a real backend)."""
+    from distconv.comm import CollectiveMismatchError
+
+    def fn(comm, bounds):
+        chunks = [torch.ones(2 + comm.rank) for _ in range(comm.size)]
+        shapes = [(2 + s,) for s in range(comm.size)]
+        try:
+            got = comm.alltoall(chunks, recv_shapes=shapes, max_bytes=bounds[comm.rank])
+        except (ValueError, CollectiveMismatchError) as exc:
+            return type(exc).__name__ + ": " + str(exc)
+        return [g.shape[0] for g in got]
+
+    most = 2 * 3 * 4  # rank 1 sends two chunks of 3 floats
+    assert run_threads(fn, 2, (most, most)) == [[2, 3], [2, 3]]
+    low = run_threads(fn, 2, (8, 8))  # refused on each rank before anything moves
+    assert low == [f"ValueError: max_bytes = 8 is less than the {n} bytes rank {r} sends; it "
+                   "bounds every rank's chunks together" for r, n in enumerate((16, 24))]
+    differ = run_threads(fn, 2, (most + 8, most))
+    assert all(d.startswith("CollectiveMismatchError") and "max_bytes" in d for d in differ)
+    with pytest.raises(TypeError, match="max_bytes must be an int or None"):
+        run_threads(lambda comm: comm.alltoall([torch.ones(1)] * 2, max_bytes=1.5), 2)
+
+
 @SETTINGS
 @given(size=SIZES, shape=SHAPES, root=st.integers(0, 7), dtype=DTYPES)
 def test_broadcast_from_any_root(size, shape, root, dtype):
