@@ -30,6 +30,7 @@ Writes ``benchmarks/results/end_to_end.{json,md,png}``.
     .venv/bin/python benchmarks/end_to_end.py --quick    # a smoke run (gloo, 2 ranks, 2 steps)
     .venv/bin/python benchmarks/end_to_end.py --profile  # where a step's time goes, vs DDP
     .venv/bin/python benchmarks/end_to_end.py --case resnet18:gloo:2:8  # one case of the run
+    .venv/bin/python benchmarks/end_to_end.py --stages   # the hybrid's split stages alone
     .venv/bin/python benchmarks/end_to_end.py --one-process --steps 30  # overhead on one rank
     python benchmarks/end_to_end.py --one-process --device cuda --steps 50  # the same on a GPU
 """
@@ -274,6 +275,50 @@ def run_profile(per_rank: int, steps: int) -> dict[str, Any]:
     return worst
 
 
+def stages(comm: Any, per_rank: int, steps: int) -> dict[str, Any]:
+    """Runs on every rank: the ResNet-18-style network's stages that the hybrid splits
+    (layer3-4, its input 64 x 16 x 16) as a network of their own, sample parallelism against
+    the hybrid's layout of them ({C: 2}, stationary-x), training steps interleaved as in
+    :func:`measure` (a sum as the loss); medians of the slowest rank, ms. Without the stem and
+    layer1-2 that both sides run alike, this is the hybrid's own gain (Amdahl's law bounds the
+    whole network's by it)."""
+    torch.set_num_threads(1)
+    full = build_model("resnet18")
+    part = torch.nn.Sequential(full.layer3, full.layer4)
+    sides = {"sample": parallelize(part, sample_config(comm.size), comm=comm),
+             "hybrid": parallelize(part, {"default": {"grid": {"C": comm.size},
+                                                      "algorithm": "stationary-x"}}, comm=comm)}
+    opts = {k: torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9) for k, m in sides.items()}
+    batch = per_rank * comm.size
+    x = torch.randn(batch, 64, SIZE // 2, SIZE // 2, generator=torch.Generator().manual_seed(1))
+    times: dict[str, list[float]] = {k: [] for k in sides}
+    for step in range(steps + 2):
+        for side in (list(sides) if step % 2 else list(sides)[::-1]):
+            m = sides[side]
+            comm.barrier()
+            t0 = time.perf_counter()
+            m(x[sample_block(batch, m.data_grid)]).sum().backward()
+            opts[side].step()
+            opts[side].zero_grad()
+            if step >= 2:
+                times[side].append(time.perf_counter() - t0)
+    return {k: statistics.median(max(float(t[i]) for t in comm.allgather(
+        torch.tensor(v, dtype=torch.float64))) for i in range(len(v))) * 1e3
+        for k, v in times.items()}
+
+
+def run_stages(steps: int) -> list[dict[str, Any]]:
+    rows = []
+    with WorkerPool("mpi", 2, timeout=120.0, task_timeout=1800.0) as pool:
+        for per_rank in (1, 2):
+            med = pool.run(stages, per_rank, steps)[0]
+            rows.append({"per_rank": per_rank, **med, "sample/hybrid": med["sample"] / med["hybrid"]})
+            print(f"ResNet-18 layer3-4 alone, 2 MPI ranks, {per_rank} sample(s) per rank: sample "
+                  f"{med['sample']:.1f} ms, hybrid {med['hybrid']:.1f} ms, sample/hybrid "
+                  f"{med['sample'] / med['hybrid']:.2f}", flush=True)
+    return rows
+
+
 def one_process(steps: int, batch: int = 16, device: str = "cpu") -> dict[str, Any]:
     """A parallelized model on one process against the plain module: interleaved training steps
     (forward and backward; which side goes first alternates), medians, the ratio. On CUDA each
@@ -437,6 +482,9 @@ def main() -> None:
                         help="where a sample-parallel step's time goes, next to DDP (gloo, 2 ranks)")
     parser.add_argument("--one-process", action="store_true",
                         help="a parallelized model on one process against the plain module")
+    parser.add_argument("--stages", action="store_true",
+                        help="the hybrid's split stages alone (ResNet-18 layer3-4), sample vs "
+                             "hybrid on 2 MPI ranks")
     parser.add_argument("--device", default="cpu", help="--one-process on this device (cuda)")
     parser.add_argument("--batch", type=int, default=16, help="--one-process batch")
     args = parser.parse_args()
@@ -448,6 +496,11 @@ def main() -> None:
         return
     if args.profile:
         run_profile(1, args.steps)
+        return
+    if args.stages:
+        rows = run_stages(args.steps)
+        RESULTS.mkdir(parents=True, exist_ok=True)
+        (RESULTS / "end_to_end_stages.json").write_text(json.dumps(rows, indent=1))
         return
     print(HEADER)
     if args.case:
