@@ -28,7 +28,8 @@ Writes ``benchmarks/results/end_to_end.{json,md,png}``.
 
     .venv/bin/python benchmarks/end_to_end.py            # the full run (three to fifteen minutes)
     .venv/bin/python benchmarks/end_to_end.py --quick    # a smoke run (gloo, 2 ranks, 2 steps)
-    .venv/bin/python benchmarks/end_to_end.py --profile  # where a step's time goes, vs DDP
+    .venv/bin/python benchmarks/end_to_end.py --profile  # where a step's time goes: vs DDP
+                                                         # (gloo), and the hybrid vs sample (MPI)
     .venv/bin/python benchmarks/end_to_end.py --case resnet18:gloo:2:8  # one case of the run
     .venv/bin/python benchmarks/end_to_end.py --stages   # the hybrid's split stages alone
     .venv/bin/python benchmarks/end_to_end.py --one-process --steps 30  # overhead on one rank
@@ -257,6 +258,73 @@ def profile(comm: Any, per_rank: int, steps: int) -> dict[str, Any]:
     return {k: statistics.median(v) * 1e3 for k, v in rows.items()}
 
 
+def _layout_probes() -> list[tuple[str, Any, str]]:
+    """A model-parallel step's own work: its redistribution steps (the reduce-scatters and
+    allgathers of stationary layers), the transitions between layers' grids, and the
+    communicator's calls by kind (the call, and for an asynchronous one its wait)."""
+    import importlib
+
+    from distconv.comm import base
+    from distconv.parallel import placement
+
+    rd = importlib.import_module("distconv.redistribute")  # (the package exports its function)
+
+    return [("redistribution steps, forward", rd._StepFunction, "forward"),
+            ("redistribution steps, backward", rd._StepFunction, "backward"),
+            ("transitions between grids, forward", placement, "repartition"),
+            ("transitions between grids, backward", rd._Repartition, "backward")] + [
+        (f"collectives: {op}", base.Communicator, op)
+        for op in ("allreduce", "allgather", "reduce_scatter", "alltoall")] + [
+        ("collectives: waits for asynchronous ones", base.Work, "wait")]
+
+
+def profile_hybrid(comm: Any, per_rank: int, steps: int) -> dict[str, Any]:
+    """Runs on every rank: one training step (forward, backward, SGD) of the ResNet-18-style
+    network, sample parallelism and the hybrid side by side, with the profile's categories and
+    the time inside each kind of collective (inclusive, so a blocking call holds its own wait,
+    and the BatchNorm and layer categories hold the collectives they make); medians."""
+    torch.set_num_threads(1)
+    model = build_model("resnet18")
+    sides = {"sample": parallelize(model, sample_config(comm.size), comm=comm),
+             "hybrid": parallelize(model, hybrid_config("resnet18", comm.size), comm=comm)}
+    opts = {k: torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9) for k, m in sides.items()}
+    gen = torch.Generator().manual_seed(1)
+    batch = per_rank * comm.size
+    x = torch.randn(batch, 3, SIZE, SIZE, generator=gen)
+    y = torch.randint(0, 10, (batch,), generator=gen)
+    totals: dict[str, float] = {}
+    saved = []
+    for name, owner, attr in _probes() + _layout_probes():
+        raw = owner.__dict__[attr]
+        saved.append((owner, attr, raw))
+        setattr(owner, attr, _wrap(totals, name, raw))
+    rows: dict[str, list[float]] = {}
+    try:
+        for step in range(steps + 1):
+            for side, m in (sides.items() if step % 2 else list(sides.items())[::-1]):
+                rb = sample_block(batch, m.data_grid)
+                comm.barrier()
+                totals.clear()
+                t0 = time.perf_counter()
+                out = m(x[rb])
+                t1 = time.perf_counter()
+                F.cross_entropy(out, y[rb]).backward()
+                t2 = time.perf_counter()
+                opts[side].step()
+                opts[side].zero_grad()
+                t3 = time.perf_counter()
+                if step == 0:
+                    continue
+                found = {"step": t3 - t0, "forward": t1 - t0, "backward": t2 - t1,
+                         "optimizer": t3 - t2, **totals}
+                for k, v in found.items():
+                    rows.setdefault(f"{side}: {k}", []).append(v)
+    finally:
+        for owner, attr, raw in saved:
+            setattr(owner, attr, raw)
+    return {k: statistics.median(v) * 1e3 for k, v in rows.items()}
+
+
 def run_profile(per_rank: int, steps: int) -> dict[str, Any]:
     with WorkerPool("gloo", 2, timeout=120.0, task_timeout=1800.0) as pool:
         per_rank_ms = pool.run(profile, per_rank, steps)
@@ -270,6 +338,19 @@ def run_profile(per_rank: int, steps: int) -> dict[str, Any]:
     text = "\n".join(lines)
     print(text)
     RESULTS.mkdir(parents=True, exist_ok=True)
+    with WorkerPool("mpi", 2, timeout=120.0, task_timeout=1800.0) as pool:
+        hybrid_ms = pool.run(profile_hybrid, per_rank, steps)
+    sides = ("sample", "hybrid")
+    names = list(dict.fromkeys(k.split(": ", 1)[1] for k in hybrid_ms[0]))
+    both = {n: [max(r.get(f"{s}: {n}", 0.0) for r in hybrid_ms) for s in sides] for n in names}
+    lines = ["", f"profile: one training step of the ResNet-18-style network, MPI, 2 ranks, "
+             f"{per_rank} sample(s) per rank, sample parallelism and the hybrid (layer3-4 over "
+             f"channels), median of {steps} interleaved steps, the slower rank (ms; inclusive "
+             "categories)", "", "| where | sample | hybrid |", "|---|---|---|"]
+    lines += [f"| {n} | {a:.2f} | {b:.2f} |" for n, (a, b) in both.items()]
+    print("\n".join(lines))
+    text += "\n" + "\n".join(lines)
+    worst["resnet18 mpi"] = {n: dict(zip(sides, v)) for n, v in both.items()}
     (RESULTS / "end_to_end_profile.json").write_text(json.dumps(worst, indent=1))
     (RESULTS / "end_to_end_profile.md").write_text(text + "\n")
     return worst
