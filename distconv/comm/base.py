@@ -475,7 +475,7 @@ class Communicator(abc.ABC):
         return t.detach().resolve_conj().resolve_neg()
 
     def _check_device(self, t: torch.Tensor, name: str) -> None:
-        if t.device.type != "cpu":
+        if not t.is_cpu:
             raise ValueError(
                 f"{name} is on device {t.device}; backend {self.backend!r} takes CPU tensors"
             )
@@ -489,11 +489,12 @@ class Communicator(abc.ABC):
                 f"{name} must have one tensor per rank: expected {self.size}, got {len(chunks)}"
             )
         out = [self._tensor(c, f"{name}[{i}]") for i, c in enumerate(chunks)]
-        dtypes = {c.dtype for c in out}
-        if len(dtypes) > 1:
+        dtype, device = out[0].dtype, out[0].device
+        if any(c.dtype != dtype for c in out):
+            dtypes = {c.dtype for c in out}
             raise TypeError(f"{name} must all have one dtype, got {sorted(map(str, dtypes))}")
-        devices = {c.device for c in out}
-        if len(devices) > 1:
+        if any(c.device != device for c in out):
+            devices = {c.device for c in out}
             raise ValueError(f"{name} must all be on one device, got {sorted(map(str, devices))}")
         return [c.contiguous() for c in out]
 

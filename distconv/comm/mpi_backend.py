@@ -152,8 +152,11 @@ class MPICommunicator(Communicator):
         return (t.to(wide), wide) if wide is not None else (t, None)
 
     def _mpi_op(self, op: str) -> Any:
-        MPI = self._MPI
-        ops = {"sum": MPI.SUM, "avg": MPI.SUM, "prod": MPI.PROD, "max": MPI.MAX, "min": MPI.MIN}
+        ops = self.__dict__.get("_ops")
+        if ops is None:
+            MPI = self._MPI
+            ops = self._ops = {"sum": MPI.SUM, "avg": MPI.SUM, "prod": MPI.PROD, "max": MPI.MAX,
+                               "min": MPI.MIN}
         return ops[op]
 
     @staticmethod
