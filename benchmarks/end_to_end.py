@@ -39,13 +39,14 @@ Writes ``benchmarks/results/end_to_end.{json,md,png}``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -211,6 +212,36 @@ def _wrap(totals: dict[str, float], name: str, fn: Any) -> Any:
     return staticmethod(timed) if isinstance(fn, staticmethod) else timed
 
 
+@contextlib.contextmanager
+def _probed(probes: list[tuple[str, Any, str]]) -> Iterator[dict[str, float]]:
+    """Each probe's ``(category, owner, attribute)`` wrapped by a timer that adds into the
+    dict yielded; the originals put back after."""
+    totals: dict[str, float] = {}
+    saved = []
+    for name, owner, attr in probes:
+        raw = owner.__dict__[attr]
+        saved.append((owner, attr, raw))
+        setattr(owner, attr, _wrap(totals, name, raw))
+    try:
+        yield totals
+    finally:
+        for owner, attr, raw in saved:
+            setattr(owner, attr, raw)
+
+
+def _forward_backward(comm: Any, m: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
+                      totals: dict[str, float]) -> tuple[float, float]:
+    """After a barrier and with the probes' totals cleared: the seconds of ``m``'s forward on
+    ``x`` and of the cross-entropy's backward."""
+    comm.barrier()
+    totals.clear()
+    t0 = time.perf_counter()
+    out = m(x)
+    t1 = time.perf_counter()
+    F.cross_entropy(out, y).backward()
+    return t1 - t0, time.perf_counter() - t1
+
+
 def profile(comm: Any, per_rank: int, steps: int) -> dict[str, Any]:
     """Runs on every rank: where one training step of the sample-parallel model spends its time
     (inclusive wall time per category; "ops" includes the BN statistics nested in it), next to
@@ -225,36 +256,21 @@ def profile(comm: Any, per_rank: int, steps: int) -> dict[str, Any]:
     batch = per_rank * comm.size
     x = torch.randn(batch, 3, SIZE, SIZE, generator=gen)
     y = torch.randint(0, 10, (batch,), generator=gen)
-    totals: dict[str, float] = {}
-    saved = []
-    for name, owner, attr in _probes():
-        raw = owner.__dict__[attr] if isinstance(owner, type) else getattr(owner, attr)
-        saved.append((owner, attr, raw))
-        setattr(owner, attr, _wrap(totals, name, raw))
     rows: dict[str, list[float]] = {}
-    try:
+    with _probed(_probes()) as totals:
         for step in range(steps + 1):
             for side, m in (("ours", ours), ("ddp", ddp)):
                 rows_ = (slice(comm.rank * per_rank, (comm.rank + 1) * per_rank)
                          if side == "ddp" else sample_block(batch, ours.data_grid))
-                comm.barrier()
-                totals.clear()
-                t0 = time.perf_counter()
-                out = m(x[rows_])
-                t1 = time.perf_counter()
-                F.cross_entropy(out, y[rows_]).backward()
-                t2 = time.perf_counter()
+                forward, backward = _forward_backward(comm, m, x[rows_], y[rows_], totals)
                 m.zero_grad()
                 if step == 0:
                     continue
-                found = {f"{side}: forward": t1 - t0, f"{side}: backward": t2 - t1}
+                found = {f"{side}: forward": forward, f"{side}: backward": backward}
                 if side == "ours":
                     found.update({f"ours: {k}": v for k, v in totals.items()})
                 for k, v in found.items():
                     rows.setdefault(k, []).append(v)
-    finally:
-        for owner, attr, raw in saved:
-            setattr(owner, attr, raw)
     return {k: statistics.median(v) * 1e3 for k, v in rows.items()}
 
 
@@ -292,36 +308,22 @@ def profile_hybrid(comm: Any, per_rank: int, steps: int) -> dict[str, Any]:
     batch = per_rank * comm.size
     x = torch.randn(batch, 3, SIZE, SIZE, generator=gen)
     y = torch.randint(0, 10, (batch,), generator=gen)
-    totals: dict[str, float] = {}
-    saved = []
-    for name, owner, attr in _probes() + _layout_probes():
-        raw = owner.__dict__[attr]
-        saved.append((owner, attr, raw))
-        setattr(owner, attr, _wrap(totals, name, raw))
     rows: dict[str, list[float]] = {}
-    try:
+    with _probed(_probes() + _layout_probes()) as totals:
         for step in range(steps + 1):
             for side, m in (sides.items() if step % 2 else list(sides.items())[::-1]):
                 rb = sample_block(batch, m.data_grid)
-                comm.barrier()
-                totals.clear()
+                forward, backward = _forward_backward(comm, m, x[rb], y[rb], totals)
                 t0 = time.perf_counter()
-                out = m(x[rb])
-                t1 = time.perf_counter()
-                F.cross_entropy(out, y[rb]).backward()
-                t2 = time.perf_counter()
                 opts[side].step()
                 opts[side].zero_grad()
-                t3 = time.perf_counter()
+                optimizer = time.perf_counter() - t0
                 if step == 0:
                     continue
-                found = {"step": t3 - t0, "forward": t1 - t0, "backward": t2 - t1,
-                         "optimizer": t3 - t2, **totals}
+                found = {"step": forward + backward + optimizer, "forward": forward,
+                         "backward": backward, "optimizer": optimizer, **totals}
                 for k, v in found.items():
                     rows.setdefault(f"{side}: {k}", []).append(v)
-    finally:
-        for owner, attr, raw in saved:
-            setattr(owner, attr, raw)
     return {k: statistics.median(v) * 1e3 for k, v in rows.items()}
 
 
