@@ -137,6 +137,13 @@ def _variants(comm: Any, model: torch.nn.Module, name: str, backend: str,
     return out
 
 
+def _slowest(comm: Any, times: dict[str, list[float]]) -> dict[str, list[float]]:
+    """Per side, each step's time on the slowest rank (collective: every rank passes its own
+    times, the same sides and steps)."""
+    return {k: torch.stack(comm.allgather(torch.tensor(v, dtype=torch.float64))).amax(0).tolist()
+            for k, v in times.items()}
+
+
 def measure(comm: Any, name: str, backend: str, per_rank: int, steps: int,
             warmup: int) -> dict[str, Any]:
     """Runs on every rank: interleaved training steps of every side (``SIDES``). The one-process
@@ -173,8 +180,7 @@ def measure(comm: Any, name: str, backend: str, per_rank: int, steps: int,
                 counted[side] = comm.stats.total_bytes() - b0
             if step >= warmup:
                 times[side].append(dt)
-    slowest = {k: [max(float(t[i]) for t in comm.allgather(torch.tensor(v, dtype=torch.float64)))
-                   for i in range(len(v))] for k, v in times.items()}
+    slowest = _slowest(comm, times)
     bytes_ = comm.allgather(torch.tensor([counted.get(k, 0) for k in ("sample", "hybrid")]))
     return {"times": slowest, "counted": [b.tolist() for b in bytes_]}
 
@@ -385,9 +391,7 @@ def stages(comm: Any, per_rank: int, steps: int) -> dict[str, Any]:
             opts[side].zero_grad()
             if step >= 2:
                 times[side].append(time.perf_counter() - t0)
-    return {k: statistics.median(max(float(t[i]) for t in comm.allgather(
-        torch.tensor(v, dtype=torch.float64))) for i in range(len(v))) * 1e3
-        for k, v in times.items()}
+    return {k: statistics.median(v) * 1e3 for k, v in _slowest(comm, times).items()}
 
 
 def run_stages(steps: int) -> list[dict[str, Any]]:

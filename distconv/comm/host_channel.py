@@ -57,6 +57,7 @@ operations cannot deadlock.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import mmap
 import os
@@ -535,11 +536,11 @@ class HostChannel:
         every rank's payload fits a slot (:meth:`alltoall_bytes`)."""
         dtype, isz = chunks[0].dtype, chunks[0].element_size()
         sizes = [c.numel() * isz for c in chunks]
-        table = torch.tensor([0, *sizes[:-1]], dtype=torch.int64).cumsum_(0)
         if self.alltoall_bytes(sum(sizes)) > self.slot_bytes:
             raise ValueError(f"{self._describe}: an all-to-all of {sum(sizes)} bytes does not fit "
                              f"a slot of {self.slot_bytes}")
-        head = table.numel() * 8
+        table = torch.tensor([0, *itertools.accumulate(sizes[:-1])], dtype=torch.int64)
+        head = 8 * self.size
         counts = [math.prod(s) * isz for s in recv_shapes]
         sig = _signature("alltoall", dtype)
 

@@ -98,6 +98,9 @@ class MPICommunicator(Communicator):
         self._comm = comm
         self._MPI = _mpi()
         self._by_op = {kind: comm.Dup() for kind in _KINDS}
+        MPI = self._MPI
+        self._ops = {"sum": MPI.SUM, "avg": MPI.SUM, "prod": MPI.PROD, "max": MPI.MAX,
+                     "min": MPI.MIN}
         # the bulk ring of large allreduces where every rank shares this host (opened at the
         # first one): through memory they take what a copy and a sum take, where a 16 MiB
         # non-blocking allreduce took MPICH 7-20 ms (its blocking call 5-7)
@@ -152,12 +155,7 @@ class MPICommunicator(Communicator):
         return (t.to(wide), wide) if wide is not None else (t, None)
 
     def _mpi_op(self, op: str) -> Any:
-        ops = self.__dict__.get("_ops")
-        if ops is None:
-            MPI = self._MPI
-            ops = self._ops = {"sum": MPI.SUM, "avg": MPI.SUM, "prod": MPI.PROD, "max": MPI.MAX,
-                               "min": MPI.MIN}
-        return ops[op]
+        return self._ops[op]
 
     @staticmethod
     def _narrow(res: torch.Tensor, dtype: torch.dtype, op: str, size: int) -> torch.Tensor:
