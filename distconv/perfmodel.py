@@ -382,10 +382,13 @@ def conv_cost(
     reduce-scatters (each ``1/k`` of the bytes, each paying its latency), the processor their
     local convolutions, so a stage lasts ``max(conv/k, comm/k)``::
 
-        forward   g + c + r + (k-1) max(c, g + r)               g, c, r: one chunk's allgather
-        backward  g' + c + (k-1) max(c, g' + r') + max(w, r')   over F, conv, reduce-scatter
-                                                                over C; w: the weight gradient
+        forward   g + c + r + (k-1) both(c, g + r)               g, c, r: one chunk's allgather
+        backward  g' + c + (k-1) both(c, g' + r') + both(w, r')  over F, conv, reduce-scatter
+                                                                 over C; w: the weight gradient
 
+    where ``both(a, b) = a + b - o min(a, b)`` with ``o`` the machine's ``comm_overlap``: ``max(a,
+    b)`` where communication runs beside the compute (``o = 1``, a flat :class:`Machine`'s), the
+    sum where it does not (``o = 0``: then pipelining only adds each chunk's latency).
     Halo exchanges run per chunk on the critical path; gradient allreduces are unchanged.
 
     ``machine`` is a flat :class:`Machine` or a hierarchical :class:`distconv.machines.Machine`
@@ -417,7 +420,7 @@ def conv_cost(
         fwd = local + sum(steps[k] for k in t.forward)
         bwd = 2 * local + sum(steps[k] for k in t.backward)
         if chunks > 1:
-            fwd, bwd = _pipelined(steps, t, local, chunks)
+            fwd, bwd = _pipelined(steps, t, local, chunks, getattr(machine, "comm_overlap", 1.0))
         cost = Cost(fwd, bwd, steps, t)
         if best is None or cost.total > best.total:
             best = cost
@@ -425,10 +428,14 @@ def conv_cost(
     return best
 
 
-def _pipelined(steps: dict[str, float], t: Traffic, local: float, k: int
+def _pipelined(steps: dict[str, float], t: Traffic, local: float, k: int, overlap: float
                ) -> tuple[float, float]:
     """Forward and backward seconds of a layer pipelined over ``k`` chunks (see
-    :func:`conv_cost`); ``steps`` hold each collective's time over all k chunks."""
+    :func:`conv_cost`); ``steps`` hold each collective's time over all k chunks; ``overlap``:
+    the machine's ``comm_overlap``."""
+    def both(a: float, b: float) -> float:  # a and b at once, b partly beside a
+        return a + b - overlap * min(a, b)
+
     def part(phase: dict[str, int], op: str) -> float:
         return sum(steps[n] for n in phase if t.ops[n] == op and not n.startswith("allreduce"))
 
@@ -438,9 +445,9 @@ def _pipelined(steps: dict[str, float], t: Traffic, local: float, k: int
 
     c = local / k
     g, r = part(t.forward, "allgather") / k, part(t.forward, "reduce_scatter") / k
-    fwd = serial(t.forward) + g + c + r + (k - 1) * max(c, g + r)
+    fwd = serial(t.forward) + g + c + r + (k - 1) * both(c, g + r)
     g, r = part(t.backward, "allgather") / k, part(t.backward, "reduce_scatter") / k
-    bwd = serial(t.backward) + g + c + (k - 1) * max(c, g + r) + max(local, r)
+    bwd = serial(t.backward) + g + c + (k - 1) * both(c, g + r) + both(local, r)
     return fwd, bwd
 
 

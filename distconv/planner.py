@@ -964,10 +964,12 @@ class _Model:
                                                 layout=self.entry.grid, dims=("N",))
         compute, comm = forward + extra, head  # backward starts after the forward
         comm += compute
+        busy = 1.0 - getattr(self.machine, "comm_overlap", 1.0)  # as ops.pricing.timeline
         for c, ch, t, _ in reversed(layers):
             lc = self.costs[(c.name, ch)]
             compute += lc.backward + t
             comm = max(comm, compute) + lc.allreduce
+            compute += busy * lc.allreduce
         memory = sum(self.costs[(c.name, ch)].memory for c, ch, _, _ in layers)
         memory += self.head_params * self.itemsize * 3
         return {"step": max(compute, comm), "forward": forward, "memory": memory,

@@ -83,6 +83,7 @@ def test_lassen_every_number_has_a_source() -> None:
     assert f"flop_rate = {LASSEN.flop_rate / 1e12:.1f} TFLOP/s" in keys
     assert f"memory = {LASSEN.memory / 2**30:g} GiB" in keys
     assert f"schedule = {LASSEN.schedule}" in keys
+    assert f"comm_overlap = {LASSEN.comm_overlap:g}" in keys
     roof = LASSEN.conv_time
     assert f"memory_bandwidth = {roof.memory_bandwidth / 1e9:g} GB/s" in keys
     assert f"parallelism = {roof.parallelism}" in keys
@@ -100,6 +101,18 @@ def test_machine_rejects_bad_hierarchies() -> None:
         Level("a", 2, 1e-6, 0.0)
     with pytest.raises(ValueError, match="levels must not be empty"):
         Machine("bad", (), 1.0)
+
+
+def test_machine_takes_a_comm_overlap_in_the_unit_interval_and_shows_it() -> None:
+    level = (Level("all", 0, 1e-6, 1.0),)
+    assert Machine("m", level, 1.0).comm_overlap == 1.0  # the default: fully hidden
+    assert "comm_overlap=0.25" in repr(Machine("m", level, 1.0, comm_overlap=0.25))
+    for bad in (-0.1, 1.5):
+        with pytest.raises(ValueError, match=r"comm_overlap must be in \[0, 1\]"):
+            Machine("m", level, 1.0, comm_overlap=bad)
+    for bad in ("0.5", True, None):
+        with pytest.raises(TypeError, match="comm_overlap must be a number"):
+            Machine("m", level, 1.0, comm_overlap=bad)
 
 
 def test_conv_table_uses_measured_times_and_falls_back_to_the_rate() -> None:
@@ -120,6 +133,7 @@ def test_calibration_gives_every_rank_the_same_profile() -> None:
     assert a.levels == b.levels and a.flop_rate == b.flop_rate
     assert a.conv_time.times == b.conv_time.times and len(a.conv_time.times) == 1
     assert a.levels[0].alpha > 0 and a.levels[0].bandwidth > 0
+    assert a.comm_overlap == b.comm_overlap and 0.0 <= a.comm_overlap <= 1.0
 
 
 def test_tree_schedule_shortens_only_the_latency_term() -> None:
@@ -201,3 +215,46 @@ def test_explain_takes_the_lassen_factory_and_name() -> None:
     seconds = {explain(model, config, (4, 4, 8, 8), machine=m).seconds()
                for m in (lassen(), lassen, "lassen")}
     assert len(seconds) == 1 and next(iter(seconds)) > 0
+
+
+@pytest.mark.parametrize("o", [0.0, 1.0])
+def test_timeline_hides_the_gradient_allreduces_only_as_far_as_communication_overlaps(
+        o: float) -> None:
+    """Sample parallelism on a flat machine: where communication takes the processor (o = 0)
+    the step is the sum of the forward, the backward and every gradient allreduce; where it
+    runs beside backward (o = 1), the allreduces hide behind the rest of the backward."""
+    import torch.nn as nn
+
+    from distconv.parallel.explain import explain
+
+    model = nn.Sequential(nn.Conv2d(4, 8, 3, padding=1), nn.ReLU(),
+                          nn.Conv2d(8, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1))
+    machine = Machine.flat(1e-6, 1e-9, 1e8, comm_overlap=o)
+    plan = explain(model, {"default": {"grid": {"N": 2}, "algorithm": "sample"}}, (4, 4, 8, 8),
+                   machine=machine, bucket_bytes=1)  # a bucket per layer, launched in backward
+
+    def phase(lay, name: str) -> float:  # noqa: ANN001
+        return getattr(lay, f"{name}_seconds") + sum(
+            s.seconds(machine) for s in lay.steps if s.phase == name and s.after is None)
+
+    forward = sum(phase(lay, "forward") for lay in plan.layers)
+    backward = sum(phase(lay, "backward") for lay in plan.layers)
+    grads = sum(s.seconds(machine) for lay in plan.layers for s in lay.steps
+                if s.after is not None)
+    assert grads > 0
+    step = plan.timeline().step
+    if o == 0.0:
+        assert step == pytest.approx(forward + backward + grads)
+    else:  # the last layer's allreduce waits for nothing but its own backward
+        assert forward + backward < step < forward + backward + grads
+
+
+def test_an_overlapped_halo_hides_its_share_times_the_machines_comm_overlap() -> None:
+    from distconv.ops.pricing import halo_hidden
+
+    steps = {"halo exchange x": 2.0, "local conv forward": 10.0, "halo accumulate dL/dx": 3.0,
+             "local conv backward (data + filter)": 20.0}
+    half = Machine.flat(1e-6, 1e-9, 1e8, comm_overlap=0.5)
+    assert halo_hidden(steps, 0.5) == {"forward": 2.0, "backward": 3.0}
+    assert halo_hidden(steps, 0.5, half) == {"forward": 1.0, "backward": 1.5}
+    assert halo_hidden(steps, 0.1, half) == {"forward": 0.5, "backward": 1.0}

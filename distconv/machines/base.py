@@ -162,6 +162,13 @@ class Machine:
             (:func:`latency_steps`).
         call_overhead: seconds of software around every collective call (the library's
             planning and bookkeeping, beyond the wire's ``alpha``). Default 0.
+        comm_overlap: the share, in ``[0, 1]``, of a collective's time that runs while its rank
+            computes: 1 (default) where communication progresses beside the compute (a GPU's
+            copy engines and communication streams, a NIC's offload); 0 where it progresses only
+            while the rank waits for it, taking the processor it would compute on (CPU ranks of
+            one thread whose messages move inside their communication calls, as MPI's do
+            without a progress thread). The pipelined layers' and overlapped halos' hidden time
+            and the gradient allreduces' overlap with backward scale by it.
     """
 
     name: str
@@ -172,8 +179,14 @@ class Machine:
     sources: Mapping[str, str] = field(default_factory=dict)
     schedule: str = "ring"
     call_overhead: float = 0.0
+    comm_overlap: float = 1.0
 
     def __post_init__(self) -> None:
+        if isinstance(self.comm_overlap, bool) or not isinstance(self.comm_overlap, (int, float)):
+            raise TypeError(f"Machine: comm_overlap must be a number in [0, 1], got "
+                            f"{self.comm_overlap!r}")
+        if not 0.0 <= self.comm_overlap <= 1.0:
+            raise ValueError(f"Machine: comm_overlap must be in [0, 1], got {self.comm_overlap!r}")
         if self.schedule not in ("ring", "tree"):
             raise ValueError(f"Machine: schedule must be 'ring' or 'tree', got {self.schedule!r}")
         if not self.levels:
@@ -227,7 +240,8 @@ class Machine:
     def describe(self) -> str:
         """One line per level: ranks per unit, alpha, bandwidth, source."""
         rows = [f"{self.name}: {self.flop_rate / 1e12:.2f} TFLOP/s, "
-                f"{self.memory / 2**30:.0f} GiB per rank"]
+                f"{self.memory / 2**30:.0f} GiB per rank, communication "
+                f"{self.comm_overlap:.0%} overlapped with compute"]
         for lv in self.levels:
             unit = f"{lv.ranks} ranks" if lv.ranks else "all ranks"
             rows.append(f"  {lv.name:8s} ({unit}): alpha {lv.alpha * 1e6:.1f} us, "
@@ -241,11 +255,13 @@ class Machine:
                            for lv in self.levels)
         return (f"Machine(name={self.name!r}, levels=[{levels}], flop_rate={self.flop_rate:.3g}, "
                 f"memory={self.memory:.3g}, conv_time={self.conv_time!r}, "
-                f"schedule={self.schedule!r}, call_overhead={self.call_overhead:.3g})")
+                f"schedule={self.schedule!r}, call_overhead={self.call_overhead:.3g}, "
+                f"comm_overlap={self.comm_overlap:.3g})")
 
     @classmethod
     def flat(cls, alpha: float, beta: float, flop_rate: float, *, memory: float = math.inf,
-             name: str = "flat", conv_time: Any = None) -> Machine:
+             name: str = "flat", conv_time: Any = None, comm_overlap: float = 1.0) -> Machine:
         """One level: every collective costs ``alpha`` per step and ``beta`` per byte."""
         return cls(name, (Level("all", 0, alpha, 1.0 / beta, source="given"),), flop_rate,
-                   memory, conv_time, {"alpha": "given", "beta": "given", "flop_rate": "given"})
+                   memory, conv_time, {"alpha": "given", "beta": "given", "flop_rate": "given"},
+                   comm_overlap=comm_overlap)

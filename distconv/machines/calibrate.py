@@ -26,7 +26,9 @@ def calibrate(comm: Any, *, problems: Sequence[ConvProblem] = (), memory: float 
     * with ``overheads`` (default) and 1 < P <= 16 ranks: the software around each layer and
       each collective call, fitted so that the model reproduces two measured
       :class:`~distconv.nn.DistConv2d` steps -- sample-parallel (``{N: P}``: one gradient
-      allreduce) and channel-parallel (``{C: P}``: a reduce-scatter and an allgather).
+      allreduce) and channel-parallel (``{C: P}``: a reduce-scatter and an allgather);
+    * with P > 1 ranks: ``comm_overlap``, how much of an asynchronous collective runs beside a
+      local convolution (:class:`Machine`), so pipelining is chosen only where it pays here.
 
     All ranks of this machine share one level (one host, loopback or shared memory).
     """
@@ -40,14 +42,51 @@ def calibrate(comm: Any, *, problems: Sequence[ConvProblem] = (), memory: float 
                       {"alpha": source, "beta": source, "flop_rate": "measure_flop_rate()"})
     layer, call = (_overheads(comm, machine, repeats)
                    if overheads and 1 < comm.size <= 16 else (0.0, 0.0))
-    fit = torch.tensor([*values, layer, call], dtype=torch.float64)
+    overlap = _overlap(comm, level.bandwidth, repeats) if comm.size > 1 else 1.0
+    fit = torch.tensor([*values, layer, call, overlap], dtype=torch.float64)
     if comm.size > 1:
         fit = comm.broadcast(fit, root=0)
-    *values, layer, call = (float(v) for v in fit)
+    *values, layer, call, overlap = (float(v) for v in fit)
     return Machine("this machine", (level,), flat.flop_rate, memory,
                    ConvTable(dict(zip(keys, values)), flat.flop_rate, overhead=layer),
-                   {**machine.sources, "overheads": f"fitted to DistConv2d steps, {source}"},
-                   call_overhead=call)
+                   {**machine.sources, "overheads": f"fitted to DistConv2d steps, {source}",
+                    "comm_overlap": f"an allgather started before a convolution, {source}"},
+                   call_overhead=call, comm_overlap=overlap)
+
+
+def _overlap(comm: Any, bandwidth: float, repeats: int) -> float:
+    """How much of an asynchronous collective runs while its rank computes: with ``c`` a local
+    convolution's seconds, ``m`` an allgather's (sized to take about as long) and ``b`` the
+    allgather started, the convolution run and the allgather waited for, ``(c + m - b) /
+    min(c, m)`` clamped to ``[0, 1]`` (medians of interleaved repeats; 1: fully hidden, 0: the
+    two take their sum or more)."""
+    x = torch.randn(4, 64, 16, 16, generator=torch.Generator().manual_seed(0))
+    w = torch.randn(64, 64, 3, 3, generator=torch.Generator().manual_seed(1))
+
+    def timed(key: str, buf: torch.Tensor) -> float:
+        comm.barrier()
+        t0 = time.perf_counter()
+        work = comm.allgather(buf, async_op=True) if key != "c" else None
+        if key != "m":
+            torch.conv2d(x, w, padding=1)
+        if work is not None:
+            work.wait()
+        return time.perf_counter() - t0
+
+    def agreed(nbytes: float) -> torch.Tensor:  # rank 0's size for all, at most 8 MiB
+        want = torch.tensor([min(max(nbytes, 1 << 14), 1 << 23)], dtype=torch.float64)
+        return torch.zeros(int(comm.broadcast(want, root=0).item()) // 4)
+
+    c = statistics.median(timed("c", torch.zeros(0)) for _ in range(5))
+    buf = agreed(c * bandwidth / (comm.size - 1))
+    m = statistics.median(timed("m", buf) for _ in range(5))
+    buf = agreed(buf.numel() * 4 * c / m)  # the allgather that takes what the convolution does
+    times: dict[str, list[float]] = {"c": [], "m": [], "b": []}
+    for _ in range(max(3 * repeats, 9)):
+        for key, got in times.items():
+            got.append(timed(key, buf))
+    c, m, b = (statistics.median(v) for v in times.values())
+    return min(1.0, max(0.0, (c + m - b) / min(c, m)))
 
 
 def _overheads(comm: Any, machine: Machine, repeats: int) -> tuple[float, float]:

@@ -52,6 +52,11 @@ LASSEN_SOURCES: dict[str, str] = {
         "NVIDIA Tesla V100 GPU architecture whitepaper (2017): 80 SMs x 2048 resident threads"
     ),
     "overhead = 10 us": "assumption: one cuDNN kernel launch and its synchronisation",
+    "comm_overlap = 1": (
+        "assumption: collectives run on their own CUDA stream (NCCL kernels) and the network "
+        "adapters move the bytes, beside the compute stream, as the paper's Aluminum library "
+        "overlaps them"
+    ),
     "schedule = tree": (
         "NVIDIA developer blog, 'Massively Scale Your Deep Learning Training with NCCL 2.4' "
         "(2019): double binary trees give logarithmic allreduce latency at scale; the paper's "

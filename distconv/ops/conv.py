@@ -213,7 +213,8 @@ class ConvHandler(Handler):
                 report.overlap = {"forward": cost.forward - piped.forward,
                                   "backward": cost.backward - piped.backward}
             elif spec.overlap:
-                report.overlap = halo_hidden(cost.steps, _interior(conv, x, spec, roles))
+                report.overlap = halo_hidden(cost.steps, _interior(conv, x, spec, roles),
+                                             ctx.machine)
 
     def samples(self) -> Sequence[Sample]:
         return (Sample("conv3x3", lambda: SampleNet(nn.Conv2d(4, 6, 3, padding=1), 4, 6),

@@ -249,7 +249,7 @@ class ConvNdHandler(LinearHandler):
                 steps = {f"{s.what}": s.seconds(ctx.machine) for s in report.steps}
                 steps["local conv forward"] = report.forward_seconds
                 steps["local conv backward"] = report.backward_seconds
-                report.overlap = halo_hidden(steps, _interior_nd(module, x, layout))
+                report.overlap = halo_hidden(steps, _interior_nd(module, x, layout), ctx.machine)
         if step.layer.overlap:
             report.note = "halo overlapped"
 

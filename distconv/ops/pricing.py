@@ -100,8 +100,11 @@ def timeline(layers: Sequence[LayerReport], machine: Machine) -> Timeline:
     """The step of ``layers`` (in forward order) on ``machine``: the forward, then the backward in
     reverse order on a compute stream; each gradient allreduce (a step with ``after``) goes on a
     communication stream once the backward of its layer is done and the previous allreduce has
-    finished, as the gradient buckets run. Every other collective is on the critical path."""
+    finished, as the gradient buckets run, and takes the share ``1 - comm_overlap`` of its time
+    from the compute stream too (the processor moves what the network does not). Every other
+    collective is on the critical path."""
     machine = machines.resolve_machine(machine, hierarchical=True)  # once, not per step
+    busy = 1.0 - machine.comm_overlap
 
     def seconds(lay: LayerReport, phase: str) -> float:
         return sum(s.seconds(machine) for s in lay.steps if s.phase == phase and s.after is None)
@@ -122,9 +125,11 @@ def timeline(layers: Sequence[LayerReport], machine: Machine) -> Timeline:
                     - lay.overlap.get("backward", 0.0))
         for t in waiting.pop(lay.name, ()):
             comm = max(comm, compute) + t
+            compute += busy * t
             gradients += t
     for t in waiting.pop(None, ()):  # no layer named: after the whole backward
         comm = max(comm, compute) + t
+        compute += busy * t
         gradients += t
     return Timeline(forward, compute - forward, gradients, max(compute, comm))
 
@@ -156,13 +161,16 @@ def pair(v: Any) -> tuple[int, int]:
     return (v, v) if isinstance(v, int) else (int(v[0]), int(v[1]))
 
 
-def halo_hidden(steps: Mapping[str, float], share: float) -> dict[str, float]:
+def halo_hidden(steps: Mapping[str, float], share: float,
+                machine: Any = None) -> dict[str, float]:
     """The seconds an overlapped layer hides (:func:`distconv.nn.halo_conv.halo_conv`): its
     halo exchange runs beside the ``share`` of its local convolution on interior rows, its halo
-    accumulate beside that share of the local backward, so each hides the smaller of the two.
+    accumulate beside that share of the local backward, so each hides the smaller of the two,
+    times the ``machine``'s ``comm_overlap`` (1 without one).
     ``steps``: :func:`distconv.perfmodel.conv_cost`'s seconds per step."""
     def part(prefix: str) -> float:
         return sum(v for k, v in steps.items() if k.startswith(prefix))
 
-    return {"forward": min(part("halo exchange"), share * part("local conv forward")),
-            "backward": min(part("halo accumulate"), share * part("local conv backward"))}
+    o = getattr(machine, "comm_overlap", 1.0)
+    return {"forward": o * min(part("halo exchange"), share * part("local conv forward")),
+            "backward": o * min(part("halo accumulate"), share * part("local conv backward"))}

@@ -273,6 +273,44 @@ def test_the_model_prices_the_overlap_by_hand() -> None:
         pytest.approx(conv_cost(pb, {"C": 2, "F": 2}, "stationary-w", m, pipeline=4).forward))
 
 
+@pytest.mark.parametrize("o", [0.0, 0.5, 1.0])
+def test_the_model_hides_only_the_machines_comm_overlap_by_hand(o: float) -> None:
+    """A stage of chunk compute c beside chunk collectives m lasts c + m - o min(c, m): max(c, m)
+    where communication runs beside compute (o = 1), c + m where it does not (o = 0)."""
+    from distconv.machines import Machine
+    from distconv.perfmodel import ConvProblem, conv_cost
+
+    pb = ConvProblem(4, 8, 8, 6, 6, 3, 1, 1)
+    m = Machine.flat(0.0, 1e-9, 1e9, comm_overlap=o)
+    plain = conv_cost(pb, {"C": 2, "F": 2}, "stationary-w", m)
+    piped = conv_cost(pb, {"C": 2, "F": 2}, "stationary-w", m, pipeline=2)
+    s, conv = plain.steps, plain.steps["local conv forward"]
+    g, r = s["allgather x over F"], s["reduce-scatter y over C"]
+    gb, rb = s["allgather dL/dy over C"], s["reduce-scatter dL/dx over F"]
+    grads = s.get("allreduce dL/dw", 0.0)
+
+    def both(a: float, b: float) -> float:
+        return a + b - o * min(a, b)
+
+    assert piped.forward == pytest.approx(g / 2 + conv / 2 + r / 2 + both(conv / 2, (g + r) / 2))
+    assert piped.backward == pytest.approx(
+        grads + gb / 2 + conv / 2 + both(conv / 2, (gb + rb) / 2) + both(conv, rb / 2))
+    if o == 0.0:  # nothing hidden: the chunks' compute and bytes are the layer's, in sequence
+        assert piped.total == pytest.approx(plain.total)
+
+
+def test_the_planner_does_not_pipeline_where_communication_does_not_overlap() -> None:
+    """The network the planner pipelines on lassen (the test above), on a lassen whose
+    collectives take the processor: no layer is pipelined, since every chunk only adds latency."""
+    from distconv.machines import lassen
+    from distconv.models import resnet_mini
+    from distconv.planner import plan_network
+
+    serial = dataclasses.replace(lassen(), comm_overlap=0.0)
+    plan = plan_network(resnet_mini(), (8, 3, 16, 16), world_size=4, machine=serial)
+    assert all(lp.choice.pipeline == 1 for lp in plan.layers), plan.config()
+
+
 def test_explain_prices_the_pipeline_on_lassen() -> None:
     from distconv.parallel.explain import explain
     from tests.parallel.cases import RESNET_SHAPE, resnet_case
