@@ -32,6 +32,7 @@ Writes ``benchmarks/results/end_to_end.{json,md,png}``.
                                                          # (gloo), and the hybrid vs sample (MPI)
     .venv/bin/python benchmarks/end_to_end.py --case resnet18:gloo:2:8  # one case of the run
     .venv/bin/python benchmarks/end_to_end.py --stages   # the hybrid's split stages alone
+    .venv/bin/python benchmarks/end_to_end.py --layouts  # hybrid layouts vs sample (MPI, 2 ranks)
     .venv/bin/python benchmarks/end_to_end.py --one-process --steps 30  # overhead on one rank
     python benchmarks/end_to_end.py --one-process --device cuda --steps 50  # the same on a GPU
 """
@@ -151,6 +152,17 @@ def measure(comm: Any, name: str, backend: str, per_rank: int, steps: int,
     torch.set_num_threads(1)
     model = build_model(name)
     variants = _variants(comm, model, name, backend, per_rank)
+    times, counted = _interleaved(comm, variants, per_rank, steps, warmup)
+    slowest = _slowest(comm, times)
+    bytes_ = comm.allgather(torch.tensor([counted.get(k, 0) for k in ("sample", "hybrid")]))
+    return {"times": slowest, "counted": [b.tolist() for b in bytes_]}
+
+
+def _interleaved(comm: Any, variants: dict[str, torch.nn.Module], per_rank: int, steps: int,
+                 warmup: int) -> tuple[dict[str, list[float]], dict[str, int]]:
+    """Training steps of every side, interleaved (the order reversed every other step), on
+    ``per_rank`` samples per rank: this rank's seconds per side and step after ``warmup``, and
+    the bytes each side's first step counted."""
     opts = {k: torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9) for k, m in variants.items()}
     gen = torch.Generator().manual_seed(1)
     batch = per_rank * comm.size
@@ -180,9 +192,7 @@ def measure(comm: Any, name: str, backend: str, per_rank: int, steps: int,
                 counted[side] = comm.stats.total_bytes() - b0
             if step >= warmup:
                 times[side].append(dt)
-    slowest = _slowest(comm, times)
-    bytes_ = comm.allgather(torch.tensor([counted.get(k, 0) for k in ("sample", "hybrid")]))
-    return {"times": slowest, "counted": [b.tolist() for b in bytes_]}
+    return times, counted
 
 
 # ---------------------------------------------------------------------------- --profile
@@ -406,6 +416,80 @@ def run_stages(steps: int) -> list[dict[str, Any]]:
     return rows
 
 
+def _over_channels(*stages: str) -> dict[str, Any]:
+    """A 2-rank config: ``stages`` (module name patterns) over channels, stationary-x; the rest
+    sample-parallel."""
+    return {"default": {"grid": {"N": 2}, "algorithm": "sample"},
+            "layers": [{"match": f"{s}.*", "grid": {"C": 2}, "algorithm": "stationary-x"}
+                       for s in stages]}
+
+
+#: hybrid layouts on 2 ranks, per model; the first is the main run's hybrid
+LAYOUTS = {
+    "resnet18": {"layer3-4 over channels (the hybrid)": HYBRID_RESNET18,
+                 "layer2-4 over channels": _over_channels("layer2", "layer3", "layer4"),
+                 "layer1-4 over channels": _over_channels("layer1", "layer2", "layer3",
+                                                          "layer4")},
+    "wrn": {"the paper's: rows, then channels (the hybrid)": HYBRID[2],
+            "layer2-3 over channels": _over_channels("layer2", "layer3"),
+            "layer1-3 over channels": _over_channels("layer1", "layer2", "layer3")},
+}
+
+
+def layouts(comm: Any, name: str, per_rank: int, steps: int, warmup: int,
+            runs: int) -> dict[str, Any]:
+    """Runs on every rank: sample parallelism against each hybrid layout of ``LAYOUTS[name]``
+    and the planner's own plan for this machine (calibrated here first), training steps
+    interleaved as in :func:`measure`; per run, the slowest rank's median per side (ms)."""
+    from distconv.machines import calibrate
+    from distconv.planner import plan_network, predict
+
+    torch.set_num_threads(1)
+    model = build_model(name)
+    machine = calibrate(comm, sizes=(1, 1 << 16), repeats=3)
+    shape = (per_rank * comm.size, 3, SIZE, SIZE)
+    planned = plan_network(model, shape, world_size=comm.size, machine=machine,
+                           max_model=comm.size).config()
+    configs = {"sample": sample_config(comm.size), **LAYOUTS[name], "the planner's": planned}
+    predicted = {k: predict(model, c, shape, world_size=comm.size, machine=machine).step_time
+                 * 1e3 for k, c in configs.items()}
+    variants = {k: parallelize(model, c, comm=comm) for k, c in configs.items()}
+    medians = []
+    for _ in range(runs):
+        times = _slowest(comm, _interleaved(comm, variants, per_rank, steps, warmup)[0])
+        medians.append({k: statistics.median(v) * 1e3 for k, v in times.items()})
+    return {"medians": medians, "predicted": predicted, "planner": planned}
+
+
+def run_layouts(steps: int, warmup: int, runs: int) -> list[dict[str, Any]]:
+    """:func:`layouts` for both models at 1 and 2 samples per rank on 2 MPI ranks; prints a
+    table of step times and ``sample/layout`` ratios (range over the runs; target >= 1.3)."""
+    rows = []
+    lines = [f"hybrid layouts against sample parallelism, 2 MPI ranks, {runs} runs of {steps} "
+             "interleaved steps (medians of the slower rank; the range over runs)", "",
+             "| model | samples/rank | layout | step ms | sample/layout (≥1.3) | predicted ms (the "
+             "planner's model of this machine) |", "|---|---|---|---|---|---|"]
+    with WorkerPool("mpi", 2, timeout=120.0, task_timeout=1800.0) as pool:
+        for name in LAYOUTS:
+            for per_rank in (1, 2):
+                res = pool.run(layouts, name, per_rank, steps, warmup, runs)[0]
+                rows.append({"model": name, "per_rank": per_rank, **res})
+                for side in res["medians"][0]:
+                    ms = [m[side] for m in res["medians"]]
+                    ratio = [m["sample"] / m[side] for m in res["medians"]]
+                    cells = [name, str(per_rank), side, f"{min(ms):.1f}–{max(ms):.1f}",
+                             "-" if side == "sample" else f"{min(ratio):.2f}–{max(ratio):.2f}",
+                             f"{res['predicted'][side]:.1f}"]
+                    lines.append("| " + " | ".join(cells) + " |")
+                print("\n".join(lines[-len(res["medians"][0]):]), flush=True)
+    text = "\n".join(lines) + "\n\nthe planner's configs: " + "; ".join(
+        f"{r['model']} {r['per_rank']}/rank: {json.dumps(r['planner'])}" for r in rows) + "\n"
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "end_to_end_layouts.json").write_text(json.dumps(rows, indent=1))
+    (RESULTS / "end_to_end_layouts.md").write_text(text)
+    return rows
+
+
 def one_process(steps: int, batch: int = 16, device: str = "cpu") -> dict[str, Any]:
     """A parallelized model on one process against the plain module: interleaved training steps
     (forward and backward; which side goes first alternates), medians, the ratio. On CUDA each
@@ -572,6 +656,10 @@ def main() -> None:
     parser.add_argument("--stages", action="store_true",
                         help="the hybrid's split stages alone (ResNet-18 layer3-4), sample vs "
                              "hybrid on 2 MPI ranks")
+    parser.add_argument("--layouts", action="store_true",
+                        help="hybrid layouts (and the planner's) against sample parallelism on 2 "
+                             "MPI ranks, both models, 1-2 samples per rank")
+    parser.add_argument("--runs", type=int, default=3, help="--layouts: interleaved runs")
     parser.add_argument("--device", default="cpu", help="--one-process on this device (cuda)")
     parser.add_argument("--batch", type=int, default=16, help="--one-process batch")
     args = parser.parse_args()
@@ -583,6 +671,9 @@ def main() -> None:
         return
     if args.profile:
         run_profile(1, args.steps)
+        return
+    if args.layouts:
+        run_layouts(args.steps, args.warmup, args.runs)
         return
     if args.stages:
         rows = run_stages(args.steps)

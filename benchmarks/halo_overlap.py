@@ -67,16 +67,15 @@ def predicted(conv: nn.Conv2d, shape: tuple, dims: dict, machine: Any) -> float:
     parts = dims["H" if i == 0 else "W"]
     plan = HaloPlan(dim, parts, "zeros")
     share = min(interior_share(plan, r, k[i], s[i], d[i]) for r in range(parts))
-    hidden = halo_hidden(cost.steps, share)
+    hidden = halo_hidden(cost.steps, share, machine)
     return cost.total / (cost.total - hidden["forward"] - hidden["backward"])
 
 
 def bench(comm: Any, names: list[str], repeats: int) -> list[dict]:
-    from distconv.machines import lassen
-    from distconv.perfmodel import calibrate
+    from distconv.machines import calibrate, lassen
 
     torch.set_num_threads(1)
-    calibrated = calibrate(comm)
+    calibrated = calibrate(comm, overheads=False)
     out = []
     for name in names:
         build, shape, dims = LAYERS[name]

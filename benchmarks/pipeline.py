@@ -6,7 +6,8 @@ per repeat, medians of the paired ratios) and a run of the same local convolutio
 communication at all. The difference between the unpipelined layer and that run is the time the
 collectives cost; no overlap can gain more, so ``bound = unpipelined / (local only)`` is the
 largest speedup pipelining could show on this machine. Next to them: the §4 model's predicted
-speedup with alpha, beta and the FLOP rate calibrated in the same world, and on ``lassen()``.
+speedup with alpha, beta, the FLOP rate and how much communication overlaps compute
+(``comm_overlap``) calibrated in the same world, and on ``lassen()``.
 
 Writes ``benchmarks/results/pipeline.{json,md}`` and prints the table.
 
@@ -35,9 +36,9 @@ from benchmarks._paired import (  # noqa: E402
     command_line, layer_step, moved_per_step, slowest, write_results,
 )
 from distconv.grid import ProcessorGrid  # noqa: E402
-from distconv.machines import lassen  # noqa: E402
+from distconv.machines import calibrate, lassen  # noqa: E402
 from distconv.nn import DistConv2d  # noqa: E402
-from distconv.perfmodel import ConvProblem, calibrate, conv_cost  # noqa: E402
+from distconv.perfmodel import ConvProblem, conv_cost  # noqa: E402
 
 #: name -> (in channels, out channels, height/width, kernel): the wide layer of
 #: ``conv_layers.py`` and a 1x1 layer whose reduce-scatter weighs more against its compute.
@@ -59,7 +60,7 @@ def _local_only(x: torch.Tensor, w: torch.Tensor, g: torch.Tensor, padding: int)
 
 def bench(comm: Any, jobs: list[tuple[str, int, str, dict, str]], repeats: int) -> list[dict]:
     torch.set_num_threads(1)
-    machine = calibrate(comm)
+    machine = calibrate(comm, overheads=False)
     out = []
     for name, batch, label, grid_dims, algorithm in jobs:
         cin, cout, hw, k = LAYERS[name]
