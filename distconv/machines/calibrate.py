@@ -73,8 +73,9 @@ def _overlap(comm: Any, bandwidth: float, repeats: int) -> float:
             work.wait()
         return time.perf_counter() - t0
 
-    def agreed(nbytes: float) -> torch.Tensor:  # rank 0's size for all, at most 8 MiB
-        want = torch.tensor([min(max(nbytes, 1 << 14), 1 << 23)], dtype=torch.float64)
+    def agreed(nbytes: float) -> torch.Tensor:  # rank 0's size for all; 64 MiB received at most
+        most = min(1 << 23, (1 << 26) // (comm.size - 1))
+        want = torch.tensor([min(max(nbytes, 1 << 12), most)], dtype=torch.float64)
         return torch.zeros(int(comm.broadcast(want, root=0).item()) // 4)
 
     c = statistics.median(timed("c", torch.zeros(0)) for _ in range(5))
