@@ -173,6 +173,12 @@ class DistConv2d(nn.Module):
             kernel wider than one row there) and pad with zeros. The same bytes; the results
             equal the unoverlapped layer's up to the order of sums. Default False. Under
             autocast, with a ``work_hook`` or pipelined, the layer runs unoverlapped.
+        gathered_input: the input arrives already whole over the filter dim, as
+            :attr:`work_dist` (forward step 1's result), and the layer skips that allgather and
+            its adjoint (the cotangent of x leaves pending over F). Its caller gathers it once
+            for every layer that reads the same value: ``parallelize`` does, for a value that
+            several stationary-y or -w layers on one grid read. For layers that gather x (F > 1,
+            not stationary-x, not grouped) and are not pipelined. Default False.
 
     Raises:
         ValueError: an unknown algorithm or padding mode, a grid dim without a role, a grid that
@@ -209,6 +215,7 @@ class DistConv2d(nn.Module):
         init_seed: int | None = None,
         pipeline: int = 1,
         overlap: bool = False,
+        gathered_input: bool = False,
     ) -> None:
         super().__init__()
         self.in_channels, self.out_channels = _positive(in_channels, "in_channels"), _positive(
@@ -279,6 +286,20 @@ class DistConv2d(nn.Module):
         #: Chunks of samples the local convolution is split into so that each chunk's
         #: collectives overlap the next chunk's compute (1: not pipelined).
         self.pipeline = pipeline
+        if not isinstance(gathered_input, bool):
+            raise TypeError(f"gathered_input must be a bool, got {gathered_input!r}")
+        if gathered_input and (not self._gather_x or pipeline > 1):
+            raise ValueError(
+                f"gathered_input=True skips the allgather of x over F, but this {algorithm} "
+                f"layer on the grid {dict(grid.layout)}"
+                + (f" is pipelined (pipeline={pipeline}: its chunks gather x themselves)"
+                   if self._gather_x else " gathers nothing")
+                + "; use gathered_input=False" + ("" if self._gather_x else
+                                                  ", or stationary-y/-w with F > 1"))
+        #: Whether the input arrives as :attr:`work_dist` (gathered over F by the caller).
+        self.gathered_input = gathered_input
+        if gathered_input:
+            self.input_dist, self._gather_x = self.work_dist, False
         if not isinstance(overlap, bool):
             raise TypeError(f"overlap must be a bool, got {overlap!r}")
         split = [i for i, role in enumerate(spatial_dims) if self._ext(role) > 1]
@@ -769,6 +790,8 @@ class DistConv2d(nn.Module):
             s += f", pipeline={self.pipeline}"
         if self.overlap:
             s += ", overlap=True"
+        if self.gathered_input:
+            s += ", gathered_input=True"
         dists = (self.input_dist.format("x"), self.weight_dist.format("w"),
                  self.output_dist.format("y"))
         return s + ", x={}, w={}, y={}".format(*dists)

@@ -113,6 +113,49 @@ def _as_tuple(value: Any, k: int) -> tuple[int, ...]:
     return tuple(value) if isinstance(value, (tuple, list)) else (value,) * k
 
 
+def _roles_and_dists(an: Any, args: list, module: Any, choice: Any, algorithm: str
+                     ) -> tuple[dict[str, str], dict[str, Any]]:
+    """A Conv2d's grid-dim roles and distributions (:func:`~distconv.nn.conv.conv_dists`) for
+    ``choice``: stationary-w takes C and F swapped when its input arrives split over F×C."""
+    roles = {"N": "N", "C": "C", "F": "F", "H": "H", "W": "W"}
+    ext = dict(choice.layout)
+    grouped = module.groups > 1 and ext.get("C", 1) * ext.get("F", 1) > 1
+    if algorithm == "stationary-w" and args:
+        src = an.placement(args[0])
+        if src.layout == choice.layout and src.dist.entries[1] == ("F", "C"):
+            roles["C"], roles["F"] = "F", "C"
+    return roles, conv_dists(algorithm, roles, grouped)
+
+
+def _gathers_shared(an: Any, node: Any, value: Any, choice: Any, dists: dict[str, Any]) -> bool:
+    """Whether this unpipelined layer gathers x over F (its input and working distributions
+    differ) and another Conv2d reading ``value`` gathers it to the same placement."""
+    if choice.pipeline > 1 or dists["input"] == dists["work"]:
+        return False
+    mine = (Placement(choice.layout, dists["input"]), Placement(choice.layout, dists["work"]))
+    for user in value.users:
+        if user is node or user.op != "call_module":
+            continue
+        other = an.modules.get(user.target)
+        if not isinstance(other, nn.Conv2d) or an.tensor_args(user)[:1] != [value]:
+            continue
+        ch = an.config.choice(str(user.target))
+        if ch.algorithm not in ("stationary-y", "stationary-w") or ch.pipeline > 1:
+            continue
+        _, d = _roles_and_dists(an, [value], other, ch, ch.algorithm)
+        if (Placement(ch.layout, d["input"]), Placement(ch.layout, d["work"])) == mine:
+            return True
+    return False
+
+
+def gathered(step: Any, module: Any) -> bool:
+    """Whether the analysis placed a Conv2d step's input gathered over F (its need is the
+    layer's working distribution, not its input distribution)."""
+    d, layout = _dists(step, module), step.layer.layout
+    work = Placement(layout, d["work"])
+    return Placement(layout, d["input"]) != work and step.layer.input == work
+
+
 class ConvHandler(Handler):
     modules = (nn.Conv2d,)
 
@@ -126,7 +169,6 @@ class ConvHandler(Handler):
                     "input_shape= to parallelize)", ValueError)
         algorithm = "stationary-x" if choice.algorithm in ("sample", "spatial") else (
             choice.algorithm)
-        roles = {"N": "N", "C": "C", "F": "F", "H": "H", "W": "W"}
         ext = dict(choice.layout)
         if ext.get("D", 1) > 1:
             an.fail(node, f"{choice.source} splits D on {dict(choice.layout)}, but a Conv2d's "
@@ -135,17 +177,17 @@ class ConvHandler(Handler):
         check_channel_blocks(an, node, module, choice)
         grouped = module.groups > 1 and ext.get("C", 1) * ext.get("F", 1) > 1
         args = an.tensor_args(node)
-        if algorithm == "stationary-w" and args:
-            src = an.placement(args[0])
-            if src.layout == choice.layout and src.dist.entries[1] == ("F", "C"):
-                roles["C"], roles["F"] = "F", "C"
-        dists = conv_dists(algorithm, roles, grouped)
+        roles, dists = _roles_and_dists(an, args, module, choice, algorithm)
         if choice.pipeline > 1 and not moves_data(choice.layout, dists):
             an.fail(node, f"{choice.source} asks for pipeline: {choice.pipeline}, but this "
                     f"{'grouped ' if grouped else ''}{algorithm} convolution on "
                     f"{dict(choice.layout)} moves no data to overlap (each rank's channel block "
                     "holds whole groups); leave pipeline out for it", ValueError)
         need = Placement(choice.layout, dists["input"])
+        if args and _gathers_shared(an, node, args[0], choice, dists):
+            # the allgather of x over F as the operand's conversion, made once for every
+            # layer that gathers this value alike (the layer is built with gathered_input)
+            need = Placement(choice.layout, dists["work"])
         spec = LayerSpec("conv", name, choice.layout, algorithm,
                          tuple(sorted(roles.items())), need, choice.source,
                          pipeline=choice.pipeline,
@@ -158,7 +200,8 @@ class ConvHandler(Handler):
         return DistConv2d.from_conv2d(
             module, grid=grid, algorithm=step.layer.algorithm, channel_dim=roles["C"],
             filter_dim=roles["F"], sample_dim=roles["N"], spatial_dims=(roles["H"], roles["W"]),
-            pipeline=step.layer.pipeline, overlap=step.layer.overlap)
+            pipeline=step.layer.pipeline, overlap=step.layer.overlap,
+            gathered_input=gathered(step, module))
 
     def refuse(self, step: Any, module: Any, in_shape: tuple[int, ...]) -> str | None:
         from distconv.ops.conv_nd import row_refusal
@@ -180,7 +223,7 @@ class ConvHandler(Handler):
                   filter_dim=roles["F"], sample_dim=roles["N"],
                   spatial_dims=(roles["H"], roles["W"]))
         d = _dists(step, conv)
-        report.dists = {"x": Placement(spec.layout, d["input"]).dist.format("x"),
+        report.dists = {"x": spec.input.dist.format("x"),
                         "w": Placement(spec.layout, d["weight"]).dist.format("w"),
                         "y": Placement(spec.layout, d["output"]).dist.format("y")}
         traffic = {r: conv_traffic(problem, spec.layout, spec.algorithm,
@@ -188,8 +231,12 @@ class ConvHandler(Handler):
         first = traffic[ctx.ranks[0]]
         report.param_elements, kept = memory_elements(spec.layout, d, conv, x)
         report.activation_elements += kept  # the gathered input the weight gradient reads
+        # a gathered input: the allgather over F and its adjoint are the operand's conversion
+        moved = ({f"allgather x over {roles['F']}", f"reduce-scatter dL/dx over {roles['F']}"}
+                 if gathered(step, conv) else set())
         for phase in ("forward", "backward"):
-            names = [k for k in getattr(first, phase) if not k.startswith("allreduce dL/d")]
+            names = [k for k in getattr(first, phase)
+                     if not k.startswith("allreduce dL/d") and k not in moved]
             for key in names:
                 report.steps.append(CommStep(phase, key, first.ops[key],
                                              {r: getattr(t, phase).get(key, 0)

@@ -247,6 +247,9 @@ def _build(comm, grid_dims, kwargs):  # noqa: ANN001, ANN202
     ({"Q": 2}, {"algorithm": "stationary-x"}, "has no role"),
     ({"C": 2}, {"algorithm": "stationary-x", "padding": "same", "stride": 2}, "padding='same'"),
     ({"C": 2}, {"algorithm": "stationary-x", "padding_mode": "mirror"}, "padding_mode must be"),
+    ({"C": 2}, {"algorithm": "stationary-x", "gathered_input": True}, "gathers nothing"),
+    ({"F": 2}, {"algorithm": "stationary-y", "gathered_input": True, "pipeline": 2},
+     "is pipelined"),
 ])
 def test_bad_configurations_raise_saying_what_works(grid_dims, kwargs, message):  # noqa: ANN
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
@@ -296,3 +299,42 @@ def test_repr_shows_settings_and_distributions() -> None:
     text = repr(layer)
     assert "algorithm='stationary-w'" in text and "x[o,o_{C×F},o,o]" in text
     assert "y[o,o_{F×C},o,o]" in text and "w[o_F,o_C,*,*]" in text
+
+
+def _gathered_layer(comm, x, g):  # noqa: ANN001, ANN202
+    """A stationary-y layer on {F: 2} given x whole over F (``gathered_input``) and the same
+    layer given x[o,o_F,o,o]: each one's output and x gradient gathered (the gathered layer's
+    gradient is pending over F: the sum over F), its global weight and bias, and its repr."""
+    from distconv.redistribute import gather
+
+    grid = ProcessorGrid({"F": 2}, comm=comm)
+    shape = tuple(x.shape)
+    out = {}
+    for gathered in (False, True):
+        layer = DistConv2d(4, 6, 3, padding=1, grid=grid, algorithm="stationary-y", init_seed=0,
+                           gathered_input=gathered, dtype=torch.float64)
+        xl = (x if gathered else x[:, 2 * comm.rank: 2 * comm.rank + 2]).clone()
+        xl.requires_grad_(True)
+        y = layer(xl, shape)
+        y.backward(g[:, 3 * comm.rank: 3 * comm.rank + 3])
+        dist = layer.input_dist.dual(grid) if gathered else layer.input_dist
+        out[gathered] = (gather(y.detach(), layer.output_dist, grid, tuple(g.shape)),
+                         gather(xl.grad, dist, grid, shape), layer.gather_weight(),
+                         layer.gather_bias(), repr(layer))
+    return out
+
+
+def test_gathered_input_skips_the_gather_and_leaves_the_gradient_pending() -> None:
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 4, 5, 5, generator=gen, dtype=torch.float64)
+    g = torch.randn(2, 6, 5, 5, generator=gen, dtype=torch.float64)
+    for got in run_threads(_gathered_layer, 2, x, g):
+        for gathered, (y, dx, w, b, text) in got.items():
+            xr = x.clone().requires_grad_(True)
+            yr = torch.nn.functional.conv2d(xr, w, b, padding=1)
+            yr.backward(g)
+            assert (y - yr).abs().max() < 1e-12 and (dx - xr.grad).abs().max() < 1e-12
+            assert ("gathered_input=True" in text) == gathered
+        assert "x[o,*,o,o]" in got[True][-1] and "x[o,o_F,o,o]" in got[False][-1]
+    with pytest.raises(TypeError, match="gathered_input must be a bool"):
+        run_threads(_build, 2, {"F": 2}, {"algorithm": "stationary-y", "gathered_input": 1})

@@ -170,6 +170,60 @@ def test_resnet_bytes_equal_explain_on_threads() -> None:
         assert r["counted"] == r["explained"], r
 
 
+class TwoReaders(nn.Module):
+    """One activation read by two convolutions (a downsampling block's main path and shortcut)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv0 = nn.Conv2d(3, 4, 3, padding=1)
+        self.a = nn.Conv2d(4, 6, 3, padding=1)
+        self.b = nn.Conv2d(4, 6, 1)
+        self.fc = nn.Linear(6, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.conv0(x))
+        y = self.a(h) + self.b(h)
+        return self.fc(torch.nn.functional.adaptive_avg_pool2d(y, 1).flatten(1))
+
+
+TWO_READERS_CONFIG = {"default": {"grid": {"N": 2}, "algorithm": "sample"},
+                      "layers": [{"match": "[ab]", "grid": {"F": 2}, "algorithm": "stationary-y"}]}
+
+
+def _two_readers_step(comm, model, x, y):  # noqa: ANN001, ANN202
+    from distconv.nn import DistConv2d
+    from tests.parallel.cases import counted_step
+
+    got = counted_step(comm, model, TWO_READERS_CONFIG, x, y)
+    layers = parallelize(copy.deepcopy(model), TWO_READERS_CONFIG, comm=comm).modules()
+    got["gathered"] = sorted(m.gathered_input for m in layers if isinstance(m, DistConv2d))
+    return got
+
+
+def test_a_value_two_stationary_y_layers_read_is_gathered_once() -> None:
+    """Both layers read h whole over F: one conversion gathers it (each rank receives the other
+    rank's 2 samples of h, 2 x 4 x 6 x 6 doubles) and neither layer gathers it again; one
+    process's step, and the bytes explain prices."""
+    gen = torch.Generator().manual_seed(3)
+    from tests.parallel.cases import seeded
+
+    model = seeded(TwoReaders().double(), gen)
+    x = torch.randn(4, 3, 6, 6, generator=gen, dtype=torch.float64)
+    y = torch.randint(0, 5, (4,), generator=gen)
+    plan = explain(model, TWO_READERS_CONFIG, tuple(x.shape), world_size=2)
+    steps = {lay.name: lay.steps for lay in plan.layers}
+    assert not [s for s in steps["a"] + steps["b"] if s.what.startswith("allgather x")]
+    [gather] = [s for s in steps["a"] + steps["b"] if s.phase == "forward"]
+    assert gather.what.startswith("redistribute relu") and gather.bytes == {0: 2304, 1: 2304}
+    explained = [tuple(plan.rank_bytes(r).values()) for r in range(2)]
+    ref = reference_step(model, x, y)
+    for r, got in enumerate(run_threads(_two_readers_step, 2, model, x, y)):
+        assert (got["out"] - ref["out"][got["rows"]]).abs().max().item() < TOL
+        assert max((got["grads"][k] - g).abs().max().item() for k, g in ref["grads"].items()) < TOL
+        # conv0 is sample-parallel: nothing to gather
+        assert got["counted"] == explained[r] and got["gathered"] == [False, True, True]
+
+
 @pytest.mark.gloo
 def test_resnet_on_gloo(gloo4) -> None:
     for r in gloo4.run(resnet_run):
