@@ -24,7 +24,8 @@ next to the targets. Bytes per step are the communicators' counts next to
 ``distconv.explain``'s; memory of the model-parallel layers is ``explain``'s, against the full
 layers.
 
-Writes ``benchmarks/results/end_to_end.{json,md,png}``.
+Writes ``benchmarks/results/end_to_end.{json,md,png}`` (``--profile``: ``end_to_end_profile``,
+``--stages``: ``end_to_end_stages``, ``--layouts``: ``end_to_end_layouts``).
 
     .venv/bin/python benchmarks/end_to_end.py            # the full run (three to fifteen minutes)
     .venv/bin/python benchmarks/end_to_end.py --quick    # a smoke run (gloo, 2 ranks, 2 steps)
