@@ -160,15 +160,19 @@ def measure(comm: Any, name: str, backend: str, per_rank: int, steps: int,
 
 
 def _interleaved(comm: Any, variants: dict[str, torch.nn.Module], per_rank: int, steps: int,
-                 warmup: int) -> tuple[dict[str, list[float]], dict[str, int]]:
+                 warmup: int, x: torch.Tensor | None = None
+                 ) -> tuple[dict[str, list[float]], dict[str, int]]:
     """Training steps of every side, interleaved (the order reversed every other step), on
     ``per_rank`` samples per rank: this rank's seconds per side and step after ``warmup``, and
-    the bytes each side's first step counted."""
+    the bytes each side's first step counted. The global batch is ``x`` with a sum as the loss,
+    or (None) images of the networks here with labels and cross-entropy."""
     opts = {k: torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9) for k, m in variants.items()}
     gen = torch.Generator().manual_seed(1)
     batch = per_rank * comm.size
-    x = torch.randn(batch, 3, SIZE, SIZE, generator=gen)
-    y = torch.randint(0, 10, (batch,), generator=gen)
+    y = None
+    if x is None:
+        x = torch.randn(batch, 3, SIZE, SIZE, generator=gen)
+        y = torch.randint(0, 10, (batch,), generator=gen)
     times: dict[str, list[float]] = {k: [] for k in variants}
     counted: dict[str, int] = {}
     for step in range(warmup + steps):
@@ -185,7 +189,8 @@ def _interleaved(comm: Any, variants: dict[str, torch.nn.Module], per_rank: int,
             b0 = comm.stats.total_bytes()
             t0 = time.perf_counter()
             if side != "one-process" or comm.rank == 0:
-                F.cross_entropy(m(x[rows]), y[rows]).backward()
+                out = m(x[rows])
+                (out.sum() if y is None else F.cross_entropy(out, y[rows])).backward()
                 opts[side].step()
                 opts[side].zero_grad()
             dt = time.perf_counter() - t0
@@ -388,20 +393,9 @@ def stages(comm: Any, per_rank: int, steps: int) -> dict[str, Any]:
     sides = {"sample": parallelize(part, sample_config(comm.size), comm=comm),
              "hybrid": parallelize(part, {"default": {"grid": {"C": comm.size},
                                                       "algorithm": "stationary-x"}}, comm=comm)}
-    opts = {k: torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9) for k, m in sides.items()}
-    batch = per_rank * comm.size
-    x = torch.randn(batch, 64, SIZE // 2, SIZE // 2, generator=torch.Generator().manual_seed(1))
-    times: dict[str, list[float]] = {k: [] for k in sides}
-    for step in range(steps + 2):
-        for side in (list(sides) if step % 2 else list(sides)[::-1]):
-            m = sides[side]
-            comm.barrier()
-            t0 = time.perf_counter()
-            m(x[sample_block(batch, m.data_grid)]).sum().backward()
-            opts[side].step()
-            opts[side].zero_grad()
-            if step >= 2:
-                times[side].append(time.perf_counter() - t0)
+    x = torch.randn(per_rank * comm.size, 64, SIZE // 2, SIZE // 2,
+                    generator=torch.Generator().manual_seed(1))
+    times = _interleaved(comm, sides, per_rank, steps, 2, x)[0]
     return {k: statistics.median(v) * 1e3 for k, v in _slowest(comm, times).items()}
 
 

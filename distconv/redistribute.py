@@ -566,9 +566,14 @@ def _bind(x: object, grid: object, src: object, dst: object, global_shape: objec
         )
     plan = plan_redistribution(grid.layout, src, dst, global_shape)
     rctx = _Ctx(grid, global_shape, f"{src} -> {dst} of {global_shape}")
-    bound = (expected, plan.steps, rctx)
+    return _remember(grid, key, (expected, plan.steps, rctx))
+
+
+def _remember(grid: ProcessorGrid, key: tuple | None, bound: tuple) -> tuple:
+    """``bound`` kept on ``grid`` under ``key`` (None: not kept) for the next call with the same
+    arguments; at most 256 (shapes that keep changing clear it)."""
     if key is not None:
-        if len(grid._bound) > 256:  # shapes that keep changing: a bounded cache
+        if len(grid._bound) > 256:
             grid._bound.clear()
         grid._bound[key] = bound
     return bound
@@ -801,9 +806,4 @@ def _bind_repartition(x: object, src_grid: object, src: object, dst_grid: object
     plain_dst = dst.with_pending(())
     plan = _repartition_plan(src_grid.layout, src, dst_grid.layout, plain_dst, shape)
     where = f"repartition {src} on {dict(src_grid.layout)} -> {plain_dst} on {dict(dst_grid.layout)}"
-    bound = (expected, plan, where, plain_dst, shape)
-    if key is not None:
-        if len(src_grid._bound) > 256:
-            src_grid._bound.clear()
-        src_grid._bound[key] = bound
-    return x, bound
+    return x, _remember(src_grid, key, (expected, plan, where, plain_dst, shape))

@@ -75,8 +75,8 @@ import torch
 from distconv.comm.base import _REDUCERS, Shape, Work
 from distconv.comm.errors import CollectiveMismatchError, CommError, CommTimeoutError
 
-__all__ = ["BULK_BYTES", "BULK_SLOTS", "HostChannel", "SLOTS", "SLOT_BYTES", "enabled", "name_buffer",
-           "name_of", "open_ring"]
+__all__ = ["BULK_BYTES", "BULK_SLOTS", "HostChannel", "SLOTS", "SLOT_BYTES", "alltoall_bytes",
+           "enabled", "name_buffer", "name_of", "open_ring"]
 
 SLOTS = 4  #: operations in flight before a rank waits for its peers to read the oldest
 SLOT_BYTES = 32 << 10  #: largest payload per rank (a 2,000-channel BatchNorm's fp64 statistics)
@@ -128,6 +128,12 @@ def open_ring(comm: Any, *, slots: int = SLOTS, slot_bytes: int = SLOT_BYTES
         describe=f"rank {comm.rank}, backend {comm.backend!r}",
         broadcast_name=comm._broadcast_name, all_ok=comm._all_ok, slots=slots,
         slot_bytes=slot_bytes)
+
+
+def alltoall_bytes(size: int, sent: int) -> int:
+    """A rank's payload for an all-to-all over ``size`` ranks in which it sends ``sent`` bytes
+    in all: its byte offsets per destination (one int64 each), then its chunks."""
+    return 8 * size + sent
 
 
 def _start_time(pid: int) -> int | None:
@@ -533,10 +539,10 @@ class HostChannel:
         ``recv_shapes[s]``), copied out of the channel. A rank knows only its own row and column
         of the sizes, so its payload starts with its row's byte offsets (one int64 per rank),
         which each reader looks its chunk up in. The caller chooses the channel only where
-        every rank's payload fits a slot (:meth:`alltoall_bytes`)."""
+        every rank's payload fits a slot (:func:`alltoall_bytes`)."""
         dtype, isz = chunks[0].dtype, chunks[0].element_size()
         sizes = [c.numel() * isz for c in chunks]
-        if self.alltoall_bytes(sum(sizes)) > self.slot_bytes:
+        if alltoall_bytes(self.size, sum(sizes)) > self.slot_bytes:
             raise ValueError(f"{self._describe}: an all-to-all of {sum(sizes)} bytes does not fit "
                              f"a slot of {self.slot_bytes}")
         table = torch.tensor([0, *itertools.accumulate(sizes[:-1])], dtype=torch.int64)
@@ -558,10 +564,6 @@ class HostChannel:
 
         return self._issue("alltoall", sig, [table.view(torch.uint8)]
                            + [c.reshape(-1).view(torch.uint8) for c in chunks], read)
-
-    def alltoall_bytes(self, sent: int) -> int:
-        """A rank's payload for an all-to-all in which it sends ``sent`` bytes in all."""
-        return 8 * self.size + sent
 
     def broadcast(self, t: torch.Tensor, root: int) -> Work:
         """Root's ``t`` on every rank (a copy)."""

@@ -57,8 +57,8 @@ from distconv.comm.base import (
 )
 from distconv.comm.errors import CommError, CommTimeoutError
 from distconv.comm.host_channel import (
-    BULK_BYTES, BULK_SLOTS, HostChannel, enabled as host_channel_enabled, name_buffer, name_of,
-    open_ring,
+    BULK_BYTES, BULK_SLOTS, HostChannel, alltoall_bytes, enabled as host_channel_enabled,
+    name_buffer, name_of, open_ring,
 )
 from distconv.comm.single import SingleCommunicator
 
@@ -336,7 +336,7 @@ class TorchCommunicator(Communicator):
     def _alltoall_bounded(self, chunks: list[torch.Tensor], recv_shapes: list[Shape],
                           max_bytes: int) -> Work:
         # the bound is the same on every rank, so every rank makes the same choice
-        host = self._ring(8 * self.size + max_bytes)
+        host = self._ring(alltoall_bytes(self.size, max_bytes))
         if host is not None:
             return host.alltoall(chunks, recv_shapes)
         return self._alltoall(chunks, recv_shapes)

@@ -190,26 +190,30 @@ TWO_READERS_CONFIG = {"default": {"grid": {"N": 2}, "algorithm": "sample"},
                       "layers": [{"match": "[ab]", "grid": {"F": 2}, "algorithm": "stationary-y"}]}
 
 
-def _two_readers_step(comm, model, x, y):  # noqa: ANN001, ANN202
+def _two_readers_step(comm, model, x, y, config=TWO_READERS_CONFIG):  # noqa: ANN001, ANN202
     from distconv.nn import DistConv2d
     from tests.parallel.cases import counted_step
 
-    got = counted_step(comm, model, TWO_READERS_CONFIG, x, y)
-    layers = parallelize(copy.deepcopy(model), TWO_READERS_CONFIG, comm=comm).modules()
+    got = counted_step(comm, model, config, x, y)
+    layers = parallelize(copy.deepcopy(model), config, comm=comm).modules()
     got["gathered"] = sorted(m.gathered_input for m in layers if isinstance(m, DistConv2d))
     return got
+
+
+def _two_readers_case() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    from tests.parallel.cases import seeded
+
+    gen = torch.Generator().manual_seed(3)
+    model = seeded(TwoReaders().double(), gen)
+    x = torch.randn(4, 3, 6, 6, generator=gen, dtype=torch.float64)
+    return model, x, torch.randint(0, 5, (4,), generator=gen)
 
 
 def test_a_value_two_stationary_y_layers_read_is_gathered_once() -> None:
     """Both layers read h whole over F: one conversion gathers it (each rank receives the other
     rank's 2 samples of h, 2 x 4 x 6 x 6 doubles) and neither layer gathers it again; one
     process's step, and the bytes explain prices."""
-    gen = torch.Generator().manual_seed(3)
-    from tests.parallel.cases import seeded
-
-    model = seeded(TwoReaders().double(), gen)
-    x = torch.randn(4, 3, 6, 6, generator=gen, dtype=torch.float64)
-    y = torch.randint(0, 5, (4,), generator=gen)
+    model, x, y = _two_readers_case()
     plan = explain(model, TWO_READERS_CONFIG, tuple(x.shape), world_size=2)
     steps = {lay.name: lay.steps for lay in plan.layers}
     assert not [s for s in steps["a"] + steps["b"] if s.what.startswith("allgather x")]
@@ -222,6 +226,24 @@ def test_a_value_two_stationary_y_layers_read_is_gathered_once() -> None:
         assert max((got["grads"][k] - g).abs().max().item() for k, g in ref["grads"].items()) < TOL
         # conv0 is sample-parallel: nothing to gather
         assert got["counted"] == explained[r] and got["gathered"] == [False, True, True]
+
+
+@pytest.mark.parametrize("pool, config", [
+    ("gloo2", TWO_READERS_CONFIG),
+    pytest.param("mpi4", {"default": {"grid": {"N": 4}, "algorithm": "sample"}, "layers": [
+        {"match": "[ab]", "grid": {"N": 2, "F": 2}, "algorithm": "stationary-y"}]},
+        marks=pytest.mark.mpi)])
+def test_a_shared_gather_on_real_worlds(pool: str, config: dict,
+                                        request: pytest.FixtureRequest) -> None:
+    model, x, y = _two_readers_case()
+    world = request.getfixturevalue(pool)
+    plan = explain(model, config, tuple(x.shape), world_size=world.size)
+    ref = reference_step(model, x, y)
+    for r, got in enumerate(world.run(_two_readers_step, model, x, y, config)):
+        assert (got["out"] - ref["out"][got["rows"]]).abs().max().item() < TOL
+        assert max((got["grads"][k] - g).abs().max().item() for k, g in ref["grads"].items()) < TOL
+        assert got["counted"] == tuple(plan.rank_bytes(r).values())
+        assert got["gathered"] == [False, True, True]
 
 
 @pytest.mark.gloo
