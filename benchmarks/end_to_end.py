@@ -419,9 +419,23 @@ def _over_channels(*stages: str) -> dict[str, Any]:
                        for s in stages]}
 
 
+def _pairs(*stages: str) -> dict[str, Any]:
+    """A 2-rank config: in each BasicBlock of ``stages``, the first convolution (and the
+    shortcut's) over filters (stationary-y), the second over channels (stationary-x), whose
+    input channels are the first one's output filters as they lie; the rest sample-parallel."""
+    layers = []
+    for s in stages:
+        layers += [{"match": f"{s}.*.conv1", "grid": {"F": 2}, "algorithm": "stationary-y"},
+                   {"match": f"{s}.*.shortcut.0", "grid": {"F": 2}, "algorithm": "stationary-y"},
+                   {"match": f"{s}.*.conv2", "grid": {"C": 2}, "algorithm": "stationary-x"}]
+    return {"default": {"grid": {"N": 2}, "algorithm": "sample"}, "layers": layers}
+
+
 #: hybrid layouts on 2 ranks, per model; the first is the main run's hybrid
 LAYOUTS = {
     "resnet18": {"layer3-4 over channels (the hybrid)": HYBRID_RESNET18,
+                 "layer3-4 filters, then channels": _pairs("layer3", "layer4"),
+                 "layer2-4 filters, then channels": _pairs("layer2", "layer3", "layer4"),
                  "layer2-4 over channels": _over_channels("layer2", "layer3", "layer4"),
                  "layer1-4 over channels": _over_channels("layer1", "layer2", "layer3",
                                                           "layer4")},

@@ -61,7 +61,7 @@ from distconv.ops.conv_nd import layer_report, refusal
 from distconv.ops.elementwise import meeting
 from distconv.ops.pricing import largest_block
 from distconv.parallel.placement import (
-    Placement, conversion_bytes, evaluated_ranks, paper_grid, repartition_sources)
+    Placement, conversion_bytes, evaluated_ranks, one_grid, paper_grid, repartition_sources)
 from distconv.perfmodel import ConvProblem, conv_cost
 from distconv.redistribute import plan_redistribution
 
@@ -557,6 +557,9 @@ def _move_bytes(src: Endpoint, dst: Endpoint, shape: tuple[int, ...], rank: int,
 def _move_time(src: Endpoint, dst: Endpoint, shape: tuple[int, ...], machine: Machine,
                itemsize: int) -> tuple[float, int]:
     """``(seconds, bytes)`` on the slowest rank, priced on the level the moving ranks span."""
+    if src[0] != dst[0]:  # one redistribution where the executor makes it one
+        same = one_grid(Placement(*src), Placement(*dst), shape)
+        src = (same.layout, same.dist) if same.layout == dst[0] else src
     if src == dst:
         return 0.0, 0
     size = math.prod(e for _, e in src[0])

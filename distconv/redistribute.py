@@ -660,6 +660,14 @@ class RepartitionPlan:
         )
 
     @functools.cached_property
+    def local(self) -> bool:
+        """Whether no rank sends to another: every target block lies in the rank's own source
+        block (the same blocks on two grids, or a slice of a replica), so the exchange is a
+        local view and its adjoint a local pad."""
+        return all(_volume(b) == 0 for r, row in enumerate(self.sends)
+                   for t, b in enumerate(row) if t != r)
+
+    @functools.cached_property
     def most_sent(self) -> int:
         """The most elements any rank sends (its own block's share included) forward."""
         return max(sum(_volume(b) for b in row) for row in self.sends)
@@ -772,10 +780,24 @@ def repartition(
     if bound is None or not isinstance(x, torch.Tensor) or x.shape != bound[0]:
         x, bound = _bind_repartition(x, src_grid, src, dst_grid, dst, global_shape, key)
     _, plan, where, plain_dst, shape = bound
-    y = _Repartition.apply(x, plan, src_grid.comm, where)
+    if plan.local:  # every rank already holds its target block: no collective on any rank
+        y = _own_block(x, plan, src_grid.comm.rank)
+    else:
+        y = _Repartition.apply(x, plan, src_grid.comm, where)
     if dst.pending:
         y = redistribute(y, dst_grid, plain_dst, dst, shape)
     return y
+
+
+def _own_block(x: torch.Tensor, plan: RepartitionPlan, rank: int) -> torch.Tensor:
+    """Rank ``rank``'s target block of a :attr:`RepartitionPlan.local` plan, cut from its own
+    source block ``x`` (``x`` itself when the boxes agree; autograd's slice adjoint pads)."""
+    own, target = plan.src_boxes[rank], plan.dst_boxes[rank]
+    if own == target:
+        return x
+    if _volume(target) == 0:
+        return x.flatten()[:0].view(tuple(n for _, n in target))
+    return x[_relative(target, own)]
 
 
 def _bind_repartition(x: object, src_grid: object, src: object, dst_grid: object, dst: object,

@@ -299,3 +299,40 @@ def test_unknown_grid_dims_and_wrong_ranks_are_named():
 
     with pytest.raises(ValueError, match=r"has 1 entries but the global shape \(4, 4\) has 2"):
         run_threads(bad_ndim, 2)
+
+
+def local_moves(comm):
+    """Two moves that keep every rank's elements where they are: the same channel blocks on
+    grids of other names, and a replica cut to a block; each with its adjoint."""
+    f, c = ProcessorGrid({"F": 2}, comm=comm), ProcessorGrid({"C": 2}, comm=comm)
+    shape = (3, 5, 2)
+    x = torch.randn(shape, dtype=torch.float64, generator=torch.Generator().manual_seed(7))
+    out = []
+    for src, src_grid, dst in ((Dist((None, "F", None)), f, Dist((None, "C", None))),
+                               (Dist((None, None, None)), f, Dist((None, "C", None)))):
+        local = x[src.local_slices(shape, src_grid)].clone().requires_grad_(True)
+        comm.stats.reset()
+        moved = repartition(local, src_grid, src, c, dst, shape)
+        g = torch.full(moved.shape, 2.0, dtype=torch.float64)
+        moved.backward(g)
+        calls = sum(comm.stats.snapshot()["calls"].values())
+        expected_grad = torch.zeros_like(local)
+        # this rank's target block inside its source block gets the cotangent, the rest zeros
+        lo = 0 if comm.rank == 0 else 3
+        n = 3 if comm.rank == 0 else 2
+        if src.entries[1] is None:
+            expected_grad[:, lo:lo + n] = 2.0
+        else:
+            expected_grad += 2.0
+        out.append((calls, torch.equal(moved, x[:, lo:lo + n]),
+                    torch.equal(local.grad, expected_grad)))
+    return out
+
+
+def test_a_repartition_that_moves_nothing_runs_no_collective():
+    """Blocks that are already where the target grid wants them (channel-split activations
+    passed from a filter-split layer's grid to a channel-split layer's) are taken as they are,
+    and a replicated source is cut locally: no collective, forward or backward."""
+    for rank_results in run_threads(local_moves, 2):
+        for calls, values, grads in rank_results:
+            assert (calls, values, grads) == (0, True, True)

@@ -18,7 +18,7 @@ from distconv.nn.conv_nd import spatial_roles
 from distconv.nn.halo_conv import interior_share
 from distconv.ops.base import SAMPLE_GRIDS, Handler, PriceContext, Sample, SampleNet
 from distconv.ops.pricing import CommStep, halo_hidden, largest_block
-from distconv.parallel.placement import Placement, paper_grid
+from distconv.parallel.placement import Placement, paper_grid, same_blocks
 from distconv.perfmodel import ConvProblem, conv_cost, conv_traffic
 
 __all__ = ["ConvHandler", "memory_elements", "moves_data"]
@@ -127,12 +127,20 @@ def _roles_and_dists(an: Any, args: list, module: Any, choice: Any, algorithm: s
     return roles, conv_dists(algorithm, roles, grouped)
 
 
-def _gathers_shared(an: Any, node: Any, value: Any, choice: Any, dists: dict[str, Any]) -> bool:
-    """Whether this unpipelined layer gathers x over F (its input and working distributions
-    differ) and another Conv2d reading ``value`` gathers it to the same placement."""
+def _takes_gathered(an: Any, node: Any, value: Any, choice: Any, dists: dict[str, Any]) -> bool:
+    """Whether this unpipelined layer, which gathers x over F (its input and working
+    distributions differ), takes x gathered as the operand's conversion instead: where ``value``
+    must move anyway (it is not in the layer's input placement; no pending sums), since a move
+    straight to the gathered placement receives on every rank only what that rank lacks of it,
+    never more than the move to the input and the allgather after it (a sample-split value: one
+    allgather, not an all-to-all and an allgather); or where another Conv2d reading ``value``
+    gathers it to the same placement."""
     if choice.pipeline > 1 or dists["input"] == dists["work"]:
         return False
     mine = (Placement(choice.layout, dists["input"]), Placement(choice.layout, dists["work"]))
+    src = an.placement(value)
+    if not src.dist.pending and not same_blocks(src, mine[0]):
+        return True
     for user in value.users:
         if user is node or user.op != "call_module":
             continue
@@ -184,7 +192,7 @@ class ConvHandler(Handler):
                     f"{dict(choice.layout)} moves no data to overlap (each rank's channel block "
                     "holds whole groups); leave pipeline out for it", ValueError)
         need = Placement(choice.layout, dists["input"])
-        if args and _gathers_shared(an, node, args[0], choice, dists):
+        if args and _takes_gathered(an, node, args[0], choice, dists):
             # the allgather of x over F as the operand's conversion, made once for every
             # layer that gathers this value alike (the layer is built with gathered_input)
             need = Placement(choice.layout, dists["work"])
@@ -223,7 +231,7 @@ class ConvHandler(Handler):
                   filter_dim=roles["F"], sample_dim=roles["N"],
                   spatial_dims=(roles["H"], roles["W"]))
         d = _dists(step, conv)
-        report.dists = {"x": spec.input.dist.format("x"),
+        report.dists = {"x": Placement(spec.layout, d["input"]).dist.format("x"),
                         "w": Placement(spec.layout, d["weight"]).dist.format("w"),
                         "y": Placement(spec.layout, d["output"]).dist.format("y")}
         traffic = {r: conv_traffic(problem, spec.layout, spec.algorithm,
@@ -246,6 +254,8 @@ class ConvHandler(Handler):
             report.note = f"pipeline {spec.pipeline}"
         elif spec.overlap:
             report.note = "halo overlapped"
+        elif moved:
+            report.note = "x taken gathered"
         if ctx.machine is not None:
             cost = conv_cost(problem, spec.layout, spec.algorithm, ctx.machine, **{
                 k: v for k, v in kw.items() if k != "input_grad"})

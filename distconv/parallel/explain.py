@@ -31,7 +31,7 @@ from distconv.ops.pricing import (
 )
 from distconv.parallel.graph import Step, analyse, check_shapes, operand_need, trace
 from distconv.parallel.placement import (
-    ALL_RANKS, Placement, conversion_bytes, evaluated_ranks, layout_str, paper_grid,
+    ALL_RANKS, Placement, conversion_bytes, evaluated_ranks, layout_str, one_grid, paper_grid,
     repartition_bytes,
 )
 from distconv.parallel.shapes import check_input_shape, propagate_shapes
@@ -352,6 +352,7 @@ def _backward_bytes(src: Placement, dst: Placement, shape: tuple[int, ...], isz:
                     rank: int) -> int:
     """The adjoint's bytes: ``dst.dual -> src.dual`` on one grid; on two grids each rank receives
     back what it sent (the reverse exchange), plus the duals of the pending steps."""
+    src = one_grid(src, dst, shape)  # one redistribution where that moves no more
     if src.layout == dst.layout:
         g = paper_grid(src.layout, rank)
         return conversion_bytes(Placement(dst.layout, dst.dist.dual(g)),

@@ -12,13 +12,13 @@ from typing import Iterable, Sequence
 
 import torch
 
-from distconv.distribution import Dist, balanced_block
+from distconv.distribution import Dist, Entry, balanced_block
 from distconv.grid import ProcessorGrid
 from distconv.perfmodel import corner_coords
-from distconv.redistribute import plan_redistribution, redistribute, repartition
+from distconv.redistribute import AllToAll, plan_redistribution, redistribute, repartition
 
 __all__ = ["ALL_RANKS", "Layout", "Placement", "conversion_bytes", "convert", "evaluated_ranks",
-           "layout_str", "paper_grid",
+           "layout_str", "on_layout", "one_grid", "paper_grid", "same_blocks",
            "repartition_bytes", "repartition_sources"]
 
 Layout = tuple[tuple[str, int], ...]
@@ -77,10 +77,59 @@ def paper_grid(layout: Layout, rank: int) -> ProcessorGrid:
     return ProcessorGrid(dict(layout), comm=SimpleNamespace(rank=rank, size=size, backend="none"))
 
 
+def on_layout(p: Placement, layout: Layout) -> Placement | None:
+    """``p`` written on ``layout``, when the two layouts number the ranks alike (their grid dims
+    of extent > 1 have the same extents in the same order): every rank's block unchanged, the
+    grid dims renamed in order (``y[*,o_F,*,*]`` on ``{F: 2}`` is ``y[*,o_C,*,*]`` on
+    ``{C: 2}``). None when they do not."""
+    a = [(n, e) for n, e in p.layout if e > 1]
+    b = [(n, e) for n, e in layout if e > 1]
+    if [e for _, e in a] != [e for _, e in b]:
+        return None
+    names = {x: y for (x, _), (y, _) in zip(a, b)}
+    entries: list[Entry] = []
+    for i in range(p.dist.ndim):
+        dims = tuple(names[g] for g in p.dist.grid_dims_of(i))
+        entries.append(dims if len(dims) > 1 else (dims[0] if dims else None))
+    return Placement(layout, Dist(tuple(entries), frozenset(names[g] for g in p.dist.pending),
+                                  p.dist.tensor_dims))
+
+
+def same_blocks(a: Placement, b: Placement) -> bool:
+    """Whether every rank holds the same block in ``a`` and in ``b`` (equal placements, or equal
+    once written on one layout: :func:`on_layout`), so converting between them moves nothing."""
+    return a == b or on_layout(a, b.layout) == b
+
+
+@functools.lru_cache(maxsize=4096)
+def one_grid(src: Placement, dst: Placement, shape: tuple[int, ...]) -> Placement:
+    """The source placement a conversion ``src -> dst`` of a value of global ``shape`` starts
+    from: ``src`` on ``dst``'s layout (:func:`on_layout`) where that makes it one redistribution
+    on ``dst``'s grid with no all-to-all step (an allgather, a slice, a reduction) receiving no
+    more bytes on any evaluated rank than the cross-grid repartition, else ``src``. A function of global values only: every rank decides alike."""
+    if src.layout == dst.layout:
+        return src
+    same = on_layout(src, dst.layout)
+    if same is None:
+        return src
+    plan = plan_redistribution(dst.layout, same.dist, dst.dist, shape)
+    if any(isinstance(step, AllToAll) for step in plan.steps):
+        return src  # an all-to-all either way: the repartition's is one exchange
+    size = math.prod(e for _, e in dst.layout)
+    for r in evaluated_ranks([src.layout, dst.layout], size, every=False):
+        if (plan.received_bytes(paper_grid(dst.layout, r), 1)
+                > _repartition_received(src, dst, shape, 1, r)):
+            return src
+    return same
+
+
 def convert(x: torch.Tensor, src: Placement, dst: Placement, shape: Sequence[int],
             grids: dict[Layout, ProcessorGrid]) -> torch.Tensor:
     """This rank's block of the value in ``dst``, from its block ``x`` in ``src`` (differentiable,
-    exact adjoint). Collective over the ranks the two placements involve."""
+    exact adjoint). Collective over the ranks the two placements involve: a redistribution on
+    one grid where the layouts number the ranks alike (:func:`on_layout`), else a
+    :func:`repartition`."""
+    src = one_grid(src, dst, tuple(int(n) for n in shape))
     if src == dst:
         return x
     if src.layout == dst.layout:
@@ -212,11 +261,18 @@ def conversion_bytes(src: Placement, dst: Placement, shape: Sequence[int], items
                      rank: int) -> int:
     """Bytes ``rank`` receives in :func:`convert` (what the communicators count)."""
     shape = tuple(int(s) for s in shape)
+    src = one_grid(src, dst, shape)
     if src == dst:
         return 0
     if src.layout == dst.layout:
         plan = plan_redistribution(src.layout, src.dist, dst.dist, shape)
         return plan.received_bytes(paper_grid(src.layout, rank), itemsize)
+    return _repartition_received(src, dst, shape, itemsize, rank)
+
+
+def _repartition_received(src: Placement, dst: Placement, shape: tuple[int, ...], itemsize: int,
+                          rank: int) -> int:
+    """Bytes ``rank`` receives in :func:`repartition` (its pending steps included)."""
     total = 0
     s_dist, d_dist = src.dist, dst.dist
     if s_dist.pending:

@@ -11,6 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
+from distconv.data import sample_block
 from distconv.parallel import parallelize
 from distconv.parallel.explain import explain
 from distconv.testing import run_threads
@@ -244,6 +245,66 @@ def test_a_shared_gather_on_real_worlds(pool: str, config: dict,
         assert max((got["grads"][k] - g).abs().max().item() for k, g in ref["grads"].items()) < TOL
         assert got["counted"] == tuple(plan.rank_bytes(r).values())
         assert got["gathered"] == [False, True, True]
+
+
+class FilterThenChannel(nn.Module):
+    """A filter-split layer feeding a channel-split one (each rank's output filters are the next
+    layer's input channels), then a filter-split layer again."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv0 = nn.Conv2d(3, 4, 3, padding=1)
+        self.a = nn.Conv2d(4, 6, 3, padding=1)
+        self.b = nn.Conv2d(6, 6, 3, padding=1)
+        self.c = nn.Conv2d(6, 4, 1)
+        self.fc = nn.Linear(4, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.a(torch.relu(self.conv0(x))))
+        h = self.c(torch.relu(self.b(h)))
+        return self.fc(torch.nn.functional.adaptive_avg_pool2d(h, 1).flatten(1))
+
+
+FILTER_THEN_CHANNEL = {"default": {"grid": {"N": 2}, "algorithm": "sample"}, "layers": [
+    {"match": "[ac]", "grid": {"F": 2}, "algorithm": "stationary-y"},
+    {"match": "b", "grid": {"C": 2}, "algorithm": "stationary-x"}]}
+
+
+def _calls_step(comm, model, x, y):  # noqa: ANN001, ANN202
+    from tests.parallel.cases import counted_step
+
+    got = counted_step(comm, model, FILTER_THEN_CHANNEL, x, y)
+    pmodel = parallelize(copy.deepcopy(model), FILTER_THEN_CHANNEL, comm=comm)
+    rows = sample_block(x.shape[0], pmodel.data_grid)
+    comm.stats.reset()
+    torch.nn.functional.cross_entropy(pmodel(x[rows]), y[rows]).backward()
+    got["calls"] = comm.stats.snapshot()["calls"]
+    return got
+
+
+def test_grids_that_number_the_ranks_alike_convert_on_one_grid() -> None:
+    """{F: 2} and {C: 2} (and {N: 2}) put rank r at coordinate r: a's filter blocks are b's
+    channel blocks as they lie (no collective), and the moves between the sample-parallel layers
+    and the filter-split ones are one allgather and one slice on one grid, never the general
+    all-to-all; one process's step, and the bytes explain prices."""
+    gen = torch.Generator().manual_seed(5)
+    from tests.parallel.cases import seeded
+
+    model = seeded(FilterThenChannel().double(), gen)
+    x = torch.randn(4, 3, 6, 6, generator=gen, dtype=torch.float64)
+    y = torch.randint(0, 5, (4,), generator=gen)
+    plan = explain(model, FILTER_THEN_CHANNEL, tuple(x.shape), world_size=2)
+    moves = {lay.name: [s for s in lay.steps if s.what.startswith("redistribute")]
+             for lay in plan.layers}
+    assert [s.bytes for s in moves["b"]] == [{0: 0, 1: 0}]  # a's y[*,o_F] is b's x[*,o_C]
+    # a takes x gathered: each rank receives the other's 2 samples, 2 x 4 x 6 x 6 doubles
+    assert [s.bytes for s in moves["a"] if s.phase == "forward"] == [{0: 2304, 1: 2304}]
+    ref = reference_step(model, x, y)
+    for r, got in enumerate(run_threads(_calls_step, 2, model, x, y)):
+        assert (got["out"] - ref["out"][got["rows"]]).abs().max().item() < TOL
+        assert max((got["grads"][k] - g).abs().max().item() for k, g in ref["grads"].items()) < TOL
+        assert got["counted"] == tuple(plan.rank_bytes(r).values())
+        assert "alltoall" not in got["calls"], got["calls"]
 
 
 @pytest.mark.gloo
