@@ -411,7 +411,8 @@ def alltoall_routes(comm):
 def bulk_ring_routes(comm):
     """On any backend whose ranks share this host (MPI here): an allreduce larger than a small
     slot takes the bulk ring, opened at the first one, its file unlinked; one of three chunks
-    consumes its input and is exact; small ones and bool ones stay on the backend."""
+    consumes its input and is exact; small ones and bool ones stay on the backend. A
+    reduce-scatter of at least 32 KiB takes the ring too, a smaller one the backend."""
     import glob
 
     from distconv.comm.host_channel import BULK_BYTES, HostChannel
@@ -429,12 +430,26 @@ def bulk_ring_routes(comm):
     _equal(summed, torch.arange(n, dtype=torch.float64) * (P * (P + 1) // 2), "chunked allreduce")
     flags = c.allreduce(torch.full((BULK_BYTES + 1,), r == 0))  # bool: the backend's any
     _equal(flags, torch.ones(BULK_BYTES + 1, dtype=torch.bool), "bool allreduce")
+    # a reduce-scatter of an activation's size (uneven chunks, 40 KiB in all) through the ring,
+    # a small one on the backend; both exact
+    issued = c._bulk._issued
+    routed = []
+    for total in (10_000, 97):
+        sizes = [total // P + (d < total % P) for d in range(P)]
+        chunks = list((torch.arange(total, dtype=torch.float32) * (r + 1)).split(sizes))
+        want = torch.arange(total, dtype=torch.float32).split(sizes)[r] * (P * (P + 1) // 2)
+        _equal(c.reduce_scatter(chunks), want, f"reduce_scatter of {total} floats")
+        routed.append(c._bulk._issued - issued)
+        issued = c._bulk._issued
     c.barrier()
     return {"bulk": isinstance(c._bulk, HostChannel), "small_on_backend": small_on_backend,
+            "reduce_scatter_routes": routed,
             "no_file_left": not glob.glob(f"/dev/shm/distconv-{pid}-*"),
             "in_place": summed.data_ptr() == huge.data_ptr(), "bytes": c.stats.total_bytes(),
             "bytes_expected": (allreduce_bytes(3, r, P, 4) + allreduce_bytes(n, r, P, 8)
-                               + allreduce_bytes(BULK_BYTES + 1, r, P, 1) + (0 if r == 0 else 8))}
+                               + allreduce_bytes(BULK_BYTES + 1, r, P, 1) + (0 if r == 0 else 8)
+                               + 4 * (P - 1) * (10_000 // P + (r < 10_000 % P) + 97 // P
+                                                + (r < 97 % P)))}
 
 
 def without_host_channel(comm):

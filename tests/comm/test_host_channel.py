@@ -321,6 +321,7 @@ def test_mpi_routes_large_allreduces_through_the_bulk_ring(mpi4):
     for res in mpi4.run(programs.bulk_ring_routes):
         assert res["bulk"] and res["small_on_backend"] and res["no_file_left"], res
         assert res["in_place"] and res["bytes"] == res["bytes_expected"], res
+        assert res["reduce_scatter_routes"] == [1, 0], res
 
 
 @pytest.mark.gloo
