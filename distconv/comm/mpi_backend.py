@@ -50,8 +50,9 @@ _SPIN_PER_BYTE = 1e-9
 
 #: reduce-scatters of at least this many bytes (all chunks together) up to one bulk slot go
 #: through the bulk ring where every rank shares this host: a channel- or filter-parallel
-#: layer's activation gradients. On 2 ranks MPICH's Ireduce_scatter took 88 / 120 µs for 64 /
-#: 128 KiB, the ring 71 / 88 µs; below 16 KiB MPICH's is the faster (37 against 61 µs at 4 KiB)
+#: layer's activation gradients. On 2 ranks MPICH's Ireduce_scatter took 81 / 117 µs for 128 /
+#: 256 KiB in all, the ring 73 / 92 µs (interleaved medians); at 32 KiB they were alike (64 /
+#: 67 µs), at 8 KiB MPICH's was the faster (33 against 44 µs)
 RING_REDUCE_SCATTER = 32 << 10
 
 

@@ -193,8 +193,9 @@ class ConvHandler(Handler):
                     "holds whole groups); leave pipeline out for it", ValueError)
         need = Placement(choice.layout, dists["input"])
         if args and _takes_gathered(an, node, args[0], choice, dists):
-            # the allgather of x over F as the operand's conversion, made once for every
-            # layer that gathers this value alike (the layer is built with gathered_input)
+            # the allgather of x over F as the operand's conversion (with the move it needs
+            # anyway), made once for every layer that gathers this value alike (the layer is
+            # built with gathered_input)
             need = Placement(choice.layout, dists["work"])
         spec = LayerSpec("conv", name, choice.layout, algorithm,
                          tuple(sorted(roles.items())), need, choice.source,

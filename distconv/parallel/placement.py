@@ -106,7 +106,8 @@ def one_grid(src: Placement, dst: Placement, shape: tuple[int, ...]) -> Placemen
     """The source placement a conversion ``src -> dst`` of a value of global ``shape`` starts
     from: ``src`` on ``dst``'s layout (:func:`on_layout`) where that makes it one redistribution
     on ``dst``'s grid with no all-to-all step (an allgather, a slice, a reduction) receiving no
-    more bytes on any evaluated rank than the cross-grid repartition, else ``src``. A function of global values only: every rank decides alike."""
+    more bytes on any evaluated rank than the cross-grid repartition, else ``src``. A function
+    of global values only: every rank decides alike."""
     if src.layout == dst.layout:
         return src
     same = on_layout(src, dst.layout)
