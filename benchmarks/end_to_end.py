@@ -419,6 +419,14 @@ def _over_channels(*stages: str) -> dict[str, Any]:
                        for s in stages]}
 
 
+def _over_filters(*stages: str) -> dict[str, Any]:
+    """A 2-rank config: ``stages`` (module name patterns) over filters, stationary-y; the rest
+    sample-parallel."""
+    return {"default": {"grid": {"N": 2}, "algorithm": "sample"},
+            "layers": [{"match": f"{s}.*", "grid": {"F": 2}, "algorithm": "stationary-y"}
+                       for s in stages]}
+
+
 def _pairs(*stages: str) -> dict[str, Any]:
     """A 2-rank config: in each BasicBlock of ``stages``, the first convolution (and the
     shortcut's) over filters (stationary-y), the second over channels (stationary-x), whose
@@ -434,6 +442,8 @@ def _pairs(*stages: str) -> dict[str, Any]:
 #: hybrid layouts on 2 ranks, per model; the first is the main run's hybrid
 LAYOUTS = {
     "resnet18": {"layer3-4 over channels (the hybrid)": HYBRID_RESNET18,
+                 "layer3-4 over filters": _over_filters("layer3", "layer4"),
+                 "layer2-4 over filters": _over_filters("layer2", "layer3", "layer4"),
                  "layer3-4 filters, then channels": _pairs("layer3", "layer4"),
                  "layer2-4 filters, then channels": _pairs("layer2", "layer3", "layer4"),
                  "layer2-4 over channels": _over_channels("layer2", "layer3", "layer4"),
