@@ -130,7 +130,8 @@ def convert(x: torch.Tensor, src: Placement, dst: Placement, shape: Sequence[int
     exact adjoint). Collective over the ranks the two placements involve: a redistribution on
     one grid where the layouts number the ranks alike (:func:`on_layout`), else a
     :func:`repartition`."""
-    src = one_grid(src, dst, tuple(int(n) for n in shape))
+    if src.layout != dst.layout:  # (a program passes its source already on dst's grid)
+        src = one_grid(src, dst, tuple(int(n) for n in shape))
     if src == dst:
         return x
     if src.layout == dst.layout:

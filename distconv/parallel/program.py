@@ -33,7 +33,7 @@ from typing import Any, Callable
 
 import torch.fx as fx
 
-from distconv.parallel.placement import convert
+from distconv.parallel.placement import convert, one_grid
 
 __all__ = ["generate"]
 
@@ -88,6 +88,8 @@ class _Writer:
         needs (each conversion emitted once, where it is first needed)."""
         need = self.needs[(node, a)]
         src = self.analysis.step(a).out
+        if need is not None and src is not None:  # on need's grid where convert would move it
+            src = one_grid(src, need, tuple(self.shapes[a.name]))
         if need is None or need == src:  # a conversion that moves nothing is not emitted
             return self.use(self.var[a])
         key = (a, need)
