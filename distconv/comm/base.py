@@ -36,11 +36,13 @@ __all__ = [
     "agree_on_value",
     "allreduce_bytes",
     "check_timeout",
+    "concat_parts",
     "flat_concat",
     "flat_span",
     "get_debug",
     "packed",
     "set_debug",
+    "split_chunks",
 ]
 
 Shape = tuple[int, ...]
@@ -202,6 +204,36 @@ def packed(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     for o, t in zip(out, tensors):
         o.copy_(t)
     return out
+
+
+def split_chunks(x: torch.Tensor, sizes: Sequence[int], dim: int) -> list[torch.Tensor]:
+    """``x`` split along ``dim`` into chunks of ``sizes``, the consecutive slices of one buffer
+    (one copy, none when they already are), so a communicator sends them without packing them
+    again."""
+    pre = math.prod(x.shape[:dim])
+    if (pre > 1 and len(sizes) > 1 and x.numel() and x.is_contiguous()
+            and all(s == sizes[0] for s in sizes)):
+        # equal chunks of a contiguous block: one transposing copy of its (pre, chunk, rest)
+        # view, where a copy per strided chunk costs four times as much
+        buf = x.view(pre, len(sizes), -1).transpose(0, 1).contiguous()
+        shape = list(x.shape)
+        shape[dim] = sizes[0]
+        return [b.view(shape) for b in buf.unbind(0)]
+    return packed(torch.split(x, list(sizes), dim=dim))
+
+
+def concat_parts(parts: Sequence[torch.Tensor], dim: int) -> torch.Tensor:
+    """``torch.cat(parts, dim)``; no copy when the parts lie back to back in one receive buffer
+    and every dim before ``dim`` has size 1 (then the concatenation is that buffer's layout)."""
+    if math.prod(parts[0].shape[:dim]) == 1:
+        span = flat_span(parts)
+        if span is not None:
+            shape = list(parts[0].shape)
+            shape[dim] = sum(p.shape[dim] for p in parts)
+            # detached: autograd forbids in-place updates of a custom Function's output that is
+            # a view, and nothing else holds the receive buffer
+            return span.view(shape).detach()
+    return torch.cat(list(parts), dim=dim)
 
 
 class CommStats:
@@ -640,6 +672,45 @@ class Communicator(abc.ABC):
         self._enter("reduce_scatter", meta, lambda: f"op={op}, dtype={cs[0].dtype}, shapes="
                     f"{[tuple(c.shape) for c in cs]}", nbytes)
         return self._finish(self._reduce_scatter(cs, op), async_op)
+
+    # ---------------------------------------------------------------- planned operations
+    # The collectives of a redistribution plan, whose arguments the plan checked once (shapes,
+    # dtype, the segment): no per-call validation, the same counts and bytes as the public
+    # calls, and in debug mode the public calls themselves (with their agreement check).
+    @eager
+    def _allgather_along(self, t: torch.Tensor, shapes: list[Shape], dim: int,
+                         meta: str) -> torch.Tensor:
+        """Every rank's block ``t`` (``shapes[r]``, ``t`` contiguous) concatenated along
+        ``dim``."""
+        if _debug:
+            return concat_parts(self.allgather(t, shapes=shapes, meta=meta), dim)
+        isz = t.element_size()
+        self.stats.add("allgather", sum(_numel(s) for i, s in enumerate(shapes)
+                                        if i != self.rank) * isz)
+        return self._allgather_cat(t, shapes, dim)
+
+    def _allgather_cat(self, t: torch.Tensor, shapes: list[Shape], dim: int) -> torch.Tensor:
+        """``_allgather``'s parts concatenated along ``dim`` (backends with a shared-memory
+        channel concatenate straight out of it)."""
+        return concat_parts(self._allgather(t, shapes, "allgather").wait(), dim)
+
+    @eager
+    def _reduce_scatter_along(self, x: torch.Tensor, sizes: list[int], dim: int,
+                              meta: str) -> torch.Tensor:
+        """The sum over the ranks of this rank's slice of ``x`` (split along ``dim`` into
+        ``sizes``, ``x`` contiguous)."""
+        if _debug:
+            return self.reduce_scatter(split_chunks(x, sizes, dim), meta=meta)
+        self.stats.add("reduce_scatter",
+                       (self.size - 1) * math.prod(x.shape[:dim]) * sizes[self.rank]
+                       * math.prod(x.shape[dim + 1:])
+                       * x.element_size())
+        return self._reduce_scatter_dim(x, sizes, dim)
+
+    def _reduce_scatter_dim(self, x: torch.Tensor, sizes: list[int], dim: int) -> torch.Tensor:
+        """``_reduce_scatter`` of ``x``'s chunks along ``dim`` (backends with a shared-memory
+        channel write them into it in one copy)."""
+        return self._reduce_scatter(split_chunks(x, sizes, dim), "sum").wait()
 
     @eager
     def alltoall(

@@ -170,9 +170,11 @@ def _local_ranks(size: int) -> int:
 
 
 @functools.lru_cache(maxsize=4096)
+@functools.lru_cache(maxsize=4096)
 def _signature(*what: Any) -> int:
     """A number naming one kind of collective (op, dtype, shapes): equal on every rank that
-    calls the same thing (a CRC of its text: Python's own hash differs between processes)."""
+    calls the same thing (a CRC of its text: Python's own hash differs between processes);
+    remembered, as a network calls the same few each step."""
     return zlib.crc32("|".join(map(str, what)).encode())
 
 
@@ -372,7 +374,7 @@ class HostChannel:
                                 "exited in the middle of the collective")
 
     def _issue(self, kind: str, signature: int,
-               payload: torch.Tensor | list[torch.Tensor] | None,
+               payload: torch.Tensor | list[torch.Tensor] | Callable[[torch.Tensor], int] | None,
                read: Callable[[int], Any]) -> Work:
         """Write this rank's part of one operation; the Work reads everyone's (``read`` gets the
         operation's slot: :meth:`_rows_of` gives its payloads) and returns what ``read``
@@ -388,7 +390,9 @@ class HostChannel:
             self._spin(lambda: min(done.tolist()) >= free, kind,
                        lambda: [r for r in range(self.size) if done[r] < free])
         nbytes = 0
-        if isinstance(payload, torch.Tensor):  # one byte tensor: into this rank's row
+        if callable(payload):  # writes this rank's row itself, gives its bytes
+            nbytes = payload(self._mine[slot])
+        elif isinstance(payload, torch.Tensor):  # one byte tensor: into this rank's row
             nbytes = payload.numel()
             if nbytes:
                 self._view(slot, nbytes, None)[0].copy_(payload)
@@ -496,14 +500,28 @@ class HostChannel:
 
         return self._issue("allreduce", sig, flat.view(torch.uint8), read)
 
-    def allgather(self, t: torch.Tensor, shapes: list[Shape], opname: str) -> Work:
-        """Every rank's ``t`` (of shape ``shapes[r]``), copied out of the channel."""
+    def allgather(self, t: torch.Tensor, shapes: list[Shape], opname: str,
+                  dim: int | None = None) -> Work:
+        """Every rank's ``t`` (of shape ``shapes[r]``), copied out of the channel; with ``dim``,
+        their concatenation along it, copied once, straight out of the channel."""
         isz = t.element_size()
         nbytes = [math.prod(s) * isz for s in shapes]
         width = max(nbytes)
-        sig = _signature("allgather", t.dtype, tuple(map(tuple, shapes)))
+        key = tuple(map(tuple, shapes))
+        sig = _signature("allgather", t.dtype, key)
 
-        if all(s == shapes[0] for s in shapes):  # one shape: one copy, viewed as the P results
+        if dim is not None:
+            def read(slot: int) -> torch.Tensor:
+                parts = self._rows.get((slot, key, t.dtype))
+                if parts is None:  # every rank's block, viewed in the slot once
+                    if len(self._rows) > 1024:
+                        self._rows.clear()
+                    rows = self._rows_of(slot)
+                    parts = self._rows[slot, key, t.dtype] = [
+                        rows[r, :nbytes[r]].view(t.dtype).view(shapes[r])
+                        for r in range(self.size)]
+                return torch.cat(parts, dim)
+        elif all(s == shapes[0] for s in shapes):  # one shape: one copy, viewed as the P results
             shape = tuple(shapes[0])
 
             def read(slot: int) -> list[torch.Tensor]:
@@ -533,6 +551,40 @@ class HostChannel:
 
         return self._issue("reduce_scatter", sig,
                            [c.reshape(-1).view(torch.uint8) for c in chunks], read)
+
+    def reduce_scatter_along(self, x: torch.Tensor, sizes: list[int], dim: int,
+                             op: str) -> Work:
+        """:meth:`reduce_scatter` of ``x``'s chunks of ``sizes`` along ``dim`` (``x``
+        contiguous), written into this rank's row in one copy: a transposing one where the
+        chunks are equal and strided."""
+        dtype, isz, p = x.dtype, x.element_size(), len(sizes)
+        pre, post = math.prod(x.shape[:dim]), math.prod(x.shape[dim + 1:])
+        counts = [pre * n * post for n in sizes]
+        lo = sum(counts[:self.rank]) * isz
+        hi = lo + counts[self.rank] * isz
+        shapes = [(*x.shape[:dim], n, *x.shape[dim + 1:]) for n in sizes]
+        shape = shapes[self.rank]
+        sig = _signature("reduce_scatter", op, dtype, tuple(shapes))
+
+        def fill(row: torch.Tensor) -> int:
+            if not x.numel():
+                return 0
+            buf = row[:x.numel() * isz].view(dtype)
+            if pre == 1:  # the chunks lie back to back already
+                buf.copy_(x.view(-1))
+            elif all(n == sizes[0] for n in sizes):
+                buf.view(p, pre, -1).copy_(x.view(pre, p, -1).transpose(0, 1))
+            else:
+                start = 0
+                for n, c in zip(counts, torch.split(x, list(sizes), dim)):
+                    buf[start:start + n].view(c.shape).copy_(c)
+                    start += n
+            return x.numel() * isz
+
+        def read(slot: int) -> torch.Tensor:
+            return _reduce_rows(self._rows_of(slot)[:, lo:hi].view(dtype), op).view(shape)
+
+        return self._issue("reduce_scatter", sig, fill, read)
 
     def alltoall(self, chunks: list[torch.Tensor], recv_shapes: list[Shape]) -> Work:
         """``chunks[r]`` to rank r; the result's ``[s]`` is what rank s sent here (of shape

@@ -275,6 +275,20 @@ class TorchCommunicator(Communicator):
             opname, lambda: self._pg.allgather([list(out.unbind(0))], [send], opts), finish
         )
 
+    def _allgather_cat(self, t: torch.Tensor, shapes: list[Shape], dim: int) -> torch.Tensor:
+        width = max(torch.Size(s).numel() for s in shapes) * t.element_size()
+        host = self._ring(width) if width else None
+        if host is not None:  # concatenated straight out of the channel
+            return host.allgather(t, shapes, "allgather", dim=dim).wait()
+        return super()._allgather_cat(t, shapes, dim)
+
+    def _reduce_scatter_dim(self, x: torch.Tensor, sizes: list[int], dim: int) -> torch.Tensor:
+        host = (None if self._native_reduce_scatter or not x.numel()
+                else self._ring(x.numel() * x.element_size()))
+        if host is not None:  # written into the channel in one copy
+            return host.reduce_scatter_along(x, sizes, dim, "sum").wait()
+        return super()._reduce_scatter_dim(x, sizes, dim)
+
     def _reduce_scatter(self, chunks: list[torch.Tensor], op: str) -> Work:
         if not self._native_reduce_scatter:
             return self._reduce_scatter_by_alltoall(chunks, op)

@@ -531,3 +531,59 @@ def host_channel_without_room(comm):
     _equal(got, torch.full((3,), float(sum(range(c.size)))), "allreduce without a channel")
     pid = int(c.broadcast(torch.tensor([os.getpid()]), root=0)[0])
     return {"channel": c._host, "no_file_left": not glob.glob(f"/dev/shm/distconv-{pid}-*")}
+
+
+def planned_collectives(comm, debug_too: bool = True):
+    """The collectives of redistribution plans (``_allgather_along``, ``_reduce_scatter_along``)
+    against references built here from every rank's inputs: blocks along dims 0, 1 and 2, equal
+    and uneven, small (the backend) and of an activation's size (the shared-memory ring where
+    the ranks share this host), fp32, fp64 and bf16; the calls and bytes counted as the public
+    calls count them; in debug mode the same values through the public calls. Returns, per
+    case, the ring operations each call issued."""
+    P, r = comm.size, comm.rank
+    routes = {}
+    ring = getattr(comm, "_bulk_channel", lambda: None)
+    for dtype in (torch.float32, torch.float64, torch.bfloat16):
+        for dim, big in ((0, False), (1, False), (1, True), (2, True)):
+            for uneven in (False, True):
+                base = [3, 6, 4, 5] if big else [2, 3, 1, 2]
+                base[dim] = 4 * P if big else P
+                shape = tuple(base)
+                n = shape[dim]
+                sizes = ([n // P + (d < n % P) for d in range(P)] if not uneven
+                         else [(d % 2) + (2 if big else 0) for d in range(P)])
+                total = list(shape)
+                total[dim] = sum(sizes)
+                if big:  # an activation's size: 16 KiB and more per rank
+                    total[-1] *= 256
+                blocks = [data([*total[:dim], sizes[s], *total[dim + 1:]], s, 40 + dim, dtype)
+                          for s in range(P)]
+                what = f"{dtype} dim {dim} sizes {sizes} of {tuple(total)}"
+                shapes = [tuple(b.shape) for b in blocks]
+                for debug in (False, True) if debug_too else (False,):
+                    set_debug(debug)
+                    try:
+                        before = comm.stats.snapshot()
+                        issued = getattr(ring() if not debug else None, "_issued", 0)
+                        got = comm._allgather_along(blocks[r], shapes, dim, "planned allgather")
+                        _equal(got, torch.cat(blocks, dim), f"allgather along: {what}")
+                        full = data(total, r, 50 + dim, dtype)
+                        part = comm._reduce_scatter_along(full, sizes, dim, "planned rs")
+                        want = sum(data(total, s, 50 + dim, dtype).split(sizes, dim)[r]
+                                   for s in range(P))
+                        _equal(part, want.to(dtype), f"reduce-scatter along: {what}")
+                        after = comm.stats.snapshot()
+                    finally:
+                        set_debug(False)
+                    if not debug:
+                        width = max(b.numel() for b in blocks) * blocks[0].element_size()
+                        routes[what] = (big, width, full.numel() * full.element_size(),
+                                        getattr(ring(), "_issued", 0) - issued)
+                    for op, nbytes in (
+                            ("allgather", sum(math.prod(s) for i, s in enumerate(shapes)
+                                              if i != r) * blocks[0].element_size()),
+                            ("reduce_scatter", (P - 1) * want.numel() * want.element_size())):
+                        calls = after["calls"][op] - before["calls"].get(op, 0)
+                        got_bytes = after["bytes"][op] - before["bytes"].get(op, 0)
+                        assert (calls, got_bytes) == (1, nbytes), (what, op, calls, got_bytes)
+    return routes
