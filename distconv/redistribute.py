@@ -35,12 +35,13 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 
 from distconv.comm.base import (
-    Work, agree_on_value, allreduce_bytes, flat_span, get_debug, packed,
+    Work, agree_on_value, allreduce_bytes, concat_parts as _concat, get_debug, packed,
+    split_chunks as _send_chunks,
 )
 from distconv.distribution import Dist, as_shape, balanced_block, nested_block
 from distconv.grid import CANONICAL_DIMS, ProcessorGrid
@@ -125,33 +126,6 @@ def _with(shape: Sequence[int], dim: int, size: int) -> tuple[int, ...]:
     out = list(shape)
     out[dim] = size
     return tuple(out)
-
-
-def _send_chunks(x: torch.Tensor, sizes: Sequence[int], dim: int) -> list[torch.Tensor]:
-    """``x`` split along ``dim`` into one buffer whose consecutive slices are the chunks (one copy,
-    none when they already are), so the communicator sends them without packing them again."""
-    pre = math.prod(x.shape[:dim])
-    if (pre > 1 and len(sizes) > 1 and x.numel() and x.is_contiguous()
-            and all(s == sizes[0] for s in sizes)):
-        # equal chunks of a contiguous block: one transposing copy of its (pre, chunk, rest)
-        # view, where a copy per strided chunk costs four times as much
-        buf = x.view(pre, len(sizes), -1).transpose(0, 1).contiguous()
-        shape = _with(x.shape, dim, sizes[0])
-        return [b.view(shape) for b in buf.unbind(0)]
-    return packed(torch.split(x, list(sizes), dim=dim))
-
-
-def _concat(parts: Sequence[torch.Tensor], dim: int) -> torch.Tensor:
-    """``torch.cat(parts, dim)``; no copy when the parts lie back to back in one receive buffer
-    and every dim before ``dim`` has size 1 (then the concatenation is that buffer's layout)."""
-    if math.prod(parts[0].shape[:dim]) == 1:
-        span = flat_span(parts)
-        if span is not None:
-            shape = _with(parts[0].shape, dim, sum(p.shape[dim] for p in parts))
-            # detached: autograd forbids in-place updates of a custom Function's output that is
-            # a view, and nothing else holds the receive buffer
-            return span.view(shape).detach()
-    return torch.cat(list(parts), dim=dim)
 
 
 # --------------------------------------------------------------------------- steps
@@ -507,16 +481,45 @@ def _next_step(cur, tgt, pending, want_pending, ready, next_of, used, eager) -> 
 
 # --------------------------------------------------------------------------- execution
 class _StepFunction(torch.autograd.Function):
-    """One redistribution step; backward runs the step's adjoint."""
+    """One redistribution step bound to this rank's block (:func:`_runner`); backward runs the
+    step's adjoint."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, step: Step, rctx: _Ctx) -> torch.Tensor:  # noqa: ANN001
-        ctx.step, ctx.rctx = step, rctx
-        return step.run(x, rctx)
+    def forward(ctx, x: torch.Tensor, runner: _Run) -> torch.Tensor:  # noqa: ANN001
+        ctx.runner = runner
+        return runner[0](x)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # noqa: ANN001, ANN205
-        return ctx.step.adjoint().run(grad.contiguous(), ctx.rctx), None, None
+        return ctx.runner[1](grad.contiguous()), None
+
+
+#: a step bound to one rank and block shape: (forward, adjoint), each a block -> block
+_Run = tuple[Callable[[torch.Tensor], torch.Tensor], Callable[[torch.Tensor], torch.Tensor]]
+
+
+def _runner(step: Step, ctx: _Ctx, shape: tuple[int, ...]) -> _Run:
+    """``step`` on this rank's block of ``shape``, its arguments derived once: an allgather or
+    reduce-scatter (the steps a channel- or filter-parallel layer runs per step, both ways)
+    calls its communicator's planned collective, every other step its own ``run``."""
+    if isinstance(step, (AllGather, ReduceScatter)):
+        comm, dim = ctx.comm((step.g,)), step.dim
+        sizes = ctx.parts(dim, step.prefix, step.g)
+        gather, scatter = ((step, step.adjoint()) if isinstance(step, AllGather)
+                           else (step.adjoint(), step))
+        shapes = [_with(shape, dim, n) for n in sizes]
+        gather_meta, scatter_meta = ctx.meta(gather), ctx.meta(scatter)
+
+        def allgather(x: torch.Tensor) -> torch.Tensor:
+            return comm._allgather_along(x.contiguous(), shapes, dim, gather_meta)
+
+        def reduce_scatter(x: torch.Tensor) -> torch.Tensor:
+            return comm._reduce_scatter_along(x.contiguous(), sizes, dim, scatter_meta)
+
+        return ((allgather, reduce_scatter) if isinstance(step, AllGather)
+                else (reduce_scatter, allgather))
+    adjoint = step.adjoint()
+    return (lambda x: step.run(x, ctx)), (lambda g: adjoint.run(g, ctx))
 
 
 def redistribute(
@@ -547,16 +550,15 @@ def redistribute(
         bound = grid._bound.get(key)
     if bound is None or not isinstance(x, torch.Tensor) or x.shape != bound[0]:
         bound = _bind(x, grid, src, dst, global_shape, key)
-    _, steps, rctx = bound
-    for step in steps:
-        x = _StepFunction.apply(x, step, rctx)
+    for runner in bound[1]:
+        x = _StepFunction.apply(x, runner)
     return x
 
 
 def _bind(x: object, grid: object, src: object, dst: object, global_shape: object,
-          key: tuple | None) -> tuple[tuple[int, ...], tuple[Step, ...], _Ctx]:
-    """Check ``redistribute``'s arguments and plan it: ``(x's shape, steps, context)``,
-    remembered on the grid under ``key`` (None: not remembered)."""
+          key: tuple | None) -> tuple[tuple[int, ...], tuple[_Run, ...]]:
+    """Check ``redistribute``'s arguments and plan it: ``(x's shape, the steps bound to this
+    block)``, remembered on the grid under ``key`` (None: not remembered)."""
     global_shape = _check_args("redistribute", x, grid, global_shape, src=src, dst=dst)
     expected = src.local_shape(global_shape, grid)  # also rejects unknown grid dims
     if tuple(x.shape) != expected:
@@ -566,7 +568,11 @@ def _bind(x: object, grid: object, src: object, dst: object, global_shape: objec
         )
     plan = plan_redistribution(grid.layout, src, dst, global_shape)
     rctx = _Ctx(grid, global_shape, f"{src} -> {dst} of {global_shape}")
-    return _remember(grid, key, (expected, plan.steps, rctx))
+    runners, shape = [], expected
+    for step in plan.steps:
+        runners.append(_runner(step, rctx, shape))
+        shape = step.received(shape, rctx)[0]
+    return _remember(grid, key, (expected, tuple(runners)))
 
 
 def _remember(grid: ProcessorGrid, key: tuple | None, bound: tuple) -> tuple:
