@@ -40,8 +40,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 import torch
 
 from distconv.comm.base import (
-    Work, agree_on_value, allreduce_bytes, concat_parts as _concat, get_debug, packed,
-    split_chunks as _send_chunks,
+    Work, agree_on_value, allreduce_bytes, concat_parts, get_debug, packed, split_chunks,
 )
 from distconv.distribution import Dist, as_shape, balanced_block, nested_block
 from distconv.grid import CANONICAL_DIMS, ProcessorGrid
@@ -146,7 +145,7 @@ class AllGather:
         shapes = [_with(x.shape, self.dim, s) for s in sizes]
         work = ctx.comm((self.g,)).allgather(x, shapes=shapes, async_op=True,
                                             meta=ctx.meta(self))
-        return Work(lambda: _concat(work.wait(), self.dim), test_fn=work.is_completed)
+        return Work(lambda: concat_parts(work.wait(), self.dim), test_fn=work.is_completed)
 
     def adjoint(self) -> ReduceScatter:
         return ReduceScatter(self.dim, self.g, self.prefix)
@@ -174,7 +173,7 @@ class ReduceScatter:
 
     def start(self, x: torch.Tensor, ctx: _Ctx) -> Work:
         """:meth:`run` started without blocking; the handle's ``wait()`` gives its result."""
-        chunks = _send_chunks(x, ctx.parts(self.dim, self.prefix, self.g), self.dim)
+        chunks = split_chunks(x, ctx.parts(self.dim, self.prefix, self.g), self.dim)
         return ctx.comm((self.g,)).reduce_scatter(chunks, async_op=True,
                                                  meta=ctx.meta(self))
 
@@ -272,14 +271,14 @@ class AllToAll:
         send_sizes = ctx.parts(self.dst, self.dst_prefix, self.g)
         recv_sizes = ctx.parts(self.src, self.src_prefix, self.g)
         mine = send_sizes[ctx.coord(self.g)]
-        chunks = _send_chunks(x, send_sizes, self.dst)
+        chunks = split_chunks(x, send_sizes, self.dst)
         recv_shapes = [_with(_with(x.shape, self.dst, mine), self.src, s) for s in recv_sizes]
         # every rank of the segment holds this block but for its own rows of dim src
         most = max(recv_sizes) * math.prod(_with(x.shape, self.src, 1)) * x.element_size()
         parts = ctx.comm((self.g,)).alltoall(
             chunks, recv_shapes=recv_shapes, meta=ctx.meta(self), max_bytes=most
         )
-        return _concat(parts, self.src)
+        return concat_parts(parts, self.src)
 
     def adjoint(self) -> AllToAll:
         return AllToAll(self.dst, self.src, self.g, self.dst_prefix, self.src_prefix)

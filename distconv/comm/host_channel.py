@@ -170,11 +170,9 @@ def _local_ranks(size: int) -> int:
 
 
 @functools.lru_cache(maxsize=4096)
-@functools.lru_cache(maxsize=4096)
 def _signature(*what: Any) -> int:
     """A number naming one kind of collective (op, dtype, shapes): equal on every rank that
-    calls the same thing (a CRC of its text: Python's own hash differs between processes);
-    remembered, as a network calls the same few each step."""
+    calls the same thing (a CRC of its text: Python's own hash differs between processes)."""
     return zlib.crc32("|".join(map(str, what)).encode())
 
 
@@ -539,18 +537,8 @@ class HostChannel:
         """The reduction over the ranks, in rank order, of every rank's ``chunks[self.rank]``
         (each rank writes all its chunks back to back; every rank knows where each starts, as
         every rank's chunk for one destination has one shape)."""
-        dtype, isz = chunks[0].dtype, chunks[0].element_size()
-        sizes = [c.numel() * isz for c in chunks]
-        lo = sum(sizes[:self.rank])
-        hi = lo + sizes[self.rank]
-        shape = chunks[self.rank].shape
-        sig = _signature("reduce_scatter", op, dtype, tuple(tuple(c.shape) for c in chunks))
-
-        def read(slot: int) -> torch.Tensor:
-            return _reduce_rows(self._rows_of(slot)[:, lo:hi].view(dtype), op).view(shape)
-
-        return self._issue("reduce_scatter", sig,
-                           [c.reshape(-1).view(torch.uint8) for c in chunks], read)
+        return self._reduce_scatter([tuple(c.shape) for c in chunks], chunks[0].dtype, op,
+                                    [c.reshape(-1).view(torch.uint8) for c in chunks])
 
     def reduce_scatter_along(self, x: torch.Tensor, sizes: list[int], dim: int,
                              op: str) -> Work:
@@ -560,11 +548,6 @@ class HostChannel:
         dtype, isz, p = x.dtype, x.element_size(), len(sizes)
         pre, post = math.prod(x.shape[:dim]), math.prod(x.shape[dim + 1:])
         counts = [pre * n * post for n in sizes]
-        lo = sum(counts[:self.rank]) * isz
-        hi = lo + counts[self.rank] * isz
-        shapes = [(*x.shape[:dim], n, *x.shape[dim + 1:]) for n in sizes]
-        shape = shapes[self.rank]
-        sig = _signature("reduce_scatter", op, dtype, tuple(shapes))
 
         def fill(row: torch.Tensor) -> int:
             if not x.numel():
@@ -581,10 +564,24 @@ class HostChannel:
                     start += n
             return x.numel() * isz
 
+        return self._reduce_scatter([(*x.shape[:dim], n, *x.shape[dim + 1:]) for n in sizes],
+                                    dtype, op, fill)
+
+    def _reduce_scatter(self, shapes: list[Shape], dtype: torch.dtype, op: str,
+                        payload: Any) -> Work:
+        """One reduce-scatter of chunks of ``shapes`` (one per rank, back to back in every
+        rank's row, written by ``payload`` as :meth:`_issue` takes it): the sum of row slices
+        that are this rank's chunk."""
+        counts = [math.prod(s) * dtype.itemsize for s in shapes]
+        lo = sum(counts[:self.rank])
+        hi = lo + counts[self.rank]
+        shape = shapes[self.rank]
+        sig = _signature("reduce_scatter", op, dtype, tuple(shapes))
+
         def read(slot: int) -> torch.Tensor:
             return _reduce_rows(self._rows_of(slot)[:, lo:hi].view(dtype), op).view(shape)
 
-        return self._issue("reduce_scatter", sig, fill, read)
+        return self._issue("reduce_scatter", sig, payload, read)
 
     def alltoall(self, chunks: list[torch.Tensor], recv_shapes: list[Shape]) -> Work:
         """``chunks[r]`` to rank r; the result's ``[s]`` is what rank s sent here (of shape

@@ -259,27 +259,31 @@ class MPICommunicator(Communicator):
 
     def _allgather_cat(self, t: torch.Tensor, shapes: list[Shape], dim: int) -> torch.Tensor:
         width = max(math.prod(s) for s in shapes) * t.element_size()
-        if RING_ALLGATHER <= width <= BULK_BYTES and self.size > 1:
+        if RING_ALLGATHER <= width <= BULK_BYTES:
             bulk = self._bulk_channel()
             if bulk is not None:  # (the shapes are every rank's: the same choice everywhere)
                 return bulk.allgather(t, shapes, "allgather", dim=dim).wait()
         return super()._allgather_cat(t, shapes, dim)
 
+    def _reduce_scatter_ring(self, nbytes: int, dtype: torch.dtype) -> HostChannel | None:
+        """The bulk ring for a reduce-scatter of ``nbytes`` in all (every rank's chunks have
+        the same shapes: the same choice everywhere), or None: MPI carries it."""
+        if RING_REDUCE_SCATTER <= nbytes <= BULK_BYTES and dtype != torch.bool:
+            return self._bulk_channel()
+        return None
+
     def _reduce_scatter_dim(self, x: torch.Tensor, sizes: list[int], dim: int) -> torch.Tensor:
-        nbytes = x.numel() * x.element_size()
-        if RING_REDUCE_SCATTER <= nbytes <= BULK_BYTES and x.dtype != torch.bool:
-            bulk = self._bulk_channel()
-            if bulk is not None:
-                return bulk.reduce_scatter_along(x, sizes, dim, "sum").wait()
+        bulk = self._reduce_scatter_ring(x.numel() * x.element_size(), x.dtype)
+        if bulk is not None:
+            return bulk.reduce_scatter_along(x, sizes, dim, "sum").wait()
         return super()._reduce_scatter_dim(x, sizes, dim)
 
     def _reduce_scatter(self, chunks: list[torch.Tensor], op: str) -> Work:
         dtype = chunks[0].dtype
-        nbytes = sum(c.numel() for c in chunks) * chunks[0].element_size()
-        if RING_REDUCE_SCATTER <= nbytes <= BULK_BYTES and dtype != torch.bool:
-            bulk = self._bulk_channel()
-            if bulk is not None:  # (every rank's chunks have the same shapes: the same total)
-                return bulk.reduce_scatter(chunks, op)
+        bulk = self._reduce_scatter_ring(sum(c.numel() for c in chunks)
+                                         * chunks[0].element_size(), dtype)
+        if bulk is not None:
+            return bulk.reduce_scatter(chunks, op)
         mine = chunks[self.rank].shape
         wide = _WIDEN.get(dtype)
         flat = flat_concat(chunks)

@@ -284,7 +284,7 @@ class TorchCommunicator(Communicator):
 
     def _reduce_scatter_dim(self, x: torch.Tensor, sizes: list[int], dim: int) -> torch.Tensor:
         host = (None if self._native_reduce_scatter or not x.numel()
-                else self._ring(x.numel() * x.element_size()))
+                else self._ring(x.numel() * x.element_size()))  # (as _reduce_scatter_by_alltoall)
         if host is not None:  # written into the channel in one copy
             return host.reduce_scatter_along(x, sizes, dim, "sum").wait()
         return super()._reduce_scatter_dim(x, sizes, dim)

@@ -32,10 +32,10 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from distconv.comm.base import Work, eager
+from distconv.comm.base import Work, concat_parts, eager
 from distconv.distribution import balanced_block
 from distconv.halo import halo_adjoint, halo_forward
-from distconv.redistribute import AllGather, ReduceScatter, _concat, _Ctx, plan_redistribution
+from distconv.redistribute import AllGather, ReduceScatter, _Ctx, plan_redistribution
 
 __all__ = ["chunk_sizes", "pipelined_conv"]
 
@@ -134,7 +134,7 @@ class _Pipelined(torch.autograd.Function):
             pending = nxt  # type: ignore[assignment]
         dw = db = None
         if need_w or need_b:  # once, from the whole tensors: the unpipelined layer's arithmetic
-            x_all, g_all = _concat(inputs, 0), _concat(gathered, 0)
+            x_all, g_all = concat_parts(inputs, 0), concat_parts(gathered, 0)
             _, dw, db = torch.ops.aten.convolution_backward(
                 g_all, x_all, weight, output_mask=[False, bool(need_w), bool(need_b)], **args)
         dx = torch.cat([w.wait() for w in works], 0) if need_x else None

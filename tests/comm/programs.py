@@ -554,7 +554,7 @@ def planned_collectives(comm, debug_too: bool = True):
                          else [(d % 2) + (2 if big else 0) for d in range(P)])
                 total = list(shape)
                 total[dim] = sum(sizes)
-                if big:  # an activation's size: 16 KiB and more per rank
+                if big:  # an activation's size: more than a small ring slot (32 KiB) per rank
                     total[-1] *= 256
                 blocks = [data([*total[:dim], sizes[s], *total[dim + 1:]], s, 40 + dim, dtype)
                           for s in range(P)]
