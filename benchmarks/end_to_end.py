@@ -25,7 +25,8 @@ next to the targets. Bytes per step are the communicators' counts next to
 layers.
 
 Writes ``benchmarks/results/end_to_end.{json,md,png}`` (``--profile``: ``end_to_end_profile``,
-``--stages``: ``end_to_end_stages``, ``--layouts``: ``end_to_end_layouts``).
+``--stages``: ``end_to_end_stages``, ``--layouts``: ``end_to_end_layouts``, ``--ceiling``:
+``end_to_end_ceiling``).
 
     .venv/bin/python benchmarks/end_to_end.py            # the full run (three to fifteen minutes)
     .venv/bin/python benchmarks/end_to_end.py --quick    # a smoke run (gloo, 2 ranks, 2 steps)
@@ -34,6 +35,8 @@ Writes ``benchmarks/results/end_to_end.{json,md,png}`` (``--profile``: ``end_to_
     .venv/bin/python benchmarks/end_to_end.py --case resnet18:gloo:2:8  # one case of the run
     .venv/bin/python benchmarks/end_to_end.py --stages   # the hybrid's split stages alone
     .venv/bin/python benchmarks/end_to_end.py --layouts  # hybrid layouts vs sample (MPI, 2 ranks)
+    .venv/bin/python benchmarks/end_to_end.py --ceiling  # the planner's plan vs sample, with and
+                                                         # without their communication
     .venv/bin/python benchmarks/end_to_end.py --one-process --steps 30  # overhead on one rank
     python benchmarks/end_to_end.py --one-process --device cuda --steps 50  # the same on a GPU
 """
@@ -509,6 +512,148 @@ def run_layouts(steps: int, warmup: int, runs: int) -> list[dict[str, Any]]:
     return rows
 
 
+# ---------------------------------------------------------------------------- --ceiling
+@contextlib.contextmanager
+def _without_communication() -> Iterator[None]:
+    """Every MPI collective that moves data (allreduce, allgather, reduce-scatter, all-to-all,
+    through MPI or a shared-memory ring) replaced by a local stand-in that returns the result's
+    shapes: this rank's own block where every rank's has its shape, zeros elsewhere. The values
+    are wrong and the local work is the same: for timing only. Barriers stay real."""
+    from distconv.comm.base import Work, concat_parts
+    from distconv.comm.mpi_backend import MPICommunicator as M
+
+    def blocks(self: Any, t: torch.Tensor, shapes: list[Any]) -> list[torch.Tensor]:
+        return [t if tuple(s) == tuple(t.shape) else t.new_zeros(s) for s in shapes]
+
+    stand_ins = {
+        "_allreduce": lambda self, t, op, consume=False: Work.completed(t if consume
+                                                                        else t.clone()),
+        "_allreduce_consuming": lambda self, t, op: Work.completed(t),
+        "_allgather": lambda self, t, shapes, opname: Work.completed(blocks(self, t, shapes)),
+        "_allgather_cat": lambda self, t, shapes, dim: concat_parts(blocks(self, t, shapes), dim),
+        "_reduce_scatter": lambda self, chunks, op: Work.completed(chunks[self.rank].clone()),
+        "_reduce_scatter_dim": lambda self, x, sizes, dim: x.split(sizes, dim)[self.rank].clone(),
+        "_alltoall": lambda self, chunks, shapes: Work.completed(
+            [torch.zeros(s, dtype=chunks[0].dtype) for s in shapes]),
+    }
+    saved = {k: M.__dict__[k] for k in stand_ins}
+    for k, fn in stand_ins.items():
+        setattr(M, k, fn)
+    try:
+        yield
+    finally:
+        for k, fn in saved.items():
+            setattr(M, k, fn)
+
+
+def ceiling(comm: Any, name: str, per_rank: int, steps: int, warmup: int,
+            config: dict) -> dict[str, Any]:
+    """Runs on every rank: sample parallelism and the hybrid ``config``, each as it runs and
+    with its communication replaced by local stand-ins (:func:`_without_communication`), and
+    the plain model on one process at the per-rank batch; training steps interleaved as in
+    :func:`measure` (the stand-in sides between their own barriers), the slowest rank's
+    medians (ms), and the bytes each side's step moves per rank."""
+    torch.set_num_threads(1)
+    model = build_model(name)
+    nets = {"sample": parallelize(model, sample_config(comm.size), comm=comm),
+            "hybrid": parallelize(model, config, comm=comm)}
+    plain = copy.deepcopy(model)
+    opts = {k: torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9)
+            for k, m in (*nets.items(), ("one process", plain))}
+    gen = torch.Generator().manual_seed(1)
+    batch = per_rank * comm.size
+    x = torch.randn(batch, 3, SIZE, SIZE, generator=gen)
+    y = torch.randint(0, 10, (batch,), generator=gen)
+    sides = [(k, False) for k in nets] + [(k, True) for k in nets] + [("one process", False)]
+    times: dict[str, list[float]] = {}
+    moved: dict[str, int] = {}
+    for step in range(warmup + steps):
+        for net, stand_in in (sides if step % 2 else sides[::-1]):
+            m = plain if net == "one process" else nets[net]
+            rows: Any = slice(0, per_rank) if m is plain else sample_block(batch, m.data_grid)
+            comm.barrier()
+            b0 = comm.stats.total_bytes()
+            with _without_communication() if stand_in else contextlib.nullcontext():
+                t0 = time.perf_counter()
+                F.cross_entropy(m(x[rows]), y[rows]).backward()
+                opts[net].step()
+                opts[net].zero_grad()
+                dt = time.perf_counter() - t0
+            side = f"{net} without communication" if stand_in else net
+            if step == 0 and not stand_in:
+                moved[side] = comm.stats.total_bytes() - b0
+            if step >= warmup:
+                times.setdefault(side, []).append(dt)
+    med = {k: statistics.median(v) * 1e3 for k, v in _slowest(comm, times).items()}
+    return {"ms": med, "bytes": moved}
+
+
+def run_ceiling(steps: int, warmup: int, runs: int) -> list[dict[str, Any]]:
+    """:func:`ceiling` for both models at 1 and 2 samples per rank on 2 MPI ranks, the hybrid
+    being the planner's plan of ``--layouts`` (its results file), or, where that is missing,
+    the planner's plan for this machine calibrated here first; prints what the hybrid's
+    communication costs against its ratio to sample parallelism."""
+    layouts_file = RESULTS / "end_to_end_layouts.json"
+    planned = {(r["model"], r["per_rank"]): r["planner"]
+               for r in (json.loads(layouts_file.read_text()) if layouts_file.exists() else [])}
+    rows = []
+    lines = [f"the hybrid's ceiling: the planner's plan and sample parallelism as they run and "
+             f"with their communication replaced by local stand-ins (same local work, no data "
+             f"moved), 2 MPI ranks, {runs} runs of {steps} interleaved steps (medians of the "
+             "slower rank; the range over runs)", "",
+             "| model | samples/rank | sample ms | hybrid ms | sample/hybrid (≥1.3) | hybrid "
+             "without communication ms | one process at the per-rank batch ms | sample/hybrid "
+             "without communication | the hybrid's communication ms | its bytes per rank and "
+             "step | sample without communication ms |", "|---|---|---|---|---|---|---|---|---|"
+             "---|---|"]
+    with WorkerPool("mpi", 2, timeout=120.0, task_timeout=1800.0) as pool:
+        for name in LAYOUTS:
+            for per_rank in (1, 2):
+                config = planned.get((name, per_rank))
+                if config is None:
+                    config = pool.run(_planned, name, per_rank)[0]
+                res = [pool.run(ceiling, name, per_rank, steps, warmup, config)[0]
+                       for _ in range(runs)]
+                ms = [r["ms"] for r in res]
+
+                def span(f: Any, fmt: str = "{:.1f}") -> str:
+                    v = [f(m) for m in ms]
+                    return f"{fmt.format(min(v))}–{fmt.format(max(v))}"
+
+                rows.append({"model": name, "per_rank": per_rank, "planner": config,
+                             "ms": ms, "bytes": res[0]["bytes"]})
+                cells = [name, str(per_rank), span(lambda m: m["sample"]),
+                         span(lambda m: m["hybrid"]),
+                         span(lambda m: m["sample"] / m["hybrid"], "{:.2f}"),
+                         span(lambda m: m["hybrid without communication"]),
+                         span(lambda m: m["one process"]),
+                         span(lambda m: m["sample"] / m["hybrid without communication"],
+                              "{:.2f}"),
+                         span(lambda m: m["hybrid"] - m["hybrid without communication"]),
+                         f"{res[0]['bytes']['hybrid'] / 2**20:.2f} MiB",
+                         span(lambda m: m["sample without communication"])]
+                lines.append("| " + " | ".join(cells) + " |")
+                print(lines[-1], flush=True)
+    text = "\n".join(lines) + "\n"
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "end_to_end_ceiling.json").write_text(json.dumps(rows, indent=1))
+    (RESULTS / "end_to_end_ceiling.md").write_text(text)
+    print(f"wrote {RESULTS / 'end_to_end_ceiling.md'}")
+    return rows
+
+
+def _planned(comm: Any, name: str, per_rank: int) -> dict:
+    """Runs on every rank: the planner's plan for ``name`` at ``per_rank`` samples per rank
+    on this machine, calibrated here first (as :func:`layouts`)."""
+    from distconv.machines import calibrate
+    from distconv.planner import plan_network
+
+    torch.set_num_threads(1)
+    machine = calibrate(comm, sizes=(1, 1 << 16), repeats=3)
+    return plan_network(build_model(name), (per_rank * comm.size, 3, SIZE, SIZE),
+                        world_size=comm.size, machine=machine, max_model=comm.size).config()
+
+
 def one_process(steps: int, batch: int = 16, device: str = "cpu") -> dict[str, Any]:
     """A parallelized model on one process against the plain module: interleaved training steps
     (forward and backward; which side goes first alternates), medians, the ratio. On CUDA each
@@ -678,7 +823,11 @@ def main() -> None:
     parser.add_argument("--layouts", action="store_true",
                         help="hybrid layouts (and the planner's) against sample parallelism on 2 "
                              "MPI ranks, both models, 1-2 samples per rank")
-    parser.add_argument("--runs", type=int, default=3, help="--layouts: interleaved runs")
+    parser.add_argument("--ceiling", action="store_true",
+                        help="what the hybrid's communication costs: the planner's plan and "
+                             "sample parallelism with and without it (MPI, 2 ranks)")
+    parser.add_argument("--runs", type=int, default=3,
+                        help="--layouts, --ceiling: interleaved runs")
     parser.add_argument("--device", default="cpu", help="--one-process on this device (cuda)")
     parser.add_argument("--batch", type=int, default=16, help="--one-process batch")
     args = parser.parse_args()
@@ -693,6 +842,9 @@ def main() -> None:
         return
     if args.layouts:
         run_layouts(args.steps, args.warmup, args.runs)
+        return
+    if args.ceiling:
+        run_ceiling(args.steps, args.warmup, args.runs)
         return
     if args.stages:
         rows = run_stages(args.steps)
