@@ -513,6 +513,66 @@ def run_layouts(steps: int, warmup: int, runs: int) -> list[dict[str, Any]]:
 
 
 # ---------------------------------------------------------------------------- --ceiling
+#: the MPI communicator's methods that move a collective's data (through MPI or a ring)
+_DATA_HOOKS = ("_allreduce", "_allreduce_consuming", "_allgather", "_allgather_cat",
+               "_reduce_scatter", "_reduce_scatter_dim", "_alltoall")
+
+
+def _copied(a: Any) -> Any:
+    if isinstance(a, torch.Tensor):
+        return a.clone()
+    if isinstance(a, list) and a and isinstance(a[0], torch.Tensor):
+        return [c.clone() for c in a]
+    return a
+
+
+@contextlib.contextmanager
+def _recording(calls: list[tuple[Any, str, tuple]]) -> Iterator[None]:
+    """Every outermost call of :data:`_DATA_HOOKS` appended to ``calls`` as (communicator,
+    method, a copy of its arguments), to be replayed by :func:`_replay`."""
+    from distconv.comm.mpi_backend import MPICommunicator as M
+
+    saved = {k: M.__dict__[k] for k in _DATA_HOOKS}
+    depth = [0]
+
+    def recorder(name: str, fn: Any) -> Any:
+        def hook(self: Any, *args: Any, **kw: Any) -> Any:
+            if depth[0] == 0:
+                calls.append((self, name, tuple(_copied(a) for a in (*args, *kw.values()))))
+            depth[0] += 1
+            try:
+                return fn(self, *args, **kw)
+            finally:
+                depth[0] -= 1
+        return hook
+
+    for k, fn in saved.items():
+        setattr(M, k, recorder(k, fn))
+    try:
+        yield
+    finally:
+        for k, fn in saved.items():
+            setattr(M, k, fn)
+
+
+def _replay(comm: Any, calls: list[tuple[Any, str, tuple]], repeats: int) -> float:
+    """Seconds (median over ``repeats``, after a barrier each) that ``calls`` take back to
+    back, each waited for before the next: a step's collectives with no compute between."""
+    from distconv.comm.base import Work
+
+    took = []
+    for _ in range(repeats + 1):
+        args = [_copied(a) for _, _, a in calls]
+        comm.barrier()
+        t0 = time.perf_counter()
+        for (c, name, _), a in zip(calls, args):
+            out = getattr(c, name)(*a)
+            if isinstance(out, Work):
+                out.wait()
+        took.append(time.perf_counter() - t0)
+    return statistics.median(took[1:])
+
+
 @contextlib.contextmanager
 def _without_communication() -> Iterator[None]:
     """Every MPI collective that moves data (allreduce, allgather, reduce-scatter, all-to-all,
@@ -536,6 +596,7 @@ def _without_communication() -> Iterator[None]:
         "_alltoall": lambda self, chunks, shapes: Work.completed(
             [torch.zeros(s, dtype=chunks[0].dtype) for s in shapes]),
     }
+    assert set(stand_ins) == set(_DATA_HOOKS)
     saved = {k: M.__dict__[k] for k in stand_ins}
     for k, fn in stand_ins.items():
         setattr(M, k, fn)
@@ -552,7 +613,8 @@ def ceiling(comm: Any, name: str, per_rank: int, steps: int, warmup: int,
     with its communication replaced by local stand-ins (:func:`_without_communication`), and
     the plain model on one process at the per-rank batch; training steps interleaved as in
     :func:`measure` (the stand-in sides between their own barriers), the slowest rank's
-    medians (ms), and the bytes each side's step moves per rank."""
+    medians (ms), the bytes each side's step moves per rank, and (``alone``) the time of each
+    side's collectives of one step replayed back to back (:func:`_replay`)."""
     torch.set_num_threads(1)
     model = build_model(name)
     nets = {"sample": parallelize(model, sample_config(comm.size), comm=comm),
@@ -567,25 +629,33 @@ def ceiling(comm: Any, name: str, per_rank: int, steps: int, warmup: int,
     sides = [(k, False) for k in nets] + [(k, True) for k in nets] + [("one process", False)]
     times: dict[str, list[float]] = {}
     moved: dict[str, int] = {}
+    recorded: dict[str, list[tuple[Any, str, tuple]]] = {}
     for step in range(warmup + steps):
         for net, stand_in in (sides if step % 2 else sides[::-1]):
             m = plain if net == "one process" else nets[net]
             rows: Any = slice(0, per_rank) if m is plain else sample_block(batch, m.data_grid)
             comm.barrier()
             b0 = comm.stats.total_bytes()
-            with _without_communication() if stand_in else contextlib.nullcontext():
+            calls: list[tuple[Any, str, tuple]] = []
+            with (_without_communication() if stand_in else
+                  _recording(calls) if step == 0 and net in nets else contextlib.nullcontext()):
                 t0 = time.perf_counter()
                 F.cross_entropy(m(x[rows]), y[rows]).backward()
                 opts[net].step()
                 opts[net].zero_grad()
                 dt = time.perf_counter() - t0
             side = f"{net} without communication" if stand_in else net
-            if step == 0 and not stand_in:
+            if calls:
                 moved[side] = comm.stats.total_bytes() - b0
+                recorded[side] = calls
             if step >= warmup:
                 times.setdefault(side, []).append(dt)
     med = {k: statistics.median(v) * 1e3 for k, v in _slowest(comm, times).items()}
-    return {"ms": med, "bytes": moved}
+    alone = {k: _replay(comm, c, steps) for k, c in recorded.items()}
+    alone = {k: max(t.item() for t in comm.allgather(torch.tensor([v], dtype=torch.float64)))
+             * 1e3 for k, v in alone.items()}
+    return {"ms": med, "bytes": moved, "alone": alone,
+            "calls": {k: len(c) for k, c in recorded.items()}}
 
 
 def run_ceiling(steps: int, warmup: int, runs: int) -> list[dict[str, Any]]:
@@ -603,9 +673,10 @@ def run_ceiling(steps: int, warmup: int, runs: int) -> list[dict[str, Any]]:
              "slower rank; the range over runs)", "",
              "| model | samples/rank | sample ms | hybrid ms | sample/hybrid (≥1.3) | hybrid "
              "without communication ms | one process at the per-rank batch ms | sample/hybrid "
-             "without communication | the hybrid's communication ms | its bytes per rank and "
-             "step | sample without communication ms |", "|---|---|---|---|---|---|---|---|---|"
-             "---|---|"]
+             "without communication | the hybrid's communication ms | its collectives alone, "
+             "back to back ms | its collectives, bytes per rank | sample without communication "
+             "ms | sample's collectives alone ms |", "|---|---|---|---|---|---|---|---|---|---|"
+             "---|---|---|"]
     with WorkerPool("mpi", 2, timeout=120.0, task_timeout=1800.0) as pool:
         for name in LAYOUTS:
             for per_rank in (1, 2):
@@ -620,8 +691,10 @@ def run_ceiling(steps: int, warmup: int, runs: int) -> list[dict[str, Any]]:
                     v = [f(m) for m in ms]
                     return f"{fmt.format(min(v))}–{fmt.format(max(v))}"
 
+                alone = [r["alone"] for r in res]
                 rows.append({"model": name, "per_rank": per_rank, "planner": config,
-                             "ms": ms, "bytes": res[0]["bytes"]})
+                             "ms": ms, "bytes": res[0]["bytes"], "alone": alone,
+                             "calls": res[0]["calls"]})
                 cells = [name, str(per_rank), span(lambda m: m["sample"]),
                          span(lambda m: m["hybrid"]),
                          span(lambda m: m["sample"] / m["hybrid"], "{:.2f}"),
@@ -630,8 +703,13 @@ def run_ceiling(steps: int, warmup: int, runs: int) -> list[dict[str, Any]]:
                          span(lambda m: m["sample"] / m["hybrid without communication"],
                               "{:.2f}"),
                          span(lambda m: m["hybrid"] - m["hybrid without communication"]),
-                         f"{res[0]['bytes']['hybrid'] / 2**20:.2f} MiB",
-                         span(lambda m: m["sample without communication"])]
+                         f"{min(a['hybrid'] for a in alone):.1f}–"
+                         f"{max(a['hybrid'] for a in alone):.1f}",
+                         f"{res[0]['calls']['hybrid']}, {res[0]['bytes']['hybrid'] / 2**20:.2f} "
+                         "MiB",
+                         span(lambda m: m["sample without communication"]),
+                         f"{min(a['sample'] for a in alone):.1f}–"
+                         f"{max(a['sample'] for a in alone):.1f}"]
                 lines.append("| " + " | ".join(cells) + " |")
                 print(lines[-1], flush=True)
     text = "\n".join(lines) + "\n"
