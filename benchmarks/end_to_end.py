@@ -519,6 +519,8 @@ _DATA_HOOKS = ("_allreduce", "_allreduce_consuming", "_allgather", "_allgather_c
 
 
 def _copied(a: Any) -> Any:
+    """A recorded argument copied (a tensor, or a list of them), so a replay neither sees nor
+    changes what the step's collective consumed or wrote."""
     if isinstance(a, torch.Tensor):
         return a.clone()
     if isinstance(a, list) and a and isinstance(a[0], torch.Tensor):
@@ -582,15 +584,15 @@ def _without_communication() -> Iterator[None]:
     from distconv.comm.base import Work, concat_parts
     from distconv.comm.mpi_backend import MPICommunicator as M
 
-    def blocks(self: Any, t: torch.Tensor, shapes: list[Any]) -> list[torch.Tensor]:
+    def blocks(t: torch.Tensor, shapes: list[Any]) -> list[torch.Tensor]:
         return [t if tuple(s) == tuple(t.shape) else t.new_zeros(s) for s in shapes]
 
     stand_ins = {
         "_allreduce": lambda self, t, op, consume=False: Work.completed(t if consume
                                                                         else t.clone()),
         "_allreduce_consuming": lambda self, t, op: Work.completed(t),
-        "_allgather": lambda self, t, shapes, opname: Work.completed(blocks(self, t, shapes)),
-        "_allgather_cat": lambda self, t, shapes, dim: concat_parts(blocks(self, t, shapes), dim),
+        "_allgather": lambda self, t, shapes, opname: Work.completed(blocks(t, shapes)),
+        "_allgather_cat": lambda self, t, shapes, dim: concat_parts(blocks(t, shapes), dim),
         "_reduce_scatter": lambda self, chunks, op: Work.completed(chunks[self.rank].clone()),
         "_reduce_scatter_dim": lambda self, x, sizes, dim: x.split(sizes, dim)[self.rank].clone(),
         "_alltoall": lambda self, chunks, shapes: Work.completed(
