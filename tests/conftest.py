@@ -21,7 +21,10 @@ settings.load_profile("distconv")
 
 from distconv.testing import WorkerPool, find_mpiexec
 
-POOL_TIMEOUT = 30.0  # communicator timeout in the workers: a hung collective fails in 30 s
+# Communicator timeout in the workers: a hung collective fails in 120 s. Generous, so a slow rank
+# on a loaded machine (compiling, importing) is never taken for a hung one; a run's own limit is
+# the pool's default, 2 * 120 + 30 s, within pytest-timeout's 300 s hang guard.
+POOL_TIMEOUT = 120.0
 
 
 def _pool(backend: str, size: int):

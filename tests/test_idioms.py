@@ -294,6 +294,69 @@ def test_clip_on_random_grids_and_networks_equals_torch(case: tuple, norm_type: 
             assert (got["grads"][k] - q.grad).abs().max() < TOL, (config, k)
 
 
+def _torch_clip_step(comm: Any, model: nn.Module, config: Any, x: torch.Tensor, y: torch.Tensor,
+                     clip: dict[str, Any]) -> dict[str, Any]:
+    """The user's step with torch's own clipping (and get_total_norm) on the parallel model."""
+    pmodel = parallelize(copy.deepcopy(model), config, comm=comm)
+    rows = sample_block(x.shape[0], pmodel.data_grid)
+    F.cross_entropy(pmodel(x[rows]), y[rows]).backward()
+    before = torch.nn.utils.get_total_norm(
+        [p.grad for p in pmodel.parameters() if p.grad is not None], clip["norm_type"])
+    total = torch.nn.utils.clip_grad_norm_(pmodel.parameters(), **clip)
+    return {"before": before, "total": total, "grads": _gathered_grads(pmodel)}
+
+
+def _torch_clip_reference(model: nn.Module, x: torch.Tensor, y: torch.Tensor,
+                          clip: dict[str, Any]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    ref = copy.deepcopy(model)
+    F.cross_entropy(ref(x), y).backward()
+    total = torch.nn.utils.clip_grad_norm_(ref.parameters(), **clip)
+    return total, {k: q.grad for k, q in ref.named_parameters()}
+
+
+def _check_torch_clip(got: dict[str, Any], total: torch.Tensor,
+                      grads: dict[str, torch.Tensor]) -> None:
+    for key in ("before", "total"):
+        assert type(got[key]) is torch.Tensor, key  # a plain tensor, the global norm
+        assert abs(got[key].item() - total.item()) <= 1e-12 * total.item(), (key, got, total)
+    for k, g in grads.items():
+        assert (got["grads"][k] - g).abs().max() < TOL, k
+
+
+@settings(max_examples=6, suppress_health_check=[HealthCheck.too_slow], deadline=None)
+@given(network_cases(), st.sampled_from([2.0, float("inf")]), st.sampled_from([1e-3, 1e6]),
+       st.sampled_from([True, False]))
+def test_torchs_own_clip_on_random_grids_and_networks_equals_one_process(
+        case: tuple, norm_type: float, max_norm: float, foreach: bool) -> None:
+    """torch.nn.utils.clip_grad_norm_ on the parallel model takes the global norm: a sharded
+    parameter's gradient knows it is a shard. max_norm 1e6 is far above the norm (the coefficient
+    is clamped at 1: nothing changes), 1e-3 far below (every gradient is scaled)."""
+    p, model, config, x, y = case
+    clip = {"max_norm": max_norm, "norm_type": norm_type, "foreach": foreach}
+    total, grads = _torch_clip_reference(model, x, y, clip)
+    assert (total > 1e-2) and (total < 1e6)
+    for got in run_threads(_torch_clip_step, p, model, config, x, y, clip):
+        _check_torch_clip(got, total, grads)
+
+
+def _torch_clip_on_world(pool: Any, norm_type: float, foreach: bool) -> None:
+    model, x, y = resnet_case()[:3]
+    clip = {"max_norm": 1e-3, "norm_type": norm_type, "foreach": foreach}
+    total, grads = _torch_clip_reference(model, x, y, clip)
+    for got in pool.run(_torch_clip_step, model, RESNET_CONFIG, x, y, clip):
+        _check_torch_clip(got, total, grads)
+
+
+@pytest.mark.gloo
+def test_torchs_own_clip_on_gloo(gloo4) -> None:
+    _torch_clip_on_world(gloo4, 2.0, True)
+
+
+@pytest.mark.mpi
+def test_torchs_own_clip_on_mpi(mpi4) -> None:
+    _torch_clip_on_world(mpi4, float("inf"), False)
+
+
 def test_parameters_and_state_dict_keep_the_models_order() -> None:
     """Optimizers (and their state dicts) address parameters by position."""
     model = resnet_case()[0]

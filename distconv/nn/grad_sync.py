@@ -16,6 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from distconv.nn.clip import mark_shard_grad
+
 __all__ = ["BucketedGradSync", "GradSync", "GradSyncGroup", "finish_grad_sync", "plan_buckets"]
 
 
@@ -95,6 +97,7 @@ class GradSync:
             total = work.wait()
             if first or param.grad is None:
                 param.grad = total
+                mark_shard_grad(param)
             else:
                 param.grad.add_(total)
 
@@ -292,6 +295,7 @@ class BucketedGradSync:
                 part = total[offset:offset + p.numel()].view_as(p)
                 if self._first.get(id(p), p.grad is None) or p.grad is None:
                     p.grad = part  # a view of the reduced buffer: no copy per step
+                    mark_shard_grad(p)
                 else:
                     p.grad.add_(part)
         self._carry = False

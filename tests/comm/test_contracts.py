@@ -162,7 +162,7 @@ def _rank1_missing(comm):
 
 
 def test_missing_rank_times_out_within_its_timeout():
-    out = _bounded(lambda: run_threads(_rank1_missing, 2, timeout=0.5), 20)
+    out = _bounded(lambda: run_threads(_rank1_missing, 2, timeout=0.5), 45)
     assert isinstance(out.get("error"), CommTimeoutError), out
     assert "rank 0" in str(out["error"])
 
@@ -178,12 +178,12 @@ def test_rank_that_ignores_its_timeout_is_reported_within_the_timeouts():
     release = threading.Event()
     begin = time.monotonic()
     try:
-        out = _bounded(lambda: run_threads(_rank1_ignores_timeout, 2, release, timeout=0.5), 20)
+        out = _bounded(lambda: run_threads(_rank1_ignores_timeout, 2, release, timeout=0.5), 45)
     finally:
         release.set()
     assert isinstance(out.get("error"), CommTimeoutError), out
     assert "rank(s) 1 of 2" in str(out["error"]), out["error"]
-    assert time.monotonic() - begin < 20
+    assert time.monotonic() - begin < 45  # within the rank's 60 s wait: it was not waited for
 
 
 def _mutate_own_results(comm):

@@ -1,5 +1,8 @@
 """A mismatched collective, a missing peer and a dead peer end in an exception within the
-timeout, never a hang; debug mode names the mismatch. Short (3 s) sub-communicator timeouts."""
+timeout, never a hang; debug mode names the mismatch. Short (3 s) sub-communicator timeouts.
+
+The exception's type tells a detected mismatch from a timeout; the time limits only tell an
+exception from a hang, so they are generous enough for a loaded machine."""
 
 from __future__ import annotations
 
@@ -12,7 +15,7 @@ from distconv.testing import run_threads
 from tests.comm import programs
 
 T = 3.0  # communicator timeout for these tests
-SLACK = 15.0  # start-up of a restarted pool is not part of the failure
+SLACK = 60.0  # a loaded machine; start-up of a restarted pool is not part of the failure
 
 
 def _raises(exc_type, fn, *args, within: float, **kw):
@@ -26,23 +29,25 @@ def _raises(exc_type, fn, *args, within: float, **kw):
 # ---------------------------------------------------------------- threads
 @pytest.mark.parametrize("size", [2, 3])
 def test_threads_mismatched_ops_raise(size):
-    msg = _raises(CollectiveMismatchError, run_threads, programs.mismatched_ops, size, T, within=1)
+    msg = _raises(CollectiveMismatchError, run_threads, programs.mismatched_ops, size, T,
+                  within=T + SLACK)
     assert "rank 0: allreduce" in msg and "rank 1: allgather" in msg
 
 
 def test_threads_mismatched_shapes_raise():
-    msg = _raises(CollectiveMismatchError, run_threads, programs.mismatched_shapes, 2, T, within=1)
+    msg = _raises(CollectiveMismatchError, run_threads, programs.mismatched_shapes, 2, T,
+                  within=T + SLACK)
     assert "shape=(4,)" in msg and "shape=(5,)" in msg
 
 
 @pytest.mark.parametrize("size", [2, 3])
 def test_threads_missing_peer_times_out(size):
-    msg = _raises(CommTimeoutError, run_threads, programs.missing_peer, size, 0.5, within=T)
+    msg = _raises(CommTimeoutError, run_threads, programs.missing_peer, size, 0.5, within=T + SLACK)
     assert "rank 0" in msg and "'threads'" in msg and "allreduce" in msg
 
 
 def test_threads_failing_rank_releases_its_peers():
-    msg = _raises(ValueError, run_threads, programs.raise_on_rank, 3, 1, within=1, timeout=30)
+    msg = _raises(ValueError, run_threads, programs.raise_on_rank, 3, 1, within=20, timeout=30)
     assert "[rank 1 of 3 threads]" in msg
 
 
@@ -102,7 +107,8 @@ def test_debug_mode_names_the_mismatch(request, name):
 @pytest.mark.mpi
 def test_mpi_debug_mode_catches_mismatched_shapes(mpi4):
     """MPI itself matches an allreduce of 4 with one of 5 elements (garbage): debug mode."""
-    msg = _raises(CollectiveMismatchError, mpi4.run, programs.debug_mismatched_shapes, within=T)
+    msg = _raises(CollectiveMismatchError, mpi4.run, programs.debug_mismatched_shapes,
+                  within=T + SLACK)
     assert "shape=(4,)" in msg and "shape=(5,)" in msg
 
 
@@ -117,5 +123,5 @@ def test_debug_mode_passes_agreeing_collectives(request, name):
 
 @pytest.mark.gloo
 def test_error_in_one_rank_is_reraised_with_its_rank(gloo2):
-    msg = _raises(ValueError, gloo2.run, programs.raise_on_rank, 1, within=T)
+    msg = _raises(ValueError, gloo2.run, programs.raise_on_rank, 1, within=T + SLACK)
     assert "[rank 1 of gloo pool of 2]" in msg and "bad value on rank 1" in msg

@@ -253,7 +253,7 @@ def test_different_collectives_raise_a_mismatch_on_every_rank():
 
     t0 = time.monotonic()
     msgs = _on_threads(2, rank)
-    assert time.monotonic() - t0 < 5
+    assert time.monotonic() - t0 < 30  # raised, not hung (generous for a loaded machine)
     assert all(m is not None and "different collectives" in m for m in msgs), msgs
 
 
@@ -267,7 +267,7 @@ def test_a_missing_rank_times_out_naming_it():
 
     t0 = time.monotonic()
     msgs = _on_threads(3, rank, timeout=0.5)
-    assert time.monotonic() - t0 < 5
+    assert time.monotonic() - t0 < 30  # raised, not hung (generous for a loaded machine)
     for r in (0, 1):
         assert f"rank {r}, op 'allreduce': rank(s) [2] did not arrive within 0.5 s" in msgs[r]
 
