@@ -1,7 +1,10 @@
-"""Run a function on P local ranks: the embedded default for examples (gloo on loopback)."""
+"""Run a function on P ranks: local processes (gloo on loopback) by default, or, inside a job that
+``torchrun`` or ``mpiexec`` started, this process as one rank of that job's world."""
 
 from __future__ import annotations
 
+import json
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -18,14 +21,24 @@ def launch(
     timeout: float = 60.0,
     **kw: Any,
 ) -> list[Any]:
-    """Run ``fn(comm, *args, **kw)`` on ``nprocs`` local ranks and return their results.
+    """Run ``fn(comm, *args, **kw)`` on ``nprocs`` ranks and return their results.
+
+    Run by ``python script.py``, it starts ``nprocs`` local processes and returns every rank's
+    result, in rank order. Run inside a job that ``torchrun --nproc-per-node P`` or
+    ``mpiexec -n P`` started (their environment variables say so), this process is one rank of
+    that job's world: ``fn(distconv.comm.init(timeout=timeout), ...)`` runs here and ``launch``
+    returns ``[this rank's result]``. A job of another size than ``nprocs`` is refused at once
+    (a ``ValueError`` saying what to run). So the same script runs unchanged under ``python``,
+    ``torchrun`` and ``mpiexec``.
 
     Args:
         fn: a module-level function (a script's own functions work: workers load the script
-            without running its ``if __name__ == "__main__"`` block).
+            without running its ``if __name__ == "__main__"`` block; they see the script's
+            ``sys.argv``).
         nprocs: number of ranks.
-        backend: ``"gloo"`` (default: ``nprocs`` processes over loopback), ``"mpi"``
-            (``mpiexec``), ``"threads"`` (in this process) or ``"single"`` (``nprocs`` must be 1).
+        backend: how ``launch`` starts the ranks when no launcher did: ``"gloo"`` (default:
+            ``nprocs`` processes over loopback), ``"mpi"`` (``mpiexec``), ``"threads"`` (in this
+            process, also inside a job) or ``"single"`` (``nprocs`` must be 1).
         timeout: communicator timeout in seconds (default 60.0).
 
     With ``backend="threads"`` the ranks share torch's global random generator (one process):
@@ -52,7 +65,30 @@ def launch(
         from distconv.testing import run_threads
 
         return run_threads(fn, nprocs, *args, timeout=timeout, **kw)
-    from distconv.testing import WorkerPool
+    from distconv import comm as dcomm
 
-    with WorkerPool(backend, nprocs, timeout=timeout, task_timeout=None, echo=True) as pool:
+    launcher = dcomm._detect()
+    if launcher != "single":
+        return [fn(_job_world(launcher, nprocs, timeout), *args, **kw)]
+    from distconv.testing import WorkerPool
+    from distconv.testing._protocol import ENV_ARGV
+
+    env = {ENV_ARGV: json.dumps(sys.argv)}
+    with WorkerPool(backend, nprocs, timeout=timeout, task_timeout=None, echo=True,
+                    env=env) as pool:
         return pool.run(fn, *args, **kw)
+
+
+def _job_world(launcher: str, nprocs: int, timeout: float) -> Any:
+    """The world of the job this process belongs to, when it has ``nprocs`` ranks."""
+    from distconv import comm as dcomm
+
+    world = dcomm.init(timeout=timeout)
+    if world.size != nprocs:
+        start = "torchrun --nproc-per-node" if launcher == "torch" else "mpiexec -n"
+        raise ValueError(
+            f"launch(fn, {nprocs}) runs in a job of {world.size} processes started by "
+            f"{'torchrun' if launcher == 'torch' else 'an MPI launcher'}: start it with "
+            f"`{start} {nprocs}`, or call fn(distconv.comm.init()) to run on the job's "
+            f"{world.size} ranks")
+    return world

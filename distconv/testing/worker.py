@@ -15,6 +15,7 @@ for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
 
 import importlib
 import importlib.util
+import json
 import pickle
 import sys
 import traceback
@@ -23,6 +24,7 @@ from typing import Any
 
 from distconv.testing._protocol import (
     ENV_ADDRESS,
+    ENV_ARGV,
     ENV_AUTHKEY,
     ENV_BACKEND,
     ENV_TIMEOUT,
@@ -68,6 +70,9 @@ def main() -> None:
 
     torch.set_num_threads(1)
     from distconv import comm as dcomm
+
+    if ENV_ARGV in os.environ:  # a launch()ed script's workers see its command line
+        sys.argv = json.loads(os.environ[ENV_ARGV])
 
     host, port = os.environ[ENV_ADDRESS].rsplit(":", 1)
     conn = Client((host, int(port)), authkey=bytes.fromhex(os.environ[ENV_AUTHKEY]))
