@@ -219,7 +219,7 @@ class Dist:
                 f"Dist.parse: cannot read {spec!r}; expected e.g. 'x[o,o_C,o,o]' or 'Σ_C y[o,*,o,o]'"
             )
         pending = _split_names(m.group(1), spec) if m.group(1) else ()
-        items = _split_top_level(m.group(3))
+        items = _split_top_level(m.group(3), spec)
         if dims is not None and len(items) != len(dims):
             raise ValueError(
                 f"Dist.parse: {spec!r} has {len(items)} entries but tensor_dims "
@@ -353,18 +353,27 @@ def _sub(name: str) -> str:
     return name if len(name) == 1 else "{" + name + "}"
 
 
-def _split_top_level(body: str) -> list[str]:
-    items, depth, current = [], 0, []
+def _split_top_level(body: str, spec: str) -> list[str]:
+    """The entries of ``[...]``, split at the commas outside braces; an unclosed or unopened
+    brace is named here (it would otherwise read as a wrong number of entries)."""
+    items, opened, current = [], [], []
     for ch in body:
         if ch in "{(":
-            depth += 1
+            opened.append(ch)
         elif ch in "})":
-            depth -= 1
-        if ch == "," and depth == 0:
+            if not opened or opened.pop() != {"}": "{", ")": "("}[ch]:
+                raise ValueError(f"Dist.parse: {spec!r} closes a {ch!r} that was not opened; "
+                                 "a grid dim list is written o_{F×C}, o_{F,C} or o_(F,C)")
+        if ch == "," and not opened:
             items.append("".join(current).strip())
             current = []
         else:
             current.append(ch)
+    if opened:
+        close = "}" if opened[-1] == "{" else ")"
+        raise ValueError(f"Dist.parse: {spec!r} opens a {opened[-1]!r} that is never closed "
+                         f"(a missing {close!r}); a grid dim list is written o_{{F×C}}, "
+                         "o_{F,C} or o_(F,C)")
     items.append("".join(current).strip())
     return items if body.strip() else []
 

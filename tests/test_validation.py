@@ -136,6 +136,31 @@ def _pmodel(**kw):
     return parallelize(_Tiny(), {"default": {"grid": {"N": 1}}}, comm=ONE, **kw)
 
 
+def _sample_parallel_rank(comm, dtype):
+    pmodel = parallelize(_net(), _CFG, comm=comm)
+    return pmodel(torch.zeros(1, 3, 8, 8, dtype=dtype))
+
+
+def _sample_parallel(dtype):
+    """Two thread ranks of a float32 sample-parallel model fed ``dtype`` inputs."""
+    return run_threads(_sample_parallel_rank, 2, dtype, timeout=30.0)
+
+
+def _conv_on_cuda_without_cuda():
+    from unittest import mock
+
+    with mock.patch.object(torch.cuda, "is_available", lambda: False):  # as a CPU-only torch
+        _conv(device="cuda")
+
+
+def _scatter_differing_in_debug_mode():
+    set_debug(True)
+    try:
+        run_threads(_scatter_rank_data, 3, False)
+    finally:
+        set_debug(os.environ.get("DISTCONV_DEBUG", "") not in ("", "0", "false", "no", "off"))
+
+
 def _grad_param(value: float = 1.0) -> nn.Parameter:
     p = nn.Parameter(torch.zeros(2))
     p.grad = torch.full((2,), value)
@@ -353,6 +378,23 @@ CATALOG = [
      ["state_dict", "list"]),
     ("pmodel-load-plain-wrong-shape", _load_plain_wrong_shape, ValueError,
      ["conv.weight", "(4, 3, 5, 5)"]),
+    ("pmodel-input-float64", lambda: _sample_parallel(torch.float64), TypeError,
+     ["input", "torch.float64", "torch.float32", "x.to(torch.float32)"]),
+    ("pmodel-input-int", lambda: _pmodel()(torch.zeros(2, 3, 8, 8, dtype=torch.int64)), TypeError,
+     ["input", "floating point", "torch.int64", "torch.float32"]),
+    ("parse-unclosed-brace", lambda: Dist.parse("x[o,o_{F,C,o,o]", "NCHW"), ValueError,
+     ["'x[o,o_{F,C,o,o]'", "never closed", "'}'"]),
+    ("parse-unopened-brace", lambda: Dist.parse("x[o,o_F,C},o,o]", "NCHW"), ValueError,
+     ["'x[o,o_F,C},o,o]'", "not opened"]),
+    ("conv-device-cuda-without-cuda", _conv_on_cuda_without_cuda, ValueError,
+     ["DistConv2d", "device='cuda'", "device='cpu'"]),
+    ("conv-device-str", lambda: _conv(device="gpu0"), ValueError, ["device", "'gpu0'"]),
+    ("conv-dtype-int", lambda: _conv(dtype=torch.int64), TypeError,
+     ["DistConv2d", "dtype", "floating point", "torch.int64"]),
+    ("conv-one-rank-channels", lambda: _conv()(torch.zeros(1, 3, 5, 5)), ValueError,
+     ["DistConv2d(in_channels=2", "(1, 3, 5, 5)", "(N, 2, H, W)"]),
+    ("scatter-differing-data-debug", _scatter_differing_in_debug_mode, CollectiveMismatchError,
+     ["scatter", "must be the same on every rank"]),
     ("pmodel-clip-max-norm-negative", lambda: _pmodel().clip_grad_norm_(-2.0), ValueError,
      ["max_norm", "-2.0"]),
 ]

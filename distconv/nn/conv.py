@@ -17,6 +17,7 @@ from distconv.comm.base import agree_on_value, get_debug
 from distconv.distribution import Dist, Entry, as_shape
 from distconv.grid import ProcessorGrid
 from distconv.nn._amp import autocast_dtype
+from distconv.nn._factory import check_factory_kwargs
 from distconv.halo import haloed
 from distconv.nn._activation import local_shape
 from distconv.nn.clip import register_parameter_specs
@@ -335,6 +336,7 @@ class DistConv2d(nn.Module):
         redundant = tuple(d for d in self.weight_dist.redundant(grid) if self._ext(d) > 1)
         where = f"DistConv2d({in_channels}, {out_channels}, {algorithm}) over {'×'.join(redundant)}"
         self.grad_sync = GradSync(self._subcomm(*redundant), where=where) if redundant else None
+        check_factory_kwargs(device, dtype, "DistConv2d")
         self._make_parameters(bias, device, dtype, init_seed)
 
     # ------------------------------------------------------------------ construction
@@ -629,6 +631,12 @@ class DistConv2d(nn.Module):
         """
         self._check_input(x)
         if self._local and global_shape is None and self.input_shape is None:
+            if x.dim() not in (3, 4) or x.shape[-3] != self.in_channels:
+                raise ValueError(
+                    f"DistConv2d(in_channels={self.in_channels}, out_channels="
+                    f"{self.out_channels}, kernel_size={self.kernel_size}).forward: x has shape "
+                    f"{tuple(x.shape)}, but the layer takes (N, {self.in_channels}, H, W) or "
+                    f"({self.in_channels}, H, W)")
             return self._local_conv(x)
         key = (x.shape, global_shape) if type(global_shape) is tuple else None
         shape = self._checked.get(key) if key is not None else None

@@ -275,6 +275,7 @@ class ParallelModel(nn.Module):
         complete on every rank (``[o_N,*,...]``)."""
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"input must be a torch.Tensor, got {type(x).__name__}")
+        self._check_dtype(x)
         if self._trainable.changed(self):
             _eager(self._rebuild_gradient_syncs)
         compiled = compiling()
@@ -381,6 +382,22 @@ class ParallelModel(nn.Module):
         if self._root and scale == 1.0:  # one sample block and no replicas: the output as is
             return y
         return _Exit.apply(y, scale, self._root)
+
+    def _check_dtype(self, x: torch.Tensor) -> None:
+        """The input's dtype against the parameters', before any rank communicates: a mismatch
+        would otherwise surface in some layer, or stall the ranks that did not meet it."""
+        params = {p.dtype for p in self.parameters() if p.is_floating_point()}
+        if not x.is_floating_point():
+            raise TypeError(
+                f"input must be a floating point tensor (the model's parameters are "
+                f"{', '.join(sorted(map(str, params))) or 'floating point'}), got dtype "
+                f"{x.dtype}: convert it, e.g. x.float()")
+        if len(params) == 1 and x.dtype not in params and not torch.is_autocast_enabled(
+                x.device.type):
+            (want,) = params
+            raise TypeError(
+                f"input has dtype {x.dtype} but the model's parameters are {want}: convert the "
+                f"input (x.to({want})) or the model (pmodel.to({x.dtype}))")
 
     def _agree_batch(self, x: torch.Tensor) -> tuple[int, ...]:
         """The global input shape, from one small allgather of every rank's local shape."""
