@@ -10,9 +10,13 @@ parallelism on the same world.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import math
 import numbers
+import os
+import re
+import textwrap
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -55,6 +59,12 @@ class Explanation:
     baseline: Explanation | None = None
     #: ``strict=False``: the nodes parallelize cannot run, as (node, target, reason)
     unsupported: list[tuple[str, str, str]] = field(default_factory=list)
+    #: graph node name -> the module path it runs in (``layer1.0.relu``, ``layer1.0.add``)
+    paths: dict[str, str] = field(default_factory=dict)
+    #: layer name -> the algorithm its config entry gives (``sample``, ``spatial``, ...)
+    configured: dict[str, str] = field(default_factory=dict)
+    #: ``str()`` shows every distribution and collective (True) or one row per layer (False)
+    verbose: bool = False
 
     def rank_bytes(self, rank: int) -> dict[str, int]:
         """Bytes ``rank`` receives per step: forward and backward (the communicators' count)."""
@@ -126,32 +136,113 @@ class Explanation:
     def to_json(self, **kw: Any) -> str:
         return json.dumps(self.to_dict(), **kw)
 
+    def full(self) -> Explanation:
+        """This explanation with every distribution and collective in its text
+        (``str(e.full())``); ``explain(..., verbose=True)`` gives the same."""
+        return dataclasses.replace(self, verbose=True)
+
+    def plot(self, path: str | os.PathLike[str]) -> None:
+        """Draw the step as a picture at ``path`` (PNG, SVG or PDF by its suffix; matplotlib):
+        the timeline of the compute and communication streams (with a ``machine``: which
+        collectives wait, which gradient allreduces backward hides), and per layer the bytes
+        each step moves and the memory it holds."""
+        from distconv.parallel.explain_plot import plot
+
+        plot(self, path)
+
     def __str__(self) -> str:
-        rows = [f"explain: {self.world_size} ranks, global input {self.input_shape}, "
-                f"{self.itemsize}-byte elements (bytes: the most any rank receives)"]
-        head = f"{'layer':<22} {'grid':<18} {'algorithm':<13} {'distributions':<58} {'fwd B':>10} " \
-               f"{'bwd B':>10} {'params':>9}"
-        rows += [head, "-" * len(head)]
-        for lay in self.layers:
-            fwd = max(lay.bytes("forward", r) for r in self.ranks)
-            bwd = max(lay.bytes("backward", r) for r in self.ranks)
-            dists = "  ".join(f"{v}" for v in lay.dists.values())
-            rows.append(f"{lay.name[:22]:<22} {lay.grid[:18]:<18} {lay.algorithm[:13]:<13} "
-                        f"{dists[:58]:<58} {fwd:>10,} {bwd:>10,} {lay.param_elements:>9,}")
-            if lay.note:
-                rows.append(f"{'':<24}{lay.note}")
-            for s in lay.steps:
-                rows.append(f"{'':<24}{s.phase:<9} {s.what[:70]:<70} {max(s.bytes.values()):>12,}")
-        if self.unsupported:
-            rows.append(f"unsupported: {len(self.unsupported)} node(s) parallelize refuses "
-                        "(priced at nothing above)")
-            for node, target, reason in self.unsupported:
-                why = reason.split("): ", 1)[-1]
-                rows.append(f"  {node[:22]:<22} {target[:40]:<40} {why[:110]}")
-        rows.append(_summary("this config", self))
-        if self.baseline is not None:
-            rows.append(_summary("sample parallel", self.baseline))
-        return "\n".join(rows)
+        return render(self)
+
+
+WIDTH = 100  # columns of explain's text
+
+
+def _wrap(text: str, indent: str = "", more: str = "    ") -> list[str]:
+    """``text`` in lines of at most WIDTH columns, broken between words, never inside one."""
+    return textwrap.wrap(text, WIDTH, initial_indent=indent, subsequent_indent=indent + more,
+                         break_long_words=False, break_on_hyphens=False) or [indent]
+
+
+def render(e: Explanation) -> str:
+    """The text of an explanation: a table of one row per layer (module paths, the configured
+    algorithm, the most bytes any rank receives, parameters per rank and, with a machine, the
+    predicted time) with the collectives that move bytes beneath each; ``verbose`` adds each
+    layer's distributions and the rows that move nothing; then the totals, against sample
+    parallelism on the same ranks."""
+    rows = _wrap(f"explain: {e.world_size} ranks, global input {e.input_shape}, "
+                 f"{e.itemsize}-byte elements; bytes: the most any rank receives per step"
+                 + (f"; time: predicted on {_machine_name(e.machine)}, the slowest rank"
+                    if e.machine is not None else ""))
+    head = (f"{'layer':<26} {'grid':<14} {'algorithm':<12} {'fwd B':>11} {'bwd B':>11} "
+            f"{'params':>10}" + (f" {'ms':>9}" if e.machine is not None else ""))
+    rows += [head, "-" * len(head)]
+    for lay in e.layers:
+        rows += _layer_rows(e, lay)
+    if e.unsupported:
+        rows += _wrap(f"unsupported: {len(e.unsupported)} node(s) parallelize refuses "
+                      "(priced at nothing above)")
+        for node, target, reason in e.unsupported:
+            why = reason.split("): ", 1)[-1]
+            rows += _wrap(f"{e.paths.get(node, node)} ({target}): {why}", "  ")
+    rows += _wrap(_summary("this config", e))
+    if e.baseline is not None:
+        rows += _wrap(_summary("sample parallel", e.baseline))
+        rows += _wrap(_comparison(e))
+    return "\n".join(row.rstrip() for row in rows)
+
+
+def _machine_name(machine: Any) -> str:
+    return getattr(machine, "name", None) or type(machine).__name__
+
+
+def _display(e: Explanation, name: str) -> str:
+    return e.paths.get(name, name)
+
+
+def _described(e: Explanation, what: str) -> str:
+    """A step's description with graph node names as module paths and grids written as in the
+    grid column (``{N:2,C:2}``: one word, which a line is never broken inside)."""
+    what = re.sub(r"(redistribute )(\w+)(:)",
+                  lambda m: m.group(1) + _display(e, m.group(2)) + m.group(3), what)
+    return re.sub(r"\{\w+: \d+(?:, \w+: \d+)*\}", lambda m: m.group(0).replace(" ", ""), what)
+
+
+def layer_seconds(lay: LayerReport, machine: Machine) -> float:
+    """Predicted seconds of one layer in the step: its compute, forward and backward, and the
+    collectives on the critical path, less what pipelining hides (the terms of
+    :func:`~distconv.ops.pricing.timeline`; gradient allreduces, which backward may hide,
+    are the ``(gradients)`` row's)."""
+    comm = sum(st.seconds(machine) for st in lay.steps if st.after is None)
+    return lay.compute_seconds + comm - sum(lay.overlap.values())
+
+
+def _layer_rows(e: Explanation, lay: LayerReport) -> list[str]:
+    fwd = max(lay.bytes("forward", r) for r in e.ranks)
+    bwd = max(lay.bytes("backward", r) for r in e.ranks)
+    if e.machine is None:
+        ms = ""
+    elif lay.kind == "grad-sync":
+        ms = f" {sum(st.seconds(e.machine) for st in lay.steps) * 1e3:>9.3f}"
+    else:
+        ms = f" {layer_seconds(lay, e.machine) * 1e3:>9.3f}"
+    if not (e.verbose or fwd or bwd or lay.param_elements or ms.strip(" 0.")):
+        return []  # nothing moved, held or spent: no row
+    name = _display(e, lay.name)
+    grid = lay.grid.replace(" ", "")
+    algorithm = e.configured.get(lay.name, lay.algorithm if lay.algorithm else "-")
+    rows = [name] if len(name) > 26 else []
+    rows.append(f"{'' if rows else name:<26} {grid:<14} {algorithm:<12} {fwd:>11,} {bwd:>11,} "
+                f"{lay.param_elements:>10,}{ms}")
+    if e.verbose and lay.dists:
+        rows += _wrap(_described(e, "  ".join(lay.dists.values())), " " * 4)
+    if lay.note:
+        rows += _wrap(lay.note, " " * 4)
+    for st in lay.steps:
+        most = max(st.bytes.values())
+        if most or e.verbose:
+            rows += _wrap(f"{st.phase:<9}{most:>11,} B  {_described(e, st.what)}", " " * 4,
+                          " " * 25)
+    return rows
 
 
 def _summary(label: str, e: Explanation) -> str:
@@ -168,10 +259,30 @@ def _summary(label: str, e: Explanation) -> str:
     return s
 
 
+def _comparison(e: Explanation) -> str:
+    """How the config compares with sample parallelism on the same ranks: predicted time with a
+    machine, bytes and memory without one."""
+    assert e.baseline is not None
+    ours, theirs = e.seconds(), e.baseline.seconds()
+    if ours is not None and theirs is not None and ours > 0 and theirs > 0:
+        ratio = ours / theirs
+        if ratio > 1.0:
+            return (f"this config is predicted {ratio:.2f}× SLOWER than sample parallelism on "
+                    f"the same {e.world_size} ranks ({ours * 1e3:.3f} ms vs {theirs * 1e3:.3f} "
+                    "ms per step)")
+        return (f"this config is predicted {1 / ratio:.2f}× faster than sample parallelism on "
+                f"the same {e.world_size} ranks ({ours * 1e3:.3f} ms vs {theirs * 1e3:.3f} ms "
+                "per step)")
+    mine, base = e.memory(), e.baseline.memory()
+    return (f"against sample parallelism: {sum(mine.values()) / max(sum(base.values()), 1):.2f}× "
+            "its memory per rank (give a machine= for predicted times)")
+
+
 def explain(model: nn.Module, config: Any, input_shape: Sequence[int], *,
             world_size: int | None = None, machine: Any = None,
             optimizer_states: int = 1, itemsize: int | None = None,
-            bucket_bytes: int = 25 << 20, strict: bool = True) -> Explanation:
+            bucket_bytes: int = 25 << 20, strict: bool = True,
+            verbose: bool = False) -> Explanation:
     """The plan :func:`distconv.parallelize` makes for ``model`` under ``config``, on paper.
 
     Pure: traces the model and propagates ``input_shape`` (the global input) on the meta device;
@@ -199,6 +310,9 @@ def explain(model: nn.Module, config: Any, input_shape: Sequence[int], *,
             ``parallelize`` does. False: every such node is listed at once in
             :attr:`Explanation.unsupported` (a coverage table: ``print`` shows it) and the rest
             is explained around them (those nodes are priced at nothing).
+        verbose: False (default): ``str()`` is a table of one row per layer, at most 100
+            columns wide. True: each layer's distributions and every collective too (also
+            ``str(e.full())``).
 
     Raises:
         TypeError: a model that is not an ``nn.Module``, an option of the wrong type (naming
@@ -226,10 +340,13 @@ def explain(model: nn.Module, config: Any, input_shape: Sequence[int], *,
         itemsize = p.element_size() if p is not None else 4
     else:
         itemsize = _check_int("itemsize", itemsize, 1)
-    if not isinstance(strict, bool):
-        raise TypeError(f"strict must be a bool, got {strict!r}")
-    return _explain(model, cfg, input_shape, machine, optimizer_states, itemsize, bucket_bytes,
-                    baseline=True, strict=strict)
+    for name, flag in (("strict", strict), ("verbose", verbose)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be a bool, got {flag!r}")
+    result = _explain(model, cfg, input_shape, machine, optimizer_states, itemsize,
+                      bucket_bytes, baseline=True, strict=strict)
+    result.verbose = verbose
+    return result
 
 
 def _check_int(name: str, value: Any, low: int) -> int:
@@ -325,7 +442,11 @@ def _explain(model: nn.Module, cfg: ParallelConfig, shape: tuple[int, ...],
     if sync is not None:
         layers.append(sync)
     result = Explanation(P, ranks, shape, itemsize, optimizer_states, layers, machine,
-                         unsupported=list(analysis.unsupported))
+                         unsupported=list(analysis.unsupported), paths=_module_paths(gm),
+                         configured={str(st.node.target): cfg.choice(str(st.node.target)).algorithm
+                                     for st in analysis.steps
+                                     if st.layer is not None and st.layer.algorithm
+                                     and st.node.op == "call_module"})
     if baseline and P > 1:
         sample = ParallelConfig({"default": {"grid": {"N": P}, "algorithm": "sample"}},
                                 world_size=P)
@@ -335,6 +456,23 @@ def _explain(model: nn.Module, cfg: ParallelConfig, shape: tuple[int, ...],
         except Unsupported:  # the model cannot run purely sample-parallel: no comparison
             result.baseline = None
     return result
+
+
+def _module_paths(gm: fx.GraphModule) -> dict[str, str]:
+    """Each graph node's name as the model's code names it: a module call by the module's path
+    (``layer1.0.relu``, however often it is called), a function by the path of the module whose
+    forward calls it and the function (``layer1.0.add``)."""
+    paths = {}
+    for node in gm.graph.nodes:
+        if node.op == "call_module":
+            paths[node.name] = str(node.target)
+        elif node.op in ("call_function", "call_method"):
+            stack = list((node.meta.get("nn_module_stack") or {}).values())
+            fn = node.target if isinstance(node.target, str) else getattr(
+                node.target, "__name__", node.name)
+            owner = str(stack[-1][0]) if stack and stack[-1] else ""
+            paths[node.name] = f"{owner}.{fn}" if owner else fn
+    return paths
 
 
 def _conversion(report: LayerReport, name: str, src: Placement, dst: Placement,
