@@ -339,6 +339,30 @@ def test_torchs_own_clip_on_random_grids_and_networks_equals_one_process(
         _check_torch_clip(got, total, grads)
 
 
+def _torch_clip_refused(comm: Any) -> list[str]:
+    model, x, y = resnet_case()[:3]
+    pmodel = parallelize(copy.deepcopy(model), RESNET_CONFIG, comm=comm)
+    rows = sample_block(x.shape[0], pmodel.data_grid)
+    F.cross_entropy(pmodel(x[rows]), y[rows]).backward()
+    before = {k: p.grad.clone() for k, p in pmodel.named_parameters()}
+    messages = []
+    for norm_type in (0.0, -float("inf")):
+        with pytest.raises(ValueError) as info:
+            torch.nn.utils.clip_grad_norm_(pmodel.parameters(), 1e-3, norm_type=norm_type)
+        messages.append(str(info.value))
+    assert all(torch.equal(p.grad, before[k]) for k, p in pmodel.named_parameters())
+    return messages
+
+
+def test_torchs_own_clip_refuses_a_norm_of_shards_it_cannot_combine() -> None:
+    """Neither the 0-"norm" (torch counts the parameters whose gradient has a nonzero) nor the
+    -inf one is combined over shards: refused before any gradient is scaled."""
+    for messages in run_threads(_torch_clip_refused, 4):
+        for norm_type, msg in zip((0.0, -float("inf")), messages):
+            assert "norm_type > 0 or inf" in msg and repr(norm_type) in msg, msg
+            assert "distconv.clip_grad_norm_" in msg
+
+
 def _torch_clip_on_world(pool: Any, norm_type: float, foreach: bool) -> None:
     model, x, y = resnet_case()[:3]
     clip = {"max_norm": 1e-3, "norm_type": norm_type, "foreach": foreach}
