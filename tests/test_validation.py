@@ -324,6 +324,7 @@ CATALOG = [
      ["input_shape", "(2, 3, 10, 10)", "3 channels", "'3' (Linear)"]),
     ("explain-auto-shape-later-layer", lambda: _explain((2, 3, 10, 10), _AUTO), ValueError,
      ["input_shape", "(2, 3, 10, 10)", "'3' (Linear)"]),
+    ("explain-verbose-int", lambda: _explain(verbose=1), TypeError, ["verbose", "1"]),
     ("explain-shape-float", lambda: _explain((2, 3.0, 8, 8)), TypeError,
      ["input_shape", "(2, 3.0, 8, 8)"]),
     ("explain-shape-negative", lambda: _explain((2, -3, 8, 8)), ValueError,
