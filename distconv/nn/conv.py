@@ -147,8 +147,9 @@ class DistConv2d(nn.Module):
         dense = conv.to_conv2d()                                # collective: a plain nn.Conv2d
 
     Args:
-        in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias,
-            padding_mode, device, dtype: as ``nn.Conv2d`` (global sizes).
+        in_channels, out_channels, kernel_size, stride, padding, dilation, groups: as
+            ``nn.Conv2d`` (global sizes).
+        bias, padding_mode, device, dtype: as ``nn.Conv2d``.
         grid: the :class:`~distconv.grid.ProcessorGrid` over all ranks. Its dims must be among
             the five role names.
         algorithm: ``'stationary-x'``, ``'stationary-y'`` or ``'stationary-w'``.
