@@ -302,11 +302,18 @@ def module_path(node: fx.Node) -> str:
 
 def _segments(steps: list[Step], config: ParallelConfig) -> None:
     """Number the runs of consecutive call steps that the config checkpoints (constants inside a
-    run belong to it)."""
+    run belong to it). Sizes are constants of the program, in no run; a view sized by them runs
+    in the program too (it sizes the local block: :mod:`distconv.parallel.program`), between two
+    runs."""
+    sizes = {s.node for s in steps if s.kind == "size"}
     segment, current = -1, None
     for step in steps:
         op = step.node.op
-        if op.startswith("call_") and config.checkpointed(module_path(step.node)):
+        if step.kind == "size":
+            continue
+        if step.kind == "reshape" and sizes.intersection(step.node.all_input_nodes):
+            current = None
+        elif op.startswith("call_") and config.checkpointed(module_path(step.node)):
             if current is None:
                 segment += 1
                 current = segment

@@ -31,11 +31,15 @@ from __future__ import annotations
 import itertools
 from typing import Any, Callable
 
+import torch
 import torch.fx as fx
 
 from distconv.parallel.placement import convert, one_grid
+from distconv.parallel.shapes import global_values
 
 __all__ = ["generate"]
+
+_RESHAPES = frozenset({"view", "reshape", torch.reshape})
 
 
 def generate(model: Any, shapes: dict[str, tuple[int, ...]],
@@ -72,6 +76,12 @@ class _Writer:
         self.var: dict[fx.Node, str] = {}
         self.converted: dict[tuple[fx.Node, Any], str] = {}
         self._ids = itertools.count()
+        # sizes are constants of the global shape (distconv.ops.sizes), bound before any
+        # statement: a checkpointed segment may read one computed after its first step
+        values = global_values(model._meta)
+        self.folded = {s.node for s in self.analysis.steps if s.kind == "size"}
+        for node in self.folded:
+            self.var[node] = self.const(values[node.name], "Z")
 
     # ------------------------------------------------------------------ names and constants
     def const(self, value: Any, prefix: str = "K") -> str:
@@ -86,6 +96,8 @@ class _Writer:
     def operand(self, node: fx.Node, a: fx.Node) -> str:
         """The expression of operand ``a`` of ``node``: its value, converted to what ``node``
         needs (each conversion emitted once, where it is first needed)."""
+        if a in self.folded:
+            return self.var[a]
         need = self.needs[(node, a)]
         src = self.analysis.step(a).out
         if need is not None and src is not None:  # on need's grid where convert would move it
@@ -161,6 +173,8 @@ class _Writer:
             node = step.node
             if step.kind == "input":
                 self.var[node] = "x"
+            elif step.kind == "size":
+                continue
             elif step.segment is not None:
                 if step.segment not in done:
                     self.segment(step.segment)
@@ -193,7 +207,9 @@ class _Writer:
                       f"{args}, {kwargs}, {self.const(self.shapes[node.args[0].name], 'S')})")
             return
         layer = model._function_modules.get(node.name)
-        if layer is not None:  # this node's own layer: a function's, or a module's without state
+        if step.kind == "reshape" and node.target in _RESHAPES:
+            self.reshape(step, out)
+        elif layer is not None:  # this node's own layer: a function's, or a module's without state
             # called in another layout than its first call
             args = (f"{self.expr(node, node.args[0])}, "
                     f"{self.const(self.shapes[node.args[0].name], 'S')}")
@@ -228,6 +244,22 @@ class _Writer:
         else:
             raise AssertionError(f"unexpected node {node.op}")
 
+    def reshape(self, step: Any, out: str) -> None:
+        """A view or reshape that keeps the samples in dim 0: of this rank's block, to the block
+        of the global output shape it holds (its arguments are sizes of the global tensor)."""
+        node = step.node
+        got, want = self.shapes[node.args[0].name], self.shapes[node.name]
+        args = node.args[1:]
+        if got[:1] == want[:1] and not node.kwargs:
+            local = step.out.dist.local_shape(want, self.model.grid(step.out.layout))
+            args = (tuple(local),)
+        this = self.expr(node, node.args[0])
+        rest = self.call_args(node, args, node.kwargs)
+        if node.op == "call_method":
+            self.emit(f"{out} = {this}.{node.target}({rest})")
+        else:
+            self.emit(f"{out} = {self.const(node.target, 'F')}({this}, {rest})")
+
     def segment(self, index: int) -> None:
         """A checkpointed segment: its inputs and the conversions made so far handed over in
         dicts, the segment runner called, the values leaving it (and the conversions it made of
@@ -235,7 +267,9 @@ class _Writer:
         steps = [s for s in self.analysis.steps if s.segment == index]
         inside = {s.node for s in steps}
         outer = {a for s in steps for a in s.node.all_input_nodes if a not in inside}
-        env = ", ".join(f"{self.const(a, 'N')}: {self.use(self.var[a])}" for a in outer)
+        env = ", ".join(f"{self.const(a, 'N')}: "
+                        f"{self.var[a] if a in self.folded else self.use(self.var[a])}"
+                        for a in outer)
         self.emit(f"env = {{{env}}}")
         conv = ", ".join(f"({self.const(k[0], 'N')}, {self.const(k[1], 'P')}): {self.use(v)}"
                          for k, v in self.converted.items())

@@ -15,7 +15,8 @@ from torch import nn
 from torch.fx.node import map_aggregate
 from torch.fx.passes.shape_prop import _extract_tensor_metadata
 
-__all__ = ["check_input_shape", "check_input_shape_error", "first_layer", "propagate_shapes"]
+__all__ = ["check_input_shape", "check_input_shape_error", "first_layer", "global_values",
+           "propagate_shapes"]
 
 _CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 _NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
@@ -125,6 +126,8 @@ class _ShapeRecorder(fx.Interpreter):
         meta = map_aggregate(result, extract)
         if found:
             n.meta["tensor_meta"] = meta
+        else:  # a value of the global shape (a size, a comparison of sizes): the program's
+            n.meta["global_value"] = result  # constant (distconv.ops.sizes)
         n.meta["type"] = type(result)
         return result
 
@@ -142,7 +145,26 @@ def propagate_shapes(gm: fx.GraphModule, shape: Sequence[int], *,
     try:
         prop.run(torch.empty(tuple(shape), dtype=dtype, device="meta"))
     except Exception as exc:  # noqa: BLE001 - any failure of propagation is the shape's
+        if prop.failed is not None and prop.failed.target is torch._assert:
+            _refuse_assert(exc, shape, prop.failed, argument)
         check_input_shape_error(exc, shape, gm, argument=argument, node=prop.failed)
     finally:
         for m, mode in training.items():
             m.training = mode
+
+
+def global_values(gm: fx.GraphModule) -> dict[str, Any]:
+    """Every non-tensor value of the last :func:`propagate_shapes` of ``gm``, by node name: on
+    the global input shape, so a size is the global one (the program's constants)."""
+    return {n.name: n.meta["global_value"] for n in gm.graph.nodes if "global_value" in n.meta}
+
+
+def _refuse_assert(exc: BaseException, shape: Sequence[int], node: fx.Node,
+                   argument: str) -> NoReturn:
+    """A model's own ``torch._assert`` on sizes is false on this global shape: say which."""
+    from distconv.parallel.graph import module_path
+
+    where = module_path(node)
+    raise ValueError(f"{argument}={tuple(shape)} fails the model's own check at node "
+                     f"{node.name!r} (torch._assert) in module {where or '(the root)'!r}: "
+                     f"{str(exc).strip() or type(exc).__name__}") from None
