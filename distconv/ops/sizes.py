@@ -1,5 +1,5 @@
 """Values of the global shape: ``x.shape``, ``x.size()``, ``x.size(i)``, ``x.dim()``, ``x.ndim``,
-``x.numel()``, Python arithmetic, comparisons and indexing on them (``c // groups``, ``h * 2``,
+``x.numel()``, ``len(x)``, Python arithmetic, comparisons and indexing on them (``c // groups``, ``h * 2``,
 ``b, c, h, w = x.size()``, ``x.shape[2:]``), and ``torch._assert`` on them.
 
 Each rank holds a block of every tensor, so a size read from the block would be the block's (the
@@ -57,8 +57,8 @@ def is_size(node: Any) -> bool:
         return node.target in SIZE_METHODS or (bool(node.args) and is_size(node.args[0]))
     if node.op != "call_function" or node.target not in SCALAR_FUNCTIONS:
         return False
-    if node.target is getattr and node.args[1] in SIZE_ATTRS:
-        return True
+    if (node.target is getattr and node.args[1] in SIZE_ATTRS) or node.target is len:
+        return True  # len(x) is x.shape[0]
     inputs = node.all_input_nodes
     return bool(inputs) and all(is_size(a) for a in inputs)
 

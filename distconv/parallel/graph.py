@@ -17,9 +17,13 @@ builds the analysis, ``explain`` prices it, and a node no handler runs is refuse
 
 from __future__ import annotations
 
+import builtins
+import contextlib
+import os
+import sys
 import threading
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.fx as fx
@@ -104,24 +108,101 @@ _TRACE_LOCK = threading.Lock()
 
 
 class UntraceableModelError(TypeError):
-    """The model contains a construct ``torch.fx`` cannot capture."""
+    """The model contains a construct ``torch.fx`` cannot capture faithfully."""
 
 
 def trace(model: nn.Module) -> fx.GraphModule:
-    """``torch.fx.symbolic_trace`` with an error that names the construct fx stopped at."""
+    """``torch.fx.symbolic_trace`` with an error that names the construct fx stopped at, or the
+    construct that would have made the captured graph compute something else than the module
+    (``torch.jit.isinstance`` of a traced value, which fx answers for its proxy: False)."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    tracer = _Tracer()
     try:
-        with _TRACE_LOCK:
-            gm = fx.symbolic_trace(model)
+        with _TRACE_LOCK, _capture_patches(tracer, type(model).__name__):
+            graph = tracer.trace(model)
+    except UntraceableModelError:
+        raise
     except Exception as exc:  # fx raises TraceError, TypeError, ... with the construct's text
         raise UntraceableModelError(
-            f"parallelize: torch.fx cannot trace {type(model).__name__}: {exc}. Data-dependent "
-            "control flow cannot be captured; rewrite it, or convert layer by layer with "
+            f"parallelize: torch.fx cannot trace {type(model).__name__}{_where(exc, model)}: "
+            f"{exc}. Python that "
+            "branches on a tensor's values or sizes, or takes len() of a tensor, cannot be "
+            "captured (sizes: x.shape[i] and x.size(i) are captured, and arithmetic on them; "
+            "an if on them is not); rewrite it, or convert layer by layer with "
             "DistConv2d.from_conv2d and Redistribute"
         ) from exc
+    gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
     _order_like(gm, model)  # fx registers modules in call order; users expect theirs
     return gm
+
+
+def _where(exc: BaseException, model: nn.Module) -> str:
+    """`` at file:line in module 'path'``: the model's own line the trace failed at (the last
+    frame outside torch), and the module whose code it is."""
+    root = os.path.dirname(torch.__file__)
+    frame = None
+    tb = exc.__traceback__
+    while tb is not None:
+        if not tb.tb_frame.f_code.co_filename.startswith(root):
+            frame = tb.tb_frame
+        tb = tb.tb_next
+    if frame is None or frame.f_code.co_filename == __file__:
+        return ""
+    this = frame.f_locals.get("self")
+    path = next((p for p, m in model.named_modules() if m is this), None)
+    module = f" in module {path or '(the root)'!r}" if path is not None else ""
+    return f" at {frame.f_code.co_filename}:{frame.f_lineno}{module}"
+
+
+class _Tracer(fx.Tracer):
+    """fx's tracer, except that a module without state made inside a forward (a pooling layer
+    built per call, as MONAI's ResNet shortcut does) is traced through as the functions it
+    calls: fx would refuse it, as it is installed under no path."""
+
+    def call_module(self, m: nn.Module, forward: Any, args: Any, kwargs: Any) -> Any:
+        try:
+            self.path_of_module(m)
+        except NameError:
+            if next(iter(m.parameters()), None) is None and next(iter(m.buffers()), None) is None:
+                return forward(*args, **kwargs)
+            raise
+        return super().call_module(m, forward, args, kwargs)
+
+
+@contextlib.contextmanager
+def _capture_patches(tracer: fx.Tracer, model: str) -> Iterator[None]:
+    """While ``tracer`` traces: ``len`` of a traced value is recorded as a node (a size of the
+    global shape, :mod:`distconv.ops.sizes`; fx refuses it, as ``__len__`` must return an int),
+    and ``torch.jit.isinstance`` of a traced value raises :class:`UntraceableModelError` naming
+    where (fx would answer False for its proxy, and the graph would take a branch the module
+    does not: MONAI's ``UpCat`` drops its skip ``cat``). Both are process-wide: the parallel
+    model's ranks trace between barriers."""
+    real_isinstance, real_len = torch.jit.isinstance, builtins.len
+
+    def jit_isinstance(obj: Any, target_type: Any) -> bool:
+        if isinstance(obj, fx.Proxy):
+            caller = sys._getframe(1)
+            where = list(tracer.module_stack)[-1] if tracer.module_stack else ""
+            raise UntraceableModelError(
+                f"parallelize: {model} calls torch.jit.isinstance on a traced value "
+                f"({obj.node.name}) in module {where or '(the root)'!r} at "
+                f"{caller.f_code.co_filename}:{caller.f_lineno}: torch.fx answers it for its "
+                "proxy, not the tensor, so the captured graph would not be the module's. "
+                "Rewrite the check (e.g. 'x is not None'), or convert layer by layer with "
+                "DistConv2d.from_conv2d and Redistribute")
+        return real_isinstance(obj, target_type)
+
+    def length(obj: Any) -> Any:
+        if isinstance(obj, fx.Proxy):
+            return obj.tracer.create_proxy("call_function", real_len, (obj,), {})
+        return real_len(obj)
+
+    torch.jit.isinstance, builtins.len = jit_isinstance, length
+    try:
+        yield
+    finally:
+        torch.jit.isinstance, builtins.len = real_isinstance, real_len
 
 
 def _order_like(module: nn.Module, original: nn.Module) -> None:

@@ -133,24 +133,109 @@ class _ShapeRecorder(fx.Interpreter):
 
 
 def propagate_shapes(gm: fx.GraphModule, shape: Sequence[int], *,
-                     dtype: torch.dtype | None = None, argument: str = "input_shape") -> None:
+                     dtype: torch.dtype | None = None, argument: str = "input_shape",
+                     module: nn.Module | None = None) -> None:
     """Shape propagation of a meta ``shape`` input through ``gm`` (a copy on the meta device),
-    filling ``node.meta['tensor_meta']`` as ``ShapeProp`` does; a shape the model cannot take
-    raises the ``ValueError`` of :func:`check_input_shape_error`."""
+    filling ``node.meta['tensor_meta']`` as ``ShapeProp`` does (and ``['global_value']`` of
+    every value that is not a tensor: sizes); a shape the model cannot take raises the
+    ``ValueError`` of :func:`check_input_shape_error`, a false ``torch._assert`` of the model
+    one naming it. ``module``: the plain model ``gm`` was captured from, on the meta device;
+    where its own forward on this shape disagrees with the graph's (the graph fails where the
+    module runs, or gives other output shapes, or skips a module with parameters that the
+    module calls) the capture is not the module's, and :func:`check_capture` refuses it."""
     prop = _ShapeRecorder(gm)
     # in eval mode: a batch norm with momentum=None reads its batch count (.item(), which meta
     # tensors cannot give) in training, and no layer's shapes depend on the mode
     training = {m: m.training for m in gm.modules()}
     gm.eval()
     try:
-        prop.run(torch.empty(tuple(shape), dtype=dtype, device="meta"))
+        out = prop.run(torch.empty(tuple(shape), dtype=dtype, device="meta"))
     except Exception as exc:  # noqa: BLE001 - any failure of propagation is the shape's
         if prop.failed is not None and prop.failed.target is torch._assert:
             _refuse_assert(exc, shape, prop.failed, argument)
+        if module is not None:
+            check_capture(gm, module, shape, failed=(prop.failed, exc))
         check_input_shape_error(exc, shape, gm, argument=argument, node=prop.failed)
     finally:
         for m, mode in training.items():
             m.training = mode
+    if module is not None:
+        check_capture(gm, module, shape, out=out)
+
+
+def check_capture(gm: fx.GraphModule, module: nn.Module, shape: Sequence[int], *,
+                  out: Any = None, failed: tuple[fx.Node | None, BaseException] | None = None
+                  ) -> None:
+    """Raise :class:`~distconv.parallel.graph.UntraceableModelError` where the captured graph
+    ``gm`` is not ``module``'s forward on a meta input of ``shape``: the graph failed (``failed``:
+    its node and exception) where the module runs, or its output shapes (``out``: its output)
+    differ from the module's, or the module calls a module with parameters the graph never
+    calls. Python that ``torch.fx`` cannot follow decided the capture then, not the input."""
+    from distconv.parallel.graph import UntraceableModelError
+
+    called: list[nn.Module] = []
+    hooks = [m.register_forward_pre_hook(lambda m, _: called.append(m)) for m in module.modules()]
+    dtype = next((p.dtype for p in module.parameters() if p.is_floating_point()), None)
+    training = {m: m.training for m in module.modules()}
+    module.eval()  # as the graph ran (a batch norm's count cannot be read on meta in training)
+    try:
+        own = module(torch.empty(tuple(shape), dtype=dtype, device="meta"))
+    except Exception:  # noqa: BLE001 - the module itself cannot take this shape: the input's
+        return
+    finally:
+        for h in hooks:
+            h.remove()
+        for m, mode in training.items():
+            m.training = mode
+    name = type(module).__name__
+    what = ("Python that torch.fx cannot follow (isinstance(x, torch.Tensor) on a traced value, "
+            "a branch taken on something fx stands in for) decided the captured graph; rewrite "
+            "it, or convert layer by layer with DistConv2d.from_conv2d and Redistribute")
+    if failed is not None:
+        node, exc = failed
+        at = f" at node {node.name!r} ({node.format_node()})" if node is not None else ""
+        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise UntraceableModelError(
+            f"parallelize: the graph torch.fx captured of {name} is not its forward: {name} "
+            f"runs on an input of shape {tuple(shape)}, its captured graph fails{at}: {reason}. "
+            f"{what}") from None
+    mine, theirs = _shapes_of(out), _shapes_of(own)
+    if mine != theirs:
+        raise UntraceableModelError(
+            f"parallelize: the graph torch.fx captured of {name} is not its forward: on an "
+            f"input of shape {tuple(shape)} it returns shapes {mine}, {name} returns {theirs}. "
+            f"{what}")
+    paths: dict[int, list[str]] = {}
+    for path, m in module.named_modules(remove_duplicate=False):
+        paths.setdefault(id(m), []).append(path)
+    leaves = tuple(str(n.target) + "." for n in gm.graph.nodes if n.op == "call_module")
+    seen = {str(n.target) for n in gm.graph.nodes if n.op in ("call_module", "get_attr")}
+    seen |= {p for n in gm.graph.nodes for p, _ in (n.meta.get("nn_module_stack") or {}).values()}
+    seen = {prefix for p in seen for prefix in _prefixes(p)}
+
+    def captured(m: nn.Module) -> bool:  # a module of the graph's, or inside one it calls
+        return any(p in seen or (p + ".").startswith(leaves) for p in paths[id(m)])
+
+    missed = sorted({paths[id(m)][0] for m in called
+                     if any(True for _ in m.parameters(recurse=False)) and not captured(m)})
+    if missed:
+        raise UntraceableModelError(
+            f"parallelize: the graph torch.fx captured of {name} is not its forward: {name} "
+            f"calls {missed} on an input of shape {tuple(shape)}, its captured graph never "
+            f"does. {what}")
+
+
+def _shapes_of(value: Any) -> list[tuple[int, ...]]:
+    found: list[tuple[int, ...]] = []
+    map_aggregate(value, lambda v: found.append(tuple(v.shape)) if isinstance(
+        v, torch.Tensor) else None)
+    return found
+
+
+def _prefixes(path: str) -> list[str]:
+    """``a.b.c`` -> ``a``, ``a.b``, ``a.b.c`` (a parameter's path names its modules)."""
+    parts = path.split(".")
+    return [".".join(parts[:i]) for i in range(1, len(parts) + 1)]
 
 
 def global_values(gm: fx.GraphModule) -> dict[str, Any]:
