@@ -3,10 +3,16 @@
 ``torch.fx``'s shape propagation fails deep inside with a dump of the graph node; these helpers
 turn a wrong ``input_shape`` into a ``ValueError`` that names it, the shape received and what
 the model's first layer expects (its number of dims and channels or features), with no dump.
+The propagation also gives every value of the global shape that is not a tensor (``x.shape[2]``,
+``c // 2``: the program's constants, :mod:`distconv.ops.sizes`), checks the model's own
+``torch._assert`` on them, and tells a capture that is not the module's forward from a shape
+that does not fit (:func:`check_capture`).
 """
 
 from __future__ import annotations
 
+import itertools
+import weakref
 from typing import Any, NoReturn, Sequence
 
 import torch
@@ -139,8 +145,7 @@ def propagate_shapes(gm: fx.GraphModule, shape: Sequence[int], *,
     filling ``node.meta['tensor_meta']`` as ``ShapeProp`` does (and ``['global_value']`` of
     every value that is not a tensor: sizes); a shape the model cannot take raises the
     ``ValueError`` of :func:`check_input_shape_error`, a false ``torch._assert`` of the model
-    one naming it. ``module``: the plain model ``gm`` was captured from, on the meta device;
-    where its own forward on this shape disagrees with the graph's (the graph fails where the
+    one naming it. ``module``: the plain model ``gm`` was captured from; where its own forward on this shape disagrees with the graph's (the graph fails where the
     module runs, or gives other output shapes, or skips a module with parameters that the
     module calls) the capture is not the module's, and :func:`check_capture` refuses it."""
     prop = _ShapeRecorder(gm)
@@ -159,8 +164,13 @@ def propagate_shapes(gm: fx.GraphModule, shape: Sequence[int], *,
     finally:
         for m, mode in training.items():
             m.training = mode
-    if module is not None:
-        check_capture(gm, module, shape, out=out)
+    if module is not None and module not in _FAITHFUL:  # what fx captured does not depend on
+        check_capture(gm, module, shape, out=out)     # the shape: once a module is enough
+        _FAITHFUL.add(module)
+
+
+#: the modules :func:`check_capture` found their captured graph faithful to
+_FAITHFUL: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
 
 def check_capture(gm: fx.GraphModule, module: nn.Module, shape: Sequence[int], *,
@@ -178,8 +188,13 @@ def check_capture(gm: fx.GraphModule, module: nn.Module, shape: Sequence[int], *
     dtype = next((p.dtype for p in module.parameters() if p.is_floating_point()), None)
     training = {m: m.training for m in module.modules()}
     module.eval()  # as the graph ran (a batch norm's count cannot be read on meta in training)
+    # on meta stand-ins of its parameters and buffers: no copy of the model, no arithmetic
+    state = {k: torch.empty_like(v, device="meta") for k, v in itertools.chain(
+        module.named_parameters(remove_duplicate=False), module.named_buffers(
+            remove_duplicate=False))}
     try:
-        own = module(torch.empty(tuple(shape), dtype=dtype, device="meta"))
+        own = torch.func.functional_call(
+            module, state, (torch.empty(tuple(shape), dtype=dtype, device="meta"),))
     except Exception:  # noqa: BLE001 - the module itself cannot take this shape: the input's
         return
     finally:

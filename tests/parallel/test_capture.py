@@ -14,6 +14,7 @@ from torch import nn
 
 from distconv import ops
 from distconv.parallel import parallelize
+from distconv.parallel.explain import explain
 from distconv.parallel.graph import UntraceableModelError
 from distconv.testing import run_threads
 from tests.parallel.cases import TOL, max_errors, reference_step, seeded, train_step
@@ -257,6 +258,9 @@ def test_an_unfaithful_capture_is_refused_naming_the_model_not_the_input() -> No
     assert "fails at node 'convs'" in failed, failed
     for message in (skipped, failed):
         assert "input_shape" not in message and "does not fit" not in message, message
+    for make in (TensorBranch, DroppedCat):  # explain, as parallelize
+        with pytest.raises(UntraceableModelError, match=f"captured of {make.__name__} is not"):
+            explain(make(), SAMPLE, (4, 2, 4, 4), world_size=2)
 
 
 def test_torch_jit_isinstance_of_a_traced_value_is_refused_where_it_is() -> None:
