@@ -1,6 +1,7 @@
 """Values of the global shape: ``x.shape``, ``x.size()``, ``x.size(i)``, ``x.dim()``, ``x.ndim``,
-``x.numel()``, ``len(x)``, Python arithmetic, comparisons and indexing on them (``c // groups``, ``h * 2``,
-``b, c, h, w = x.size()``, ``x.shape[2:]``), and ``torch._assert`` on them.
+``x.numel()``, ``len(x)``, Python arithmetic, comparisons and indexing on them
+(``c // groups``, ``h * 2``, ``b, c, h, w = x.size()``, ``x.shape[2:]``), and ``torch._assert``
+on them.
 
 Each rank holds a block of every tensor, so a size read from the block would be the block's (the
 rows of a spatially split map, the samples of a sample block), and code that sizes an op by it

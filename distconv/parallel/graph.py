@@ -1,6 +1,9 @@
 """From a model and a config to a placement for every value: the pure half of ``parallelize``.
 
-The model is traced with ``torch.fx``; every node gets a kind (what runs there), the
+The model is traced with ``torch.fx`` (:func:`trace`: a construct fx would capture wrongly, such
+as ``torch.jit.isinstance`` of a traced value, is refused where it is, and at each global input
+shape the module's own forward on the meta device is compared with the graph's:
+:func:`distconv.parallel.shapes.check_capture`); every node gets a kind (what runs there), the
 :class:`~distconv.parallel.placement.Placement` of its value, and the placement each of its inputs
 must be converted to. Placements do not depend on the input shape, so parameters can be sharded
 at construction; shapes enter only when a step is planned (cached per global input shape).

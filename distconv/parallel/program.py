@@ -15,15 +15,18 @@ straight-line code (the technique of ``torch.fx``'s own code generation)::
         return exit(v_fc)
 
 Every constant the code uses is bound in its namespace (``L*`` layers, ``S*`` shapes, ``P*``
-placements, ``K*`` other arguments), never printed into it; each value is deleted after the
-statement that reads it last. Modules that run as traced are looked up from the model root at
-each call (``R._modules[...]``), so a module the user swaps between steps is the one that runs,
-as in eager PyTorch; a distributed layer swapped after ``parallelize`` is refused, naming it (the
-eager forward checks them all before its program runs). Activation-checkpointed segments run
-through the model's segment runner. The program that ``torch.compile`` traces is written apart:
-there each layer call and conversion is wrapped as ``E(L0, x, S0)``, run eagerly as a graph
-break (collectives cannot be traced), and each layer is checked where it is called; eager
-execution needs neither.
+placements, ``Z*`` sizes, ``K*`` other arguments), never printed into it. Sizes the model reads
+(``h, w = skip.shape[2:]``, ``c // groups``, :mod:`distconv.ops.sizes`) are the global tensor's,
+from the shape propagation, the same on every rank; nothing computes them per step, and a view
+or reshape that keeps the samples in dim 0 is given this rank's block of the global output shape.
+Each value is deleted after the statement that reads it last. Modules that run as traced are looked
+up from the model root at each call (``R._modules[...]``), so a module the user swaps between steps
+is the one that runs, as in eager PyTorch; a distributed layer swapped after ``parallelize`` is
+refused, naming it (the eager forward checks them all before its program runs).
+Activation-checkpointed segments run through the model's segment runner. The program that
+``torch.compile`` traces is written apart: there each layer call and conversion is wrapped as
+``E(L0, x, S0)``, run eagerly as a graph break (collectives cannot be traced), and each layer is
+checked where it is called; eager execution needs neither.
 """
 
 from __future__ import annotations

@@ -144,10 +144,11 @@ def propagate_shapes(gm: fx.GraphModule, shape: Sequence[int], *,
     """Shape propagation of a meta ``shape`` input through ``gm`` (a copy on the meta device),
     filling ``node.meta['tensor_meta']`` as ``ShapeProp`` does (and ``['global_value']`` of
     every value that is not a tensor: sizes); a shape the model cannot take raises the
-    ``ValueError`` of :func:`check_input_shape_error`, a false ``torch._assert`` of the model
-    one naming it. ``module``: the plain model ``gm`` was captured from; where its own forward on this shape disagrees with the graph's (the graph fails where the
-    module runs, or gives other output shapes, or skips a module with parameters that the
-    module calls) the capture is not the module's, and :func:`check_capture` refuses it."""
+    ``ValueError`` of :func:`check_input_shape_error`, a false ``torch._assert`` of the model one
+    naming it. ``module``: the plain model ``gm`` was captured from; where its own forward on this
+    shape disagrees with the graph's (the graph fails where the module runs, or gives other output
+    shapes, or skips a module with parameters that the module calls) the capture is not the
+    module's, and :func:`check_capture` refuses it."""
     prop = _ShapeRecorder(gm)
     # in eval mode: a batch norm with momentum=None reads its batch count (.item(), which meta
     # tensors cannot give) in training, and no layer's shapes depend on the mode
