@@ -317,7 +317,7 @@ def _explain(model: nn.Module, cfg: ParallelConfig, shape: tuple[int, ...],
                                       st.peers, st.layout, st.dims) for st in recomputed]
             note = f"checkpointed (segment {step.segment}): recomputed in backward"
             report.note = f"{report.note}; {note}" if report.note else note
-        if report.steps or report.kind not in ("meta", "constant", "pointwise", "reshape"):
+        if report.steps or report.kind not in ("meta", "size", "constant", "pointwise", "reshape"):
             layers.append(report)
     running = _coalesced_running(layers)
     if running is not None:

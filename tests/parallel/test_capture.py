@@ -26,8 +26,8 @@ SPLITS = pytest.mark.parametrize("config", [SAMPLE, SPATIAL], ids=["sample", "sp
 
 class Decoder(nn.Module):
     """segmentation-models-pytorch's decoder step: the coarse map interpolated to the skip's
-    size read from the skip (``h, w = skip.shape[2:]``), then concatenated with it; timm's
-    ``torch._assert(x.ndim == 4)`` in front."""
+    size read from the skip (``h, w = skip.shape[2:]``, or ``size=skip.shape[2:]``), then
+    concatenated with it; timm's ``torch._assert(x.ndim == 4)`` in front."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -41,7 +41,8 @@ class Decoder(nn.Module):
         skip = self.enc(x)
         y = self.mid(self.down(skip))
         h, w = skip.shape[2:]
-        y = F.interpolate(y, size=(h, w), mode="nearest")
+        y = F.interpolate(y, size=(h, w), mode="nearest") + F.interpolate(
+            y, size=skip.shape[2:], mode="bilinear", align_corners=False)
         return self.dec(torch.cat([y, skip], 1)).mean((2, 3))
 
 
