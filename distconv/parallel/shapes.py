@@ -187,22 +187,19 @@ def check_capture(gm: fx.GraphModule, module: nn.Module, shape: Sequence[int], *
     called: list[nn.Module] = []
     hooks = [m.register_forward_pre_hook(lambda m, _: called.append(m)) for m in module.modules()]
     dtype = next((p.dtype for p in module.parameters() if p.is_floating_point()), None)
-    training = {m: m.training for m in module.modules()}
-    module.eval()  # as the graph ran (a batch norm's count cannot be read on meta in training)
-    # on meta stand-ins of its parameters and buffers: no copy of the model, no arithmetic
+    # in its own mode (the one fx captured: a branch on self.training is the graph's), on meta
+    # stand-ins of its parameters and buffers (no copy of the model, no arithmetic), one name
+    # each (functional_call ties a tensor's other names to it)
     state = {k: torch.empty_like(v, device="meta") for k, v in itertools.chain(
-        module.named_parameters(remove_duplicate=False), module.named_buffers(
-            remove_duplicate=False))}
+        module.named_parameters(), module.named_buffers())}
     try:
         own = torch.func.functional_call(
             module, state, (torch.empty(tuple(shape), dtype=dtype, device="meta"),))
-    except Exception:  # noqa: BLE001 - the module itself cannot take this shape: the input's
-        return
+    except Exception:  # noqa: BLE001 - the module itself cannot run on this shape (or not on
+        return  # meta): nothing tells the capture wrong
     finally:
         for h in hooks:
             h.remove()
-        for m, mode in training.items():
-            m.training = mode
     name = type(module).__name__
     what = ("Python that torch.fx cannot follow (isinstance(x, torch.Tensor) on a traced value, "
             "a branch taken on something fx stands in for) decided the captured graph; rewrite "

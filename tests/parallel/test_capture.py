@@ -264,6 +264,38 @@ def test_an_unfaithful_capture_is_refused_naming_the_model_not_the_input() -> No
             explain(make(), SAMPLE, (4, 2, 4, 4), world_size=2)
 
 
+class Faithful(nn.Module):
+    """What the capture check must not refuse: a module under two paths (MONAI's DynUNet), a
+    branch on ``self.training`` (fx captures the mode it is in: here training, with the
+    auxiliary head the eval forward skips)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = nn.Conv2d(2, 4, 1)
+        self.skips = nn.ModuleList([self.enc])
+        self.head = nn.Conv2d(4, 3, 1)
+        self.aux = nn.Conv2d(4, 3, 1)
+
+    def forward(self, x: torch.Tensor):  # noqa: ANN201
+        y = self.skips[0](x)
+        if self.training:
+            return self.head(y).mean((2, 3)), self.aux(y).mean((2, 3))
+        return self.head(y).mean((2, 3))
+
+
+def test_the_capture_check_passes_aliases_and_the_training_mode() -> None:
+    model, x, _ = _case(Faithful, (4, 2, 4, 4))
+
+    def rank(comm):  # noqa: ANN001, ANN202
+        pmodel = parallelize(copy.deepcopy(model), SAMPLE, comm=comm)
+        return comm.rank, pmodel(x[2 * comm.rank:2 * comm.rank + 2])
+
+    want = model(x)
+    for r, got in run_threads(rank, 2):
+        for g, w in zip(got, want):
+            assert (g - w[2 * r:2 * r + 2]).abs().max() < TOL
+
+
 def test_torch_jit_isinstance_of_a_traced_value_is_refused_where_it_is() -> None:
     with pytest.raises(UntraceableModelError, match=r"JitIsinstance calls torch.jit.isinstance "
                                                     r"on a traced value \(stem\) in module "
