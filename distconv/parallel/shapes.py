@@ -11,7 +11,7 @@ that does not fit (:func:`check_capture`).
 
 from __future__ import annotations
 
-import itertools
+import copy
 import weakref
 from typing import Any, NoReturn, Sequence
 
@@ -184,22 +184,15 @@ def check_capture(gm: fx.GraphModule, module: nn.Module, shape: Sequence[int], *
     calls. Python that ``torch.fx`` cannot follow decided the capture then, not the input."""
     from distconv.parallel.graph import UntraceableModelError
 
-    called: list[nn.Module] = []
-    hooks = [m.register_forward_pre_hook(lambda m, _: called.append(m)) for m in module.modules()]
+    module = _meta_twin(module)  # in its own mode: the one fx captured (a branch on
+    called: list[nn.Module] = []  # self.training is the graph's)
+    for m in module.modules():
+        m.register_forward_pre_hook(lambda m, _: called.append(m))
     dtype = next((p.dtype for p in module.parameters() if p.is_floating_point()), None)
-    # in its own mode (the one fx captured: a branch on self.training is the graph's), on meta
-    # stand-ins of its parameters and buffers (no copy of the model, no arithmetic), one name
-    # each (functional_call ties a tensor's other names to it)
-    state = {k: torch.empty_like(v, device="meta") for k, v in itertools.chain(
-        module.named_parameters(), module.named_buffers())}
     try:
-        own = torch.func.functional_call(
-            module, state, (torch.empty(tuple(shape), dtype=dtype, device="meta"),))
+        own = module(torch.empty(tuple(shape), dtype=dtype, device="meta"))
     except Exception:  # noqa: BLE001 - the module itself cannot run on this shape (or not on
         return  # meta): nothing tells the capture wrong
-    finally:
-        for h in hooks:
-            h.remove()
     name = type(module).__name__
     what = ("Python that torch.fx cannot follow (isinstance(x, torch.Tensor) on a traced value, "
             "a branch taken on something fx stands in for) decided the captured graph; rewrite "
@@ -236,6 +229,17 @@ def check_capture(gm: fx.GraphModule, module: nn.Module, shape: Sequence[int], *
             f"parallelize: the graph torch.fx captured of {name} is not its forward: {name} "
             f"calls {missed} on an input of shape {tuple(shape)}, its captured graph never "
             f"does. {what}")
+
+
+def _meta_twin(module: nn.Module) -> nn.Module:
+    """A copy of ``module`` whose parameters and buffers are meta tensors of theirs (no data
+    copied; a tensor under several names is one tensor in the copy too)."""
+    memo: dict[int, Any] = {}
+    for p in module.parameters():
+        memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), p.requires_grad)
+    for b in module.buffers():
+        memo[id(b)] = torch.empty_like(b, device="meta")
+    return copy.deepcopy(module, memo)
 
 
 def _shapes_of(value: Any) -> list[tuple[int, ...]]:

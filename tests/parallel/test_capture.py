@@ -290,6 +290,10 @@ def test_the_capture_check_passes_aliases_and_the_training_mode() -> None:
         pmodel = parallelize(copy.deepcopy(model), SAMPLE, comm=comm)
         return comm.rank, pmodel(x[2 * comm.rank:2 * comm.rank + 2])
 
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    explain(model, SAMPLE, (4, 2, 4, 4), world_size=2)  # checks the capture on the model itself
+    after = model.state_dict(keep_vars=True)
+    assert all(torch.equal(before[k], v) and v.device.type == "cpu" for k, v in after.items())
     want = model(x)
     for r, got in run_threads(rank, 2):
         for g, w in zip(got, want):
