@@ -1,11 +1,9 @@
 """From a model and a config to a placement for every value: the pure half of ``parallelize``.
 
-The model is traced with ``torch.fx`` (:func:`trace`: a construct fx would capture wrongly, such
-as ``torch.jit.isinstance`` of a traced value, is refused where it is, and at each global input
-shape the module's own forward on the meta device is compared with the graph's:
-:func:`distconv.parallel.shapes.check_capture`); every node gets a kind (what runs there), the
-:class:`~distconv.parallel.placement.Placement` of its value, and the placement each of its inputs
-must be converted to. Placements do not depend on the input shape, so parameters can be sharded
+The model is traced with ``torch.fx`` (:mod:`distconv.parallel.capture`: a graph that is the
+module's forward, or a refusal naming what keeps it from being so); every node gets a kind (what
+runs there), the :class:`~distconv.parallel.placement.Placement` of its value, and the placement
+each of its inputs must be converted to. Placements do not depend on the input shape, so parameters can be sharded
 at construction; shapes enter only when a step is planned (cached per global input shape).
 
 This is the one walk over the traced graph: the input, output and constants are placed here;
@@ -20,13 +18,8 @@ builds the analysis, ``explain`` prices it, and a node no handler runs is refuse
 
 from __future__ import annotations
 
-import builtins
-import contextlib
-import os
-import sys
-import threading
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -34,10 +27,12 @@ from torch import nn
 
 from distconv import ops
 from distconv.distribution import Dist
+from distconv.parallel.capture import UntraceableModelError, trace
 from distconv.parallel.config import ParallelConfig
 from distconv.parallel.placement import Layout, Placement, layout_str
 
-__all__ = ["Analysis", "LayerSpec", "Step", "analyse", "operand_need", "trace"]
+__all__ = ["Analysis", "LayerSpec", "Step", "UntraceableModelError", "analyse", "operand_need",
+           "trace"]
 
 
 @dataclass(frozen=True)
@@ -104,121 +99,6 @@ def check_shapes(analysis: Analysis, modules: dict[str, nn.Module],
             raise ValueError(f"parallelize: node {node.name!r} ({node.op} {_target(node)}) on "
                              f"{dict(step.layer.layout)}, input of global shape "
                              f"{tuple(shapes[first.name])}: {why}")
-
-
-# torch.fx patches module-level functions while it traces: thread ranks must take turns.
-_TRACE_LOCK = threading.Lock()
-
-
-class UntraceableModelError(TypeError):
-    """The model contains a construct ``torch.fx`` cannot capture faithfully."""
-
-
-def trace(model: nn.Module) -> fx.GraphModule:
-    """``torch.fx.symbolic_trace`` with an error that names the construct fx stopped at, or the
-    construct that would have made the captured graph compute something else than the module
-    (``torch.jit.isinstance`` of a traced value, which fx answers for its proxy: False)."""
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
-    tracer = _Tracer()
-    try:
-        with _TRACE_LOCK, _capture_patches(tracer, type(model).__name__):
-            graph = tracer.trace(model)
-    except UntraceableModelError:
-        raise
-    except Exception as exc:  # fx raises TraceError, TypeError, ... with the construct's text
-        raise UntraceableModelError(
-            f"parallelize: torch.fx cannot trace {type(model).__name__}{_where(exc, model)}: "
-            f"{exc}. Python that "
-            "branches on a tensor's values or sizes, or takes len() of a tensor, cannot be "
-            "captured (sizes: x.shape[i] and x.size(i) are captured, and arithmetic on them; "
-            "an if on them is not); rewrite it, or convert layer by layer with "
-            "DistConv2d.from_conv2d and Redistribute"
-        ) from exc
-    gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
-    _order_like(gm, model)  # fx registers modules in call order; users expect theirs
-    return gm
-
-
-def _where(exc: BaseException, model: nn.Module) -> str:
-    """`` at file:line in module 'path'``: the model's own line the trace failed at (the last
-    frame outside torch), and the module whose code it is."""
-    root = os.path.dirname(torch.__file__)
-    frame = None
-    tb = exc.__traceback__
-    while tb is not None:
-        if not tb.tb_frame.f_code.co_filename.startswith(root):
-            frame = tb.tb_frame
-        tb = tb.tb_next
-    if frame is None or frame.f_code.co_filename == __file__:
-        return ""
-    this = frame.f_locals.get("self")
-    path = next((p for p, m in model.named_modules() if m is this), None)
-    module = f" in module {path or '(the root)'!r}" if path is not None else ""
-    return f" at {frame.f_code.co_filename}:{frame.f_lineno}{module}"
-
-
-class _Tracer(fx.Tracer):
-    """fx's tracer, except that a module without state made inside a forward (a pooling layer
-    built per call, as MONAI's ResNet shortcut does) is traced through as the functions it
-    calls: fx would refuse it, as it is installed under no path."""
-
-    def call_module(self, m: nn.Module, forward: Any, args: Any, kwargs: Any) -> Any:
-        try:
-            self.path_of_module(m)
-        except NameError:
-            if next(iter(m.parameters()), None) is None and next(iter(m.buffers()), None) is None:
-                return forward(*args, **kwargs)
-            raise
-        return super().call_module(m, forward, args, kwargs)
-
-
-@contextlib.contextmanager
-def _capture_patches(tracer: fx.Tracer, model: str) -> Iterator[None]:
-    """While ``tracer`` traces: ``len`` of a traced value is recorded as a node (a size of the
-    global shape, :mod:`distconv.ops.sizes`; fx refuses it, as ``__len__`` must return an int),
-    and ``torch.jit.isinstance`` of a traced value raises :class:`UntraceableModelError` naming
-    where (fx would answer False for its proxy, and the graph would take a branch the module
-    does not: MONAI's ``UpCat`` drops its skip ``cat``). Both are process-wide: the parallel
-    model's ranks trace between barriers."""
-    real_isinstance, real_len = torch.jit.isinstance, builtins.len
-
-    def jit_isinstance(obj: Any, target_type: Any) -> bool:
-        if isinstance(obj, fx.Proxy):
-            caller = sys._getframe(1)
-            where = list(tracer.module_stack)[-1] if tracer.module_stack else ""
-            raise UntraceableModelError(
-                f"parallelize: {model} calls torch.jit.isinstance on a traced value "
-                f"({obj.node.name}) in module {where or '(the root)'!r} at "
-                f"{caller.f_code.co_filename}:{caller.f_lineno}: torch.fx answers it for its "
-                "proxy, not the tensor, so the captured graph would not be the module's. "
-                "Rewrite the check (e.g. 'x is not None'), or convert layer by layer with "
-                "DistConv2d.from_conv2d and Redistribute")
-        return real_isinstance(obj, target_type)
-
-    def length(obj: Any) -> Any:
-        if isinstance(obj, fx.Proxy):
-            return obj.tracer.create_proxy("call_function", real_len, (obj,), {})
-        return real_len(obj)
-
-    torch.jit.isinstance, builtins.len = jit_isinstance, length
-    try:
-        yield
-    finally:
-        torch.jit.isinstance, builtins.len = real_isinstance, real_len
-
-
-def _order_like(module: nn.Module, original: nn.Module) -> None:
-    """Register ``module``'s submodules in the order ``original`` defines them (recursively), so
-    that ``parameters()`` and ``state_dict()`` list the shards in the single-process model's
-    order: optimizers and their state dicts address parameters by position."""
-    rank = {name: i for i, name in enumerate(original._modules)}
-    names = sorted(module._modules, key=lambda n: rank.get(n, len(rank)))
-    module._modules = {n: module._modules[n] for n in names}
-    for n in names:
-        child, twin = module._modules[n], original._modules.get(n)
-        if child is not None and twin is not None and child is not twin and child._modules:
-            _order_like(child, twin)
 
 
 def sample_dist(ndim: int) -> Dist:

@@ -6,12 +6,11 @@ the model's first layer expects (its number of dims and channels or features), w
 The propagation also gives every value of the global shape that is not a tensor (``x.shape[2]``,
 ``c // 2``: the program's constants, :mod:`distconv.ops.sizes`), checks the model's own
 ``torch._assert`` on them, and tells a capture that is not the module's forward from a shape
-that does not fit (:func:`check_capture`).
+that does not fit (:func:`distconv.parallel.capture.check_capture`).
 """
 
 from __future__ import annotations
 
-import copy
 import weakref
 from typing import Any, NoReturn, Sequence
 
@@ -20,6 +19,8 @@ import torch.fx as fx
 from torch import nn
 from torch.fx.node import map_aggregate
 from torch.fx.passes.shape_prop import _extract_tensor_metadata
+
+from distconv.parallel.capture import check_capture
 
 __all__ = ["check_input_shape", "check_input_shape_error", "first_layer", "global_values",
            "propagate_shapes"]
@@ -148,7 +149,7 @@ def propagate_shapes(gm: fx.GraphModule, shape: Sequence[int], *,
     naming it. ``module``: the plain model ``gm`` was captured from; where its own forward on this
     shape disagrees with the graph's (the graph fails where the module runs, or gives other output
     shapes, or skips a module with parameters that the module calls) the capture is not the
-    module's, and :func:`check_capture` refuses it."""
+    module's, and :func:`~distconv.parallel.capture.check_capture` refuses it."""
     prop = _ShapeRecorder(gm)
     # in eval mode: a batch norm with momentum=None reads its batch count (.item(), which meta
     # tensors cannot give) in training, and no layer's shapes depend on the mode
@@ -172,87 +173,6 @@ def propagate_shapes(gm: fx.GraphModule, shape: Sequence[int], *,
 
 #: the modules :func:`check_capture` found their captured graph faithful to
 _FAITHFUL: weakref.WeakSet[nn.Module] = weakref.WeakSet()
-
-
-def check_capture(gm: fx.GraphModule, module: nn.Module, shape: Sequence[int], *,
-                  out: Any = None, failed: tuple[fx.Node | None, BaseException] | None = None
-                  ) -> None:
-    """Raise :class:`~distconv.parallel.graph.UntraceableModelError` where the captured graph
-    ``gm`` is not ``module``'s forward on a meta input of ``shape``: the graph failed (``failed``:
-    its node and exception) where the module runs, or its output shapes (``out``: its output)
-    differ from the module's, or the module calls a module with parameters the graph never
-    calls. Python that ``torch.fx`` cannot follow decided the capture then, not the input."""
-    from distconv.parallel.graph import UntraceableModelError
-
-    module = _meta_twin(module)  # in its own mode: the one fx captured (a branch on
-    called: list[nn.Module] = []  # self.training is the graph's)
-    for m in module.modules():
-        m.register_forward_pre_hook(lambda m, _: called.append(m))
-    dtype = next((p.dtype for p in module.parameters() if p.is_floating_point()), None)
-    try:
-        own = module(torch.empty(tuple(shape), dtype=dtype, device="meta"))
-    except Exception:  # noqa: BLE001 - the module itself cannot run on this shape (or not on
-        return  # meta): nothing tells the capture wrong
-    name = type(module).__name__
-    what = ("Python that torch.fx cannot follow (isinstance(x, torch.Tensor) on a traced value, "
-            "a branch taken on something fx stands in for) decided the captured graph; rewrite "
-            "it, or convert layer by layer with DistConv2d.from_conv2d and Redistribute")
-    if failed is not None:
-        node, exc = failed
-        at = f" at node {node.name!r} ({node.format_node()})" if node is not None else ""
-        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise UntraceableModelError(
-            f"parallelize: the graph torch.fx captured of {name} is not its forward: {name} "
-            f"runs on an input of shape {tuple(shape)}, its captured graph fails{at}: {reason}. "
-            f"{what}") from None
-    mine, theirs = _shapes_of(out), _shapes_of(own)
-    if mine != theirs:
-        raise UntraceableModelError(
-            f"parallelize: the graph torch.fx captured of {name} is not its forward: on an "
-            f"input of shape {tuple(shape)} it returns shapes {mine}, {name} returns {theirs}. "
-            f"{what}")
-    paths: dict[int, list[str]] = {}
-    for path, m in module.named_modules(remove_duplicate=False):
-        paths.setdefault(id(m), []).append(path)
-    leaves = tuple(str(n.target) + "." for n in gm.graph.nodes if n.op == "call_module")
-    seen = {str(n.target) for n in gm.graph.nodes if n.op in ("call_module", "get_attr")}
-    seen |= {p for n in gm.graph.nodes for p, _ in (n.meta.get("nn_module_stack") or {}).values()}
-    seen = {prefix for p in seen for prefix in _prefixes(p)}
-
-    def captured(m: nn.Module) -> bool:  # a module of the graph's, or inside one it calls
-        return any(p in seen or (p + ".").startswith(leaves) for p in paths[id(m)])
-
-    missed = sorted({paths[id(m)][0] for m in called
-                     if any(True for _ in m.parameters(recurse=False)) and not captured(m)})
-    if missed:
-        raise UntraceableModelError(
-            f"parallelize: the graph torch.fx captured of {name} is not its forward: {name} "
-            f"calls {missed} on an input of shape {tuple(shape)}, its captured graph never "
-            f"does. {what}")
-
-
-def _meta_twin(module: nn.Module) -> nn.Module:
-    """A copy of ``module`` whose parameters and buffers are meta tensors of theirs (no data
-    copied; a tensor under several names is one tensor in the copy too)."""
-    memo: dict[int, Any] = {}
-    for p in module.parameters():
-        memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), p.requires_grad)
-    for b in module.buffers():
-        memo[id(b)] = torch.empty_like(b, device="meta")
-    return copy.deepcopy(module, memo)
-
-
-def _shapes_of(value: Any) -> list[tuple[int, ...]]:
-    found: list[tuple[int, ...]] = []
-    map_aggregate(value, lambda v: found.append(tuple(v.shape)) if isinstance(
-        v, torch.Tensor) else None)
-    return found
-
-
-def _prefixes(path: str) -> list[str]:
-    """``a.b.c`` -> ``a``, ``a.b``, ``a.b.c`` (a parameter's path names its modules)."""
-    parts = path.split(".")
-    return [".".join(parts[:i]) for i in range(1, len(parts) + 1)]
 
 
 def global_values(gm: fx.GraphModule) -> dict[str, Any]:
