@@ -35,9 +35,8 @@ __all__ = ["SizeHandler", "is_size"]
 #: tensor methods and attributes whose value is (a function of) the shape
 SIZE_METHODS = frozenset({"size", "dim", "numel", "nelement", "ndimension"})
 SIZE_ATTRS = frozenset({"shape", "ndim"})
-#: tensor attributes every block shares, read on the local block
-SHARED_ATTRS = frozenset({"dtype", "device", "layout", "is_cuda", "is_meta", "is_sparse",
-                          "is_quantized", "is_complex", "requires_grad"})
+#: tensor attributes that are tensors (views of the tensor: ops, not metadata)
+TENSOR_ATTRS = frozenset({"T", "mT", "H", "mH", "data", "real", "imag", "grad"})
 #: tensor methods that read the tensor's values into Python (different on every rank)
 VALUE_METHODS = frozenset({"item", "tolist", "numpy", "__bool__", "__int__", "__float__",
                            "__index__"})
@@ -67,7 +66,8 @@ def is_size(node: Any) -> bool:
 class SizeHandler(Handler):
     """Shape reads and what is computed from them: constants of the global shape, bound in the
     program (step kind ``size``; nothing runs per step). ``getattr`` of other attributes is
-    metadata every block shares (kind ``meta``, read locally) or refused."""
+    metadata every block shares (kind ``meta``, read locally), except tensor-valued ones, which
+    are ops (another handler's, or refused by name)."""
 
     functions = frozenset({torch._assert, getattr})
     methods = SIZE_METHODS
@@ -77,9 +77,9 @@ class SizeHandler(Handler):
             return True
         if node.op != "call_function":
             return is_size(node)
-        if node.target is torch._assert or node.target is getattr:
-            return True
-        return is_size(node)
+        if node.target is getattr:  # a tensor-valued attribute is an op (or refused as one)
+            return node.args[1] not in TENSOR_ATTRS
+        return node.target is torch._assert or is_size(node)
 
     def place(self, an: Any, node: fx.Node, module: nn.Module | None) -> Any:
         from distconv.parallel.graph import Step
@@ -98,16 +98,7 @@ class SizeHandler(Handler):
             return Step(node, "size", None)
         if is_size(node):
             return Step(node, "size", None)
-        if node.target is getattr:
-            this, attr = node.args[0], node.args[1]
-            if an.out.get(this) is not None and attr not in SHARED_ATTRS:
-                an.fail(node, f"attribute .{attr} of a tensor is not supported by parallelize "
-                        f"(shapes: .shape, .ndim; shared metadata: "
-                        f"{', '.join(sorted(SHARED_ATTRS))})")
-            return Step(node, "meta", None)  # shared metadata, or an attribute of a non-tensor
-        an.fail(node, "a Python function of values that are not sizes is not supported by "
-                "parallelize")
-        raise AssertionError
+        return Step(node, "meta", None)  # shared metadata, or an attribute of a non-tensor
 
     def forms(self) -> list[str]:
         return ["torch._assert", "getattr", ".shape", ".ndim",

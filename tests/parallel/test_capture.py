@@ -156,6 +156,11 @@ class ValueAssert(Item):
         return y.mean((2, 3))
 
 
+class Data(Item):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv(x).data.mean((2, 3))  # a tensor-valued attribute: an op, not a size
+
+
 def test_values_read_into_python_are_refused_by_name() -> None:
     def rank(comm):  # noqa: ANN001, ANN202
         with pytest.raises(ops.Unsupported, match=r"node 'item' \(call_method item\): \.item\(\) "
@@ -164,6 +169,8 @@ def test_values_read_into_python_are_refused_by_name() -> None:
         with pytest.raises(ops.Unsupported, match=r"node '_assert'.*torch._assert on a "
                                                   "tensor's values"):
             parallelize(ValueAssert(), SAMPLE, comm=comm)
+        with pytest.raises(ops.Unsupported, match=r"node 'getattr_1' \(call_function getattr\)"):
+            parallelize(Data(), SAMPLE, comm=comm)
 
     run_threads(rank, 2)
 
