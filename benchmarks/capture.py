@@ -5,9 +5,11 @@ non-strict mode, which runs the model's real Python.
 
 For each model: milliseconds (best of ``--repeats``), the nodes each capture yields, how many of
 them are module calls (what the op handlers bind), or the first line of the refusal. MONAI
-models are measured where MONAI imports.
+models are measured where MONAI imports. ``--exact``: each model in fp64 on 2 thread ranks, split
+over samples and over rows (H), one forward and backward against one process: the largest
+difference of the outputs and of the gradients, or the refusal.
 
-    python benchmarks/capture.py [--repeats 3]
+    python benchmarks/capture.py [--repeats 3] [--exact]
 """
 
 from __future__ import annotations
@@ -89,15 +91,68 @@ def _export(model: torch.nn.Module, shape: tuple[int, ...], repeats: int) -> str
     return f"export {ms:.0f} ms, {len(nodes)} nodes ({calls} module calls)"
 
 
+SPLITS = {"sample N=2": {"default": {"grid": {"N": 2}, "algorithm": "sample"}},
+          "spatial H=2": {"default": {"grid": {"H": 2}, "algorithm": "spatial"},
+                          "data": {"H": 2}}}
+
+
+def _step(comm: Any, model: torch.nn.Module, config: dict, x: torch.Tensor) -> tuple:
+    """This rank's output rows and the gathered gradients of one step of the user's loop."""
+    from distconv.data import sample_block
+    from distconv.nn import shard_specs
+    from distconv.parallel import parallelize
+    from distconv.redistribute import gather
+
+    pmodel = parallelize(copy.deepcopy(model), config, comm=comm)
+    rows = sample_block(x.shape[0], pmodel.data_grid)
+    out = pmodel(x[rows])
+    out.square().mean().backward()
+    specs, grads = shard_specs(pmodel), {}
+    for k, p in pmodel.named_parameters():
+        s = specs[k]
+        grads[k] = p.grad if s.grid is None else gather(p.grad, s.dist, s.grid, s.global_shape)
+    return rows, out.detach(), grads
+
+
+def _exact(model: torch.nn.Module, shape: tuple[int, ...]) -> str:
+    from distconv.testing import run_threads
+
+    gen = torch.Generator().manual_seed(0)
+    model = model.double()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.rand(p.shape, generator=gen, dtype=p.dtype) - 0.5)
+    x = torch.randn((4,) + shape[1:], generator=gen, dtype=torch.float64)
+    ref = copy.deepcopy(model)
+    want = ref(x)
+    want.square().mean().backward()
+    found = []
+    for name, config in SPLITS.items():
+        try:
+            ranks = run_threads(_step, 2, model, config, x)
+        except Exception as exc:  # noqa: BLE001 - the refusal is the result
+            found.append(f"{name}: {_refusal(exc)}")
+            continue
+        out = max((o - want.detach()[r]).abs().max().item() for r, o, _ in ranks)
+        grad = max((g[k] - p.grad).abs().max().item() for _, _, g in ranks
+                   for k, p in ref.named_parameters())
+        found.append(f"{name}: outputs {out:.1e}, gradients {grad:.1e}")
+    return "; ".join(found)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3, help="timings are the best of these")
+    parser.add_argument("--exact", action="store_true",
+                        help="also train each model one step on 2 thread ranks against one process")
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
     for name, (make, shape) in _cases().items():
         model = make()
         print(f"{name} {shape}\n  fx:     {_fx(model, shape, args.repeats)}\n"
               f"  export: {_export(model, shape, args.repeats)}", flush=True)
+        if args.exact:
+            print(f"  exact:  {_exact(model, shape)}", flush=True)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ decided it.
 Why fx and a check, not ``torch.export`` (non-strict), which runs the real Python: export yields
 ATen operators with every module inlined (no module calls for the op handlers, the config's
 module paths or the parameter shards to bind; ``nn_module_stack`` names them only as metadata),
-specialises the graph to one input shape, and costs 10-30 times fx's trace per capture
+specialises the graph to one input shape, and costs 5-30 times fx's trace per capture
 (``benchmarks/capture.py``); the check costs one meta forward per model.
 """
 
