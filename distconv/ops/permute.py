@@ -59,7 +59,9 @@ def permuted(p: Placement, perm: Sequence[int]) -> Placement:
 class PermuteHandler(Handler):
     """Every form that moves dims, and ``contiguous`` (no dims moved): the output's Dist is the
     input's with its entries moved alike, its pending sums kept; nothing is communicated and the
-    traced call runs on each rank's block."""
+    traced call runs on each rank's block. The samples stay in dim 0 (where the model's exit and
+    the layers that treat samples apart -- statistics, dropout masks -- find them): a move of
+    dim 0 is refused by name."""
 
     functions = frozenset({torch.permute, torch.transpose, torch.swapaxes, torch.swapdims,
                            torch.movedim, torch.moveaxis, torch.t, torch.adjoint})
@@ -84,6 +86,11 @@ class PermuteHandler(Handler):
             an.fail(node, str(exc), TypeError)
         except (RuntimeError, IndexError) as exc:  # dims that do not fit the value
             an.fail(node, f"{exc} (the value has {p.ndim} dims)", ValueError)
+        if perm[0] != 0:
+            an.fail(node, f"it moves the samples (dim 0) to dim {perm.index(0)}; the parallel "
+                    "model's output rows are its samples and its layers find them in dim 0, so "
+                    "dims move only behind it (permute(0, 2, 3, 1), transpose(1, 2), x.mT on "
+                    "3 or more dims)")
         return Step(node, "reshape", permuted(p, perm), {arg: p})
 
     def samples(self) -> Sequence[Sample]:

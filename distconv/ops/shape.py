@@ -1,66 +1,217 @@
-"""Shape ops: ``flatten`` / ``view`` / ``reshape`` of the features act on local rows, so every
-dim but the samples is replicated first; ``size()`` / ``dim()`` and attribute reads carry no
-value to place."""
+"""Shape ops: ``flatten`` / ``unflatten`` / ``view`` / ``reshape`` keep the split of every dim
+they keep (the same size at the same offset: the samples, say, or the rows a channel shuffle
+does not touch); every dim they merge or split is made whole first (an allgather over the grid
+dims that split it, priced as the conversion it is), so each rank regroups whole dims of its
+own block. ``size()`` / ``dim()`` and attribute reads carry no value to place."""
 
 from __future__ import annotations
 
+import math
 import operator
 from typing import Any, Sequence
 
 import torch
+import torch.fx as fx
 from torch import nn
 
 from distconv.distribution import Dist
-from distconv.ops.base import SAMPLE_GRIDS, Handler, Sample
+from distconv.ops.base import SAMPLE_GRIDS, Handler, Sample, SampleNet
 from distconv.parallel.placement import Placement
 
-__all__ = ["FlattenHandler", "MetaHandler", "NewAxisHandler", "ReshapeHandler"]
+__all__ = ["FlattenHandler", "MetaHandler", "NewAxisHandler", "ReshapeHandler", "kept_dims"]
 
 
 def to_samples(an: Any, node: Any, arg: Any, out_ndim: int) -> Any:
     """Every dim but the samples replicated (flatten, view, reshape act on local rows)."""
-    from distconv.parallel.graph import Step
+    return regroup(an, node, arg, out_ndim, {0: 0})
 
+
+def regroup(an: Any, node: Any, arg: Any, out_ndim: int, kept: dict[int, int]) -> Any:
+    """The step of a shape op whose output dim ``k`` is input dim ``kept[k]`` (same size, same
+    offset): those keep their entries; every other dim is whole, in the input and the output."""
+    from distconv.parallel.graph import LayerSpec, Step
+
+    if kept.get(0) != 0:
+        an.fail(node, "it merges or splits the samples (dim 0); the parallel model's output "
+                "rows are its samples, so shape ops keep dim 0 as it is (write its size as "
+                "x.size(0) or x.shape[0])")
     p = an.placement(arg)
-    need = Placement(p.layout, Dist((p.dist.entries[0],) + (None,) * (p.ndim - 1)))
-    out = Placement(p.layout, Dist((p.dist.entries[0],) + (None,) * (out_ndim - 1)))
-    return Step(node, "reshape", out, {arg: need})
+    mine = set(kept.values())
+    need = Placement(p.layout, Dist(tuple(e if i in mine else None
+                                          for i, e in enumerate(p.dist.entries))))
+    out = Placement(p.layout, Dist(tuple(p.dist.entries[kept[k]] if k in kept else None
+                                         for k in range(out_ndim))))
+    return Step(node, "reshape", out, {arg: need},
+                LayerSpec("reshape", node.name, p.layout, input=need))
+
+
+def aligned(in_shape: Sequence[int], out_shape: Sequence[int]) -> dict[int, int]:
+    """Output dim -> input dim, for every output dim (of more than one element) that is an
+    input dim regrouped by nothing: the same size after the same number of elements."""
+    before_in = [math.prod(in_shape[:i]) for i in range(len(in_shape))]
+    out: dict[int, int] = {}
+    for k, n in enumerate(out_shape):
+        lead = math.prod(out_shape[:k])
+        for i, m in enumerate(in_shape):
+            if n > 1 and m == n and before_in[i] == lead:
+                out[k] = i
+    return out
+
+
+def _size_of(a: Any, x: fx.Node, ndim: int) -> int | None:
+    """The dim of ``x`` whose size ``a`` reads (``x.size(i)``, ``x.shape[i]``,
+    ``x.size()[i]``), or None."""
+    if not isinstance(a, fx.Node):
+        return None
+    if a.op == "call_method" and a.target == "size" and a.args[:1] == (x,):
+        dim = a.kwargs.get("dim", a.args[1] if len(a.args) > 1 else None)
+        return dim % ndim if isinstance(dim, int) else None
+    if a.op == "call_function" and a.target is operator.getitem and isinstance(a.args[1], int):
+        s = a.args[0]
+        if isinstance(s, fx.Node) and s.args[:1] == (x,) and (
+                (s.op == "call_method" and s.target == "size" and len(s.args) == 1)
+                or (s.op == "call_function" and s.target is getattr and s.args[1] == "shape")):
+            return a.args[1] % ndim
+    return None
+
+
+def _global_shape(node: Any) -> tuple[int, ...] | None:
+    """A node's global shape where its capture recorded it (``tensor_meta`` or ``val``)."""
+    meta = node.meta.get("tensor_meta") if isinstance(node, fx.Node) else None
+    meta = meta if meta is not None else (node.meta.get("val")
+                                          if isinstance(node, fx.Node) else None)
+    shape = getattr(meta, "shape", None)
+    return tuple(int(n) for n in shape) if shape is not None else None
+
+
+def target_sizes(node: fx.Node) -> list[Any]:
+    """The sizes a ``view``/``reshape`` node asks for (ints, -1 or graph values)."""
+    rest = list(node.args[1:]) or [node.kwargs.get("shape", node.kwargs.get("size", ()))]
+    if len(rest) == 1 and isinstance(rest[0], (tuple, list)):
+        return list(rest[0])
+    return rest
+
+
+def kept_dims(node: fx.Node, ndim: int) -> dict[int, int]:
+    """Output dim -> input dim of the dims a ``view``/``reshape`` keeps: from both global shapes
+    where the capture recorded them; else the sizes read from the input itself (``x.size(i)``,
+    ``x.shape[i]``, in order); else the samples (dim 0), which :meth:`ReshapeHandler.refuse`
+    checks against the global shapes before a step runs."""
+    x = node.args[0]
+    shapes = _global_shape(x), _global_shape(node)
+    if shapes[0] is not None and shapes[1] is not None:
+        return aligned(*shapes)
+    kept: dict[int, int] = {}
+    last = -1
+    sizes = target_sizes(node)
+    for k, a in enumerate(sizes):
+        i = _size_of(a, x, ndim)
+        if i is not None and i > last:
+            kept[k], last = i, i
+    if 0 not in kept and sizes and _size_of(sizes[0], x, ndim) is None:
+        kept[0] = 0  # the samples, as every model writes them: checked by refuse
+    return kept
 
 
 class FlattenHandler(Handler):
-    modules = (nn.Flatten,)
-    functions = frozenset({torch.flatten})
-    methods = frozenset({"flatten"})
+    """``flatten(start_dim, end_dim)`` (module or function) and ``unflatten(dim, sizes)``: the
+    other dims keep their entries, the merged (split) dim is whole."""
+
+    modules = (nn.Flatten, nn.Unflatten)
+    functions = frozenset({torch.flatten, torch.unflatten})
+    methods = frozenset({"flatten", "unflatten"})
 
     def place(self, an: Any, node: Any, module: Any) -> Any:
+        args = an.tensor_args(node)
+        ndim = an.placement(args[0]).ndim
+        if isinstance(module, nn.Unflatten) or (
+                module is None and "unflatten" in str(getattr(node.target, "__name__",
+                                                              node.target))):
+            if module is not None:
+                dim, sizes = module.dim, module.unflattened_size
+            else:
+                dim = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else None)
+                sizes = node.kwargs.get("sizes", node.args[2] if len(node.args) > 2 else None)
+            if not isinstance(dim, int) or not isinstance(sizes, (tuple, list)):
+                an.fail(node, f"unflatten needs an int dim and a tuple of sizes, got {dim!r}, "
+                        f"{sizes!r}", TypeError)
+            dim, extra = dim % ndim, len(sizes) - 1
+            kept = {(i if i < dim else i + extra): i for i in range(ndim) if i != dim}
+            return regroup(an, node, args[0], ndim + extra, kept)
         if module is not None:
             start, end = module.start_dim, module.end_dim
         else:
             start = node.kwargs.get("start_dim", node.args[1] if len(node.args) > 1 else 0)
             end = node.kwargs.get("end_dim", node.args[2] if len(node.args) > 2 else -1)
-        args = an.tensor_args(node)
-        ndim = an.placement(args[0]).ndim
         start, end = start % ndim, end % ndim
-        if start != 1 or end != ndim - 1:
-            an.fail(node, f"flatten(start_dim={start}, end_dim={end}) is not supported; only "
-                    "flattening every dim after the samples (start_dim=1) is")
-        return to_samples(an, node, args[0], 2)
+        if end < start:
+            an.fail(node, f"flatten(start_dim={start}, end_dim={end}): start_dim comes after "
+                    "end_dim", ValueError)
+        merged = end - start
+        kept = {(i if i < start else i - merged): i for i in range(ndim)
+                if not start <= i <= end or merged == 0}
+        return regroup(an, node, args[0], ndim - merged, kept)
 
     def samples(self) -> Sequence[Sample]:
-        return (Sample("flatten-head", lambda: _FlatNet(), (5, 4, 4, 4), SAMPLE_GRIDS),)
+        return (Sample("flatten-head", lambda: _FlatNet(), (5, 4, 4, 4), SAMPLE_GRIDS),
+                Sample("flatten-unflatten-rows", lambda: SampleNet(_Unflatten(), 4),
+                       (5, 4, 7, 6), SAMPLE_GRIDS))
 
 
 class ReshapeHandler(Handler):
+    """``view`` / ``reshape`` (any call form): the dims it keeps (:func:`kept_dims`) keep their
+    entries, the dims it regroups are whole; each rank regroups its block with the kept dims'
+    local sizes (a ``reshape``: a block need not be contiguous where the global value is)."""
+
     functions = frozenset({torch.reshape})
     methods = frozenset({"view", "reshape"})
+    runs_locally = True
 
     def place(self, an: Any, node: Any, module: Any) -> Any:
-        rest = node.args[1:]
-        ndim = len(rest[0]) if len(rest) == 1 and isinstance(rest[0], (tuple, list)) else len(rest)
-        return to_samples(an, node, node.args[0], ndim)
+        sizes = target_sizes(node)
+        if any(isinstance(s, torch.dtype) for s in sizes):
+            an.fail(node, "view(dtype) reinterprets the bytes; it is not supported", TypeError)
+        arg = node.args[0]
+        return regroup(an, node, arg, len(sizes), kept_dims(node, an.placement(arg).ndim))
+
+    def run(self, node: Any, args: Any, kwargs: Any, in_shape: tuple[int, ...]) -> Any:
+        """This rank's block: the requested sizes with every kept dim's own local size."""
+        x = args[0]
+        sizes = list(args[1:]) or [kwargs.get("shape", kwargs.get("size", ()))]
+        if len(sizes) == 1 and isinstance(sizes[0], (tuple, list)):
+            sizes = list(sizes[0])
+        for k, i in kept_dims(node, len(in_shape)).items():
+            sizes[k] = x.shape[i]
+        return x.reshape(sizes)
+
+    def refuse(self, step: Any, module: Any, in_shape: tuple[int, ...]) -> str | None:
+        """Where the dims taken as kept are not (the sizes given do not keep them in place on
+        this input shape): say so, before any step runs."""
+        node = step.node
+        sizes = []
+        for a in target_sizes(node):
+            i = _size_of(a, node.args[0], len(in_shape))
+            if i is not None:
+                a = in_shape[i]
+            if not isinstance(a, int):
+                return None  # a size the graph computes: the capture folds it
+            sizes.append(a)
+        try:
+            out = torch.empty(in_shape, device="meta").reshape(sizes).shape
+        except RuntimeError as exc:
+            return f"{node.target} to {tuple(sizes)}: {exc}"
+        found = aligned(in_shape, tuple(out))
+        wrong = {k: i for k, i in kept_dims(node, len(in_shape)).items() if found.get(k) != i}
+        if wrong:
+            return (f"{node.target} to {tuple(out)} does not keep input dim(s) "
+                    f"{sorted(wrong.values())} in place as placed; write their sizes as "
+                    "x.size(i) / x.shape[i] of the input itself")
+        return None
 
     def samples(self) -> Sequence[Sample]:
-        return (Sample("view-head", lambda: _ViewNet(), (5, 4, 4, 4), SAMPLE_GRIDS),)
+        return (Sample("view-head", lambda: _ViewNet(), (5, 4, 4, 4), SAMPLE_GRIDS),
+                Sample("channel-shuffle", lambda: SampleNet(_ChannelShuffle(), 4), (5, 4, 7, 6),
+                       SAMPLE_GRIDS))
 
 
 class NewAxisHandler(Handler):
@@ -163,3 +314,27 @@ class _ViewNet(_FlatNet):
     def forward(self, x: Any) -> Any:
         y = self.stem(x)
         return self.head(y.view(y.size(0), -1))
+
+
+class _ChannelShuffle(nn.Module):
+    """ShuffleNet's channel shuffle of 4 channels in 2 groups, the kept sizes read from the
+    value itself."""
+
+    def forward(self, x: Any) -> Any:
+        x = x.view(x.size(0), 2, 2, x.size(2), x.size(3))
+        x = torch.transpose(x, 1, 2).contiguous()
+        return x.view(x.size(0), -1, x.size(3), x.size(4))
+
+
+class _Unflatten(nn.Module):
+    """Rows and columns merged and split again, then the columns split in two (the rows
+    kept)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.unflatten = nn.Unflatten(2, (7, 6))
+
+    def forward(self, x: Any) -> Any:
+        x = self.unflatten(torch.flatten(x, 2))
+        y = x.unflatten(3, (2, 3)).flatten(3, 4)
+        return x * y.reshape(y.shape[0], y.shape[1], y.shape[2], 6)
