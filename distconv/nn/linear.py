@@ -37,12 +37,13 @@ from distconv.redistribute import redistribute
 __all__ = ["DistLinear"]
 
 
-class DistLinear(nn.Linear):
+class DistLinear(nn.Module):
     """``nn.Linear`` over the last dim of an activation in ``input_dist`` whose last entry
     splits the in-features (module docstring); the output in ``input_dist`` too, its
     out-features blocked over the same grid dims. ``w[*,o_C]``, ``b[o_C]`` sharded, replicated
     over the other grid dims (their gradients completed there). Build it with
-    :meth:`from_module`.
+    :meth:`from_module`. Not an ``nn.Linear`` instance: code that handles every ``nn.Linear``
+    as whole (K-FAC's factors of its weight, say) must not take a shard for the layer.
 
     Raises:
         TypeError: ``grid`` or ``input_dist`` of the wrong type.
@@ -53,7 +54,7 @@ class DistLinear(nn.Linear):
     def __init__(self, in_features: int, out_features: int, bias: bool = True,
                  device: Any = None, dtype: torch.dtype | None = None, *,
                  grid: ProcessorGrid, input_dist: Dist) -> None:
-        nn.Module.__init__(self)  # the torch class's init would allocate the global weight
+        super().__init__()
         name = type(self).__name__
         self.grid = check_grid(name, grid)
         if not isinstance(input_dist, Dist):
