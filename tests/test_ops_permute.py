@@ -232,6 +232,43 @@ def test_binary_ops_between_channels_last_values_move_nothing(world: int, config
         assert got["counted"] == tuple(plan.rank_bytes(r).values())
 
 
+class _PendingPermuted(nn.Module):
+    """A row mean (a pending sum over the grid dims that split the rows) permuted
+    channels-last, then a Linear on its channels; and a layer scale reshaped from a parameter,
+    which is no activation to place."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 4, 3, padding=1)
+        self.fc = nn.Linear(4, 4)
+        self.gamma = nn.Parameter(torch.ones(4))
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.stem(x)
+        m = x.mean(2, keepdim=True).permute(0, 2, 3, 1)
+        return self.head(self.fc(m).mean((1, 2)) + x.mean((2, 3)).mul(self.gamma.reshape(1, -1)))
+
+
+def test_a_permuted_pending_sum_stays_pending_until_a_layer_needs_it() -> None:
+    model = _PendingPermuted().double()
+    config = {"default": {"grid": {"N": 2, "H": 2}, "algorithm": "spatial"},
+              "data": {"N": 2, "H": 2}}
+    got = _placements(model, config, 4)
+    assert got["mean"] == ("N", None, None, None, ("H",))
+    assert got["permute"] == ("N", None, None, None, ("H",))
+    assert got["fc"] == ("N", None, None, None, ())
+    assert "reshape" not in got  # the parameter's reshape: a model tensor, not placed
+    gen = torch.Generator().manual_seed(7)
+    model = seeded(model, gen)
+    x = torch.randn((5, 3, 6, 5), generator=gen, dtype=torch.float64)
+    y = torch.randint(0, 3, (5,), generator=gen)
+    ref = reference_step(model, x, y)
+    for got in run_threads(train_step, 4, model, config, x, y):
+        err = max_errors(ref, got)
+        assert max(err.values()) < TOL, err
+
+
 class _MovesSamples(nn.Module):
     def __init__(self) -> None:
         super().__init__()

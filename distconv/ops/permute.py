@@ -20,6 +20,7 @@ from torch import nn
 
 from distconv.distribution import Dist
 from distconv.ops.base import SAMPLE_GRIDS, Handler, Sample, SampleNet
+from distconv.ops.shape import model_tensor
 from distconv.parallel.placement import Placement
 
 __all__ = ["PermuteHandler", "moved_dims"]
@@ -78,7 +79,7 @@ class PermuteHandler(Handler):
 
         arg = node.args[0]
         if not isinstance(arg, fx.Node) or an.out.get(arg) is None:
-            return Step(node, "meta", None)  # dims of something that is not a placed value
+            return model_tensor(node)  # a parameter's or buffer's dims
         p = an.placement(arg)
         try:
             perm = moved_dims(node, p.ndim)

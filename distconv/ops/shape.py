@@ -18,12 +18,21 @@ from distconv.distribution import Dist
 from distconv.ops.base import SAMPLE_GRIDS, Handler, Sample, SampleNet
 from distconv.parallel.placement import Placement
 
-__all__ = ["FlattenHandler", "MetaHandler", "NewAxisHandler", "ReshapeHandler", "kept_dims"]
+__all__ = ["FlattenHandler", "MetaHandler", "NewAxisHandler", "ReshapeHandler", "kept_dims",
+           "model_tensor"]
 
 
 def to_samples(an: Any, node: Any, arg: Any, out_ndim: int) -> Any:
     """Every dim but the samples replicated (flatten, view, reshape act on local rows)."""
     return regroup(an, node, arg, out_ndim, {0: 0})
+
+
+def model_tensor(node: Any) -> Any:
+    """The step of a shape op on a model tensor (a parameter or buffer, as ``self.gamma.reshape(
+    1, -1, 1, 1)``): the same whole value on every rank, placed by the op that uses it."""
+    from distconv.parallel.graph import Step
+
+    return Step(node, "constant", None)
 
 
 def regroup(an: Any, node: Any, arg: Any, out_ndim: int, kept: dict[int, int]) -> Any:
@@ -123,6 +132,8 @@ class FlattenHandler(Handler):
 
     def place(self, an: Any, node: Any, module: Any) -> Any:
         args = an.tensor_args(node)
+        if not args:
+            return model_tensor(node)
         ndim = an.placement(args[0]).ndim
         if isinstance(module, nn.Unflatten) or (
                 module is None and "unflatten" in str(getattr(node.target, "__name__",
@@ -172,7 +183,12 @@ class ReshapeHandler(Handler):
         if any(isinstance(s, torch.dtype) for s in sizes):
             an.fail(node, "view(dtype) reinterprets the bytes; it is not supported", TypeError)
         arg = node.args[0]
+        if an.out.get(arg) is None:
+            return model_tensor(node)
         return regroup(an, node, arg, len(sizes), kept_dims(node, an.placement(arg).ndim))
+
+    def runs_as_traced(self, step: Any) -> bool:
+        return step.out is None  # a model tensor's reshape: whole, as written
 
     def run(self, node: Any, args: Any, kwargs: Any, in_shape: tuple[int, ...]) -> Any:
         """This rank's block: the requested sizes with every kept dim's own local size."""
