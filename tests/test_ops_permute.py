@@ -395,3 +395,56 @@ def test_convnext_on_gloo(gloo4) -> None:  # noqa: ANN001
     for r in gloo4.run(_convnext_run):
         assert r["out"] < TOL and r["grads"] < TOL, r
         assert r["counted"] == r["explained"], r
+
+
+
+def _dist_linear(comm: Any, whole: nn.Linear, x: torch.Tensor) -> dict[str, Any]:
+    """A DistLinear on ``x[o_N,*,o_C]`` of a {N: 2, C: 2} grid: its output, input gradient and
+    parameter gradients for a cotangent of ones, gathered whole."""
+    from distconv.distribution import Dist
+    from distconv.grid import ProcessorGrid
+    from distconv.nn import DistLinear
+    from distconv.redistribute import gather
+
+    grid = ProcessorGrid({"N": 2, "C": 2}, comm=comm)
+    dist = Dist(("N", None, "C"))
+    layer = DistLinear.from_module(whole, grid=grid, input_dist=dist)
+    mine = x[dist.local_slices(tuple(x.shape), grid)].clone().requires_grad_()
+    out = layer(mine, tuple(x.shape))
+    out.backward(torch.ones_like(out))
+    layer.finish_grad_sync()
+    rows = tuple(x.shape[:-1])
+    return {"out": gather(out.detach(), dist, grid, rows + (whole.out_features,)),
+            "dx": gather(mine.grad, dist, grid, tuple(x.shape)),
+            "dw": gather(layer.weight.grad, layer.weight_dist, grid, tuple(whole.weight.shape)),
+            "db": gather(layer.bias.grad, layer.bias_dist, grid, (whole.out_features,)),
+            "local": tuple(layer.weight.shape), "repr": repr(layer)}
+
+
+def test_dist_linear_is_the_whole_layer_with_its_weight_columns_split() -> None:
+    """Stationary-x on the last dim: each rank holds w[:, C block] (3 x 3 or 3 x 2 of 3 x 5);
+    output and every gradient equal the whole layer's (written down: x·wᵀ + b, and for a
+    cotangent of ones dx = 1·w, dw = 1ᵀ·x, db = the row count)."""
+    gen = torch.Generator().manual_seed(2)
+    whole = seeded(nn.Linear(5, 3).double(), gen)
+    x = torch.randn((3, 4, 5), generator=gen, dtype=torch.float64)
+    want_out = x @ whole.weight.detach().T + whole.bias.detach()
+    ones = torch.ones(3, 4, 3, dtype=torch.float64)
+    for r, got in enumerate(run_threads(_dist_linear, 4, whole, x)):
+        assert (got["out"] - want_out).abs().max() < TOL
+        assert (got["dx"] - ones @ whole.weight.detach()).abs().max() < TOL
+        assert (got["dw"] - ones.reshape(12, 3).T @ x.reshape(12, 5)).abs().max() < TOL
+        assert (got["db"] - 12).abs().max() < TOL
+        assert got["local"] == ((3, 3) if r % 2 == 0 else (3, 2))
+        assert "grid={'N': 2, 'C': 2}" in got["repr"] and "w[*,o_C]" in got["repr"]
+
+
+def test_dist_linear_refuses_an_input_whose_features_are_whole() -> None:
+    from distconv.distribution import Dist
+    from distconv.grid import ProcessorGrid
+    from distconv.nn import DistLinear
+
+    with pytest.raises(TypeError, match="grid must be a distconv.grid.ProcessorGrid"):
+        DistLinear(4, 3, grid={"C": 1}, input_dist=Dist(("N", None)))
+    with pytest.raises(ValueError, match=r"must split the last dim.*got \[o_N,\*\]"):
+        DistLinear(4, 3, grid=ProcessorGrid({"N": 1}), input_dist=Dist(("N", None)))
