@@ -448,3 +448,73 @@ def test_dist_linear_refuses_an_input_whose_features_are_whole() -> None:
         DistLinear(4, 3, grid={"C": 1}, input_dist=Dist(("N", None)))
     with pytest.raises(ValueError, match=r"must split the last dim.*got \[o_N,\*\]"):
         DistLinear(4, 3, grid=ProcessorGrid({"N": 1}), input_dist=Dist(("N", None)))
+
+
+class _MergeSplit(nn.Module):
+    """Channels merged with the rows and split again, with literal sizes (as a capture that
+    folds sizes writes them), between two convolutions."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Conv2d(3, 4, 3, padding=1)
+        self.b = nn.Conv2d(4, 4, 3, padding=1)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.a(x).reshape(5, 24, 5)
+        x = torch.flatten(x.reshape(5, 4, 6, 5), 2).view(5, 4, 6, 5)
+        return self.head(self.b(x).mean((2, 3)))
+
+
+def _traced_with_shapes(shape: tuple[int, ...]) -> Any:
+    """``trace`` that records every node's global shape, as a capture per input shape does."""
+    from distconv.parallel.shapes import propagate_shapes
+
+    def traced(model: nn.Module) -> Any:
+        gm = trace(model)
+        meta = copy.deepcopy(gm).to("meta")
+        propagate_shapes(meta, shape, dtype=torch.float64)
+        for mine, theirs in zip(gm.graph.nodes, meta.graph.nodes):
+            mine.meta.update(theirs.meta)
+        return gm
+
+    return traced
+
+
+STATIONARY_X = CONFIGS[2][1]
+
+
+def test_merges_and_splits_keep_the_major_split_where_the_capture_knows_the_shapes(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Written down: the channels (4 over C: 2) merged with the rows keep their split
+    (``[o,o_C,*]``, each block 2 x 6 = 12 of 24), split again they are ``[o,o_C,*,*]``, and the
+    second convolution reads them where they are; flattening the rows and columns keeps them
+    too. Without recorded shapes the same literal sizes make every regrouped dim whole. Either
+    way one step equals one process, and the bytes counted are explain's."""
+    model = _MergeSplit().double()
+    shape = (5, 3, 6, 5)
+    analysis = analyse(_traced_with_shapes(shape)(model),
+                       ParallelConfig(STATIONARY_X, world_size=4), input_ndim=4)
+    got = {s.node.name: s.out.dist.entries for s in analysis.steps if s.out is not None}
+    assert got["reshape"] == ("N", "C", None) and got["reshape_1"] == ("N", "C", None, None)
+    assert got["flatten"] == ("N", "C", None) and got["view"] == ("N", "C", None, None)
+    plain = _placements(model, STATIONARY_X, 4)
+    assert plain["reshape"] == ("N", None, None, ())
+    assert plain["view"] == ("N", None, None, None, ())
+    gen = torch.Generator().manual_seed(9)
+    model = seeded(model, gen)
+    x = torch.randn(shape, generator=gen, dtype=torch.float64)
+    y = torch.randint(0, 3, (5,), generator=gen)
+    ref = reference_step(model, x, y)
+    for recorded in (False, True):
+        if recorded:
+            monkeypatch.setattr("distconv.parallel.model.trace", _traced_with_shapes(shape))
+            monkeypatch.setattr("distconv.parallel.explain.trace", _traced_with_shapes(shape))
+        plan = explain(model, STATIONARY_X, shape, world_size=4, itemsize=8)
+        moved = sum(s.bytes[0] for lay in plan.layers if lay.name.startswith(("reshape", "view"))
+                    for s in lay.steps)
+        assert (moved == 0) == recorded
+        for r, got in enumerate(run_threads(counted_step, 4, model, STATIONARY_X, x, y)):
+            assert (got["out"] - ref["out"][got["rows"]]).abs().max() < TOL
+            assert max((got["grads"][k] - g).abs().max() for k, g in ref["grads"].items()) < TOL
+            assert got["counted"] == tuple(plan.rank_bytes(r).values())

@@ -1,8 +1,11 @@
 """Shape ops: ``flatten`` / ``unflatten`` / ``view`` / ``reshape`` keep the split of every dim
 they keep (the same size at the same offset: the samples, say, or the rows a channel shuffle
-does not touch); every dim they merge or split is made whole first (an allgather over the grid
-dims that split it, priced as the conversion it is), so each rank regroups whole dims of its
-own block. ``size()`` / ``dim()`` and attribute reads carry no value to place."""
+does not touch) and, where the global shapes are known when the graph is analysed (a capture
+that records them), of a merge whose major dim alone is split or a split whose major new dim
+takes it, when the blocks align (:func:`carriers`). Every other dim they merge or split is
+made whole first (an allgather over the grid dims that split it, priced as the conversion it
+is), so each rank regroups whole dims of its own block. ``size()`` / ``dim()`` and attribute
+reads carry no value to place."""
 
 from __future__ import annotations
 
@@ -18,8 +21,11 @@ from distconv.distribution import Dist
 from distconv.ops.base import SAMPLE_GRIDS, Handler, Sample, SampleNet
 from distconv.parallel.placement import Placement
 
-__all__ = ["FlattenHandler", "MetaHandler", "NewAxisHandler", "ReshapeHandler", "kept_dims",
-           "model_tensor"]
+__all__ = ["FlattenHandler", "MetaHandler", "NewAxisHandler", "ReshapeHandler", "carriers",
+           "groups", "kept_dims", "model_tensor"]
+
+#: node.meta key: a reshape's output dim -> the input dim whose entry it carries (its placement)
+_CARRIERS = "distconv_carriers"
 
 
 def to_samples(an: Any, node: Any, arg: Any, out_ndim: int) -> Any:
@@ -36,8 +42,9 @@ def model_tensor(node: Any) -> Any:
 
 
 def regroup(an: Any, node: Any, arg: Any, out_ndim: int, kept: dict[int, int]) -> Any:
-    """The step of a shape op whose output dim ``k`` is input dim ``kept[k]`` (same size, same
-    offset): those keep their entries; every other dim is whole, in the input and the output."""
+    """The step of a shape op whose output dim ``k`` carries the entry of input dim
+    ``kept[k]`` (the dim itself, or a merge or split of it whose blocks align:
+    :func:`carriers`); every other dim is whole, in the input and the output."""
     from distconv.parallel.graph import LayerSpec, Step
 
     if kept.get(0) != 0:
@@ -54,16 +61,50 @@ def regroup(an: Any, node: Any, arg: Any, out_ndim: int, kept: dict[int, int]) -
                 LayerSpec("reshape", node.name, p.layout, input=need))
 
 
-def aligned(in_shape: Sequence[int], out_shape: Sequence[int]) -> dict[int, int]:
-    """Output dim -> input dim, for every output dim (of more than one element) that is an
-    input dim regrouped by nothing: the same size after the same number of elements."""
-    before_in = [math.prod(in_shape[:i]) for i in range(len(in_shape))]
+def groups(in_shape: Sequence[int], out_shape: Sequence[int]
+           ) -> list[tuple[list[int], list[int]]] | None:
+    """The reshape of ``in_shape`` to ``out_shape`` as groups of consecutive input dims and the
+    output dims they become, each the fewest with equal element counts (None: not a reshape of
+    nonempty dims)."""
+    if 0 in in_shape or 0 in out_shape or math.prod(in_shape) != math.prod(out_shape):
+        return None
+    found: list[tuple[list[int], list[int]]] = []
+    i = j = 0
+    while i < len(in_shape) or j < len(out_shape):
+        ins, outs = [i][:i < len(in_shape)], [j][:j < len(out_shape)]
+        a = in_shape[i] if i < len(in_shape) else 1
+        b = out_shape[j] if j < len(out_shape) else 1
+        i, j = i + 1, j + 1
+        while a != b:
+            if a < b:
+                ins.append(i)
+                a, i = a * in_shape[i], i + 1
+            else:
+                outs.append(j)
+                b, j = b * out_shape[j], j + 1
+        found.append((ins, outs))
+    return found
+
+
+def carriers(in_shape: Sequence[int], out_shape: Sequence[int], p: Placement) -> dict[int, int]:
+    """Output dim -> the input dim whose entry it carries, on these global shapes: a dim the
+    reshape leaves alone; a merge of dims whose major one alone is split, over ``P`` parts that
+    divide it (each block of it, times the whole minors, is the merged dim's block); a split of
+    a dim over ``P`` parts that divide the major new dim (its blocks are the old dim's). Every
+    other dim of a regrouped group is whole."""
+    ext = dict(p.layout)
     out: dict[int, int] = {}
-    for k, n in enumerate(out_shape):
-        lead = math.prod(out_shape[:k])
-        for i, m in enumerate(in_shape):
-            if n > 1 and m == n and before_in[i] == lead:
-                out[k] = i
+    for ins, outs in groups(in_shape, out_shape) or ():
+        if len(ins) == 1 and len(outs) == 1:
+            out[outs[0]] = ins[0]
+            continue
+        parts = {i: math.prod(ext.get(g, 1) for g in p.dist.grid_dims_of(i)) for i in ins}
+        if not outs or [i for i in ins if parts[i] > 1] != ins[:1]:
+            continue  # nothing split, or a minor dim split: whole
+        i, k = ins[0], outs[0]
+        if (len(outs) == 1 and in_shape[i] % parts[i] == 0) or (
+                len(ins) == 1 and out_shape[k] % parts[i] == 0):
+            out[k] = i
     return out
 
 
@@ -101,30 +142,33 @@ def target_sizes(node: fx.Node) -> list[Any]:
     return rest
 
 
-def kept_dims(node: fx.Node, ndim: int) -> dict[int, int]:
-    """Output dim -> input dim of the dims a ``view``/``reshape`` keeps: from both global shapes
-    where the capture recorded them; else the sizes read from the input itself (``x.size(i)``,
-    ``x.shape[i]``, in order); else the samples (dim 0), which :meth:`ReshapeHandler.refuse`
-    checks against the global shapes before a step runs."""
+def kept_dims(node: fx.Node, p: Placement) -> dict[int, int]:
+    """Output dim -> input dim whose entry it carries (:func:`carriers`), for a ``view`` /
+    ``reshape`` of a value in ``p``: from both global shapes where the capture recorded them;
+    else the dims whose sizes are read from the input itself (``x.size(i)``, ``x.shape[i]``, in
+    order) and the samples (dim 0), which :meth:`ReshapeHandler.refuse` checks against the
+    global shapes before a step runs."""
     x = node.args[0]
     shapes = _global_shape(x), _global_shape(node)
     if shapes[0] is not None and shapes[1] is not None:
-        return aligned(*shapes)
+        return carriers(shapes[0], shapes[1], p)
     kept: dict[int, int] = {}
     last = -1
     sizes = target_sizes(node)
     for k, a in enumerate(sizes):
-        i = _size_of(a, x, ndim)
+        i = _size_of(a, x, p.ndim)
         if i is not None and i > last:
             kept[k], last = i, i
-    if 0 not in kept and sizes and _size_of(sizes[0], x, ndim) is None:
+    if 0 not in kept and sizes and _size_of(sizes[0], x, p.ndim) is None:
         kept[0] = 0  # the samples, as every model writes them: checked by refuse
     return kept
 
 
 class FlattenHandler(Handler):
     """``flatten(start_dim, end_dim)`` (module or function) and ``unflatten(dim, sizes)``: the
-    other dims keep their entries, the merged (split) dim is whole."""
+    other dims keep their entries, the merged (split) dim is whole -- a merged dim keeps its
+    major dim's split where the capture recorded the global shapes and the blocks align
+    (:func:`carriers`)."""
 
     modules = (nn.Flatten, nn.Unflatten)
     functions = frozenset({torch.flatten, torch.unflatten})
@@ -161,6 +205,9 @@ class FlattenHandler(Handler):
         merged = end - start
         kept = {(i if i < start else i - merged): i for i in range(ndim)
                 if not start <= i <= end or merged == 0}
+        shapes = _global_shape(args[0]), _global_shape(node)
+        if shapes[0] is not None and shapes[1] is not None:  # the major's split, where aligned
+            kept = carriers(shapes[0], shapes[1], an.placement(args[0]))
         return regroup(an, node, args[0], ndim - merged, kept)
 
     def samples(self) -> Sequence[Sample]:
@@ -185,24 +232,30 @@ class ReshapeHandler(Handler):
         arg = node.args[0]
         if an.out.get(arg) is None:
             return model_tensor(node)
-        return regroup(an, node, arg, len(sizes), kept_dims(node, an.placement(arg).ndim))
+        kept = kept_dims(node, an.placement(arg))
+        node.meta[_CARRIERS] = kept  # what run() regroups by
+        return regroup(an, node, arg, len(sizes), kept)
 
     def runs_as_traced(self, step: Any) -> bool:
         return step.out is None  # a model tensor's reshape: whole, as written
 
     def run(self, node: Any, args: Any, kwargs: Any, in_shape: tuple[int, ...]) -> Any:
-        """This rank's block: the requested sizes with every kept dim's own local size."""
+        """This rank's block: the requested sizes, each dim that carries an input dim's entry
+        sized from that dim's local size (its global ratio: 1 for a dim left alone)."""
         x = args[0]
         sizes = list(args[1:]) or [kwargs.get("shape", kwargs.get("size", ()))]
         if len(sizes) == 1 and isinstance(sizes[0], (tuple, list)):
             sizes = list(sizes[0])
-        for k, i in kept_dims(node, len(in_shape)).items():
-            sizes[k] = x.shape[i]
+        out = _global_shape(node)
+        for k, i in node.meta[_CARRIERS].items():
+            sizes[k] = (x.shape[i] if out is None or in_shape[i] == out[k]
+                        else x.shape[i] * out[k] // in_shape[i])
         return x.reshape(sizes)
 
     def refuse(self, step: Any, module: Any, in_shape: tuple[int, ...]) -> str | None:
-        """Where the dims taken as kept are not (the sizes given do not keep them in place on
-        this input shape): say so, before any step runs."""
+        """Where the dims placed as carrying their input dim's entry do not on this input shape
+        (the sizes given regroup them, or their blocks do not align): say so, before any step
+        runs."""
         node = step.node
         sizes = []
         for a in target_sizes(node):
@@ -216,8 +269,8 @@ class ReshapeHandler(Handler):
             out = torch.empty(in_shape, device="meta").reshape(sizes).shape
         except RuntimeError as exc:
             return f"{node.target} to {tuple(sizes)}: {exc}"
-        found = aligned(in_shape, tuple(out))
-        wrong = {k: i for k, i in kept_dims(node, len(in_shape)).items() if found.get(k) != i}
+        found = carriers(in_shape, tuple(out), step.layer.input)
+        wrong = {k: i for k, i in node.meta[_CARRIERS].items() if found.get(k) != i}
         if wrong:
             return (f"{node.target} to {tuple(out)} does not keep input dim(s) "
                     f"{sorted(wrong.values())} in place as placed; write their sizes as "
