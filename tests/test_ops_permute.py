@@ -297,6 +297,22 @@ def test_moving_or_merging_the_samples_is_refused_naming_the_node() -> None:
         explain(_MergesSamples(), config, (5, 3, 7, 6), world_size=2)
 
 
+class _FrontAxis(_MovesSamples):
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.stem(x).mean((2, 3))
+        return (x[None] if self.how == "index" else x.unsqueeze(0)).mean(2)
+
+
+@pytest.mark.parametrize("how, node", [("index", "getitem"), ("unsqueeze", "unsqueeze")])
+def test_a_dim_added_before_the_samples_is_refused_naming_the_node(how: str, node: str) -> None:
+    with pytest.raises(ops.Unsupported, match=rf"node '{node}'.*adds a dim before the samples"):
+        explain(_FrontAxis(how), {"default": {"grid": {"N": 2}}}, (5, 3, 7, 6), world_size=2)
+
+
 def test_a_view_whose_sizes_do_not_keep_the_samples_is_refused_before_a_step() -> None:
     """Literal sizes are taken to keep the samples; on a shape where they do not (4 rows of a
     5-sample batch), the view is refused by name before anything runs."""

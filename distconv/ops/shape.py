@@ -286,7 +286,8 @@ class ReshapeHandler(Handler):
 class NewAxisHandler(Handler):
     """Size-1 dims added to a value: ``s[:, :, None, None]``, ``s[..., None]``,
     ``s.unsqueeze(d)`` (e.g. a squeeze-and-excitation gate made broadcastable). No data moves:
-    every rank's block gains the same size-1 dims, which no grid dim splits. Indexing that picks
+    every rank's block gains the same size-1 dims, which no grid dim splits; a dim added before
+    the samples (``x[None]``, ``unsqueeze(0)``) is refused by name. Indexing that picks
     elements (integers, ranges, tensors) is refused by name; an index into something that is not
     a placed tensor (a tuple, a shape) carries no value to place."""
 
@@ -313,6 +314,8 @@ class NewAxisHandler(Handler):
             if taken > len(entries):
                 an.fail(node, f"index {node.args[1]!r} has more dims than the value's "
                         f"{len(entries)}")
+            front = index[0] is None or (index[0] is Ellipsis and len(entries) == taken
+                                         and len(index) > 1 and index[1] is None)
             out: list[Any] = []
             rest = iter(entries)
             for i in index:
@@ -328,7 +331,12 @@ class NewAxisHandler(Handler):
             if not isinstance(dim, int):
                 an.fail(node, f"unsqueeze needs an int dim, got {dim!r}")
             out = entries[:]
+            front = dim % (len(entries) + 1) == 0
             out.insert(dim % (len(entries) + 1), None)
+        if front:
+            an.fail(node, "it adds a dim before the samples (dim 0); the parallel model's "
+                    "output rows are its samples and its layers find them in dim 0, so new "
+                    "dims go behind it")
         placed = Placement(p.layout, Dist(tuple(out), p.dist.pending))
         return Step(node, "pointwise", placed, {args[0]: p})
 
