@@ -534,3 +534,38 @@ def test_merges_and_splits_keep_the_major_split_where_the_capture_knows_the_shap
             assert (got["out"] - ref["out"][got["rows"]]).abs().max() < TOL
             assert max((got["grads"][k] - g).abs().max() for k, g in ref["grads"].items()) < TOL
             assert got["counted"] == tuple(plan.rank_bytes(r).values())
+
+
+class _FlattenRows(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Conv2d(3, 4, 3, padding=1)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.a(x).flatten(2).mean(2))
+
+
+def test_a_flatten_keeps_split_rows_where_they_align_and_is_refused_where_not(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rows split over H: 2 merged with the columns keep the split where 2 divides the rows
+    (6: blocks of 3 x 5 = 15 of 30, the merged dim's own balanced blocks); placed so from the
+    recorded shapes, an input of 7 rows (blocks 4 and 3: 20 and 15 of 35, not 18 and 17) is
+    refused by name before a step, and the aligned one trains as one process."""
+    config = {"default": {"grid": {"N": 2, "H": 2}, "algorithm": "spatial"},
+              "data": {"N": 2, "H": 2}}
+    monkeypatch.setattr("distconv.parallel.explain.trace", _traced_with_shapes((5, 3, 6, 5)))
+    monkeypatch.setattr("distconv.parallel.model.trace", _traced_with_shapes((5, 3, 6, 5)))
+    gen = torch.Generator().manual_seed(4)
+    model = seeded(_FlattenRows().double(), gen)
+    with pytest.raises(ValueError, match=r"node 'flatten'.*does not keep input dim\(s\) \[2\]"):
+        explain(model, config, (5, 3, 7, 5), world_size=4)
+    plan = explain(model, config, (5, 3, 6, 5), world_size=4, itemsize=8)
+    assert not [s for lay in plan.layers if lay.name == "flatten" for s in lay.steps]
+    x = torch.randn((5, 3, 6, 5), generator=gen, dtype=torch.float64)
+    y = torch.randint(0, 3, (5,), generator=gen)
+    ref = reference_step(model, x, y)
+    for r, got in enumerate(run_threads(counted_step, 4, model, config, x, y)):
+        assert (got["out"] - ref["out"][got["rows"]]).abs().max() < TOL
+        assert max((got["grads"][k] - g).abs().max() for k, g in ref["grads"].items()) < TOL
+        assert got["counted"] == tuple(plan.rank_bytes(r).values())

@@ -19,7 +19,7 @@ from torch import nn
 
 from distconv.distribution import Dist
 from distconv.ops.base import SAMPLE_GRIDS, Handler, Sample, SampleNet
-from distconv.parallel.placement import Placement
+from distconv.parallel.placement import Placement, layout_str
 
 __all__ = ["FlattenHandler", "MetaHandler", "NewAxisHandler", "ReshapeHandler", "carriers",
            "groups", "kept_dims", "model_tensor"]
@@ -51,6 +51,7 @@ def regroup(an: Any, node: Any, arg: Any, out_ndim: int, kept: dict[int, int]) -
         an.fail(node, "it merges or splits the samples (dim 0); the parallel model's output "
                 "rows are its samples, so shape ops keep dim 0 as it is (write its size as "
                 "x.size(0) or x.shape[0])")
+    node.meta[_CARRIERS] = kept  # what run() regroups by and refuse() checks
     p = an.placement(arg)
     mine = set(kept.values())
     need = Placement(p.layout, Dist(tuple(e if i in mine else None
@@ -106,6 +107,21 @@ def carriers(in_shape: Sequence[int], out_shape: Sequence[int], p: Placement) ->
                 len(ins) == 1 and out_shape[k] % parts[i] == 0):
             out[k] = i
     return out
+
+
+def misplaced(step: Any, in_shape: tuple[int, ...], out_shape: tuple[int, ...]) -> str | None:
+    """Why a shape op's placed carriers (output dim -> the split input dim whose entry it
+    carries) do not hold on these global shapes (the sizes regroup a dim taken as kept, or a
+    split's blocks do not align), or None where they do."""
+    found = carriers(in_shape, out_shape, step.layer.input)
+    entries = step.layer.input.dist.entries
+    wrong = sorted(i for k, i in step.node.meta[_CARRIERS].items()
+                   if entries[i] is not None and found.get(k) != i)
+    if not wrong:
+        return None
+    return (f"{step.node.target} to {out_shape} does not keep input dim(s) {wrong} (split on "
+            f"{layout_str(step.layer.layout)}) in place as placed; write their sizes as "
+            "x.size(i) / x.shape[i] of the input itself")
 
 
 def _size_of(a: Any, x: fx.Node, ndim: int) -> int | None:
@@ -210,6 +226,18 @@ class FlattenHandler(Handler):
             kept = carriers(shapes[0], shapes[1], an.placement(args[0]))
         return regroup(an, node, args[0], ndim - merged, kept)
 
+    def refuse(self, step: Any, module: Any, in_shape: tuple[int, ...]) -> str | None:
+        """Where a merged dim placed as keeping its major dim's split does not align on this
+        input shape: say so, before any step runs."""
+        node, probe = step.node, torch.empty(in_shape, device="meta")
+        if module is not None:
+            out = module(probe).shape
+        elif node.op == "call_method":
+            out = getattr(probe, str(node.target))(*node.args[1:], **node.kwargs).shape
+        else:
+            out = node.target(probe, *node.args[1:], **node.kwargs).shape
+        return misplaced(step, in_shape, tuple(out))
+
     def samples(self) -> Sequence[Sample]:
         return (Sample("flatten-head", lambda: _FlatNet(), (5, 4, 4, 4), SAMPLE_GRIDS),
                 Sample("flatten-unflatten-rows", lambda: SampleNet(_Unflatten(), 4),
@@ -217,9 +245,10 @@ class FlattenHandler(Handler):
 
 
 class ReshapeHandler(Handler):
-    """``view`` / ``reshape`` (any call form): the dims it keeps (:func:`kept_dims`) keep their
-    entries, the dims it regroups are whole; each rank regroups its block with the kept dims'
-    local sizes (a ``reshape``: a block need not be contiguous where the global value is)."""
+    """``view`` / ``reshape`` (any call form): the dims that carry an input dim's entry
+    (:func:`kept_dims`) keep it, every other regrouped dim is whole; each rank regroups its
+    block with those dims' local sizes (as a ``reshape``: a block need not be contiguous where
+    the global value is)."""
 
     functions = frozenset({torch.reshape})
     methods = frozenset({"view", "reshape"})
@@ -232,9 +261,7 @@ class ReshapeHandler(Handler):
         arg = node.args[0]
         if an.out.get(arg) is None:
             return model_tensor(node)
-        kept = kept_dims(node, an.placement(arg))
-        node.meta[_CARRIERS] = kept  # what run() regroups by
-        return regroup(an, node, arg, len(sizes), kept)
+        return regroup(an, node, arg, len(sizes), kept_dims(node, an.placement(arg)))
 
     def runs_as_traced(self, step: Any) -> bool:
         return step.out is None  # a model tensor's reshape: whole, as written
@@ -269,13 +296,7 @@ class ReshapeHandler(Handler):
             out = torch.empty(in_shape, device="meta").reshape(sizes).shape
         except RuntimeError as exc:
             return f"{node.target} to {tuple(sizes)}: {exc}"
-        found = carriers(in_shape, tuple(out), step.layer.input)
-        wrong = {k: i for k, i in node.meta[_CARRIERS].items() if found.get(k) != i}
-        if wrong:
-            return (f"{node.target} to {tuple(out)} does not keep input dim(s) "
-                    f"{sorted(wrong.values())} in place as placed; write their sizes as "
-                    "x.size(i) / x.shape[i] of the input itself")
-        return None
+        return misplaced(step, in_shape, tuple(out))
 
     def samples(self) -> Sequence[Sample]:
         return (Sample("view-head", lambda: _ViewNet(), (5, 4, 4, 4), SAMPLE_GRIDS),
