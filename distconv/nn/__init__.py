@@ -7,6 +7,7 @@ from distconv.nn.conv import ALGORITHMS, DistConv2d, UnsupportedConvError
 from distconv.nn.conv_nd import DistConvNd
 from distconv.nn.dropout import DistDropout, DistDropout1d, DistDropout2d, DistDropout3d
 from distconv.nn.grad_sync import GradSync, finish_grad_sync
+from distconv.nn.linear import DistLinear
 from distconv.nn.groupnorm import (
     DistGroupNorm, DistInstanceNorm1d, DistInstanceNorm2d, DistInstanceNorm3d, DistLayerNorm,
 )
@@ -24,3 +25,4 @@ __all__ += ["DistAdaptiveAvgPool2d", "DistAvgPool1d", "DistAvgPool2d", "DistAvgP
             "DistBatchNorm", "DistBatchNorm1d", "DistBatchNorm2d", "DistBatchNorm3d",
             "DistDropout", "DistDropout1d", "DistDropout2d", "DistDropout3d", "DistGroupNorm",
             "DistInstanceNorm1d", "DistInstanceNorm2d", "DistInstanceNorm3d", "DistLayerNorm", "DistMaxPool1d", "DistMaxPool2d", "DistMaxPool3d"]
+__all__ += ["DistLinear"]

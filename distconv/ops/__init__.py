@@ -17,8 +17,10 @@ from distconv.ops.conv_nd import ConvNdHandler
 from distconv.ops.elementwise import BinaryHandler, CatHandler, DropoutHandler, PointwiseHandler
 from distconv.ops.linear import LinearHandler
 from distconv.ops.norm import (
-    BatchNormHandler, GroupNormHandler, InstanceNormHandler, LayerNormHandler,
+    BatchNormHandler, FunctionalLayerNormHandler, GroupNormHandler, InstanceNormHandler,
+    LayerNormHandler,
 )
+from distconv.ops.permute import PermuteHandler
 from distconv.ops.pool import AdaptiveAvgPoolHandler, MeanHandler, PoolHandler
 from distconv.ops.resample import ResampleHandler
 from distconv.ops.shape import FlattenHandler, NewAxisHandler, ReshapeHandler
@@ -33,7 +35,8 @@ REGISTRY: tuple[Handler, ...] = (
     ConvHandler(), LinearHandler(), ConvNdHandler(), BatchNormHandler(),
     GroupNormHandler(), LayerNormHandler(), InstanceNormHandler(), PoolHandler(),
     AdaptiveAvgPoolHandler(), MeanHandler(), ResampleHandler(), DropoutHandler(),
-    FlattenHandler(), ReshapeHandler(), NewAxisHandler(), PointwiseHandler(), BinaryHandler(),
+    FunctionalLayerNormHandler(), FlattenHandler(), ReshapeHandler(), NewAxisHandler(),
+    PermuteHandler(), PointwiseHandler(), BinaryHandler(),
     CatHandler(),
 )
 
