@@ -24,7 +24,7 @@ from distconv.ops.resample import ResampleHandler
 from distconv.ops.shape import FlattenHandler, MetaHandler, NewAxisHandler, ReshapeHandler
 
 __all__ = ["CONFIGURABLE", "REGISTRY", "Handler", "PriceContext", "Sample", "Unsupported",
-           "handler_for", "supported"]
+           "handler_for", "is_leaf", "supported"]
 
 #: Every op family, in matching order (the first that binds a node handles it).
 REGISTRY: tuple[Handler, ...] = (
@@ -49,6 +49,12 @@ def handler_for(node: fx.Node, module: nn.Module | None) -> Handler | None:
     return None
 
 
+def is_leaf(module: nn.Module) -> bool:
+    """Whether the trace keeps ``module`` as one call: a module type a handler binds by name
+    (:attr:`Handler.module_names`), whose forward ``torch.fx`` need not (or cannot) follow."""
+    return any(handler.binds_by_name(module) for handler in REGISTRY)
+
+
 def supported(op: str) -> str:
     """The forms the registry binds for a node op (``call_module``, ``call_function``,
     ``call_method``), as a sentence for refusals."""
@@ -56,6 +62,7 @@ def supported(op: str) -> str:
     for handler in REGISTRY:
         if op == "call_module":
             forms += [m.__name__ for m in handler.modules]
+            forms += [n.rsplit(".", 1)[-1] for n in sorted(handler.module_names)]
         elif op == "call_function":
             forms += [f for f in handler.forms() if not f.startswith(".")
                       and f not in {m.__name__ for m in handler.modules}]

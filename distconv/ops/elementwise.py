@@ -23,15 +23,31 @@ __all__ = ["BinaryHandler", "CatHandler", "DropoutHandler", "PointwiseHandler",
 
 
 class PointwiseHandler(Handler):
+    """Pointwise activations and maps of one value (module, ``F.*``, ``torch.*`` or method):
+    each element of the result depends on the same element of the input only, so every rank
+    maps its block, in its input's settled placement, and nothing moves."""
+
     modules = (nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.GELU, nn.SiLU, nn.Sigmoid, nn.Tanh, nn.ELU,
-               nn.Hardswish, nn.Hardsigmoid, nn.Mish, nn.Softplus, nn.Identity, nn.PReLU)
+               nn.Hardswish, nn.Hardsigmoid, nn.Mish, nn.Softplus, nn.Identity, nn.PReLU,
+               nn.Hardtanh, nn.SELU, nn.CELU, nn.Softsign, nn.LogSigmoid, nn.Tanhshrink,
+               nn.Softshrink, nn.Hardshrink, nn.Threshold)
     functions = frozenset({
         F.relu, torch.relu, F.relu6, F.gelu, F.silu, F.leaky_relu, F.elu, F.hardswish, F.mish,
         torch.sigmoid, torch.tanh, F.sigmoid, F.tanh, torch.clamp, torch.abs, operator.neg,
-        torch.neg, F.softplus,
+        torch.neg, F.softplus, F.hardsigmoid, F.hardtanh, F.selu, F.celu, F.softsign,
+        F.logsigmoid, F.tanhshrink, F.softshrink, F.hardshrink, F.threshold, F.relu_,
+        F.hardtanh_, F.elu_, F.leaky_relu_, torch.selu, torch.celu, torch.clamp_min,
+        torch.clamp_max, torch.clip, torch.erf, torch.erfc, torch.exp, torch.expm1, torch.log,
+        torch.log1p, torch.sqrt, torch.rsqrt, torch.square, torch.reciprocal, torch.sign,
+        torch.sin, torch.cos, torch.floor, torch.ceil, torch.round,
     })
-    methods = frozenset({"relu", "relu_", "sigmoid", "tanh", "clamp", "abs", "neg", "contiguous",
-                         "float", "double", "half", "bfloat16", "clone", "detach"})
+    methods = frozenset({
+        "relu", "relu_", "sigmoid", "sigmoid_", "tanh", "tanh_", "clamp", "clamp_", "clamp_min",
+        "clamp_max", "clip", "abs", "neg", "contiguous", "float", "double", "half", "bfloat16",
+        "clone", "detach", "erf", "erfc", "exp", "expm1", "log", "log1p", "sqrt", "rsqrt",
+        "square", "reciprocal", "sign", "sin", "cos", "floor", "ceil", "round"})
+    #: activations of packages that need not be installed (their forward is one pointwise map)
+    module_names = frozenset({"monai.networks.blocks.activation.MemoryEfficientSwish"})
 
     def place(self, an: Any, node: Any, module: Any) -> Any:
         step = an.keep(node, "pointwise")
@@ -43,7 +59,35 @@ class PointwiseHandler(Handler):
         return step
 
     def samples(self) -> Sequence[Sample]:
-        return (Sample("relu", lambda: SampleNet(nn.ReLU(), 4), (5, 4, 7, 6), SAMPLE_GRIDS),)
+        return (Sample("relu", lambda: SampleNet(nn.ReLU(), 4), (5, 4, 7, 6), SAMPLE_GRIDS),
+                Sample("activation-modules", lambda: SampleNet(_activation_modules(), 4),
+                       (5, 4, 7, 6), SAMPLE_GRIDS),
+                Sample("activation-functions", lambda: SampleNet(_Activations(), 4),
+                       (5, 4, 7, 6), SAMPLE_GRIDS))
+
+
+def _activation_modules() -> nn.Module:
+    """Every activation module the handler binds, in a chain whose values stay O(1)."""
+    return nn.Sequential(
+        nn.Hardswish(), nn.Hardsigmoid(), nn.SiLU(), nn.GELU(), nn.GELU(approximate="tanh"),
+        nn.Mish(), nn.SELU(), nn.CELU(0.7), nn.Softsign(), nn.Hardtanh(-0.4, 0.8),
+        nn.LogSigmoid(), nn.Tanhshrink(), nn.Softshrink(0.01), nn.Hardshrink(0.001),
+        nn.Threshold(-0.5, 0.1), nn.ReLU6(), nn.ELU(), nn.LeakyReLU(0.1), nn.Softplus(),
+        nn.Sigmoid(), nn.Tanh())
+
+
+class _Activations(nn.Module):
+    """The functional and method forms (in place ones included) and elementwise maps, chained
+    with scalars so values stay O(1)."""
+
+    def forward(self, x: Any) -> Any:
+        x = F.hardtanh(F.hardsigmoid(x) * 3 - 1, -0.5, 0.5) * 4
+        x = F.gelu(F.relu6(x * 4) - 2, approximate="tanh")
+        x = torch.erf(F.silu(x.clone(), inplace=True).sigmoid()) - 0.5
+        x = torch.sqrt(torch.exp(-x.pow(2)) + 1).pow(3) - 2
+        x = F.softsign(F.celu(F.selu(x)))
+        x = torch.rsqrt(F.tanhshrink(F.logsigmoid(x)).square() + 1).clamp(-1, 0.9)
+        return torch.log1p(F.hardswish(F.mish(x * 3 - 1)).abs()).clamp_min(0.1)
 
 
 class DropoutHandler(Handler):
@@ -98,8 +142,10 @@ def _drop_p(node: Any, module: Any) -> float:
 class BinaryHandler(Handler):
     functions = frozenset({operator.add, operator.iadd, operator.sub, operator.isub, operator.mul,
                            operator.imul, operator.truediv, operator.itruediv, torch.add,
-                           torch.sub, torch.mul, torch.div})
-    methods = frozenset({"add", "add_", "sub", "sub_", "mul", "mul_", "div", "div_"})
+                           torch.sub, torch.mul, torch.div, operator.pow, torch.pow,
+                           torch.maximum, torch.minimum})
+    methods = frozenset({"add", "add_", "sub", "sub_", "mul", "mul_", "div", "div_", "pow",
+                         "pow_", "maximum", "minimum"})
 
     def place(self, an: Any, node: Any, module: Any) -> Any:
         from distconv.parallel.graph import Step

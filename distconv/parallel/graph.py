@@ -113,7 +113,7 @@ def trace(model: nn.Module) -> fx.GraphModule:
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     try:
         with _TRACE_LOCK:
-            gm = fx.symbolic_trace(model)
+            gm = _symbolic_trace(model)
     except Exception as exc:  # fx raises TraceError, TypeError, ... with the construct's text
         raise UntraceableModelError(
             f"parallelize: torch.fx cannot trace {type(model).__name__}: {exc}. Data-dependent "
@@ -122,6 +122,20 @@ def trace(model: nn.Module) -> fx.GraphModule:
         ) from exc
     _order_like(gm, model)  # fx registers modules in call order; users expect theirs
     return gm
+
+
+class _Tracer(fx.Tracer):
+    """``torch.fx``'s tracer, keeping as one call each module a handler binds by name
+    (:func:`distconv.ops.is_leaf`: e.g. stochastic depth, whose forward fx cannot follow)."""
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        return super().is_leaf_module(m, module_qualified_name) or ops.is_leaf(m)
+
+
+def _symbolic_trace(model: nn.Module) -> fx.GraphModule:
+    tracer = _Tracer()
+    graph = tracer.trace(model)
+    return fx.GraphModule(tracer.root, graph, type(model).__name__)
 
 
 def _order_like(module: nn.Module, original: nn.Module) -> None:
