@@ -22,6 +22,7 @@ from distconv.ops.norm import (
 from distconv.ops.pool import AdaptiveAvgPoolHandler, MeanHandler, PoolHandler
 from distconv.ops.resample import ResampleHandler
 from distconv.ops.shape import FlattenHandler, MetaHandler, NewAxisHandler, ReshapeHandler
+from distconv.ops.stochastic import StochasticDepthHandler
 
 __all__ = ["CONFIGURABLE", "REGISTRY", "Handler", "PriceContext", "Sample", "Unsupported",
            "handler_for", "is_leaf", "supported"]
@@ -31,6 +32,7 @@ REGISTRY: tuple[Handler, ...] = (
     ConvHandler(), LinearHandler(), ConvNdHandler(), BatchNormHandler(),
     GroupNormHandler(), LayerNormHandler(), InstanceNormHandler(), PoolHandler(),
     AdaptiveAvgPoolHandler(), MeanHandler(), ResampleHandler(), DropoutHandler(),
+    StochasticDepthHandler(),
     FlattenHandler(), ReshapeHandler(), NewAxisHandler(), PointwiseHandler(), BinaryHandler(),
     CatHandler(), MetaHandler(),
 )

@@ -1,0 +1,231 @@
+"""The ops popular model libraries use, exact against one process in fp64 on thread ranks (and
+one fixed case of each kind that communicates on a real gloo world): stochastic depth as
+torchvision, timm and MONAI write it, their activation modules, parameters used directly in
+ops (layer scale, positional terms), squeeze-and-excitation maps under a default spatial grid,
+and grouped convolutions whose groups cross channel blocks."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+import torch.fx
+import torch.nn.functional as F
+from torch import nn
+
+from distconv.data import sample_block
+from distconv.parallel import parallelize
+from distconv.testing import run_threads
+from tests.parallel.cases import TOL, _gathered_grads, seeded
+
+monai = pytest.importorskip("monai")
+
+SEED = 7
+SHAPE = (5, 4, 6, 6)
+CONFIGS = {
+    "sample": {"default": {"grid": {"N": 4}, "algorithm": "sample"}},
+    "spatial": {"default": {"grid": {"N": 2, "H": 2}, "algorithm": "spatial"},
+                "data": {"N": 2, "H": 2}},
+    "stationary-x": {"default": {"grid": {"N": 2, "C": 2}, "algorithm": "stationary-x"}},
+    "stationary-y": {"default": {"grid": {"N": 2, "F": 2}, "algorithm": "stationary-y"}},
+    "stationary-w": {"default": {"grid": {"C": 2, "F": 2}, "algorithm": "stationary-w"}},
+}
+
+
+# ---------------------------------------------------------------- stochastic depth
+class DropPath(nn.Module):
+    """timm's ``DropPath`` as timm writes it (``timm.layers.drop``), under timm's name: the
+    handler binds it by that name, as it binds timm's own where timm is installed."""
+
+    def __init__(self, drop_prob: float = 0.0, scale_by_keep: bool = True) -> None:
+        super().__init__()
+        self.drop_prob = drop_prob
+        self.scale_by_keep = scale_by_keep
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.drop_prob == 0.0 or not self.training:
+            return x
+        keep_prob = 1 - self.drop_prob
+        shape = (x.shape[0],) + (1,) * (x.ndim - 1)
+        random_tensor = x.new_empty(shape).bernoulli_(keep_prob)
+        if keep_prob > 0.0 and self.scale_by_keep:
+            random_tensor.div_(keep_prob)
+        return x * random_tensor
+
+
+DropPath.__module__ = "timm.layers.drop"
+
+
+def stochastic_depth(input: torch.Tensor, p: float, mode: str,
+                     training: bool = True) -> torch.Tensor:
+    """``torchvision.ops.stochastic_depth`` as torchvision writes it, under its name (a
+    function ``torch.fx.wrap`` keeps as one call, as torchvision's is)."""
+    if not training or p == 0.0:
+        return input
+    survival_rate = 1.0 - p
+    size = [input.shape[0]] + [1] * (input.ndim - 1) if mode == "row" else [1] * input.ndim
+    noise = torch.empty(size, dtype=input.dtype, device=input.device)
+    noise = noise.bernoulli_(survival_rate)
+    if survival_rate > 0.0:
+        noise.div_(survival_rate)
+    return input * noise
+
+
+stochastic_depth.__module__ = "torchvision.ops.stochastic_depth"
+torch.fx.wrap("stochastic_depth")
+
+
+class StochasticDepth(nn.Module):
+    """torchvision's ``StochasticDepth`` module, under its name."""
+
+    def __init__(self, p: float, mode: str) -> None:
+        super().__init__()
+        self.p, self.mode = p, mode
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return stochastic_depth(input, self.p, self.mode, self.training)
+
+
+StochasticDepth.__module__ = "torchvision.ops.stochastic_depth"
+
+
+class Residual(nn.Module):
+    """Two residual blocks, each branch through stochastic depth (two draws in order), and a
+    head; ``functional``: the second block calls torchvision's function directly."""
+
+    def __init__(self, make: Any, functional: bool = False) -> None:
+        super().__init__()
+        self.c1, self.d1 = nn.Conv2d(4, 4, 3, padding=1), make()
+        self.c2, self.d2 = nn.Conv2d(4, 4, 3, padding=1), make()
+        self.functional = functional
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.d1(torch.relu(self.c1(x)))
+        y = torch.relu(self.c2(x))
+        x = x + (stochastic_depth(y, 0.4, "row", True) if self.functional else self.d2(y))
+        return self.head(x.mean((2, 3)))
+
+
+DROP_PATHS = {
+    "monai": lambda: monai.networks.layers.DropPath(0.4),
+    "timm": lambda: DropPath(0.4),
+    "timm-unscaled": lambda: DropPath(0.4, scale_by_keep=False),
+    "torchvision-row": lambda: StochasticDepth(0.4, "row"),
+    "torchvision-batch": lambda: StochasticDepth(0.5, "batch"),
+}
+
+
+def _reference(model: nn.Module, x: torch.Tensor) -> dict[str, Any]:
+    model = copy.deepcopy(model)
+    torch.manual_seed(SEED)  # the masks are the first draws after this
+    out = model(x)
+    out.square().mean().backward()
+    return {"out": out.detach(), "grads": {k: p.grad for k, p in model.named_parameters()}}
+
+
+def _step(comm: Any, model: nn.Module, config: Any, x: torch.Tensor) -> dict[str, Any]:
+    pmodel = parallelize(copy.deepcopy(model), config, comm=comm)
+    rows = sample_block(x.shape[0], pmodel.data_grid)
+    out = pmodel(x[rows])
+    out.square().mean().backward()
+    kinds = {type(m).__name__ for m in pmodel.modules()}
+    return {"rows": rows, "out": out.detach(), "grads": _gathered_grads(pmodel), "kinds": kinds}
+
+
+def _seeded_step(comm: Any, model: nn.Module, config: Any, x: torch.Tensor) -> dict[str, Any]:
+    torch.manual_seed(SEED + comm.rank)  # ranks seeded differently: rank 0's seed is shared
+    return _step(comm, model, config, x)
+
+
+def _check(ref: dict[str, Any], results: list[dict[str, Any]]) -> None:
+    for got in results:
+        assert (got["out"] - ref["out"][got["rows"]]).abs().max() < TOL
+        for k, g in ref["grads"].items():
+            assert (got["grads"][k] - g).abs().max() < TOL, k
+
+
+def _case(make: Any, functional: bool = False) -> tuple[nn.Module, torch.Tensor]:
+    gen = torch.Generator().manual_seed(2)
+    model = seeded(Residual(make, functional).double(), gen)
+    return model, torch.randn(SHAPE, generator=gen, dtype=torch.float64)
+
+
+def test_the_masks_drop_some_paths_and_keep_others() -> None:
+    """The reference really drops: with this seed, of the 5 samples' two draws some are dropped
+    and some kept (else the exactness below could not fail on a wrong mask)."""
+    torch.manual_seed(SEED)
+    masks = torch.empty(2, 5, dtype=torch.float64).bernoulli_(0.6)
+    assert 0 < int(masks.sum()) < 10
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("kind", list(DROP_PATHS))
+def test_drop_path_equals_one_process(kind: str, name: str) -> None:
+    model, x = _case(DROP_PATHS[kind])
+    ref = _reference(model, x)
+    torch.manual_seed(SEED)  # thread ranks share it: rank 0's seed is every rank's
+    results = run_threads(_step, 4, model, CONFIGS[name], x)
+    assert all("DistDropPath" in got["kinds"] for got in results)
+    _check(ref, results)
+
+
+@pytest.mark.parametrize("name", ["sample", "stationary-x"])
+def test_torchvision_stochastic_depth_function_equals_one_process(name: str) -> None:
+    model, x = _case(lambda: StochasticDepth(0.4, "row"), functional=True)
+    ref = _reference(model, x)
+    torch.manual_seed(SEED)
+    _check(ref, run_threads(_step, 4, model, CONFIGS[name], x))
+
+
+@pytest.mark.parametrize("make", [lambda: DropPath(0.0), lambda: DropPath(0.4).eval(),
+                                  lambda: monai.networks.layers.DropPath(0.0)],
+                         ids=["p0", "eval", "monai-p0"])
+def test_drop_path_with_p0_or_in_eval_is_the_identity(make: Any) -> None:
+    model, x = _case(make)
+    ref = _reference(model, x)
+    with torch.no_grad():
+        plain = copy.deepcopy(model)
+        plain.d1, plain.d2 = nn.Identity(), nn.Identity()
+        assert torch.equal(plain(x), ref["out"])
+    _check(ref, run_threads(_step, 4, model, CONFIGS["spatial"], x))
+
+
+def test_drop_path_is_one_call_of_the_trace() -> None:
+    """fx cannot follow timm's body (a tuple times a traced size): the module is a leaf."""
+    from distconv.parallel.graph import trace
+
+    gm = trace(Residual(lambda: DropPath(0.4)))
+    assert [n.target for n in gm.graph.nodes if n.op == "call_module"] == [
+        "c1", "d1", "c2", "d2", "head"]
+
+
+def test_drop_path_on_gloo(gloo4) -> None:  # noqa: ANN001
+    model, x = _case(DROP_PATHS["monai"])  # (a type pickle finds by its name)
+    ref = _reference(model, x)
+    _check(ref, gloo4.run(_seeded_step, model, CONFIGS["stationary-x"], x))
+
+
+# ---------------------------------------------------------------- MONAI's activations
+class Activations(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        from monai.networks.blocks.activation import MemoryEfficientSwish, Mish, Swish
+
+        self.c1, self.c2 = nn.Conv2d(4, 4, 3, padding=1), nn.Conv2d(4, 4, 3, padding=1)
+        self.acts = nn.Sequential(Swish(0.7), MemoryEfficientSwish(), Mish())
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.c2(self.acts(self.c1(x))).mean((2, 3)))
+
+
+@pytest.mark.parametrize("name", ["spatial", "stationary-x"])
+def test_monai_activations_equal_one_process(name: str) -> None:
+    gen = torch.Generator().manual_seed(3)
+    model = seeded(Activations().double(), gen)
+    x = torch.randn(SHAPE, generator=gen, dtype=torch.float64)
+    ref = _reference(model, x)
+    _check(ref, run_threads(_step, 4, model, CONFIGS[name], x))
