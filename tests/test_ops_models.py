@@ -229,3 +229,42 @@ def test_monai_activations_equal_one_process(name: str) -> None:
     x = torch.randn(SHAPE, generator=gen, dtype=torch.float64)
     ref = _reference(model, x)
     _check(ref, run_threads(_step, 4, model, CONFIGS[name], x))
+
+
+# ---------------------------------------------------------------- parameters used in ops
+class LayerScale(nn.Module):
+    """Parameters used directly in ops, each form models write: a layer scale viewed, indexed
+    and multiplied in as a method, one on trailing dims ``[C, 1, 1]``, a positional term
+    ``[1, C, H, W]`` added, a buffer divided by, and arithmetic between parameters."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1, self.c2 = nn.Conv2d(4, 4, 3, padding=1), nn.Conv2d(4, 4, 3, padding=1)
+        self.gamma = nn.Parameter(torch.rand(4))
+        self.beta = nn.Parameter(torch.rand(4, 1, 1))
+        self.pos = nn.Parameter(torch.rand(1, 4, 6, 6))
+        self.register_buffer("scale", torch.rand(1, 4, 1, 1) + 1)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.c1(x) * self.gamma.view(1, -1, 1, 1) + self.pos
+        y = torch.relu(y).mul(self.gamma[:, None, None]) / self.scale
+        y = x + self.c2(y) * (self.beta * 2 - self.gamma[:, None, None])
+        return self.head(y.mean((2, 3)))
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_parameters_used_in_ops_equal_one_process(name: str) -> None:
+    gen = torch.Generator().manual_seed(4)
+    model = seeded(LayerScale().double(), gen)
+    x = torch.randn(SHAPE, generator=gen, dtype=torch.float64)
+    ref = _reference(model, x)
+    _check(ref, run_threads(_step, 4, model, CONFIGS[name], x))
+
+
+def test_parameters_used_in_ops_on_gloo(gloo4) -> None:  # noqa: ANN001
+    gen = torch.Generator().manual_seed(4)
+    model = seeded(LayerScale().double(), gen)
+    x = torch.randn(SHAPE, generator=gen, dtype=torch.float64)
+    ref = _reference(model, x)
+    _check(ref, gloo4.run(_step, model, CONFIGS["spatial"], x))

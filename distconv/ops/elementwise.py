@@ -19,7 +19,7 @@ from distconv.ops.base import SAMPLE_GRIDS, Handler, Sample, SampleNet
 from distconv.parallel.placement import Placement, conversion_bytes, evaluated_ranks
 
 __all__ = ["BinaryHandler", "CatHandler", "DropoutHandler", "PointwiseHandler",
-           "broadcast_need", "meeting"]
+           "broadcast_need", "is_constant", "meeting"]
 
 
 class PointwiseHandler(Handler):
@@ -151,15 +151,23 @@ class BinaryHandler(Handler):
         from distconv.parallel.graph import Step
 
         args = an.tensor_args(node)
-        for a in fx.node.map_aggregate(node.args, lambda a: a):
-            if isinstance(a, fx.Node) and an.out.get(a) is None and a.op == "get_attr":
-                an.fail(node, "an elementwise op between an activation and a model tensor "
-                        "(get_attr) is not supported: its broadcast over split dims is unplanned")
         if len(args) == 1:
             return an.keep(node, "pointwise")
         if len(args) != 2:
             an.fail(node, f"expected two tensor operands, got {len(args)}")
         a, b = (an.placement(x).settled() for x in args)
+        fixed = [is_constant(x) for x in args]
+        if all(fixed):  # arithmetic on parameters only: whole on every rank, as they are
+            out = a if a.ndim >= b.ndim else b
+            return Step(node, "pointwise", out, {args[0]: a, args[1]: b})
+        if any(fixed):  # a parameter meets the activation's blocks: it is sliced to them
+            act, const = (b, a) if fixed[0] else (a, b)
+            if const.ndim > act.ndim:
+                an.fail(node, f"a parameter of {const.ndim} dims broadcast against an "
+                        f"activation of {act.ndim}: the activation would gain dims")
+            need = Placement(act.layout, Dist(act.dist.entries[act.ndim - const.ndim:]))
+            needs = {args[0]: need, args[1]: act} if fixed[0] else {args[0]: act, args[1]: need}
+            return Step(node, "pointwise", act, needs)
         if a.ndim != b.ndim:
             an.fail(node, "operands with different numbers of dims (broadcasting across "
                     "distributed dims) are not supported")
@@ -170,6 +178,8 @@ class BinaryHandler(Handler):
         return (Sample("residual-add", lambda: SampleNet(_Residual(), 4), (5, 4, 7, 6),
                        SAMPLE_GRIDS),
                 Sample("squeeze-excitation", lambda: SampleNet(_Excite(), 4), (5, 4, 7, 6),
+                       SAMPLE_GRIDS),
+                Sample("layer-scale", lambda: SampleNet(_Scaled(), 4), (5, 4, 7, 6),
                        SAMPLE_GRIDS))
 
 
@@ -202,6 +212,15 @@ class CatHandler(Handler):
                        SAMPLE_GRIDS),)
 
 
+def is_constant(node: fx.Node) -> bool:
+    """Whether ``node``'s value comes from parameters and buffers only (``self.gamma``,
+    ``self.gamma.view(1, -1, 1, 1)``, ``self.gamma[:, None, None]``), never from the input."""
+    if node.op == "get_attr":
+        return True
+    inputs = node.all_input_nodes
+    return node.op.startswith("call_") and bool(inputs) and all(is_constant(a) for a in inputs)
+
+
 def broadcast_need(need: Placement, shape: Sequence[int], out_shape: Sequence[int]) -> Placement:
     """What an operand of shape ``shape`` of a broadcasting elementwise op is converted to: the
     placement the operands meet in, with every dim it broadcasts over (size 1 against a larger
@@ -209,8 +228,9 @@ def broadcast_need(need: Placement, shape: Sequence[int], out_shape: Sequence[in
     ``[N, C, 1, 1]`` gate of squeeze-and-excitation against a row- or channel-split activation.
     Its cotangent is then a pending sum over the grid dims that split those dims of the result,
     which the conversion's adjoint resolves."""
-    if len(shape) != len(out_shape):
+    if len(shape) > len(out_shape):
         return need
+    out_shape = out_shape[len(out_shape) - len(shape):]  # broadcasting aligns trailing dims
     entries = list(need.dist.entries)
     for d, (a, o) in enumerate(zip(shape, out_shape)):
         if a == 1 and o != 1:
@@ -255,6 +275,21 @@ class _Excite(nn.Module):
     def forward(self, x: Any) -> Any:
         x = x * torch.sigmoid(x.mean((2, 3), keepdim=True))
         return self.conv(x) * torch.sigmoid(x.mean(1, keepdim=True))
+
+
+class _Scaled(nn.Module):
+    """Parameters used directly in ops: a layer scale (viewed, indexed) and a positional term
+    ``[1, C, H, W]``, each sliced to the activation's blocks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(4, 4, 3, padding=1)
+        self.gamma = nn.Parameter(torch.ones(4))
+        self.pos = nn.Parameter(torch.zeros(1, 4, 7, 6))
+
+    def forward(self, x: Any) -> Any:
+        y = self.conv(x * self.gamma.view(1, -1, 1, 1) + self.pos)
+        return y.mul(self.gamma[:, None, None])
 
 
 class _Cat(nn.Module):
