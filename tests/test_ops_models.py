@@ -268,3 +268,86 @@ def test_parameters_used_in_ops_on_gloo(gloo4) -> None:  # noqa: ANN001
     x = torch.randn(SHAPE, generator=gen, dtype=torch.float64)
     ref = _reference(model, x)
     _check(ref, gloo4.run(_step, model, CONFIGS["spatial"], x))
+
+
+# ---------------------------------------------------------------- one-row maps
+class Excite(nn.Module):
+    """Squeeze-and-excitation with convolutions on ``[N, C, 1, 1]`` maps, squeezed each way
+    models write it: a keepdim mean, ``AdaptiveAvgPool2d(1)``, ``F.adaptive_avg_pool2d(x, 1)``,
+    and a mean re-expanded with ``[:, :, None, None]`` (MobileNetV3, EfficientNet, RegNet)."""
+
+    def __init__(self, squeeze: str) -> None:
+        super().__init__()
+        self.c1 = nn.Conv2d(4, 4, 3, padding=1)
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.fc1, self.fc2 = nn.Conv2d(4, 2, 1), nn.Conv2d(2, 4, 1)
+        self.c2 = nn.Conv2d(4, 4, 3, padding=1)
+        self.head = nn.Linear(4, 3)
+        self.squeeze = squeeze
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.relu(self.c1(x))
+        s = {"mean": lambda: x.mean((2, 3), keepdim=True), "pool": lambda: self.pool(x),
+             "functional": lambda: F.adaptive_avg_pool2d(x, 1),
+             "axes": lambda: x.mean((2, 3))[:, :, None, None]}[self.squeeze]()
+        s = F.hardsigmoid(self.fc2(F.relu(self.fc1(s))))
+        return self.head(self.c2(x * s).mean((2, 3)))
+
+
+SPATIAL_DEFAULT = {"default": {"grid": {"N": 1, "H": 2}, "algorithm": "spatial"},
+                   "data": {"N": 1, "H": 2}}
+
+
+@pytest.mark.parametrize("squeeze", ["mean", "pool", "functional", "axes"])
+@pytest.mark.parametrize("config", [SPATIAL_DEFAULT, CONFIGS["spatial"],
+                                    {"default": {"grid": {"H": 2, "W": 2}, "algorithm": "spatial"},
+                                     "data": {"N": 1, "H": 2, "W": 2}}],
+                         ids=["N1xH2", "N2xH2", "H2xW2"])
+def test_one_row_maps_under_a_default_spatial_grid_equal_one_process(squeeze: str,
+                                                                     config: dict) -> None:
+    gen = torch.Generator().manual_seed(5)
+    model = seeded(Excite(squeeze).double(), gen)
+    x = torch.randn(SHAPE, generator=gen, dtype=torch.float64)
+    ref = _reference(model, x)
+    world = 2 if config is SPATIAL_DEFAULT else 4
+    _check(ref, run_threads(_step, world, model, config, x))
+
+
+def test_explain_says_which_layers_keep_their_rows_whole() -> None:
+    from distconv.parallel.explain import explain
+
+    plan = explain(Excite("pool"), SPATIAL_DEFAULT, SHAPE, world_size=2)
+    whole = {lay.name: lay.note for lay in plan.layers if "whole" in (lay.note or "")}
+    assert set(whole) == {"fc1", "fc2"} and "H whole" in whole["fc1"]
+    assert "H whole" in str(plan)
+
+
+def test_an_explicit_entry_that_cannot_split_one_row_maps_stays_refused() -> None:
+    from distconv.parallel.explain import explain
+
+    config = {**SPATIAL_DEFAULT, "layers": [{"match": "fc1", "grid": {"N": 1, "H": 2},
+                                             "algorithm": "spatial"}]}
+    with pytest.raises(ValueError, match=r"node 'fc1'.*grid dim H=2 exceeds"):
+        explain(Excite("pool"), config, SHAPE, world_size=2)
+
+
+class Excite3d(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1, self.fc = nn.Conv3d(2, 4, 3, padding=1), nn.Conv3d(4, 4, 1)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.relu(self.c1(x))
+        return self.head((x * torch.sigmoid(self.fc(x.mean((2, 3, 4), keepdim=True))))
+                         .mean((2, 3, 4)))
+
+
+def test_one_row_volumes_under_a_default_spatial_grid_equal_one_process() -> None:
+    gen = torch.Generator().manual_seed(6)
+    model = seeded(Excite3d().double(), gen)
+    x = torch.randn((3, 2, 4, 5, 3), generator=gen, dtype=torch.float64)
+    ref = _reference(model, x)
+    config = {"default": {"grid": {"D": 2, "H": 2}, "algorithm": "spatial"},
+              "data": {"N": 1, "D": 2, "H": 2}}
+    _check(ref, run_threads(_step, 4, model, config, x))

@@ -33,7 +33,7 @@ from distconv.ops.base import (
 )
 from distconv.ops.linear import LinearHandler, compute
 from distconv.nn.halo_conv import interior_share
-from distconv.ops.conv import halo_overlap
+from distconv.ops.conv import halo_overlap, whole_rows, whole_step
 from distconv.ops.pricing import CommStep, LayerReport, halo_hidden, largest_block
 from distconv.parallel.placement import Placement, paper_grid
 from distconv.redistribute import plan_redistribution
@@ -147,6 +147,9 @@ class ConvNdHandler(LinearHandler):
         # a stationary default plans the Conv2d layers: these run sample-parallel under it
         split = choice.algorithm == "spatial" or (
             choice.algorithm.startswith("stationary-") and choice.source != "default")
+        whole = whole_rows(an, node, module, choice) if split else ()
+        if whole:
+            return whole_step(an, node, an.tensor_args(node)[0], choice, whole)
         if split and live - {"N"}:
             roles = _roles(module)
             rows = [r for r in roles if r not in ("N", "C", "F")]

@@ -47,6 +47,9 @@ class LayerSpec:
     statistics: str = "global"  # BatchNorm: global-batch or per-sample-block statistics
     pipeline: int = 1  # conv: chunks of samples its collectives are pipelined over
     overlap: bool = False  # conv: its halo exchange overlaps the interior rows' convolution
+    #: the spatial grid dims a default entry splits that this layer keeps whole (its maps have
+    #: one row there, as the graph states: a keepdim mean, an adaptive pool to 1)
+    whole: tuple[str, ...] = ()
 
 
 @dataclass
