@@ -351,3 +351,69 @@ def test_one_row_volumes_under_a_default_spatial_grid_equal_one_process() -> Non
     config = {"default": {"grid": {"D": 2, "H": 2}, "algorithm": "spatial"},
               "data": {"N": 1, "D": 2, "H": 2}}
     _check(ref, run_threads(_step, 4, model, config, x))
+
+
+# ---------------------------------------------------------------- groups across channel blocks
+class Grouped(nn.Module):
+    """A grouped convolution between two plain ones: ``groups`` groups of ``width`` channels
+    (RegNet: 25 groups over 2 channel blocks; depthwise of odd width)."""
+
+    def __init__(self, groups: int, width: int) -> None:
+        super().__init__()
+        channels = groups * width
+        self.stem = nn.Conv2d(4, channels, 1)
+        self.grouped = nn.Conv2d(channels, channels, 3, padding=1, groups=groups)
+        self.out = nn.Conv2d(channels, 4, 1)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.out(torch.relu(self.grouped(torch.relu(self.stem(x)))))
+                         .mean((2, 3)))
+
+
+@pytest.mark.parametrize("groups, width, name", [
+    (25, 2, "stationary-x"), (5, 1, "stationary-x"), (5, 1, "stationary-y"),
+    (3, 2, "stationary-w"), (25, 2, "spatial")])
+def test_groups_across_channel_blocks_under_a_default_entry_equal_one_process(
+        groups: int, width: int, name: str) -> None:
+    gen = torch.Generator().manual_seed(8)
+    model = seeded(Grouped(groups, width).double(), gen)
+    x = torch.randn((4, 4, 5, 4), generator=gen, dtype=torch.float64)
+    ref = _reference(model, x)
+    _check(ref, run_threads(_step, 4, model, CONFIGS[name], x))
+
+
+def test_explain_says_which_grouped_layers_keep_their_channels_whole() -> None:
+    from distconv.parallel.explain import explain
+
+    plan = explain(Grouped(25, 2), CONFIGS["stationary-x"], (4, 4, 5, 4), world_size=4)
+    notes = {lay.name: lay.note for lay in plan.layers}
+    assert notes["grouped"] == "C whole: 25 groups across 2 channel/filter blocks"
+    assert "whole" not in (notes["stem"] or "") and "whole" not in (notes["out"] or "")
+
+
+def test_an_explicit_entry_whose_blocks_split_groups_is_refused_naming_what_works() -> None:
+    from distconv.parallel.explain import explain
+
+    config = {"layers": [{"match": "grouped", "grid": {"N": 2, "C": 2},
+                          "algorithm": "stationary-x"}]}
+    with pytest.raises(ValueError, match=r"node 'grouped'.*groups=25.*not hold whole groups; "
+                                         r"use C×F among 1, 5, 25 \(dividing 25\)"):
+        explain(Grouped(25, 2), config, (4, 4, 5, 4), world_size=4)
+
+
+def test_a_default_entry_with_more_channel_blocks_than_channels_runs_them_whole() -> None:
+    """An RGB stem under a default that splits channels 4 ways runs with its channels whole (a
+    layer's own entry stays refused: test_ops)."""
+    from distconv.parallel.explain import explain
+
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3),
+                          nn.Flatten(), nn.Linear(8 * 3 * 2, 3))
+    config = {"default": {"grid": {"C": 4}, "algorithm": "stationary-x"}}
+    notes = {lay.name: lay.note for lay in explain(model, config, (4, 3, 5, 4),
+                                                   world_size=4).layers}
+    assert notes["0"] == "C whole: 3 channels over 4 channel/filter blocks"
+    gen = torch.Generator().manual_seed(9)
+    model = seeded(model.double(), gen)
+    x = torch.randn((4, 3, 5, 4), generator=gen, dtype=torch.float64)
+    _check(_reference(model, x), run_threads(_step, 4, model, config, x))

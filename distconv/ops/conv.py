@@ -9,6 +9,7 @@ takes it with no data movement. Bytes and time per rank are the §4 model's
 
 from __future__ import annotations
 
+import math
 import operator
 from typing import Any, Sequence
 
@@ -26,8 +27,8 @@ from distconv.ops.pricing import CommStep, halo_hidden, largest_block
 from distconv.parallel.placement import Placement, paper_grid, same_blocks
 from distconv.perfmodel import ConvProblem, conv_cost, conv_traffic
 
-__all__ = ["ConvHandler", "memory_elements", "moves_data", "unit_dims", "whole_rows",
-           "whole_step"]
+__all__ = ["ConvHandler", "group_blocks", "memory_elements", "moves_data", "split_groups",
+           "unit_dims", "whole_rows", "whole_step"]
 
 
 def _dists(step: Any, conv: nn.Conv2d) -> dict[str, Any]:
@@ -288,17 +289,59 @@ def whole_rows(an: Any, node: fx.Node, module: Any, choice: Any) -> tuple[str, .
     return tuple(r for _, r in split) if all(d in ones for d, _ in split) else ()
 
 
+def group_blocks(groups: int, channels: int) -> list[int]:
+    """The channel/filter block counts (C×F) whose blocks hold whole groups of a grouped
+    convolution: the divisors of ``groups`` up to ``channels``."""
+    return [p for p in range(1, min(groups, channels) + 1) if groups % p == 0]
+
+
+def split_groups(an: Any, node: fx.Node, module: Any, choice: Any) -> tuple[str, ...]:
+    """The grid dims a convolution keeps whole where its C×F blocks would not hold whole groups
+    (RegNet's 25 groups over C = 2, a depthwise layer of odd width) or outnumber its channels
+    (an RGB stem, a squeeze-and-excitation's narrow layer): under a default entry it runs with
+    its channels (and rows) whole, ``x[o_N,*,*,*]``; a layer's own entry is refused, naming the
+    block counts that work (:func:`check_channel_blocks` refuses one with too few channels)."""
+    ext = dict(choice.layout or ())
+    blocks = ext.get("C", 1) * ext.get("F", 1)
+    if choice.source == "default" and blocks > min(module.in_channels, module.out_channels):
+        return tuple(d for d, e in choice.layout if e > 1 and d != "N")  # fewer channels
+    if module.groups == 1 or blocks == 1 or module.groups % blocks == 0:
+        return ()
+    if choice.source != "default":
+        works = group_blocks(module.groups, min(module.in_channels, module.out_channels))
+        an.fail(node, f"{choice.source} asks for {choice.algorithm} on {dict(choice.layout)}, "
+                f"but this Conv2d is grouped (groups={module.groups}) and its {blocks} "
+                "channel/filter blocks would not hold whole groups; use C×F among "
+                f"{', '.join(map(str, works))} (dividing {module.groups}), or sample or "
+                "spatial parallelism for it (a default entry runs such a layer with its "
+                "channels whole)", ValueError)
+    return tuple(d for d, e in choice.layout if e > 1 and d != "N")
+
+
 def whole_step(an: Any, node: fx.Node, arg: fx.Node, choice: Any, whole: tuple[str, ...]
                ) -> Any:
-    """A convolution of one-row maps under a default entry that splits those rows: it runs
-    sample-parallel on the entry's grid, ``x[o_N,*,...]`` (replicated over the other grid dims,
-    its weights whole), as a ``Linear`` does; ``whole`` is recorded for ``explain``."""
+    """A convolution a default entry cannot split as it asks (one-row maps under split rows,
+    groups across channel blocks): it runs sample-parallel on the entry's grid, ``x[o_N,*,...]``
+    (replicated over the other grid dims, its weights whole, its weight gradient the sum over
+    every rank as a ``Linear``'s), exact by the sum convention; ``whole`` is recorded for
+    ``explain``."""
     from distconv.parallel.graph import LayerSpec, Step, sample_dist
 
     need = Placement(choice.layout, sample_dist(an.placement(arg).ndim))
     return Step(node, "sample-layer", need, {arg: need},
                 LayerSpec("linear", str(node.target), choice.layout, "sample", input=need,
                           source=choice.source, whole=whole))
+
+
+def _whole_reason(conv: Any, spec: Any) -> str:
+    """Why a default entry's convolution runs with ``spec.whole`` whole (for ``explain``)."""
+    if set(spec.whole) <= {"H", "W"}:
+        return "one-row maps"
+    blocks = math.prod(e for d, e in spec.layout if d in ("C", "F"))
+    channels = min(conv.in_channels, conv.out_channels)
+    if blocks > channels:
+        return f"{channels} channels over {blocks} channel/filter blocks"
+    return f"{conv.groups} groups across {blocks} channel/filter blocks"
 
 
 class ConvHandler(Handler):
@@ -319,12 +362,12 @@ class ConvHandler(Handler):
             an.fail(node, f"{choice.source} splits D on {dict(choice.layout)}, but a Conv2d's "
                     "spatial dims are H and W: split those (D splits a volume's depth)",
                     ValueError)
-        check_channel_blocks(an, node, module, choice)
-        grouped = module.groups > 1 and ext.get("C", 1) * ext.get("F", 1) > 1
         args = an.tensor_args(node)
-        whole = whole_rows(an, node, module, choice)
+        whole = whole_rows(an, node, module, choice) or split_groups(an, node, module, choice)
         if whole:
             return whole_step(an, node, args[0], choice, whole)
+        check_channel_blocks(an, node, module, choice)
+        grouped = module.groups > 1 and ext.get("C", 1) * ext.get("F", 1) > 1
         roles, dists = _roles_and_dists(an, args, module, choice, algorithm)
         if choice.pipeline > 1 and not moves_data(choice.layout, dists):
             an.fail(node, f"{choice.source} asks for pipeline: {choice.pipeline}, but this "
@@ -372,7 +415,7 @@ class ConvHandler(Handler):
         if spec.kind == "linear":
             report.param_elements = sum(p.numel() for p in conv.parameters())
             report.dists["w"] = "w[*,*,*,*]"
-            report.note = f"{'×'.join(spec.whole)} whole: one-row maps"
+            report.note = f"{'×'.join(spec.whole)} whole: {_whole_reason(conv, spec)}"
             compute(report, step, conv, ctx)
             return
         roles = dict(spec.roles)
@@ -435,5 +478,22 @@ class ConvHandler(Handler):
                        (5, 4, 9, 8), SAMPLE_GRIDS[:4]),
                 Sample("conv-grouped-stationary-w",  # 4 groups over C×F: one a rank
                        lambda: SampleNet(nn.Conv2d(4, 8, 3, padding=1, groups=4), 4, 8),
-                       (5, 4, 7, 6), SAMPLE_GRIDS[4:]))
+                       (5, 4, 7, 6), SAMPLE_GRIDS[4:]),
+                Sample("conv-groups-across-blocks",  # 3 groups over 2 or 4 blocks: whole
+                       lambda: SampleNet(nn.Conv2d(6, 6, 3, padding=1, groups=3), 6),
+                       (5, 6, 7, 6), SAMPLE_GRIDS),
+                Sample("conv-one-row-maps",  # squeeze-and-excitation: rows whole
+                       lambda: SampleNet(_Excite(), 4), (5, 4, 7, 6), SAMPLE_GRIDS))
+
+
+class _Excite(nn.Module):
+    """Squeeze-and-excitation's convolutions on ``[N, C, 1, 1]`` maps."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Conv2d(4, 2, 1), nn.Conv2d(2, 4, 1)
+
+    def forward(self, x: Any) -> Any:
+        s = self.fc2(torch.relu(self.fc1(x.mean((2, 3), keepdim=True))))
+        return x * torch.sigmoid(s)
 
