@@ -274,7 +274,7 @@ def test_parameters_used_in_ops_on_gloo(gloo4) -> None:  # noqa: ANN001
 class Excite(nn.Module):
     """Squeeze-and-excitation with convolutions on ``[N, C, 1, 1]`` maps, squeezed each way
     models write it: a keepdim mean, ``AdaptiveAvgPool2d(1)``, ``F.adaptive_avg_pool2d(x, 1)``,
-    and a mean re-expanded with ``[:, :, None, None]`` (MobileNetV3, EfficientNet, RegNet)."""
+    and a mean re-expanded with new axes or a view (MobileNetV3, EfficientNet, RegNet)."""
 
     def __init__(self, squeeze: str) -> None:
         super().__init__()
@@ -289,7 +289,9 @@ class Excite(nn.Module):
         x = torch.relu(self.c1(x))
         s = {"mean": lambda: x.mean((2, 3), keepdim=True), "pool": lambda: self.pool(x),
              "functional": lambda: F.adaptive_avg_pool2d(x, 1),
-             "axes": lambda: x.mean((2, 3))[:, :, None, None]}[self.squeeze]()
+             "axes": lambda: x.mean((2, 3))[:, :, None, None],
+             "ellipsis": lambda: x.mean((2, 3))[..., None].unsqueeze(-1),
+             "view": lambda: x.mean((2, 3)).view(x.size(0), -1, 1, 1)}[self.squeeze]()
         s = F.hardsigmoid(self.fc2(F.relu(self.fc1(s))))
         return self.head(self.c2(x * s).mean((2, 3)))
 
@@ -298,7 +300,7 @@ SPATIAL_DEFAULT = {"default": {"grid": {"N": 1, "H": 2}, "algorithm": "spatial"}
                    "data": {"N": 1, "H": 2}}
 
 
-@pytest.mark.parametrize("squeeze", ["mean", "pool", "functional", "axes"])
+@pytest.mark.parametrize("squeeze", ["mean", "pool", "functional", "axes", "ellipsis", "view"])
 @pytest.mark.parametrize("config", [SPATIAL_DEFAULT, CONFIGS["spatial"],
                                     {"default": {"grid": {"H": 2, "W": 2}, "algorithm": "spatial"},
                                      "data": {"N": 1, "H": 2, "W": 2}}],

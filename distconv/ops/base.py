@@ -139,8 +139,8 @@ class Handler:
         if node.op == "call_module":
             return isinstance(module, self.modules) or self.binds_by_name(module)
         if node.op == "call_function":
-            return node.target in self.functions or qualified_name(node.target) in (
-                self.function_names)
+            return node.target in self.functions or bool(self.function_names) and (
+                qualified_name(node.target) in self.function_names)
         if node.op == "call_method":
             return node.target in self.methods
         return False
