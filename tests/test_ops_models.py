@@ -419,3 +419,17 @@ def test_a_default_entry_with_more_channel_blocks_than_channels_runs_them_whole(
     model = seeded(model.double(), gen)
     x = torch.randn((4, 3, 5, 4), generator=gen, dtype=torch.float64)
     _check(_reference(model, x), run_threads(_step, 4, model, config, x))
+
+
+@pytest.mark.parametrize("kind", ["drop-path", "dropout"])
+def test_masks_recomputed_under_checkpointing_are_the_first_forward_s(kind: str) -> None:
+    """A checkpointed segment's recomputation in backward draws the masks its forward drew (the
+    shared generator's state replayed, as torch's checkpoint restores its own generators)."""
+    make = DROP_PATHS["monai"] if kind == "drop-path" else (lambda: nn.Dropout(0.4))
+    model, x = _case(make)
+    ref = _reference(model, x)
+    config = {**CONFIGS["stationary-x"], "layers": [
+        {"match": "c1", "checkpoint": True}, {"match": "d1", "checkpoint": True},
+        {"match": "c2", "checkpoint": True}, {"match": "d2", "checkpoint": True}]}
+    torch.manual_seed(SEED)
+    _check(ref, run_threads(_step, 4, model, config, x))

@@ -18,6 +18,7 @@ from torch.nn.modules.dropout import _DropoutNd
 
 from distconv.distribution import Dist
 from distconv.grid import ProcessorGrid
+from distconv.nn.recompute import replayed
 
 __all__ = ["DistDropPath", "DistDropout", "DistDropout1d", "DistDropout2d", "DistDropout3d"]
 
@@ -48,7 +49,7 @@ class _DistDropout(_DropoutNd):
             shape = shape[:2] + (1,) * (len(shape) - 2)
             dist = Dist(dist.entries[:2] + (None,) * (len(shape) - 2), dist.pending,
                         dist.tensor_dims)
-        generator = self.grid.comm.shared_generator()
+        generator = replayed(self.grid.comm.shared_generator())
         noise = torch.empty(shape, dtype=x.dtype, device=generator.device)
         noise.bernoulli_(1 - self.p, generator=generator)
         noise = noise[dist.local_slices(shape, self.grid)].to(x.device)
@@ -136,7 +137,7 @@ class DistDropPath(nn.Module):
         ndim = len(global_shape)
         shape = ((int(global_shape[0]),) if self.per_sample else (1,)) + (1,) * (ndim - 1)
         keep = 1 - self.p
-        generator = self.grid.comm.shared_generator()
+        generator = replayed(self.grid.comm.shared_generator())
         mask = torch.empty(shape, dtype=x.dtype, device=generator.device).bernoulli_(
             keep, generator=generator)
         if keep > 0 and self.scale:
