@@ -433,3 +433,40 @@ def test_masks_recomputed_under_checkpointing_are_the_first_forward_s(kind: str)
         {"match": "c2", "checkpoint": True}, {"match": "d2", "checkpoint": True}]}
     torch.manual_seed(SEED)
     _check(ref, run_threads(_step, 4, model, config, x))
+
+
+def drop_path(x: torch.Tensor, drop_prob: float = 0.0, training: bool = False,
+              scale_by_keep: bool = True) -> torch.Tensor:
+    """timm's ``drop_path`` as timm writes it."""
+    if drop_prob == 0.0 or not training:
+        return x
+    keep_prob = 1 - drop_prob
+    shape = (x.shape[0],) + (1,) * (x.ndim - 1)
+    random_tensor = x.new_empty(shape).bernoulli_(keep_prob)
+    if keep_prob > 0.0 and scale_by_keep:
+        random_tensor.div_(keep_prob)
+    return x * random_tensor
+
+
+class CallsDropPath(Residual):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + drop_path(torch.relu(self.c1(x)), 0.4, True)
+        return self.head((x + drop_path(torch.relu(self.c2(x)), 0.3, True)).mean((2, 3)))
+
+
+def test_timm_drop_path_called_as_a_function_equals_one_process(monkeypatch) -> None:  # noqa: ANN001
+    """Where timm is loaded, its ``drop_path`` called in a model's forward is one node of the
+    trace (fx cannot follow its body). Here this module stands in for ``timm.layers.drop``."""
+    import sys
+    import types
+
+    timm_drop = types.ModuleType("timm.layers.drop")
+    timm_drop.drop_path = drop_path
+    monkeypatch.setitem(sys.modules, "timm.layers.drop", timm_drop)
+    monkeypatch.setattr(drop_path, "__module__", "timm.layers.drop")
+    gen = torch.Generator().manual_seed(2)
+    model = seeded(CallsDropPath(nn.Identity).double(), gen)
+    x = torch.randn(SHAPE, generator=gen, dtype=torch.float64)
+    ref = _reference(model, x)
+    torch.manual_seed(SEED)
+    _check(ref, run_threads(_step, 4, model, CONFIGS["spatial"], x))

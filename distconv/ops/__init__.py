@@ -8,6 +8,9 @@ binds (:func:`supported`).
 
 from __future__ import annotations
 
+import sys
+from typing import Any
+
 import torch.fx as fx
 from torch import nn
 
@@ -25,7 +28,7 @@ from distconv.ops.shape import FlattenHandler, MetaHandler, NewAxisHandler, Resh
 from distconv.ops.stochastic import StochasticDepthHandler
 
 __all__ = ["CONFIGURABLE", "REGISTRY", "Handler", "PriceContext", "Sample", "Unsupported",
-           "handler_for", "is_leaf", "supported"]
+           "handler_for", "is_leaf", "loaded_functions", "supported"]
 
 #: Every op family, in matching order (the first that binds a node handles it).
 REGISTRY: tuple[Handler, ...] = (
@@ -55,6 +58,20 @@ def is_leaf(module: nn.Module) -> bool:
     """Whether the trace keeps ``module`` as one call: a module type a handler binds by name
     (:attr:`Handler.module_names`), whose forward ``torch.fx`` need not (or cannot) follow."""
     return any(handler.binds_by_name(module) for handler in REGISTRY)
+
+
+def loaded_functions() -> tuple[Any, ...]:
+    """The functions handlers bind by name (:attr:`Handler.function_names`) whose packages are
+    loaded: the trace keeps each call of them as one node (fx's ``autowrap_functions``), as it
+    keeps the modules :func:`is_leaf` names."""
+    found = []
+    for handler in REGISTRY:
+        for name in sorted(handler.function_names):
+            module, _, attr = name.rpartition(".")
+            fn = getattr(sys.modules.get(module), attr, None)
+            if callable(fn):
+                found.append(fn)
+    return tuple(found)
 
 
 def supported(op: str) -> str:

@@ -128,8 +128,12 @@ def trace(model: nn.Module) -> fx.GraphModule:
 
 
 class _Tracer(fx.Tracer):
-    """``torch.fx``'s tracer, keeping as one call each module a handler binds by name
-    (:func:`distconv.ops.is_leaf`: e.g. stochastic depth, whose forward fx cannot follow)."""
+    """``torch.fx``'s tracer, keeping as one call each module and loaded function a handler
+    binds by name (:func:`distconv.ops.is_leaf`, :func:`distconv.ops.loaded_functions`: e.g.
+    stochastic depth, whose body fx cannot follow)."""
+
+    def __init__(self) -> None:
+        super().__init__(autowrap_functions=ops.loaded_functions())
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         return super().is_leaf_module(m, module_qualified_name) or ops.is_leaf(m)
