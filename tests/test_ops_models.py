@@ -161,8 +161,8 @@ def test_the_masks_drop_some_paths_and_keep_others() -> None:
     assert 0 < int(masks.sum()) < 10
 
 
-@pytest.mark.parametrize("name", list(CONFIGS))
-@pytest.mark.parametrize("kind", list(DROP_PATHS))
+@pytest.mark.parametrize("kind, name", [("monai", name) for name in CONFIGS] + [
+    (kind, name) for kind in list(DROP_PATHS)[1:] for name in ("spatial", "stationary-x")])
 def test_drop_path_equals_one_process(kind: str, name: str) -> None:
     model, x = _case(DROP_PATHS[kind])
     ref = _reference(model, x)
@@ -300,11 +300,15 @@ SPATIAL_DEFAULT = {"default": {"grid": {"N": 1, "H": 2}, "algorithm": "spatial"}
                    "data": {"N": 1, "H": 2}}
 
 
-@pytest.mark.parametrize("squeeze", ["mean", "pool", "functional", "axes", "ellipsis", "view"])
-@pytest.mark.parametrize("config", [SPATIAL_DEFAULT, CONFIGS["spatial"],
-                                    {"default": {"grid": {"H": 2, "W": 2}, "algorithm": "spatial"},
-                                     "data": {"N": 1, "H": 2, "W": 2}}],
-                         ids=["N1xH2", "N2xH2", "H2xW2"])
+HW_DEFAULT = {"default": {"grid": {"H": 2, "W": 2}, "algorithm": "spatial"},
+              "data": {"N": 1, "H": 2, "W": 2}}
+
+
+@pytest.mark.parametrize("squeeze, config", [
+    *((sq, SPATIAL_DEFAULT) for sq in ("mean", "pool", "functional", "axes", "ellipsis", "view")),
+    ("mean", CONFIGS["spatial"]), ("pool", HW_DEFAULT), ("axes", HW_DEFAULT)],
+    ids=lambda v: v if isinstance(v, str) else "x".join(
+        f"{d}{e}" for d, e in v["default"]["grid"].items()))
 def test_one_row_maps_under_a_default_spatial_grid_equal_one_process(squeeze: str,
                                                                      config: dict) -> None:
     gen = torch.Generator().manual_seed(5)

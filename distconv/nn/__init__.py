@@ -24,5 +24,6 @@ __all__ = ["ALGORITHMS", "DistConv2d", "DistConvNd", "GradSync", "Redistribute",
            "shard_specs"]
 __all__ += ["DistAdaptiveAvgPool2d", "DistAvgPool1d", "DistAvgPool2d", "DistAvgPool3d",
             "DistBatchNorm", "DistBatchNorm1d", "DistBatchNorm2d", "DistBatchNorm3d",
-            "DistDropPath", "DistDropout", "DistDropout1d", "DistDropout2d", "DistDropout3d", "DistGroupNorm",
+            "DistDropPath", "DistDropout", "DistDropout1d", "DistDropout2d", "DistDropout3d",
+            "DistGroupNorm",
             "DistInstanceNorm1d", "DistInstanceNorm2d", "DistInstanceNorm3d", "DistLayerNorm", "DistMaxPool1d", "DistMaxPool2d", "DistMaxPool3d"]

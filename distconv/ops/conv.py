@@ -205,15 +205,16 @@ def _unit_dims_of(an: Any, node: fx.Node, memo: dict) -> frozenset[int]:
         return frozenset()
     ndim, args = placed.ndim, an.tensor_args(node)
     module = an.modules.get(node.target) if node.op == "call_module" else None
+    target = None if module is not None else node.target  # (a module's target is its path)
     first = memo.get(args[0], frozenset()) if args else frozenset()
-    if node.target in _REDUCTIONS:
+    if target in _REDUCTIONS:
         dims = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else None)
         keep = node.kwargs.get("keepdim", node.args[2] if len(node.args) > 2 else False)
         dims = (dims,) if isinstance(dims, int) else tuple(dims or ())
         return first | {d % ndim for d in dims} if keep is True and dims else frozenset()
     if isinstance(module, (nn.modules.pooling._AdaptiveAvgPoolNd,
                            nn.modules.pooling._AdaptiveMaxPoolNd)) or (
-            node.target is F.adaptive_avg_pool2d):
+            target is F.adaptive_avg_pool2d):
         size = module.output_size if module is not None else (
             node.kwargs.get("output_size", node.args[1] if len(node.args) > 1 else None))
         sizes = size if isinstance(size, (tuple, list)) else (size,) * (ndim - 2)
@@ -221,15 +222,15 @@ def _unit_dims_of(an: Any, node: fx.Node, memo: dict) -> frozenset[int]:
             n is None and d in first))
     if isinstance(module, nn.modules.conv._ConvNd) and not module.transposed:
         return frozenset(d for d in first if d >= 2 and _one_row(module, d - 2))
-    if node.target in ("view", "reshape", torch.reshape):
+    if target in ("view", "reshape", torch.reshape):
         rest = node.args[1:]
         sizes = rest[0] if len(rest) == 1 and isinstance(rest[0], (tuple, list)) else rest
         return frozenset(d for d, n in enumerate(sizes) if isinstance(n, int) and n == 1)
-    if node.target in (operator.getitem, torch.unsqueeze, "unsqueeze"):
+    if target in (operator.getitem, torch.unsqueeze, "unsqueeze"):
         return _new_axes(node, first, ndim)
     if step.kind in _ELEMENTWISE:  # broadcast: 1 where every operand is 1 (trailing dims)
         dims = set(range(ndim))
-        if node.target is torch.cat:  # the joined dim grows
+        if target is torch.cat:  # the joined dim grows
             dims.discard(node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else 0)
                          % ndim)
         for a in args:
