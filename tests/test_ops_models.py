@@ -474,3 +474,49 @@ def test_timm_drop_path_called_as_a_function_equals_one_process(monkeypatch) -> 
     ref = _reference(model, x)
     torch.manual_seed(SEED)
     _check(ref, run_threads(_step, 4, model, CONFIGS["spatial"], x))
+
+
+# ---------------------------------------------------------------- K-FAC of the layers run whole
+def _kfac_case(which: str) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(10)
+    model = seeded((Grouped(25, 2) if which == "groups" else Excite("pool")).double(), gen)
+    x = torch.randn((4, 4, 6, 4), generator=gen, dtype=torch.float64)
+    return model, x, torch.randint(0, 3, (4,), generator=gen)
+
+
+def _kfac_train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, kfac: Any) -> None:
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    for _ in range(2):
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        kfac.step()
+        opt.step()
+
+
+KFAC_KW = dict(factor_dtype=torch.float64, damping=1e-2, kl_clip=1e-2, factor_decay=0.6)
+
+
+def _kfac_run(comm: Any, which: str, config: dict) -> dict[str, torch.Tensor]:
+    import distkfac
+
+    model, x, y = _kfac_case(which)
+    pmodel = parallelize(copy.deepcopy(model), config, comm=comm)
+    kfac = distkfac.KFAC(pmodel, **KFAC_KW)
+    rows = sample_block(x.shape[0], pmodel.data_grid)
+    _kfac_train(pmodel, x[rows], y[rows], kfac)
+    return _gathered_grads(pmodel)
+
+
+@pytest.mark.parametrize("which, config", [("groups", CONFIGS["stationary-x"]),
+                                           ("excite", SPATIAL_DEFAULT)])
+def test_kfac_of_layers_run_whole_equals_one_process(which: str, config: dict) -> None:
+    """A convolution run with its channels or rows whole is a replicated layer inside the
+    model: its K-FAC factors complete their output gradients over the replicas."""
+    import distkfac
+
+    model, x, y = _kfac_case(which)
+    _kfac_train(model, x, y, distkfac.KFAC(model, comm=None, **KFAC_KW))
+    world = 2 if config is SPATIAL_DEFAULT else 4
+    for grads in run_threads(_kfac_run, world, which, config):
+        for k, p in model.named_parameters():
+            torch.testing.assert_close(grads[k], p.grad, rtol=1e-9, atol=1e-11, msg=k)
