@@ -520,3 +520,26 @@ def test_kfac_of_layers_run_whole_equals_one_process(which: str, config: dict) -
     for grads in run_threads(_kfac_run, world, which, config):
         for k, p in model.named_parameters():
             torch.testing.assert_close(grads[k], p.grad, rtol=1e-9, atol=1e-11, msg=k)
+
+
+class Bounded(nn.Module):
+    """Buffers as bounds of a pointwise function: a 0-d one and one per channel."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1, self.c2 = nn.Conv2d(4, 4, 3, padding=1), nn.Conv2d(4, 4, 3, padding=1)
+        self.register_buffer("top", torch.tensor(0.3))
+        self.register_buffer("bottom", -torch.rand(4, 1, 1))
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.clamp(self.c1(x), min=self.bottom, max=self.top)
+        return self.head(self.c2(y).mean((2, 3)))
+
+
+@pytest.mark.parametrize("name", ["spatial", "stationary-x"])
+def test_buffers_bounding_a_pointwise_function_equal_one_process(name: str) -> None:
+    gen = torch.Generator().manual_seed(11)
+    model = seeded(Bounded().double(), gen)
+    x = torch.randn(SHAPE, generator=gen, dtype=torch.float64)
+    _check(_reference(model, x), run_threads(_step, 4, model, CONFIGS[name], x))

@@ -19,7 +19,7 @@ from distconv.ops.base import SAMPLE_GRIDS, Handler, Sample, SampleNet
 from distconv.parallel.placement import Placement, conversion_bytes, evaluated_ranks
 
 __all__ = ["BinaryHandler", "CatHandler", "DropoutHandler", "PointwiseHandler",
-           "broadcast_need", "is_constant", "meeting"]
+           "broadcast_need", "is_constant", "meeting", "with_constants"]
 
 
 class PointwiseHandler(Handler):
@@ -50,6 +50,9 @@ class PointwiseHandler(Handler):
     module_names = frozenset({"monai.networks.blocks.activation.MemoryEfficientSwish"})
 
     def place(self, an: Any, node: Any, module: Any) -> Any:
+        args = an.tensor_args(node)
+        if len(args) > 1 and any(is_constant(a) for a in args):  # torch.clamp(x, max=self.t)
+            return with_constants(an, node, args)
         step = an.keep(node, "pointwise")
         if isinstance(module, nn.PReLU) and module.num_parameters > 1 and (
                 step.out.dist.grid_dims_of(1)):
@@ -155,19 +158,9 @@ class BinaryHandler(Handler):
             return an.keep(node, "pointwise")
         if len(args) != 2:
             an.fail(node, f"expected two tensor operands, got {len(args)}")
+        if any(is_constant(x) for x in args):
+            return with_constants(an, node, args)
         a, b = (an.placement(x).settled() for x in args)
-        fixed = [is_constant(x) for x in args]
-        if all(fixed):  # arithmetic on parameters only: whole on every rank, as they are
-            out = a if a.ndim >= b.ndim else b
-            return Step(node, "pointwise", out, {args[0]: a, args[1]: b})
-        if any(fixed):  # a parameter meets the activation's blocks: it is sliced to them
-            act, const = (b, a) if fixed[0] else (a, b)
-            if const.ndim > act.ndim:
-                an.fail(node, f"a parameter of {const.ndim} dims broadcast against an "
-                        f"activation of {act.ndim}: the activation would gain dims")
-            need = Placement(act.layout, Dist(act.dist.entries[act.ndim - const.ndim:]))
-            needs = {args[0]: need, args[1]: act} if fixed[0] else {args[0]: act, args[1]: need}
-            return Step(node, "pointwise", act, needs)
         if a.ndim != b.ndim:
             an.fail(node, "operands with different numbers of dims (broadcasting across "
                     "distributed dims) are not supported")
@@ -210,6 +203,33 @@ class CatHandler(Handler):
     def samples(self) -> Sequence[Sample]:
         return (Sample("cat-channels", lambda: SampleNet(_Cat(), 4, 8), (5, 4, 7, 6),
                        SAMPLE_GRIDS),)
+
+
+def with_constants(an: Any, node: fx.Node, args: list[fx.Node]) -> Any:
+    """An elementwise op of one activation and parameters or buffers (a layer scale, a
+    positional term, a bound): the value stays where the activation is, and each parameter is
+    sliced to the activation's blocks (trailing dims aligned, as broadcasting aligns them; the
+    dims it broadcasts over then made whole by :func:`broadcast_need`), so its gradient is a
+    pending sum that the replicated parameters' all-rank sum completes. Of parameters only: whole
+    on every rank, as they are."""
+    from distconv.parallel.graph import Step
+
+    values = [a for a in args if not is_constant(a)]
+    if len(values) > 1:
+        an.fail(node, f"expected one activation among the operands, got {len(values)}")
+    if not values:
+        out = max((an.placement(a) for a in args), key=lambda p: p.ndim)
+        return Step(node, "pointwise", out, {a: an.placement(a) for a in args})
+    act = an.placement(values[0]).settled()
+    needs = {}
+    for a in args:
+        k = an.placement(a).ndim
+        if a is not values[0] and k > act.ndim:
+            an.fail(node, f"a parameter of {k} dims broadcast against an activation of "
+                    f"{act.ndim}: the activation would gain dims")
+        needs[a] = act if a is values[0] else Placement(
+            act.layout, Dist(act.dist.entries[act.ndim - k:]))
+    return Step(node, "pointwise", act, needs)
 
 
 def is_constant(node: fx.Node) -> bool:
