@@ -136,7 +136,11 @@ def _step(comm: Any, model: nn.Module, config: Any, x: torch.Tensor) -> dict[str
 
 
 def _seeded_step(comm: Any, model: nn.Module, config: Any, x: torch.Tensor) -> dict[str, Any]:
-    torch.manual_seed(SEED + comm.rank)  # ranks seeded differently: rank 0's seed is shared
+    """``_step`` on a world whose ranks' own generators differ, the shared one seeded as the
+    reference seeds its (the worker pool's communicator keeps its shared generator from earlier
+    tasks)."""
+    torch.manual_seed(SEED + 1 + comm.rank)
+    comm.shared_generator().manual_seed(SEED)
     return _step(comm, model, config, x)
 
 
