@@ -547,3 +547,37 @@ def test_buffers_bounding_a_pointwise_function_equal_one_process(name: str) -> N
     model = seeded(Bounded().double(), gen)
     x = torch.randn(SHAPE, generator=gen, dtype=torch.float64)
     _check(_reference(model, x), run_threads(_step, 4, model, CONFIGS[name], x))
+
+
+class Extents(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.same, self.valid = nn.Conv2d(4, 4, 3, padding=1), nn.Conv2d(4, 4, 3)
+        self.strided = nn.Conv2d(4, 4, 3, stride=2, padding=1)
+        self.pool = nn.AdaptiveAvgPool2d((1, None))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        m = x.mean((2, 3), keepdim=True)
+        a = self.same(m) + self.strided(m) + torch.relu(m) * x.mean(3, keepdim=True)
+        b = x.mean((2, 3))[..., None, None] + x.mean(2).unsqueeze(2)
+        c = x.mean((2, 3)).view(x.size(0), -1, 1, 1) + self.pool(x)
+        return a + b + c + self.valid(m) + torch.cat([m, m], 2)
+
+
+def test_unit_dims_are_what_the_graph_states() -> None:
+    """Dims of extent 1 whatever the input: keepdim reductions, an adaptive pool's 1s, new axes,
+    a view's literal 1s, elementwise ops where every operand has them, convolutions mapping one
+    row to one row (not a valid 3×3 one), not a cat along them."""
+    from distconv.ops.extents import unit_dims
+    from distconv.parallel.config import ParallelConfig
+    from distconv.parallel.graph import _Analyser, trace
+
+    gm = trace(Extents())
+    an = _Analyser(gm, ParallelConfig({"default": {"grid": {"N": 1}}}, world_size=1), 4)
+    an.run()
+    got = {n.name: set(unit_dims(an, n)) for n in gm.graph.nodes if an.out.get(n) is not None}
+    assert got["mean"] == {2, 3} and got["same"] == {2, 3} and got["strided"] == {2, 3}
+    assert got["mul"] == {3} and got["add_1"] == {3}  # m (1, 1) times a (H, 1) map
+    assert got["getitem"] == {2, 3} and got["unsqueeze"] == {2} and got["add_2"] == {2}
+    assert got["view"] == {2, 3} and got["pool"] == {2} and got["add_3"] == {2}
+    assert got["valid"] == set() and got["cat"] == {3} and got["mean_2"] == set()
