@@ -342,20 +342,26 @@ def test_an_explicit_entry_that_cannot_split_one_row_maps_stays_refused() -> Non
 
 
 class Excite3d(nn.Module):
-    def __init__(self) -> None:
+    """Squeeze-and-excitation of a volume: a keepdim mean, ``AdaptiveAvgPool3d(1)`` (MONAI's)
+    or ``AdaptiveMaxPool3d(1)``."""
+
+    def __init__(self, squeeze: str) -> None:
         super().__init__()
         self.c1, self.fc = nn.Conv3d(2, 4, 3, padding=1), nn.Conv3d(4, 4, 1)
+        self.pool = {"mean": None, "avg": nn.AdaptiveAvgPool3d(1),
+                     "max": nn.AdaptiveMaxPool3d(1)}[squeeze]
         self.head = nn.Linear(4, 3)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = torch.relu(self.c1(x))
-        return self.head((x * torch.sigmoid(self.fc(x.mean((2, 3, 4), keepdim=True))))
-                         .mean((2, 3, 4)))
+        s = x.mean((2, 3, 4), keepdim=True) if self.pool is None else self.pool(x)
+        return self.head((x * torch.sigmoid(self.fc(s))).mean((2, 3, 4)))
 
 
-def test_one_row_volumes_under_a_default_spatial_grid_equal_one_process() -> None:
+@pytest.mark.parametrize("squeeze", ["mean", "avg", "max"])
+def test_one_row_volumes_under_a_default_spatial_grid_equal_one_process(squeeze: str) -> None:
     gen = torch.Generator().manual_seed(6)
-    model = seeded(Excite3d().double(), gen)
+    model = seeded(Excite3d(squeeze).double(), gen)
     x = torch.randn((3, 2, 4, 5, 3), generator=gen, dtype=torch.float64)
     ref = _reference(model, x)
     config = {"default": {"grid": {"D": 2, "H": 2}, "algorithm": "spatial"},

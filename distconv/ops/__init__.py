@@ -22,7 +22,9 @@ from distconv.ops.linear import LinearHandler
 from distconv.ops.norm import (
     BatchNormHandler, GroupNormHandler, InstanceNormHandler, LayerNormHandler,
 )
-from distconv.ops.pool import AdaptiveAvgPoolHandler, MeanHandler, PoolHandler
+from distconv.ops.pool import (
+    AdaptiveAvgPoolHandler, AdaptivePoolHandler, MeanHandler, PoolHandler,
+)
 from distconv.ops.resample import ResampleHandler
 from distconv.ops.shape import FlattenHandler, MetaHandler, NewAxisHandler, ReshapeHandler
 from distconv.ops.stochastic import StochasticDepthHandler
@@ -34,8 +36,8 @@ __all__ = ["CONFIGURABLE", "REGISTRY", "Handler", "PriceContext", "Sample", "Uns
 REGISTRY: tuple[Handler, ...] = (
     ConvHandler(), LinearHandler(), ConvNdHandler(), BatchNormHandler(),
     GroupNormHandler(), LayerNormHandler(), InstanceNormHandler(), PoolHandler(),
-    AdaptiveAvgPoolHandler(), MeanHandler(), ResampleHandler(), DropoutHandler(),
-    StochasticDepthHandler(),
+    AdaptiveAvgPoolHandler(), AdaptivePoolHandler(), MeanHandler(), ResampleHandler(),
+    DropoutHandler(), StochasticDepthHandler(),
     FlattenHandler(), ReshapeHandler(), NewAxisHandler(), PointwiseHandler(), BinaryHandler(),
     CatHandler(), MetaHandler(),
 )

@@ -18,6 +18,9 @@ __all__ = ["unit_dims"]
 #: reductions whose ``keepdim=True`` leaves the reduced dims of extent 1
 _REDUCTIONS = frozenset({torch.mean, torch.sum, torch.amax, torch.amin, "mean", "sum", "amax",
                          "amin"})
+#: adaptive pooling functions (their ``output_size`` of 1 leaves a dim of extent 1)
+_ADAPTIVE = frozenset({F.adaptive_avg_pool1d, F.adaptive_avg_pool2d, F.adaptive_avg_pool3d,
+                       F.adaptive_max_pool1d, F.adaptive_max_pool2d, F.adaptive_max_pool3d})
 #: steps whose value has its operands' (broadcast) extents
 _ELEMENTWISE = frozenset({"pointwise", "dropout", "droppath", "batchnorm", "norm"})
 
@@ -58,7 +61,7 @@ def _unit_dims_of(an: Any, node: fx.Node, memo: dict) -> frozenset[int]:
         return first | {d % ndim for d in dims} if keep is True and dims else frozenset()
     if isinstance(module, (nn.modules.pooling._AdaptiveAvgPoolNd,
                            nn.modules.pooling._AdaptiveMaxPoolNd)) or (
-            target is F.adaptive_avg_pool2d):
+            target in _ADAPTIVE):
         size = module.output_size if module is not None else (
             node.kwargs.get("output_size", node.args[1] if len(node.args) > 1 else None))
         sizes = size if isinstance(size, (tuple, list)) else (size,) * (ndim - 2)
