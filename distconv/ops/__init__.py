@@ -23,7 +23,7 @@ from distconv.ops.norm import (
     BatchNormHandler, GroupNormHandler, InstanceNormHandler, LayerNormHandler,
 )
 from distconv.ops.pool import (
-    AdaptiveAvgPoolHandler, AdaptivePoolHandler, MeanHandler, PoolHandler,
+    AdaptiveAvgPoolHandler, AdaptivePoolHandler, MeanHandler, PoolHandler, ReduceHandler,
 )
 from distconv.ops.resample import ResampleHandler
 from distconv.ops.shape import FlattenHandler, MetaHandler, NewAxisHandler, ReshapeHandler
@@ -36,8 +36,8 @@ __all__ = ["CONFIGURABLE", "REGISTRY", "Handler", "PriceContext", "Sample", "Uns
 REGISTRY: tuple[Handler, ...] = (
     ConvHandler(), LinearHandler(), ConvNdHandler(), BatchNormHandler(),
     GroupNormHandler(), LayerNormHandler(), InstanceNormHandler(), PoolHandler(),
-    AdaptiveAvgPoolHandler(), AdaptivePoolHandler(), MeanHandler(), ResampleHandler(),
-    DropoutHandler(), StochasticDepthHandler(),
+    AdaptiveAvgPoolHandler(), AdaptivePoolHandler(), MeanHandler(), ReduceHandler(),
+    ResampleHandler(), DropoutHandler(), StochasticDepthHandler(),
     FlattenHandler(), ReshapeHandler(), NewAxisHandler(), PointwiseHandler(), BinaryHandler(),
     CatHandler(), MetaHandler(),
 )

@@ -19,7 +19,8 @@ from distconv.ops.base import (
 from distconv.ops.pricing import CommStep, block_index
 from distconv.parallel.placement import Placement, paper_grid
 
-__all__ = ["AdaptiveAvgPoolHandler", "AdaptivePoolHandler", "MeanHandler", "PoolHandler"]
+__all__ = ["AdaptiveAvgPoolHandler", "AdaptivePoolHandler", "MeanHandler", "PoolHandler",
+           "ReduceHandler"]
 
 
 def _as_module(node: Any) -> nn.Module:
@@ -311,6 +312,51 @@ class MeanHandler(Handler):
     def samples(self) -> Sequence[Sample]:
         return (Sample("spatial-mean", lambda: SampleNet(nn.Identity(), 4), (5, 4, 7, 6),
                        SAMPLE_GRIDS),)
+
+
+class ReduceHandler(Handler):
+    """``x.sum(dims)``, ``x.amax(dims)``, ``x.amin(dims)`` over non-sample dims (CBAM's channel
+    and spatial gates). A sum over split dims is the block's own sum, a pending sum over the
+    grid dims that split them; a maximum or minimum, which no sum completes, makes those dims
+    whole first (an allgather) and reduces locally."""
+
+    functions = frozenset({torch.sum, torch.amax, torch.amin})
+    methods = frozenset({"sum", "amax", "amin"})
+
+    def place(self, an: Any, node: Any, module: Any) -> Any:
+        from distconv.parallel.graph import Step
+
+        args = an.tensor_args(node)
+        p = an.placement(args[0]).settled()
+        dims = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else None)
+        keep = bool(node.kwargs.get("keepdim", node.args[2] if len(node.args) > 2 else False))
+        dims = (dims,) if isinstance(dims, int) else tuple(dims or ())
+        dims = tuple(sorted(d % p.ndim for d in dims))
+        what = getattr(node.target, "__name__", node.target)
+        if not dims or 0 in dims or node.kwargs.get("dtype") is not None:
+            an.fail(node, f"{what} is supported over non-sample dims (e.g. x.{what}((2, 3)))")
+        split = frozenset(g for d in dims for g in p.dist.grid_dims_of(d))
+        entries = [None if i in dims else e for i, e in enumerate(p.dist.entries)]
+        need = p if what == "sum" else Placement(p.layout, Dist(tuple(entries)))
+        if not keep:
+            entries = [e for i, e in enumerate(entries) if i not in dims]
+        pending = split if what == "sum" else frozenset()
+        return Step(node, "reduce", Placement(p.layout, Dist(tuple(entries), pending)),
+                    {args[0]: need})
+
+    def samples(self) -> Sequence[Sample]:
+        return (Sample("sum-amax-gates", lambda: SampleNet(_Gates(), 4), (5, 4, 7, 6),
+                       SAMPLE_GRIDS),)
+
+
+class _Gates(nn.Module):
+    """CBAM's gates: channel attention from the spatial sum and maximum, spatial attention from
+    the channel maximum and minimum."""
+
+    def forward(self, x: Any) -> Any:
+        c = torch.sigmoid(x.sum((2, 3), keepdim=True) / 42 + x.amax((2, 3), keepdim=True))
+        x = x * c
+        return x * torch.sigmoid(torch.amax(x, 1, keepdim=True) - x.amin(dim=1, keepdim=True))
 
 
 class _Functional(nn.Module):
