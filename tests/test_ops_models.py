@@ -468,7 +468,8 @@ class CallsDropPath(Residual):
         return self.head((x + drop_path(torch.relu(self.c2(x)), 0.3, True)).mean((2, 3)))
 
 
-def test_timm_drop_path_called_as_a_function_equals_one_process(monkeypatch) -> None:  # noqa: ANN001
+def test_timm_drop_path_called_as_a_function_equals_one_process(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """Where timm is loaded, its ``drop_path`` called in a model's forward is one node of the
     trace (fx cannot follow its body). Here this module stands in for ``timm.layers.drop``."""
     import sys
