@@ -201,7 +201,7 @@ def check_capture(gm: fx.GraphModule, module: nn.Module, shape: Sequence[int], *
     leaves = tuple(str(n.target) + "." for n in gm.graph.nodes if n.op == "call_module")
     seen = {str(n.target) for n in gm.graph.nodes if n.op in ("call_module", "get_attr")}
     seen |= {p for n in gm.graph.nodes for p, _ in (n.meta.get("nn_module_stack") or {}).values()}
-    seen = {prefix for p in seen for prefix in _prefixes(p)}
+    seen = {prefix for p in seen for prefix in _prefixes(p)} | {""}  # the graph is the root's
 
     def captured(m: nn.Module) -> bool:  # a module of the graph's, or inside one it calls
         return any(p in seen or (p + ".").startswith(leaves) for p in paths[id(m)])
