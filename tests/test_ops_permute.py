@@ -258,7 +258,8 @@ def test_a_permuted_pending_sum_stays_pending_until_a_layer_needs_it() -> None:
     assert got["mean"] == ("N", None, None, None, ("H",))
     assert got["permute"] == ("N", None, None, None, ("H",))
     assert got["fc"] == ("N", None, None, None, ())
-    assert "reshape" not in got  # the parameter's reshape: a model tensor, not placed
+    # the parameter's reshape: a model tensor, whole on every rank (its user slices it)
+    assert got["reshape"] == (None, None, ())  # gamma.reshape(1, -1): [1, C]
     gen = torch.Generator().manual_seed(7)
     model = seeded(model, gen)
     x = torch.randn((5, 3, 6, 5), generator=gen, dtype=torch.float64)

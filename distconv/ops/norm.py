@@ -32,6 +32,7 @@ from distconv.nn.groupnorm import from_module as norm_from_module
 from distconv.ops.base import (
     SAMPLE_GRIDS, SIGNAL_GRIDS, VOLUME_GRIDS, Handler, PriceContext, Sample, SampleNet,
 )
+from distconv.ops.elementwise import is_constant
 from distconv.ops.pricing import CommStep, largest_block, segment_rank
 from distconv.parallel.placement import Placement, paper_grid
 
@@ -371,7 +372,7 @@ class FunctionalLayerNormHandler(Handler):
     def place(self, an: Any, node: Any, module: Any) -> Any:
         from distconv.parallel.graph import Step
 
-        args = an.tensor_args(node)
+        args = [a for a in an.tensor_args(node) if not is_constant(a)]
         if len(args) != 1 or node.args[0] is not args[0]:
             an.fail(node, "layer_norm's weight and bias must be model tensors (parameters, "
                     "buffers) or None, not values computed from the input")

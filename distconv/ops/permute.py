@@ -20,6 +20,7 @@ from torch import nn
 
 from distconv.distribution import Dist
 from distconv.ops.base import SAMPLE_GRIDS, Handler, Sample, SampleNet
+from distconv.ops.elementwise import is_constant
 from distconv.ops.shape import model_tensor
 from distconv.parallel.placement import Placement
 
@@ -78,8 +79,8 @@ class PermuteHandler(Handler):
         from distconv.parallel.graph import Step
 
         arg = node.args[0]
-        if not isinstance(arg, fx.Node) or an.out.get(arg) is None:
-            return model_tensor(node)  # a parameter's or buffer's dims
+        if not isinstance(arg, fx.Node) or is_constant(arg):
+            return model_tensor(an, node)  # a parameter's or buffer's dims
         p = an.placement(arg)
         try:
             perm = moved_dims(node, p.ndim)

@@ -19,6 +19,7 @@ from torch import nn
 
 from distconv.distribution import Dist
 from distconv.ops.base import SAMPLE_GRIDS, Handler, Sample, SampleNet
+from distconv.ops.elementwise import is_constant
 from distconv.parallel.placement import Placement, layout_str
 
 __all__ = ["FlattenHandler", "NewAxisHandler", "ReshapeHandler", "carriers",
@@ -33,12 +34,34 @@ def to_samples(an: Any, node: Any, arg: Any, out_ndim: int) -> Any:
     return regroup(an, node, arg, out_ndim, {0: 0})
 
 
-def model_tensor(node: Any) -> Any:
+def model_tensor(an: Any, node: Any) -> Any:
     """The step of a shape op on a model tensor (a parameter or buffer, as ``self.gamma.reshape(
-    1, -1, 1, 1)``): the same whole value on every rank, placed by the op that uses it."""
+    1, -1, 1, 1)``): the same whole value on every rank, run as written and sliced by the op that
+    uses it with an activation (:func:`distconv.ops.elementwise.with_constants`)."""
     from distconv.parallel.graph import Step
 
-    return Step(node, "constant", None)
+    value = _meta_value(an.gm, node)
+    if not isinstance(value, torch.Tensor):
+        return Step(node, "constant", None)
+    return Step(node, "constant", Placement(an.config.data, Dist.replicated(value.dim())))
+
+
+def _meta_value(gm: fx.GraphModule, node: Any) -> Any:
+    """What a node computed from model tensors alone gives, on meta tensors (its dims)."""
+    if not isinstance(node, fx.Node):
+        return node
+    if node.op == "get_attr":
+        value: Any = gm
+        for part in str(node.target).split("."):
+            value = getattr(value, part)
+        return torch.empty_like(value, device="meta") if isinstance(value, torch.Tensor) else value
+    args = fx.node.map_arg(node.args, lambda a: _meta_value(gm, a))
+    kwargs = fx.node.map_arg(node.kwargs, lambda a: _meta_value(gm, a))
+    if node.op == "call_method":
+        return getattr(args[0], str(node.target))(*args[1:], **kwargs)
+    if node.op == "call_module":
+        return gm.get_submodule(str(node.target))(*args, **kwargs)
+    return node.target(*args, **kwargs)
 
 
 def regroup(an: Any, node: Any, arg: Any, out_ndim: int, kept: dict[int, int]) -> Any:
@@ -192,8 +215,8 @@ class FlattenHandler(Handler):
 
     def place(self, an: Any, node: Any, module: Any) -> Any:
         args = an.tensor_args(node)
-        if not args:
-            return model_tensor(node)
+        if not args or is_constant(args[0]):
+            return model_tensor(an, node)
         ndim = an.placement(args[0]).ndim
         if isinstance(module, nn.Unflatten) or (
                 module is None and "unflatten" in str(getattr(node.target, "__name__",
@@ -259,12 +282,12 @@ class ReshapeHandler(Handler):
         if any(isinstance(s, torch.dtype) for s in sizes):
             an.fail(node, "view(dtype) reinterprets the bytes; it is not supported", TypeError)
         arg = node.args[0]
-        if an.out.get(arg) is None:
-            return model_tensor(node)
+        if not isinstance(arg, fx.Node) or is_constant(arg):
+            return model_tensor(an, node)
         return regroup(an, node, arg, len(sizes), kept_dims(node, an.placement(arg)))
 
     def runs_as_traced(self, step: Any) -> bool:
-        return step.out is None  # a model tensor's reshape: whole, as written
+        return step.kind == "constant"  # a model tensor's reshape: whole, as written
 
     def run(self, node: Any, args: Any, kwargs: Any, in_shape: tuple[int, ...]) -> Any:
         """This rank's block: the requested sizes, each dim that carries an input dim's entry
