@@ -1,74 +1,75 @@
-"""A whole-network planner: per convolution, the grid and algorithm that minimise the step time.
+"""A whole-network planner: per convolution, the grid and algorithm that minimise the price of a
+training step -- the price :func:`distconv.explain` reports, and no other.
 
-The model is traced (:func:`trace_network`) into a chain of **units** -- a single convolution, or
-a block (a main branch and a skip that is the identity or its own branch, joined by a residual
-add or by a channel concatenation; a branch is itself a chain of units, so blocks nest, as a
-U-Net's levels do). Every convolution chooses a
-:class:`Choice` (grid layout and algorithm; its x and y distributions follow, as in
-:class:`~distconv.nn.DistConv2d`):
+The model is traced and analysed once (:func:`trace_network`: the one walk over the graph,
+:mod:`distconv.parallel.graph`, so every graph ``parallelize`` runs is planned -- residual adds,
+squeeze-and-excitation gates, many-way concatenations, interpolations to a skip's size). Every
+convolution chooses a :class:`Choice` (grid layout and algorithm):
 
-* ``sample``: grid ``{N: P}``;  ``spatial``: ``{N, H}`` or ``{N, H, W}``;
+* ``sample``: grid ``{N: P}``;  ``spatial``: ``{N, H}`` or ``{N, H, W}`` (a volume's ``D``,
+  ``H``, ``W``; a signal's ``W``);
 * ``stationary-x``: ``{N, C}``;  ``stationary-y``: ``{N, F}``;  ``stationary-w``: ``{N, C, F}``,
 
-with the model-parallel dims **last**, so channel groups sit inside a socket or node. A
-``Conv1d``, ``Conv3d`` or transposed convolution chooses the same way, its spatial splits over
-its own spatial dims (``D``, ``H``, ``W`` of a volume, ``W`` of a signal; every split of the
-ranks among them) and its candidates kept where it can run them
-(:func:`distconv.ops.conv_nd.refusal`). Dynamic programming runs over the chain with the
-distribution of the activation between units as the state; inside a block, for every entry
-state, a chain DP over the main branch and the cheapest skip (its redistribution, or its own
-chain) give the block's cost to every exit state (found once per entry state: a nested block is
-entered from every state of its branch). The operands meet as the executor joins them: where
-the other reaches with fewer bytes (at a cat, among the operands' placements with the channels
-whole).
+with the model-parallel dims **last**, so channel groups sit inside a socket or node; every
+other node is placed by its op handler from where its inputs are, as ``parallelize`` places it.
 
-Costs (seconds, slowest rank): each Conv2d's :func:`~distconv.perfmodel.conv_cost` on the machine
-(another convolution's: its op handler's price, :func:`distconv.ops.conv_nd.layer_report`),
-split into forward, backward on the critical path, and the gradient allreduce; the bytes of every
-redistribution between consecutive choices exactly as the executor moves them
-(:func:`transition_bytes`), forward and its adjoint. The DP charges each allreduce a weight
-``lam`` in ``(0, 0.5, 1)``; every resulting plan is then timed on a two-stream timeline in which
-allreduces overlap the rest of backward, and the fastest kept. A per-rank memory limit (parameters,
-gradients, optimizer state, stored activations) is met by a Lagrange multiplier on memory.
+The price of a plan is :mod:`distconv.parallel.cost`'s: every node's report by its op handler,
+the conversions between placements, the running statistics and the gradient buckets, on the
+two-stream timeline of :func:`distconv.ops.pricing.timeline`. The search prices it
+incrementally -- a node's report is cached per (node, placements, layer choice), a conversion's
+steps per (value, source, target) -- in two stages over the same reports:
 
-That search sees the convolutions and what moves between them; the plans it returns (and every
-uniform plan: one grid and algorithm for all convolutions) are then priced by the op handlers,
-as ``explain`` prices it (every layer's collectives, BatchNorm statistics, the gradient buckets,
-on the same two-stream timeline: :func:`distconv.ops.pricing.timeline`), so ``Plan.step_time``
-is the price ``explain`` gives the same config on the same machine.
+1. **a beam over the topological order** (:meth:`_Search.beam`): a state is the placement of
+   every value still to be read (the frontier), and each node adds its report's seconds on the
+   critical path, its gradient allreduce weighted by ``lam`` (0: hidden behind backward, 1: not;
+   both are searched) and its memory weighted by a multiplier ``mu`` (0 unless a memory limit
+   binds). States with the same frontier merge (a dynamic programme where the frontier is small:
+   chains, residual blocks, U-Net skips); the ``width`` cheapest are kept (a beam where it is
+   large: a DenseNet block's many-way concatenations). The additive score is the price except
+   for how much of the gradient allreduces hides behind backward and how the buckets fuse;
+2. **coordinate descent on the price itself** (:meth:`_Search.price`): from the cheapest of the
+   beam's plans and the uniform plans (one grid and algorithm for every convolution), each
+   layer's other choices with the rest kept, until no single change lowers the price.
+
+So the plan returned is the least-priced plan the search visits, by the very price ``explain``
+gives its config on the same machine (``Plan.step_time`` is that price).
 """
 
 from __future__ import annotations
 
 import copy
 import math
-import operator
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
+import torch.fx as fx
+from torch.fx.passes.shape_prop import TensorMetadata
 
-from distconv.distribution import Dist
-from distconv.machines import resolve_machine
-from distconv.machines.base import Machine, group_of
 from distconv.comm.base import allreduce_bytes
 from distconv.conv_geometry import HaloPlan
+from distconv.distribution import Dist
+from distconv.machines import resolve_machine
+from distconv.machines.base import Machine
 from distconv.nn.conv import conv_dists
 from distconv.nn.conv_nd import conv_nd_dists, spatial_roles
-from distconv.ops.conv import memory_elements, moves_data
+from distconv.ops import Unsupported
+from distconv.ops.conv import moves_data
 from distconv.ops.conv_nd import layer_report, refusal
-from distconv.ops.elementwise import meeting
-from distconv.ops.pricing import largest_block
+from distconv.ops.pricing import LayerReport, largest_block, timeline
+from distconv.parallel import cost
+from distconv.parallel.config import LayerChoice, ParallelConfig
+from distconv.parallel.graph import _Analyser, analyse, trace
 from distconv.parallel.placement import (
-    Placement, conversion_bytes, evaluated_ranks, one_grid, paper_grid, repartition_sources)
-from distconv.perfmodel import ConvProblem, conv_cost
-from distconv.redistribute import plan_redistribution
+    ALL_RANKS, Placement, conversion_bytes, evaluated_ranks)
+from distconv.parallel.shapes import check_input_shape, propagate_shapes
+from distconv.parallel.steps import LayerSpec, Step
+from distconv.perfmodel import ConvProblem
 
-__all__ = ["Choice", "ConvNode", "Block", "Network", "Plan", "trace_network", "candidates",
-           "layer_candidates", "nd_layer_cost", "transition_bytes", "transition_time",
-           "plan_network", "predict",
-           "explain"]
+__all__ = ["Choice", "ConvNode", "LayerCost", "LayerPlan", "Network", "Plan", "candidates",
+           "explain", "layer_candidates", "layer_cost", "nd_layer_cost", "plan_network",
+           "predict", "trace_network", "transition_bytes"]
 
 ACT = ("N", "C", "H", "W")
 ALGORITHMS = ("sample", "spatial", "stationary-x", "stationary-y", "stationary-w")
@@ -105,53 +106,6 @@ class ConvNode:
         return bool(getattr(self.module, "transposed", False))
 
 
-@dataclass(frozen=True)
-class Block:
-    """Two branches from one value, joined: ``add(main(x), skip(x))`` (a residual block) or
-    ``cat([main(x), skip(x)], 1)`` (``join="cat"``, e.g. a dense or U-Net-style skip); ``skip``
-    is empty for the identity. A branch is a chain of units: convolutions and blocks nested in
-    it (a U-Net's levels). ``main_first``: the main branch is the join's first operand (which
-    wins a tie where the operands meet). ``shapes``: the global shapes of the (main, skip)
-    operands of a cat."""
-
-    main: tuple[ConvNode | Block, ...]
-    skip: tuple[ConvNode | Block, ...]
-    main_first: bool = True
-    join: str = "add"
-    shapes: tuple[tuple[int, ...], ...] = ()
-
-    @property
-    def convs(self) -> tuple[ConvNode, ...]:
-        return tuple(c for u in self.main + self.skip
-                     for c in (u.convs if isinstance(u, Block) else (u,)))
-
-    @property
-    def out_shape(self) -> tuple[int, ...]:
-        """The global shape of the joined value."""
-        if self.join == "cat":
-            a, b = self.shapes
-            return (a[0], a[1] + b[1], *a[2:])
-        return self.main[-1].out_shape
-
-
-Unit = ConvNode | Block
-
-
-@dataclass(frozen=True)
-class Network:
-    """The planner's view of a model: input shape, chain of units, and the Linear heads."""
-
-    input_shape: tuple[int, ...]
-    units: tuple[Unit, ...]
-    linears: tuple[tuple[str, int], ...]  # (name, parameters)
-    out_shape: tuple[int, ...]
-    #: the traced model (on the meta device): what plans are priced on, by the op handlers
-    model: torch.nn.Module | None = field(default=None, compare=False, repr=False)
-
-    @property
-    def convs(self) -> list[ConvNode]:
-        return [c for u in self.units for c in (u.convs if isinstance(u, Block) else (u,))]
-
 
 def _problem(conv: torch.nn.Conv2d, shape: Sequence[int]) -> ConvProblem:
     return ConvProblem(int(shape[0]), conv.in_channels, conv.out_channels, int(shape[2]),
@@ -161,159 +115,62 @@ def _problem(conv: torch.nn.Conv2d, shape: Sequence[int]) -> ConvProblem:
                        conv.padding_mode)
 
 
+@dataclass(frozen=True, eq=False)
+class Network:
+    """The planner's view of a model on one global input shape: the traced graph (on the meta
+    device), every node's global shape, and the convolutions it chooses for, in graph order."""
+
+    input_shape: tuple[int, ...]
+    convs: tuple[ConvNode, ...]
+    gm: fx.GraphModule = field(repr=False)
+    shapes: Mapping[str, tuple[int, ...]] = field(repr=False)
+    #: the traced model (on the meta device), as explain traces it
+    model: torch.nn.Module = field(repr=False)
+
+    @property
+    def out_shape(self) -> tuple[int, ...]:
+        """The global shape of the value the last convolution gives."""
+        return self.convs[-1].out_shape if self.convs else self.input_shape
+
+
 def trace_network(model: torch.nn.Module, input_shape: Sequence[int]) -> Network:
-    """Trace ``model`` with ``torch.fx`` and propagate global shapes on the meta device.
+    """Trace ``model`` with ``torch.fx``, propagate global shapes on the meta device and check
+    that ``parallelize`` runs every node (the one analysis of the graph).
 
     Raises:
         distconv.ops.Unsupported: a node no op handler runs (the refusal ``parallelize`` and
             ``explain`` give).
-        NotImplementedError: a graph that is not a chain of convolutions and blocks (nested
-            or not), naming the layer or join where it branches otherwise.
         ValueError: an ``input_shape`` the model cannot take (naming it and what the first
             layer expects).
     """
-    from distconv.ops.conv_nd import ConvNdHandler
-    from distconv.ops.elementwise import BinaryHandler, CatHandler
-    from distconv.parallel.config import ParallelConfig
-    from distconv.parallel.graph import analyse, trace
-    from distconv.parallel.shapes import check_input_shape, propagate_shapes
-
     if any(p.device.type != "meta" for p in model.parameters()):
         model = copy.deepcopy(model).to("meta")
+    input_shape = tuple(int(s) for s in input_shape)
     gm = trace(model)
     check_input_shape(gm, input_shape)
-    # the one analysis of the graph: what the planner plans, parallelize can run (every node has
-    # a handler in the registry), and each node is read through its handler's step
-    analysis = analyse(gm, ParallelConfig({"default": {"grid": {"N": 1}, "algorithm": "sample"}},
-                                          world_size=1), input_ndim=len(tuple(input_shape)))
+    analyse(gm, ParallelConfig({"default": {"grid": {"N": 1}, "algorithm": "sample"}},
+                               world_size=1), input_ndim=len(input_shape))
     dtype = next((p.dtype for p in gm.parameters() if p.is_floating_point()), None)
     propagate_shapes(gm, input_shape, dtype=dtype)  # in the model's own dtype
+    shapes = {n.name: tuple(n.meta["tensor_meta"].shape) for n in gm.graph.nodes
+              if isinstance(n.meta.get("tensor_meta"), TensorMetadata)}
     modules = dict(gm.named_modules())
-    producer: dict[Any, Any] = {}  # fx node -> "input" | conv fx node | join fx node
-    convs: dict[Any, ConvNode] = {}
-    source: dict[Any, Any] = {}    # conv fx node -> producer of its input
-    adds: dict[Any, tuple[Any, Any]] = {}  # joins: adds and channel concatenations
-    cats: dict[Any, tuple[tuple[int, ...], ...]] = {}  # concatenation -> its operands' shapes
-    linears: list[tuple[str, int]] = []
-    order: list[Any] = []
-    for step in analysis.steps:
-        node = step.node
-        args = [a for a in node.all_input_nodes if a in producer]  # parameters have none
-        if step.kind == "input":
-            producer[node] = "input"
-        elif step.kind == "conv":
-            shape = args[0].meta["tensor_meta"].shape
-            convs[node] = ConvNode(str(node.target), _problem(modules[node.target], shape),
-                                   tuple(node.meta["tensor_meta"].shape))
-            source[node], producer[node] = producer[args[0]], node
-            order.append(node)
-        elif isinstance(step.handler, ConvNdHandler) and node.op == "call_module":
-            shape = tuple(args[0].meta["tensor_meta"].shape)
-            convs[node] = ConvNode(str(node.target), None, tuple(node.meta["tensor_meta"].shape),
-                                   modules[node.target], shape)
-            source[node], producer[node] = producer[args[0]], node
-            order.append(node)
-        elif (isinstance(step.handler, BinaryHandler) and len(args) == 2
-              and node.target in (operator.add, operator.iadd, torch.add, "add", "add_")):
-            adds[node] = (producer[args[0]], producer[args[1]])
-            producer[node] = node
-            order.append(node)
-        elif isinstance(step.handler, CatHandler) and len(args) == 2 and _cat_dim(node) == 1:
-            adds[node] = (producer[args[0]], producer[args[1]])
-            cats[node] = tuple(tuple(a.meta["tensor_meta"].shape) for a in args)
-            producer[node] = node
-            order.append(node)
-        elif step.kind == "output" or not args:
+    convs: dict[str, ConvNode] = {}
+    for node in gm.graph.nodes:
+        module = modules.get(node.target) if node.op == "call_module" else None
+        if not isinstance(module, _CONVS) or str(node.target) in convs:
             continue
-        else:
-            if step.kind == "linear":  # sample-parallel layers: their gradients are allreduced
-                mod = modules.get(node.target) if node.op == "call_module" else None
-                linears.append((str(node.target) if mod is not None else node.name,
-                                sum(p.numel() for p in mod.parameters()) if mod else 0))
-            elif len({producer[a] for a in args}) > 1:
-                raise NotImplementedError(
-                    f"trace_network: {node.format_node()} joins several values; the planner "
-                    "handles chains of convolutions joined by residual adds or by a channel "
-                    "concatenation of two branches only"
-                )
-            producer[node] = producer[args[0]]
-    # the activation leaving the last unit, which the sample-parallel head reads
-    out_shape = tuple(order[-1].meta["tensor_meta"].shape) if order else tuple(input_shape)
-    return Network(tuple(input_shape), _units(order, convs, source, adds, cats),
-                   tuple(linears), out_shape, model)
+        x = shapes[node.args[0].name]
+        y = shapes[node.name]
+        name = str(node.target)
+        convs[name] = (ConvNode(name, _problem(module, x), y)
+                       if isinstance(module, torch.nn.Conv2d) else ConvNode(name, None, y, module, x))
+    return Network(input_shape, tuple(convs.values()), gm, shapes, model)
 
 
-def _cat_dim(node: Any) -> int:
-    dim = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else 0)
-    ndim = len(node.meta["tensor_meta"].shape)
-    return dim % ndim if isinstance(dim, int) else -1
-
-
-def _units(order, convs, source, adds, cats) -> tuple[Unit, ...]:  # noqa: ANN001
-    """The chain of units from the input to the last convolution or join: walked back from
-    it, a convolution steps to its input, a join to the value its two branches leave from (the
-    nearest both pass, found the same way: blocks nest)."""
-    entries: dict[Any, Any] = {}  # join -> the value its branches leave from
-
-    def back(p):  # noqa: ANN001, ANN202
-        out = [p]
-        while p in convs or p in adds:
-            p = source[p] if p in convs else entry(p)
-            out.append(p)
-        return out
-
-    def entry(a):  # noqa: ANN001, ANN202
-        if a not in entries:
-            c1, c2 = back(adds[a][0]), back(adds[a][1])
-            entries[a] = next(p for p in c1 if p in c2)  # both reach the input
-        return entries[a]
-
-    def walk(end, start) -> tuple[Unit, ...]:  # noqa: ANN001
-        out: list[Unit] = []
-        p = end
-        while p != start:
-            if p in convs:
-                out.append(convs[p])
-                p = source[p]
-            elif p in adds:
-                out.append(block(p))
-                p = entry(p)
-            else:
-                raise NotImplementedError(
-                    f"trace_network: a branch ending at {end} does not start at {start} but "
-                    "passes it by: the planner plans chains of convolutions and of blocks (two "
-                    "branches from one value joined by an add or a channel concatenation, "
-                    "nested or not), not branches that cross; write such a config by hand "
-                    "(explain prices it)")
-        return tuple(out[::-1])
-
-    def block(a):  # noqa: ANN001, ANN202
-        e = entry(a)
-        b1, b2 = walk(adds[a][0], e), walk(adds[a][1], e)
-        size = [sum(len(u.convs) if isinstance(u, Block) else 1 for u in b) for b in (b1, b2)]
-        main_first = size[0] >= size[1]
-        shapes = cats.get(a, ())
-        return Block(b1 if main_first else b2, b2 if main_first else b1, main_first,
-                     "cat" if a in cats else "add", shapes if main_first else shapes[::-1])
-
-    if not order:
-        return ()
-    units = walk(order[-1], "input")
-    flat = [c.name for u in units for c in (u.convs if isinstance(u, Block) else (u,))]
-    twice = sorted({n for n in flat if flat.count(n) > 1})
-    if twice:
-        raise NotImplementedError(
-            f"trace_network: the output of {twice} feeds two branches that do not leave from "
-            "one value; the planner plans chains of convolutions and of blocks (two branches "
-            "from one value joined by an add or a channel concatenation, nested or not), not "
-            "branches that cross; write such a config by hand (explain prices it)")
-    stray = [c.name for c in convs.values() if c.name not in flat]
-    if stray:
-        raise NotImplementedError(
-            f"trace_network: {stray} lie on no path from the input to {order[-1]}; the planner "
-            "plans chains of convolutions and of blocks (two branches from one value joined "
-            "by an add or a channel concatenation), not other branches")
-    return units
+#: the convolutions the planner chooses for
+_CONVS = (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d, torch.nn.ConvTranspose1d,
+          torch.nn.ConvTranspose2d, torch.nn.ConvTranspose3d)
 
 
 # ============================================================================ choices
@@ -395,8 +252,8 @@ class Choice:
 
 @dataclass(frozen=True)
 class Value:
-    """Where an activation that no convolution produced lives between units (a concatenation's
-    output): a state of the search like a :class:`Choice`'s output."""
+    """Where an activation that no convolution produced lives (a concatenation's output, the
+    model's input): a placement with the names of a :class:`Choice`'s."""
 
     grid: tuple[tuple[str, int], ...]
     output_dist: Dist
@@ -408,17 +265,6 @@ class Value:
 
 def sample_choice(world_size: int) -> Choice:
     return Choice((("N", world_size),), "sample")
-
-
-def _sample_value(world_size: int, ndim: int) -> Choice | Value:
-    """Where the model's input (``ndim`` dims) arrives and its head reads: each rank its own
-    samples."""
-    if ndim == 4:
-        return sample_choice(world_size)
-    from distconv.parallel.graph import sample_dist
-
-    grid = (("N", world_size),)
-    return Value(grid, Placement(grid, sample_dist(ndim)).dist)
 
 
 def _divisors(n: int) -> list[int]:
@@ -534,83 +380,25 @@ def _valid(pb: ConvProblem, ch: Choice) -> Choice | None:
     return ch
 
 
-# ============================================================================ transitions
-_fake_grid = paper_grid  # a grid value with no communicator: for counting only
-
-
-def _ranks(layouts: Sequence[tuple[tuple[str, int], ...]], size: int) -> list[int]:
-    """The ranks a move's slowest rank is found among: explain's rule for maxima
-    (:func:`~distconv.parallel.placement.evaluated_ranks` with ``every=False``)."""
-    return evaluated_ranks(layouts, size, every=False)
-
-
-Endpoint = tuple[tuple[tuple[str, int], ...], Dist]  # (grid layout, distribution)
-
-
-def _move_bytes(src: Endpoint, dst: Endpoint, shape: tuple[int, ...], rank: int,
-                itemsize: int) -> int:
-    """Bytes ``rank`` receives converting between the endpoints: what explain reports and the
-    communicators count (:func:`~distconv.parallel.placement.conversion_bytes`)."""
-    return conversion_bytes(Placement(*src), Placement(*dst), shape, itemsize, rank)
-
-
-def _move_time(src: Endpoint, dst: Endpoint, shape: tuple[int, ...], machine: Machine,
-               itemsize: int) -> tuple[float, int]:
-    """``(seconds, bytes)`` on the slowest rank, priced on the level the moving ranks span."""
-    if src[0] != dst[0]:  # one redistribution where the executor makes it one
-        same = one_grid(Placement(*src), Placement(*dst), shape)
-        src = (same.layout, same.dist) if same.layout == dst[0] else src
-    if src == dst:
-        return 0.0, 0
-    size = math.prod(e for _, e in src[0])
-    worst = (0.0, 0)
-    if src[0] == dst[0]:
-        plan = plan_redistribution(src[0], src[1], dst[1], shape)
-        if not plan.steps:
-            return worst
-        ext = dict(src[0])
-        dims = [d for s in plan.steps for d in (getattr(s, "dims", ()) or (s.g,))]
-        group = group_of(src[0], sorted(set(dims)))
-        steps = sum(max(ext.get(d, 1) - 1, 1) for d in dims)
-        for r in _ranks([src[0]], size):
-            b = plan.received_bytes(_fake_grid(src[0], r), itemsize)
-            worst = max(worst, (machine.link_time(group, b, steps) if b else 0.0, b))
-        return worst
-    for r in _ranks([src[0], dst[0]], size):
-        peers = repartition_sources(src[0], src[1], dst[0], dst[1], shape, r)
-        if peers:
-            b = itemsize * sum(peers.values())
-            worst = max(worst, (machine.link_time([r, *peers], b, len(peers)), b))
-    return worst
-
-
-def transition_bytes(src: Choice, dst: Choice, shape: Sequence[int], rank: int, *,
+# ============================================================================ one layer's price
+def transition_bytes(src: Choice | Value, dst: Choice, shape: Sequence[int], rank: int, *,
                      itemsize: int = 4) -> int:
     """Bytes rank ``rank`` receives moving an activation of global ``shape`` from ``src``'s output
-    distribution to ``dst``'s input distribution: ``plan_redistribution(...).received_bytes`` on
-    one grid layout, the cross-grid ``repartition`` plan otherwise (what the executor counts)."""
-    return _move_bytes((src.grid, src.output_dist), (dst.grid, dst.input_dist),
-                       tuple(int(s) for s in shape), rank, itemsize)
+    distribution to ``dst``'s input distribution: the one byte count of conversions
+    (:func:`~distconv.parallel.placement.conversion_bytes`, what the executor counts)."""
+    return conversion_bytes(Placement(src.grid, src.output_dist),
+                            Placement(dst.grid, dst.input_dist), tuple(int(s) for s in shape),
+                            itemsize, rank)
 
 
-def transition_time(src: Choice, dst: Choice, shape: Sequence[int], machine: Machine, *,
-                    itemsize: int = 4) -> tuple[float, int]:
-    """``(seconds, bytes)`` of that redistribution on its slowest rank (forward; the adjoint
-    moves the same bytes back). ``machine``: any form of
-    :func:`~distconv.machines.resolve_machine` (a flat machine is priced as one level)."""
-    machine = resolve_machine(machine, hierarchical=True)
-    return _move_time((src.grid, src.output_dist), (dst.grid, dst.input_dist),
-                      tuple(int(s) for s in shape), machine, itemsize)
-
-
-# ============================================================================ layer costs
 @dataclass(frozen=True)
 class LayerCost:
-    """Seconds of one layer under one choice (slowest rank) and its bytes of memory per rank."""
+    """Seconds of one layer under one choice (slowest rank), from its op handler's report, and
+    its bytes of memory per rank."""
 
     forward: float
     backward: float   # on the critical path: local backward and activation collectives
-    allreduce: float  # gradient allreduce, overlappable with the rest of backward
+    allreduce: float  # its gradient's allreduce, alone (explain fuses them into buckets)
     memory: float
 
     @property
@@ -618,21 +406,88 @@ class LayerCost:
         return self.forward + self.backward + self.allreduce
 
 
-def layer_cost(conv: ConvNode, choice: Choice, machine: Machine, *, itemsize: int = 4,
-               optimizer_slots: int = 1, activation_factor: int = 3) -> LayerCost:
-    """:func:`~distconv.perfmodel.conv_cost` of the layer, and its memory per rank: weight shard
-    times (parameter + gradient + ``optimizer_slots``), plus the stored local input of the local
-    convolution and ``activation_factor`` copies of the local output (conv, BN, ReLU).
-    ``machine``: any form of :func:`~distconv.machines.resolve_machine`."""
-    machine = resolve_machine(machine, hierarchical=True)
+def _conv_step(conv: ConvNode, choice: Choice) -> Step:
+    """The step ``parallelize`` places ``conv`` with under ``choice`` (its input arriving in
+    the choice's input distribution)."""
+    spec = LayerSpec("conv", conv.name, choice.grid, choice.conv_algorithm,
+                     tuple((d, d) for d in "NCFHW"), pipeline=choice.pipeline)
+    dists = choice.dists()
+    return Step(None, "conv", Placement(choice.grid, dists["output"]),  # type: ignore[arg-type]
+                {}, spec)
+
+
+def _conv_report(conv: ConvNode, choice: Choice, machine: Any, itemsize: int) -> LayerReport:
+    """A convolution's report by its op handler, as ``explain`` prices it on its slowest rank."""
+    ranks = evaluated_ranks([choice.grid], choice.size, every=False)
     if conv.module is not None:
-        return nd_layer_cost(conv, choice, machine, itemsize, optimizer_slots, activation_factor)
-    ranks = "corners"  # the slowest rank is among them, as for moves (one sampling rule)
-    cost = conv_cost(conv.problem, choice.extents, choice.conv_algorithm, machine,
-                     itemsize=itemsize, ranks=ranks, pipeline=choice.pipeline)
-    ar = sum(v for k, v in cost.steps.items() if k.startswith("allreduce"))
-    return LayerCost(cost.forward, cost.backward - ar, ar,
-                     _memory(conv, choice, itemsize, optimizer_slots, activation_factor))
+        return layer_report(conv.module, choice.grid, choice.algorithm, conv.in_shape,
+                            conv.out_shape, ranks=ranks, itemsize=itemsize, machine=machine)
+    from distconv.ops.conv import ConvHandler
+    from distconv.ops.base import PriceContext
+
+    module = torch.nn.Conv2d(conv.problem.in_channels, conv.problem.out_channels,
+                             conv.problem.kernel_size, conv.problem.stride,
+                             conv.problem.padding, conv.problem.dilation, conv.problem.groups,
+                             conv.problem.bias, conv.problem.padding_mode, device="meta")
+    report = LayerReport(conv.name, "conv", "-", choice.algorithm, {})
+    report.activation_elements = largest_block(Placement(choice.grid, choice.output_dist),
+                                               conv.out_shape)
+    ConvHandler().price(report, _conv_step(conv, choice), module,
+                        PriceContext(conv.in_shape, itemsize, ranks, True, machine,
+                                     conv.out_shape))
+    return report
+
+
+def _allreduce(params: Sequence[tuple[int, tuple[str, ...]]], grid: Any, machine: Any,
+               itemsize: int) -> float:
+    """Seconds of each parameter's gradient allreduce alone (elements per rank, the grid dims it
+    is summed over), on ``machine``: the ring of the §4 model."""
+    total = 0.0
+    for n, dims in params:
+        peers = math.prod(dict(grid)[d] for d in dims)
+        if peers > 1 and n:
+            total += machine.collective_time("allreduce", peers,
+                                             allreduce_bytes(n, 0, peers, itemsize),
+                                             layout=grid, dims=dims)
+    return total
+
+
+def layer_cost(conv: ConvNode, choice: Choice, machine: Any, *, itemsize: int = 4,
+               optimizer_slots: int = 1, activation_factor: int = 3) -> LayerCost:
+    """The layer's price by its op handler (its report's forward and backward seconds on the
+    critical path), its gradient allreduce alone, and its memory per rank: the weight shard
+    times (parameter + gradient + ``optimizer_slots``), the blocks its report keeps for backward
+    and ``activation_factor - 1`` more output blocks (BN, ReLU). ``machine``: any form of
+    :func:`~distconv.machines.resolve_machine`."""
+    machine = resolve_machine(machine, hierarchical=True)
+    report = _conv_report(conv, choice, machine, itemsize)
+    fwd, bwd = _phases(report, machine)
+    weight = Placement(choice.grid, choice.dists()["weight"])
+    redundant = tuple(d for d, e in choice.grid if e > 1 and d not in weight.dist.used())
+    out = largest_block(Placement(choice.grid, choice.output_dist), conv.out_shape)
+    memory = itemsize * (report.param_elements * (2 + optimizer_slots)
+                         + report.activation_elements + (activation_factor - 1) * out)
+    return LayerCost(fwd, bwd, _allreduce([(report.param_elements, redundant)], choice.grid,
+                                          machine, itemsize), float(memory))
+
+
+def _phases(report: LayerReport, machine: Any) -> tuple[float, float]:
+    """A report's forward and backward seconds on the critical path (:func:`timeline`'s terms
+    for one layer)."""
+    def part(phase: str) -> float:
+        return (getattr(report, f"{phase}_seconds") - report.overlap.get(phase, 0.0)
+                + sum(s.seconds(machine) for s in report.steps
+                      if s.phase == phase and s.after is None))
+
+    return part("forward"), part("backward")
+
+
+def _memory(conv: ConvNode, ch: Choice, itemsize: int, slots: int, factor: int) -> float:
+    """Bytes per rank of :func:`layer_cost` (its op handler's blocks), without pricing time."""
+    report = _conv_report(conv, ch, None, itemsize)
+    out = largest_block(Placement(ch.grid, ch.output_dist), conv.out_shape)
+    return float(itemsize * (report.param_elements * (2 + slots) + report.activation_elements
+                             + (factor - 1) * out))
 
 
 def nd_layer_cost(conv: ConvNode, ch: Choice, machine: Machine, itemsize: int, slots: int,
@@ -662,55 +517,248 @@ def nd_layer_cost(conv: ConvNode, ch: Choice, machine: Machine, itemsize: int, s
                      rep.backward_seconds + phase("backward"), allreduce, float(memory))
 
 
-def _memory(conv: ConvNode, ch: Choice, itemsize: int, slots: int, factor: int) -> float:
-    """Bytes per rank: the weight shard times (parameter + gradient + ``slots``), the gathered
-    input the weight gradient keeps, and ``factor`` output blocks (conv, BN, ReLU) -- the conv
-    handler's blocks (:func:`~distconv.ops.conv.memory_elements`), as explain counts them."""
-    pb = conv.problem
-    dists = conv_dists(ch.conv_algorithm, {d: d for d in "NCFHW"}, ch.groups_aligned)
-    params, kept = memory_elements(ch.grid, dists, pb, conv.in_shape)
-    out = largest_block(Placement(ch.grid, dists["output"]), conv.out_shape)
-    return float(itemsize * (params * (2 + slots) + kept + factor * out))
+# ============================================================================ the search
+class _View:
+    """A config as the search sees it: the layers it has chosen for take their choice; the
+    others their entry in the config planned from (a convolution still to be chosen, the first
+    of its candidates). Everything else is the config's."""
+
+    def __init__(self, base: ParallelConfig, entry: Any, first: Mapping[str, Choice]) -> None:
+        self.base, self.entry, self.first = base, entry, first
+        self.chosen: Mapping[str, Choice] = {}
+
+    def choice(self, name: str) -> LayerChoice:
+        ch = self.chosen.get(name) or self.first.get(name)
+        return self.base.choice(name) if ch is None else self.entry(name, ch)
+
+    def __getattr__(self, attr: str) -> Any:
+        return getattr(self.base, attr)
+
+
+@dataclass(frozen=True)
+class _Priced:
+    """One plan priced: its step (the timeline's), forward, memory per rank and the reports."""
+
+    step: float
+    forward: float
+    memory: float
+    layers: list[LayerReport]
+    analysis: Any
+
+
+class _Search:
+    """The price of plans on one network, world size and machine, cached per node and placement:
+    a beam over the topological order and the exact price of a whole plan."""
+
+    def __init__(self, net: Network, P: int, machine: Machine, options: Mapping[str, list[Choice]],
+                 base: Mapping[str, Any], itemsize: int, optimizer_states: int) -> None:
+        self.net, self.P, self.machine, self.options = net, P, machine, options
+        self.itemsize, self.optimizer_states = itemsize, optimizer_states
+        self.raw = dict(base)
+        self.base = ParallelConfig(self.raw, world_size=P)
+
+        self._layers = list(self.raw.get("layers", []))
+        self._entries: dict[tuple[str, Choice], LayerChoice] = {}
+        self.view = _View(self.base, self.entry, {n: opts[0] for n, opts in options.items()})
+        self.gm, self.shapes = net.gm, dict(net.shapes)
+        self.modules = dict(self.gm.named_modules())
+        self.order = list(self.gm.graph.nodes)
+        index = {n: i for i, n in enumerate(self.order)}
+        self.last = {n: max((index[u] for u in n.users), default=-1) for n in self.order}
+        self.decides = {n: str(n.target) for n in self.order
+                        if n.op == "call_module" and str(n.target) in options}
+        # where a gradient flows (as explain finds it: into a value made of one that owns
+        # parameters), and each value's number of dims: the same in every plan
+        reference = analyse(self.gm, self.view, input_ndim=len(net.input_shape))  # type: ignore[arg-type]
+        self.grad: dict[str, bool] = {}
+        self.ndim: dict[Any, int | None] = {}
+        for st in reference.steps:
+            n = st.node
+            owns = n.op == "call_module" and any(True for _ in self.modules[n.target].parameters())
+            self.grad[n.name] = owns or any(self.grad.get(a.name, False) for a in st.needs)
+            self.ndim[n] = st.out.ndim if st.out is not None else None
+        self._reports: dict[tuple, LayerReport] = {}
+        self._seconds: dict[int, tuple[LayerReport, float, float, float]] = {}
+        self._grads: dict[tuple, float] = {}
+        self.visited = 0  # plans priced exactly
+        self.binding = False  # whether a cheaper plan did not fit the memory limit
+
+    def entry(self, name: str, ch: Choice) -> LayerChoice:
+        """The config entry ``ch`` makes for the layer ``name``, as ``parallelize`` reads it."""
+        key = (name, ch)
+        if key not in self._entries:
+            raw = {**self.raw, "layers": [{"match": _literal(name), **ch.config()}]
+                   + self._layers}
+            self._entries[key] = ParallelConfig(raw, world_size=self.P).choice(name)
+        return self._entries[key]
+
+    # ---------------------------------------------------------------- one node
+    def ranks(self, layouts: Sequence[Any]) -> list[int]:
+        """The ranks a report is evaluated on: every rank of a world of at most
+        :data:`~distconv.parallel.placement.ALL_RANKS` (as explain), else the corners of the
+        grids it touches (the maxima of the whole world, found once per set of grids)."""
+        if self.P <= ALL_RANKS:
+            return list(range(self.P))
+        return evaluated_ranks(sorted(set(layouts)), self.P, every=False)
+
+    def report(self, step: Step, moves: list[cost.Move], grad_in: bool) -> LayerReport:
+        """:func:`~distconv.parallel.cost.price_step` of ``step``, cached per node, placements,
+        layer and conversions."""
+        key = (step.node, step.out, step.layer, tuple(step.needs.items()), tuple(moves), grad_in,
+               step.segment)
+        rep = self._reports.get(key)
+        if rep is None:
+            layouts = [p.layout for p in (step.out, *step.needs.values()) if p is not None]
+            layouts += [m[1].layout for m in moves]
+            if step.layer is not None:
+                layouts.append(step.layer.layout)
+            rep = cost.price_step(step, moves, self.modules, self.shapes, self.itemsize, self.P,
+                                  self.ranks(layouts), grad_in, self.grad, self.machine)
+            self._reports[key] = rep
+        return rep
+
+    def seconds(self, rep: LayerReport) -> tuple[float, float, float]:
+        """A report's forward and backward seconds on the critical path, and its memory."""
+        got = self._seconds.get(id(rep))
+        if got is None or got[0] is not rep:
+            fwd, bwd = _phases(rep, self.machine)
+            mem = self.itemsize * (rep.param_elements * (2 + self.optimizer_states)
+                                   + rep.activation_elements)
+            got = (rep, fwd, bwd, float(mem))
+            self._seconds[id(rep)] = got
+        return got[1], got[2], got[3]
+
+    def allreduce(self, step: Step) -> float:
+        """The step's parameters' gradient allreduces alone (the beam's share of the buckets)."""
+        if step.layer is None or step.handler is None or step.node.op != "call_module":
+            return 0.0
+        key = (step.node.target, step.layer, step.out)
+        if key not in self._grads:
+            module = self.modules[step.node.target]
+            dists = step.handler.param_dists(step, module)
+            layout = step.layer.layout
+            params = []
+            for leaf, p in module.named_parameters(recurse=False):
+                dist = None if dists is None else dists.get(leaf)
+                if dist is None:  # replicated everywhere: summed over every rank
+                    params.append((p.numel(), tuple(d for d, _ in self.base.data)))
+                    continue
+                placed = Placement(layout, dist)
+                dims = tuple(d for d, e in layout if e > 1 and d not in placed.dist.used())
+                params.append((largest_block(placed, tuple(p.shape)), dims))
+            grid = layout if dists is not None else self.base.data
+            self._grads[key] = _allreduce(params, grid, self.machine, self.itemsize)
+        return self._grads[key]
+
+    # ---------------------------------------------------------------- the beam
+    def beam(self, lam: float, mu: float, width: int) -> list[dict[str, Choice]]:
+        """The plans of the ``width`` cheapest frontiers after the last node, cheapest first."""
+        walker = _Analyser(self.gm, self.view, len(self.net.input_shape))  # type: ignore[arg-type]
+        walker.ndim = self.ndim
+        # (score, frontier: value -> its step, chosen, conversions made)
+        states: list[tuple[float, dict[Any, Step], dict[str, Choice], frozenset]] = [
+            (0.0, {}, {}, frozenset())]
+        for i, node in enumerate(self.order):
+            name = self.decides.get(node)
+            merged: dict[tuple, tuple[float, dict[Any, Step], dict[str, Choice], frozenset]] = {}
+            for score, live, chosen, done in states:
+                opts = ([chosen[name]] if name in chosen else self.options[name]) if name else [None]
+                for ch in opts:
+                    picked = chosen if ch is None or name in chosen else {**chosen, name: ch}
+                    self.view.chosen = picked
+                    walker.out = {n: s.out for n, s in live.items()}
+                    try:
+                        step = walker.visit(node)
+                    except (Unsupported, ValueError):
+                        continue  # a choice the layer cannot take where its input is
+                    made = set(done)
+                    moves = cost.conversions(step, live.__getitem__, self.shapes, made)
+                    add = 0.0
+                    if i:  # the input's own report is the same for every plan
+                        grad_in = any(self.grad.get(a.name, False) for a in step.needs)
+                        fwd, bwd, mem = self.seconds(self.report(step, moves, grad_in))
+                        add = fwd + bwd + lam * self.allreduce(step) + mu * mem
+                    after = {n: s for n, s in live.items() if self.last[n] > i}
+                    if self.last[node] > i and step.out is not None:
+                        after[node] = step
+                    names = {n.name for n in after}
+                    kept = frozenset(k for k in made if k[0] in names)
+                    key = (tuple((n, s.out) for n, s in after.items()), kept)
+                    if key not in merged or score + add < merged[key][0]:
+                        merged[key] = (score + add, after, picked, kept)
+            if not merged:
+                raise ValueError(f"plan_network: no candidate of {name!r} can take its input "
+                                 "in any plan the search kept")
+            states = sorted(merged.values(), key=lambda s: s[0])[:width]
+        return [s[2] for s in states]
+
+    # ---------------------------------------------------------------- the price
+    def price(self, chosen: Mapping[str, Choice]) -> _Priced:
+        """The plan's price: ``explain``'s layers of its config, priced incrementally."""
+        self.visited += 1
+        self.view.chosen = chosen
+        analysis = analyse(self.gm, self.view, input_ndim=len(self.net.input_shape))  # type: ignore[arg-type]
+        every = cost.evaluated_analysis_ranks(analysis, self.P)
+        layers = [cost.entry_report(analysis, self.net.input_shape, self.P, every)]
+        done: set = set()
+        for step in analysis.steps[1:]:
+            moves = cost.conversions(step, analysis.step, self.shapes, done)
+            grad_in = any(self.grad.get(a.name, False) for a in step.needs)
+            rep = self.report(step, moves, grad_in)
+            if cost.kept(rep):
+                layers.append(replace(rep, steps=list(rep.steps)))  # coalescing edits steps
+        running = cost.coalesced_running(layers)
+        if running is not None:
+            layers.append(running)
+        sync = cost.gradient_buckets(self.gm, analysis, self.P, every, self.itemsize, 25 << 20)
+        if sync is not None:
+            layers.append(sync)
+        t = timeline(layers, self.machine)
+        mem = sum(cost.memory(layers, self.itemsize, self.optimizer_states).values())
+        return _Priced(t.step, t.forward, float(mem), layers, analysis)
+
+
+def _literal(name: str) -> str:
+    """A module name as a config pattern that matches it alone (``[`` escaped)."""
+    return name.replace("[", "[[]")
 
 
 # ============================================================================ the plan
 @dataclass
 class LayerPlan:
-    """One convolution's choice and the costs that made it."""
+    """One convolution's choice, its price (its own report: compute and collectives, its
+    gradient allreduce alone) and the conversion into it."""
 
     conv: ConvNode
     choice: Choice
     cost: LayerCost
-    transition: float          # forward seconds of the redistribution into this layer
-    transition_bytes: int
+    transition: float          # forward seconds of the conversions into this layer
+    transition_bytes: int      # the bytes the slowest rank receives in them
     runner_up: Choice | None = None
-    runner_up_delta: float = math.inf  # how much slower the step would be with it
+    runner_up_delta: float = math.inf  # how much dearer the step would be with it
 
 
 @dataclass
 class Plan:
-    """A whole-network plan: per layer choices, the predicted step time and memory per rank."""
+    """A whole-network plan: per layer choices, the price of a step and memory per rank."""
 
     world_size: int
     batch: int
     machine: Machine
     layers: list[LayerPlan]
-    extra: float               # skips, entry and exit redistributions, head allreduce (seconds)
-    step_time: float           # the op handlers' price of the plan (explain's), see below
+    extra: float               # everything but the convolutions' own reports (seconds)
+    step_time: float           # explain's price of :meth:`config` on ``machine``
     forward_time: float
-    memory: float
+    memory: float              # explain's memory per rank (parameters, gradients, state, activations)
     notes: list[str] = field(default_factory=list)
-    #: the search's own estimate of the step (convolutions, redistributions, head allreduce)
-    search_time: float = math.nan
-    #: ``distconv.explain`` of :meth:`config` on the same machine: every layer's collectives and
-    #: compute, priced by the op handlers. ``step_time`` and ``forward_time`` are its timeline's,
-    #: so the planner and ``explain`` give one price for one plan. None for a network traced
-    #: without its model.
-    explanation: Any = None
+    #: the plans the search priced exactly
+    priced: int = 0
     #: the ``parallelize`` config it was planned from (``plan_network(config=...)``), and the
     #: layers whose ``auto`` entries it chose for; None: planned from scratch
     base: dict[str, Any] | None = None
     planned: frozenset[str] = frozenset()
+    #: the priced layers (``explain``'s :class:`~distconv.ops.pricing.LayerReport` list)
+    reports: list[LayerReport] = field(default_factory=list, repr=False)
 
     def config(self) -> dict[str, Any]:
         """The plan in the format of ``distconv.parallelize``: sample-parallel default and one
@@ -720,26 +768,16 @@ class Plan:
         means for those where it can -- sample parallelism on a data grid of samples only -- so
         that no ``auto`` is left to resolve."""
         if self.base is not None:
-            chosen = [{"match": lp.conv.name, **lp.choice.config()} for lp in self.layers
-                      if lp.conv.name in self.planned]
-            data = dict(self.base.get("data", {"N": self.world_size}))
-
-            def settled(entry: Mapping[str, Any]) -> dict[str, Any]:
-                if entry.get("algorithm") != "auto" or set(data) != {"N"}:
-                    return dict(entry)
-                rest = {k: v for k, v in entry.items() if k not in ("grid", "pipeline")}
-                return {**rest, "grid": data, "algorithm": "sample"}
-
-            out = {**self.base, "layers": chosen + [settled(e) for e in
-                                                     self.base.get("layers", [])]}
-            if "default" in self.base:
-                out["default"] = settled(self.base["default"])
-            return out
+            chosen = [{"match": _literal(lp.conv.name), **lp.choice.config()}
+                      for lp in self.layers if lp.conv.name in self.planned]
+            return {**_settled(self.base, self.world_size),
+                    "layers": chosen + [_settled_entry(e, self.base, self.world_size)
+                                        for e in self.base.get("layers", [])]}
         default = sample_choice(self.world_size).config()
         return {
             "default": default,
-            "layers": [{"match": lp.conv.name, **lp.choice.config()} for lp in self.layers
-                       if lp.choice.config() != default],
+            "layers": [{"match": _literal(lp.conv.name), **lp.choice.config()}
+                       for lp in self.layers if lp.choice.config() != default],
         }
 
     def explain(self) -> str:
@@ -751,15 +789,31 @@ class Plan:
                 f" layers={len(self.layers)})")
 
 
+def _settled_entry(entry: Mapping[str, Any], base: Mapping[str, Any], P: int) -> dict[str, Any]:
+    """An ``auto`` entry that now reaches Linear layers only: sample parallelism on the data grid
+    where that grid splits samples only."""
+    data = dict(base.get("data", {"N": P}))
+    if entry.get("algorithm") != "auto" or set(data) != {"N"}:
+        return dict(entry)
+    rest = {k: v for k, v in entry.items() if k not in ("grid", "pipeline")}
+    return {**rest, "grid": data, "algorithm": "sample"}
+
+
+def _settled(base: Mapping[str, Any], P: int) -> dict[str, Any]:
+    out = dict(base)
+    if "default" in base:
+        out["default"] = _settled_entry(base["default"], base, P)
+    return out
+
+
 def explain(plan: Plan) -> str:
     """Why: per layer the chosen option, its predicted milliseconds (forward, backward on the
-    critical path, gradient allreduce, redistribution into it), the bytes the slowest rank
-    receives in that redistribution, and the runner-up with how much slower the step would be."""
+    critical path, gradient allreduce alone, conversion into it), the bytes the slowest rank
+    receives in that conversion, and the runner-up with how much dearer the step would be."""
     rows = [f"{plan.machine.name}, {plan.world_size} ranks, batch {plan.batch}: predicted step "
-            f"{plan.step_time * 1e3:.2f} ms (forward {plan.forward_time * 1e3:.2f} ms; the "
-            f"search's estimate {plan.search_time * 1e3:.2f} ms), "
-            f"{plan.memory / 2**30:.2f} GiB per rank",
-            "per layer, as the search sees it (runner-up deltas on its estimate):",
+            f"{plan.step_time * 1e3:.2f} ms (forward {plan.forward_time * 1e3:.2f} ms), "
+            f"{plan.memory / 2**30:.2f} GiB per rank; {plan.priced} plans priced",
+            "per layer (its own report; runner-up: the step's price with it instead):",
             f"{'layer':28s} {'choice':26s} {'fwd':>7s} {'bwd':>7s} {'allred':>7s} "
             f"{'redist':>7s} {'bytes in':>11s}  runner-up (step +ms)"]
     for lp in plan.layers:
@@ -768,215 +822,18 @@ def explain(plan: Plan) -> str:
         rows.append(f"{lp.conv.name:28s} {str(lp.choice):26s} {ms(lp.cost.forward)} "
                     f"{ms(lp.cost.backward)} {ms(lp.cost.allreduce)} {ms(lp.transition)} "
                     f"{lp.transition_bytes:11,d}  {ru}")
-    rows.append(f"skips, entry/exit redistributions and head allreduce: {plan.extra * 1e3:.3f} ms")
+    rows.append(f"every other node, the gradient buckets and their overlap: "
+                f"{plan.extra * 1e3:.3f} ms")
     rows.extend(plan.notes)
     return "\n".join(rows)
 
 
-# ============================================================================ dynamic programming
-def _first(item: tuple) -> float:
-    return item[0]
-
-
-class _Model:
-    """Cached costs of one (network, world size, machine): layer costs and transitions."""
-
-    def __init__(self, net: Network, world_size: int, machine: Machine, *, max_model: int,
-                 algorithms: Sequence[str], itemsize: int, optimizer_slots: int,
-                 activation_factor: int, fixed: Mapping[str, Choice] | None = None,
-                 max_sample: int | None = None,
-                 layouts: Mapping[str, tuple[tuple[str, int], ...]] | None = None) -> None:
-        self.net, self.P, self.machine, self.itemsize = net, world_size, machine, itemsize
-        self.optimizer_slots = optimizer_slots
-        self.activation_factor = activation_factor
-        #: the layers a config fixes (the search keeps their choice)
-        self.fixed = frozenset(fixed or ())
-        self.options = {c.name: [fixed[c.name]] if c.name in self.fixed else layer_candidates(
-            c, world_size, max_model=max_model, max_sample=max_sample,
-            algorithms=algorithms) for c in net.convs}
-        convs = {c.name: c for c in net.convs}
-        for name, grid in (layouts or {}).items():  # an 'auto' entry that names its grid
-            ch = _layout_choice(convs[name], grid)
-            self.options[name] = [ch] if ch is not None else []
-        for c in net.convs:
-            if not self.options[c.name]:
-                what = c.problem or f"{type(c.module).__name__} on {c.in_shape}"
-                grid = f" on the grid {dict(layouts[c.name])} its entry names" if c.name in (
-                    layouts or {}) else ""
-                raise ValueError(
-                    f"plan_network: no candidate for {c.name} ({what}){grid} on world_size="
-                    f"{world_size} with algorithms={tuple(algorithms)}, max_model={max_model}; "
-                    "allow more algorithms or a larger max_model, or a batch >= world_size"
-                )
-        self.costs = {(c.name, ch): layer_cost(c, ch, machine, itemsize=itemsize,
-                                               optimizer_slots=optimizer_slots,
-                                               activation_factor=activation_factor)
-                      for c in net.convs for ch in self.options[c.name]}
-        self.head_params = sum(n for _, n in net.linears)
-        self._moves: dict[tuple, tuple[float, int]] = {}
-        self._meets: dict[tuple, bool] = {}
-        self._blocks: dict[tuple, dict[Any, tuple[float, Any]]] = {}
-        self.entry = _sample_value(world_size, len(net.input_shape))
-        self.exit = _sample_value(world_size, len(net.out_shape))
-        self.picks: list[dict[str, Choice]] = []  # the DP's plans of the last search
-        self.base: dict[str, Any] | None = None  # the config planned from, if any
-
-    def move(self, src: Choice, dst: Choice, shape: tuple[int, ...], *,
-             to_output: bool = False) -> tuple[float, int]:
-        """Forward seconds and bytes of src's output -> dst's input (or output, at an add)."""
-        key = (src, dst, shape, to_output)
-        if key not in self._moves:
-            d = dst.output_dist if to_output else dst.input_dist
-            self._moves[key] = _move_time((src.grid, src.output_dist), (dst.grid, d), shape,
-                                          self.machine, self.itemsize)
-        return self._moves[key]
-
-    def meet(self, main: Choice, skip: Choice, main_first: bool) -> bool:
-        """Whether the add's operands meet in the main branch's distribution: the executor's rule
-        itself (:func:`~distconv.ops.elementwise.meeting`, ties to the add's first operand)."""
-        key = (main, skip, main_first)
-        if key not in self._meets:
-            a, b = Placement(main.grid, main.output_dist), Placement(skip.grid, skip.output_dist)
-            first, second = (a, b) if main_first else (b, a)
-            self._meets[key] = meeting(first, second) == a
-        return self._meets[key]
-
-    def join(self, main: Choice, skip: Choice, block: Block) -> tuple[float, int, Choice]:
-        """Forward seconds, bytes and the resulting distribution of the join, as the executor
-        joins: the operands meet where the other reaches with fewer bytes (:meth:`meet`); at a
-        cat, among the operands' placements with the channels whole."""
-        if block.join == "cat":
-            (first, s1), (second, s2) = ((main, block.shapes[0]), (skip, block.shapes[1]))[
-                ::1 if block.main_first else -1]
-
-            def whole(c: Any) -> Value:
-                entries = list(c.output_dist.entries)
-                entries[1] = None
-                return Value(c.grid, Dist(tuple(entries), frozenset(), c.output_dist.tensor_dims))
-
-            a, b = whole(first), whole(second)
-            out = a if self.meet(a, b, True) else b
-            t1, b1 = self.move(first, out, s1, to_output=True)
-            t2, b2 = self.move(second, out, s2, to_output=True)
-            return t1 + t2, b1 + b2, out
-        shape = block.main[-1].out_shape
-        if self.meet(main, skip, block.main_first):
-            return (*self.move(skip, main, shape, to_output=True), main)
-        return (*self.move(main, skip, shape, to_output=True), skip)
-
-    def weight(self, c: ConvNode, ch: Choice, lam: float, mu: float) -> float:
-        lc = self.costs[(c.name, ch)]
-        return lc.forward + lc.backward + lam * lc.allreduce + mu * lc.memory
-
-    # ---------------------------------------------------------------- the DP
-    def run(self, start: Mapping[Any, float], units: Sequence[Unit], lam: float, mu: float
-            ) -> list[tuple[Unit, dict[Any, tuple[float, Any]]]]:
-        """Per unit of a chain from the states ``start`` (state -> cost so far): the best cost
-        to each state after it and how it is reached (a convolution: the state before; a block:
-        :meth:`block`'s way through it)."""
-        trail: list[tuple[Unit, dict[Any, tuple[float, Any]]]] = []
-        cur = dict(start)
-        for unit in units:
-            table: dict[Any, tuple[float, Any]] = {}
-            if isinstance(unit, ConvNode):
-                for b in self.options[unit.name]:
-                    w = self.weight(unit, b, lam, mu)
-                    table[b] = min(((cost + 2 * self.move(a, b, unit.in_shape)[0] + w, a)
-                                    for a, cost in cur.items()), key=_first)
-            else:
-                for a, base in cur.items():
-                    for out, (cost, way) in self.block(unit, a, lam, mu).items():
-                        if out not in table or base + cost < table[out][0]:
-                            table[out] = (base + cost, way)
-            trail.append((unit, table))
-            cur = {b: v[0] for b, v in table.items()}
-        return trail
-
-    def block(self, unit: Block, a: Any, lam: float, mu: float
-              ) -> dict[Any, tuple[float, Any]]:
-        """From the state ``a`` through ``unit``: per state after the join, the cost and the way
-        (``a``, the main branch's trail, the skip's, their end states); cached, as a block nested
-        in another's branch is entered from every state of that branch."""
-        key = (id(unit), a, lam, mu)
-        if key not in self._blocks:
-            main = self.run({a: 0.0}, unit.main, lam, mu)
-            skip = self.run({a: 0.0}, unit.skip, lam, mu) if unit.skip else None
-            ends = skip[-1][1].items() if skip else [(a, (0.0, None))]
-            best: dict[Any, tuple[float, Any]] = {}
-            for e, (cost, _) in main[-1][1].items():
-                for s_end, (sc, _) in ends:
-                    t, _, out = self.join(e, s_end, unit)
-                    total = cost + sc + 2 * t
-                    if out not in best or total < best[out][0]:
-                        best[out] = (total, (a, main, skip, s_end, e))
-            self._blocks[key] = best
-        return self._blocks[key]
-
-    def solve(self, lam: float, mu: float) -> dict[str, Choice]:
-        trail = self.run({self.entry: 0.0}, self.net.units, lam, mu)
-        if not trail:
-            return {}
-        state, out_shape = trail[-1][1], self.net.out_shape
-        end = min(state, key=lambda e: state[e][0] + 2 * self.move(e, self.exit, out_shape)[0])
-        return self._backtrack(trail, end, {})
-
-    def _backtrack(self, trail: list[tuple[Unit, Any]], end: Any,
-                   pick: dict[str, Choice]) -> dict[str, Choice]:
-        cur = end
-        for unit, table in reversed(trail):
-            if isinstance(unit, ConvNode):
-                pick[unit.name] = cur
-                cur = table[cur][1]
-                continue
-            a, main, skip, s_end, e = table[cur][1]
-            self._backtrack(main, e, pick)
-            if skip:
-                self._backtrack(skip, s_end, pick)
-            cur = a
-        return pick
-
-    # ---------------------------------------------------------------- evaluation
-    def evaluate(self, pick: Mapping[str, Choice]) -> dict[str, Any]:
-        """Timeline of one step under ``pick``: forward, then backward on a compute stream with
-        gradient allreduces on a communication stream (each starts when its layer's backward is
-        done and the previous allreduce has finished)."""
-        layers: list[tuple[ConvNode, Choice, float, int]] = []  # conv, choice, move in, bytes
-        joins: list[float] = []
-
-        def walk(units: Sequence[Unit], cur: Any) -> Any:
-            for unit in units:
-                if isinstance(unit, ConvNode):
-                    t, b = self.move(cur, pick[unit.name], unit.in_shape)
-                    layers.append((unit, pick[unit.name], t, b))
-                    cur = pick[unit.name]
-                    continue
-                main, skip = walk(unit.main, cur), walk(unit.skip, cur)
-                t, _, cur = self.join(main, skip, unit)
-                joins.append(t)
-            return cur
-
-        cur = walk(self.net.units, self.entry)
-        extra = sum(joins) + self.move(cur, self.exit, self.net.out_shape)[0]
-        forward = extra + sum(self.costs[(c.name, ch)].forward + t for c, ch, t, _ in layers)
-        head = 0.0
-        if self.head_params:
-            from distconv.comm.base import allreduce_bytes
-
-            nbytes = allreduce_bytes(self.head_params, 0, self.P, self.itemsize)
-            head = self.machine.collective_time("allreduce", self.P, nbytes,
-                                                layout=self.entry.grid, dims=("N",))
-        compute, comm = forward + extra, head  # backward starts after the forward
-        comm += compute
-        busy = 1.0 - getattr(self.machine, "comm_overlap", 1.0)  # as ops.pricing.timeline
-        for c, ch, t, _ in reversed(layers):
-            lc = self.costs[(c.name, ch)]
-            compute += lc.backward + t
-            comm = max(comm, compute) + lc.allreduce
-            compute += busy * lc.allreduce
-        memory = sum(self.costs[(c.name, ch)].memory for c, ch, _, _ in layers)
-        memory += self.head_params * self.itemsize * 3
-        return {"step": max(compute, comm), "forward": forward, "memory": memory,
-                "layers": layers, "extra": 2 * extra + head}
+#: the chunk counts the search tries for a layer whose collectives pipelining can overlap
+PIPELINES = (2, 4, 8)
+#: the frontiers the beam keeps per node
+BEAM_WIDTH = 8
+#: the beam's plans per allreduce weight that are priced exactly
+BEAM_PLANS = 2
 
 
 def plan_network(
@@ -991,36 +848,36 @@ def plan_network(
     algorithms: Sequence[str] = ALGORITHMS,
     itemsize: int = 4,
     optimizer_slots: int = 1,
-    activation_factor: int = 3,
     config: Mapping[str, Any] | None = None,
+    beam_width: int = BEAM_WIDTH,
 ) -> Plan:
     """Choose every convolution's grid and algorithm for one training step of ``model``.
 
     Args:
         model: a module (traced by :func:`trace_network` on ``input_shape``) or a traced Network.
-        input_shape: the global input ``(batch, channels, height, width)``.
+        input_shape: the global input ``(batch, channels, *spatial)``.
         world_size: ranks P; every layer's grid has P positions.
         machine: a :class:`~distconv.machines.Machine`, a flat ``perfmodel.Machine`` (priced as
             one level), a factory such as ``distconv.machines.lassen`` or a name such as
             ``"lassen"`` (:func:`~distconv.machines.resolve_machine`; TypeError otherwise).
-        memory_limit: bytes per rank; default ``machine.memory``.
-        max_model: the most ranks a layer's C×F×H×W dims may span. Default 16.
+        memory_limit: bytes per rank (explain's memory: parameters, gradients, optimizer state,
+            activations); default ``machine.memory``.
+        max_model: the most ranks a layer's C×F×(spatial) dims may span. Default 16.
         max_sample: the largest N extent (the paper's number of N rows); default the batch.
         algorithms: the choices allowed. Default all of ``sample, spatial, stationary-x/-y/-w``.
         itemsize: bytes per element (4: fp32). optimizer_slots: optimizer state per parameter
-            (1: SGD with momentum). activation_factor: stored copies of each conv's output
-            (3: conv, BN, ReLU).
+            (1: SGD with momentum), as explain's ``optimizer_states``.
         config: a ``parallelize`` config (a mapping or YAML path) whose ``auto`` entries (or
             ``auto`` default) say which convolutions to choose for -- any of ``Conv1d/2d/3d``
             and ``ConvTranspose1d/2d/3d``; an ``auto`` entry that names a grid chooses among
-            that grid's candidates; every other convolution keeps its entry, and
+            that grid's candidates; every other layer keeps its entry, and
             :meth:`Plan.config` is this config with an exact entry, first, for each chosen
             layer. Default None: choose for every convolution, from scratch.
+        beam_width: the frontiers the search keeps per node (:class:`_Search`). Default 8.
 
     Raises:
         ValueError: bad arguments, a bad ``config``, or no plan within ``memory_limit``.
-        NotImplementedError: a graph that is not a chain of convolutions and blocks, nested or
-            not (:func:`trace_network`, naming the node).
+        distconv.ops.Unsupported: a node ``parallelize`` cannot run, named.
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"plan_network: world_size must be an int >= 1, got {world_size!r}")
@@ -1028,242 +885,221 @@ def plan_network(
     bad = [a for a in algorithms if a not in ALGORITHMS]
     if bad or not algorithms:
         raise ValueError(f"plan_network: algorithms must be among {ALGORITHMS}, got {algorithms}")
-    if isinstance(model, Network):
-        net = model
-    else:
-        if input_shape is None or not 3 <= len(input_shape) <= 5:
-            raise ValueError(f"plan_network: input_shape must be (N, C, *spatial) with 1 to 3 "
-                             f"spatial dims, got {input_shape}")
-        net = trace_network(model, input_shape)
+    if isinstance(beam_width, bool) or not isinstance(beam_width, int) or beam_width < 1:
+        raise ValueError(f"plan_network: beam_width must be an int >= 1, got {beam_width!r}")
+    net = model if isinstance(model, Network) else _traced(model, input_shape)
     limit = getattr(machine, "memory", math.inf) if memory_limit is None else memory_limit
     if not limit > 0:
         raise ValueError(f"plan_network: memory_limit must be > 0, got {memory_limit}")
-    fixed, layouts, base = None, None, None
+    base: dict[str, Any] = {"default": sample_choice(world_size).config()}
+    todo = [c for c in net.convs]
+    options: dict[str, list[Choice]] = {}
     if config is not None:
-        from distconv.parallel.config import ParallelConfig
-
         cfg = ParallelConfig(config, world_size=world_size)
-        fixed = _config_choices(net, cfg, world_size, auto=True)
-        layouts = {c.name: _canonical(cfg.choice(c.name).layout) for c in net.convs
-                   if c.name not in fixed and cfg.choice(c.name).layout is not None}
         base = cfg.to_dict()
-    m = _Model(net, world_size, machine, max_model=max_model, algorithms=algorithms,
-               itemsize=itemsize, optimizer_slots=optimizer_slots,
-               activation_factor=activation_factor, max_sample=max_sample, fixed=fixed,
-               layouts=layouts)
-    m.base = base
-    best = _best(m, 0.0)
-    notes = []
-    if best[1]["memory"] > limit:
-        best = _fit_memory(m, limit)
+        todo = [c for c in net.convs if cfg.choice(c.name).algorithm == "auto"]
+        for c in todo:
+            grid = cfg.choice(c.name).layout
+            if grid is not None:  # an 'auto' entry that names its grid
+                ch = _layout_choice(c, _canonical(grid))
+                options[c.name] = [ch] if ch is not None else []
+        # what parallelize would do with the auto layers left: its own per-layer choice; the
+        # search replaces it, so the config it starts from holds none
+        base = _without_auto(base, world_size)
+    for c in todo:
+        if c.name not in options:
+            options[c.name] = layer_candidates(c, world_size, max_model=max_model,
+                                               max_sample=max_sample, algorithms=algorithms)
+        if not options[c.name]:
+            what = c.problem or f"{type(c.module).__name__} on {c.in_shape}"
+            raise ValueError(
+                f"plan_network: no candidate for {c.name} ({what}) on world_size={world_size} "
+                f"with algorithms={tuple(algorithms)}, max_model={max_model}; allow more "
+                "algorithms or a larger max_model, or a batch >= world_size")
+    search = _Search(net, world_size, machine, options, base, itemsize, optimizer_slots)
+    notes: list[str] = []
+    best = _search(search, 0.0, limit, beam_width)
+    if best[1].memory > limit:
+        best = _fit_memory(search, limit, beam_width)
+    chosen, priced = best
+    chosen, priced, runners = _descend(search, chosen, priced, limit)
+    if search.binding:
         notes.append(f"memory limit {limit / 2**30:.2f} GiB per rank is binding")
-    pick, ev, lam = best
-    pick, ev = _refine(m, pick, ev, limit)
-    # the search's finalists, priced by the op handlers: the refined plan, the DP's plan at each
-    # allreduce weight, and the uniform plans (one grid and algorithm for every layer) the search
-    # puts near its best, pure sample parallelism always among them: the handlers weigh what the
-    # search does not see (normalisations, pooling, the head's input); the cheapest that fits is
-    # the plan
-    finalists = [pick, *m.picks, *_uniform(m, ev["step"])]
-    plans: dict[tuple, tuple[Plan, dict[str, Choice]]] = {}
-    for p in finalists:
-        p = _pipelined(m, p)
-        key = tuple(p[c.name] for c in net.convs)
-        if key in plans:
-            continue
-        p_ev = m.evaluate(p)
-        if p_ev["memory"] > limit:
-            continue
-        plans[key] = (_make_plan(m, p, p_ev, net.input_shape[0], list(notes)), p)
-        if m.net.model is None:
-            break  # no model to price on: the search's plan
-    plan, pick = min(plans.values(), key=lambda item: item[0].step_time)
-    _runner_ups(m, plan, pick, plan.search_time, limit)
-    plan.notes.append(f"allreduce weight in the DP: {lam}; {len(plans)} finalist plan(s) priced "
-                      "by the op handlers, the cheapest kept")
-    return plan
+    return _make_plan(search, chosen, priced, runners, notes,
+                      base if config is not None else None, frozenset(options))
 
 
-#: how much dearer than the search's best estimate a uniform plan's may be to be priced
-UNIFORM_SLACK = 1.5
+def _traced(model: torch.nn.Module, input_shape: Sequence[int] | None) -> Network:
+    if input_shape is None or not 3 <= len(input_shape) <= 5:
+        raise ValueError(f"plan_network: input_shape must be (N, C, *spatial) with 1 to 3 "
+                         f"spatial dims, got {input_shape}")
+    return trace_network(model, input_shape)
 
 
-def _uniform(m: _Model, best: float) -> list[dict[str, Choice]]:
-    """The uniform plans worth pricing: per grid and algorithm that every convolution the search
-    chooses for can take, the plan giving it to all of them (the layers a config fixes keep
-    theirs); of each algorithm the one the search estimates cheapest, where that is within
-    :data:`UNIFORM_SLACK` of ``best`` (its best estimate) -- pure sample parallelism always."""
-    convs = [c for c in m.net.convs if c.name not in m.fixed]
-    kept = {c.name: m.options[c.name][0] for c in m.net.convs if c.name in m.fixed}
-    keys = [{(ch.grid, ch.algorithm): ch for ch in m.options[c.name]} for c in convs]
+def _without_auto(raw: dict[str, Any], P: int) -> dict[str, Any]:
+    """The config with its ``auto`` default sample-parallel on the data grid (the layers the
+    search chooses for take its choices; Linear layers take what ``auto`` means for them)."""
+    return _settled(raw, P)
+
+
+def _search(s: _Search, mu: float, limit: float, width: int
+            ) -> tuple[dict[str, Choice], _Priced]:
+    """The cheapest of the beam's plans (allreduces weighted 0 and 1) and the uniform plans,
+    by the price; the memory multiplier ``mu`` steers the beam."""
+    plans: dict[tuple, dict[str, Choice]] = {}
+    for lam in (0.0, 1.0):
+        for p in s.beam(lam, mu, width)[:BEAM_PLANS]:
+            plans.setdefault(tuple(sorted(p.items(), key=lambda kv: kv[0])), p)
+    for p in _uniform(s):
+        plans.setdefault(tuple(sorted(p.items(), key=lambda kv: kv[0])), p)
+    scored = []
+    for p in plans.values():
+        try:
+            priced = s.price(p)
+        except (Unsupported, ValueError):
+            continue  # e.g. a uniform plan a layer's placement refuses
+        fits = priced.memory <= limit
+        scored.append(((not fits, priced.step + mu * priced.memory if fits else priced.memory),
+                       p, priced))
+    if not scored:
+        raise ValueError("plan_network: the search found no plan parallelize can run")
+    _, p, priced = min(scored, key=lambda t: t[0])
+    s.binding = s.binding or min(scored, key=lambda t: t[2].step)[2].memory > limit
+    return p, priced
+
+
+def _uniform(s: _Search) -> list[dict[str, Choice]]:
+    """Per grid and algorithm every layer the search chooses for can take, the plan giving it
+    to all of them."""
+    keys = [{(ch.grid, ch.algorithm): ch for ch in opts} for opts in s.options.values()]
     common = set(keys[0]).intersection(*keys[1:]) if keys else set()
-    cheapest: dict[str, tuple[float, tuple, dict[str, Choice]]] = {}
-    for key in sorted(common, key=lambda g: (g[1], g[0])):
-        plan = {**kept, **{c.name: k[key] for c, k in zip(convs, keys)}}
-        t = m.evaluate(plan)["step"]
-        if key[1] not in cheapest or t < cheapest[key[1]][0]:
-            cheapest[key[1]] = (t, key, plan)
-    return [plan for alg, (t, _, plan) in cheapest.items()
-            if alg == "sample" or t <= best * UNIFORM_SLACK]
+    return [{n: k[key] for n, k in zip(s.options, keys)}
+            for key in sorted(common, key=lambda g: (g[1], g[0]))]
 
 
-#: the chunk counts the planner tries for a layer whose collectives pipelining can overlap
-PIPELINES = (2, 4, 8)
-
-
-def _pipelined(m: _Model, pick: Mapping[str, Choice]) -> dict[str, Choice]:
-    """Each communicating layer of ``pick`` with the ``pipeline`` its §4 cost is lowest with
-    (:func:`~distconv.perfmodel.conv_cost`); pipelining changes no distribution, so it is chosen
-    per layer after the search. A choice is kept unless another is 0.1% faster."""
-    out = dict(pick)
-    for c in m.net.convs:
-        best = pick[c.name]
-        if not best.communicates or c.name in m.fixed:  # (N-d convolutions are not pipelined)
-            continue
-        for k in PIPELINES:
-            trial = replace(best, pipeline=k)
-            if (c.name, trial) not in m.costs:
-                m.costs[(c.name, trial)] = layer_cost(
-                    c, trial, m.machine, itemsize=m.itemsize, optimizer_slots=m.optimizer_slots,
-                    activation_factor=m.activation_factor)
-            if m.costs[(c.name, trial)].total < m.costs[(c.name, out[c.name])].total * (1 - 1e-3):
-                out[c.name] = trial
-    return out
-
-
-def _best(m: _Model, mu: float) -> tuple[dict[str, Choice], dict[str, Any], float]:
-    tried = []
-    m.picks = []
-    for lam in (0.0, 0.5, 1.0):
-        pick = m.solve(lam, mu)
-        ev = m.evaluate(pick)
-        m.picks.append(pick)
-        tried.append((ev["step"] + mu * ev["memory"], lam, pick, ev))
-    _, lam, pick, ev = min(tried, key=lambda t: t[0])
-    return pick, ev, lam
-
-
-def _fit_memory(m: _Model, limit: float) -> tuple[dict[str, Choice], dict[str, Any], float]:
-    """Bisect the price of memory (seconds per byte) until the DP's plan fits in ``limit``."""
+def _fit_memory(s: _Search, limit: float, width: int) -> tuple[dict[str, Choice], _Priced]:
+    """Raise the beam's price of memory (seconds per byte) until its plan fits ``limit``, then
+    bisect it down to the cheapest multiplier that still fits."""
     lo, hi = 0.0, 1e-12
     while True:
-        pick, ev, lam = _best(m, hi)
-        if ev["memory"] <= limit:
+        p, priced = _search(s, hi, limit, width)
+        if priced.memory <= limit:
             break
         if hi > 1e3:
             raise ValueError(
                 f"plan_network: no plan fits memory_limit={limit:.4g} bytes per rank; the "
-                f"smallest found needs {ev['memory']:.4g} (more ranks, a larger max_model or a "
-                "smaller batch)"
-            )
+                f"smallest found needs {priced.memory:.4g} (more ranks, a larger max_model or a "
+                "smaller batch)")
         lo, hi = hi, hi * 8
-    fit = (pick, ev, lam)
-    for _ in range(12):
+    fit = (p, priced)
+    for _ in range(8):
         mid = math.sqrt(lo * hi) if lo else hi / 8
-        pick, ev, lam = _best(m, mid)
-        if ev["memory"] <= limit:
-            hi, fit = mid, (pick, ev, lam)
+        p, priced = _search(s, mid, limit, width)
+        if priced.memory <= limit:
+            hi = mid
+            if priced.step < fit[1].step:
+                fit = (p, priced)
         else:
             lo = mid
     return fit
 
 
-def _refine(m: _Model, pick: dict[str, Choice], ev: dict[str, Any], limit: float,
-            rounds: int = 3) -> tuple[dict[str, Choice], dict[str, Any]]:
-    """Coordinate descent on the timeline: the DP's additive costs cannot see how much of an
-    allreduce hides behind backward, so try each layer's other choices with the rest kept."""
+def _alternatives(s: _Search, name: str, current: Choice) -> list[Choice]:
+    """A layer's other choices: its candidates, and its current one pipelined where that layer
+    moves data pipelining can overlap."""
+    out = [ch for ch in s.options[name] if ch != current]
+    if current.communicates:
+        out += [replace(current, pipeline=k) for k in PIPELINES if k != current.pipeline]
+    if current.pipeline > 1:
+        out.append(replace(current, pipeline=1))
+    return list(dict.fromkeys(out))
+
+
+def _descend(s: _Search, chosen: dict[str, Choice], priced: _Priced, limit: float,
+             rounds: int = 4) -> tuple[dict[str, Choice], _Priced, dict[str, tuple]]:
+    """Coordinate descent on the price: each layer's alternatives with the rest kept, taken
+    where the step is cheaper, until a round changes nothing; the last round's best alternative
+    per layer (the runner-up) with its price."""
+    runners: dict[str, tuple[Choice | None, float]] = {}
     for _ in range(rounds):
         improved = False
-        for c in m.net.convs:
-            for ch in m.options[c.name]:
-                if ch == pick[c.name]:
+        runners = {}
+        for name in s.options:
+            best_other: tuple[Choice | None, float] = (None, math.inf)
+            for ch in _alternatives(s, name, chosen[name]):
+                try:
+                    trial = s.price({**chosen, name: ch})
+                except (Unsupported, ValueError):
                     continue
-                trial = {**pick, c.name: ch}
-                t = m.evaluate(trial)
-                if t["memory"] <= limit and t["step"] < ev["step"] * (1 - 1e-9):
-                    pick, ev, improved = trial, t, True
+                if trial.memory > limit:
+                    s.binding = s.binding or trial.step < priced.step
+                    continue
+                if trial.step < priced.step * (1 - 1e-9):
+                    best_other = (chosen[name], priced.step)
+                    chosen, priced, improved = {**chosen, name: ch}, trial, True
+                elif trial.step < best_other[1]:
+                    best_other = (ch, trial.step)
+            runners[name] = best_other
         if not improved:
             break
-    return pick, ev
+    return chosen, priced, runners
 
 
-def _make_plan(m: _Model, pick: Mapping[str, Choice], ev: dict[str, Any], batch: int,
-               notes: list[str], config: Mapping[str, Any] | None = None) -> Plan:
-    """The plan, priced by the op handlers: ``explain`` of ``config`` (default: the plan's) on
-    the same machine."""
-    order = {c.name: i for i, c in enumerate(m.net.convs)}
-    layers = sorted(ev["layers"], key=lambda t: order[t[0].name])
-    lps = [LayerPlan(c, ch, m.costs[(c.name, ch)], t, b) for c, ch, t, b in layers]
-    plan = Plan(m.P, batch, m.machine, lps, ev["extra"], ev["step"], ev["forward"],
-                ev["memory"], notes, search_time=ev["step"], base=m.base,
-                planned=frozenset(c.name for c in m.net.convs if c.name not in m.fixed))
-    if m.net.model is not None:
-        plan.explanation = price(m.net.model, config or plan.config(), m.net.input_shape,
-                                 world_size=m.P, machine=m.machine, itemsize=m.itemsize,
-                                 optimizer_states=m.optimizer_slots)
-        tl = plan.explanation.timeline()
-        plan.step_time, plan.forward_time = tl.step, tl.forward
+def _make_plan(s: _Search, chosen: Mapping[str, Choice], priced: _Priced,
+               runners: Mapping[str, tuple], notes: list[str], base: dict[str, Any] | None,
+               planned: frozenset[str]) -> Plan:
+    """The plan of ``chosen``, its price that of :mod:`distconv.parallel.cost` over the
+    analysis of its config (explain's, exactly)."""
+    shapes = s.shapes
+    every = cost.evaluated_analysis_ranks(priced.analysis, s.P)
+    layers, _ = cost.price_analysis(s.gm, priced.analysis, s.net.input_shape, shapes, s.P,
+                                    s.itemsize, s.machine, 25 << 20, {})
+    t = timeline(layers, s.machine)
+    memory = float(sum(cost.memory(layers, s.itemsize, s.optimizer_states).values()))
+    by_name = {lay.name: lay for lay in layers}
+    steps = {str(st.node.target): st for st in priced.analysis.steps
+             if st.node.op == "call_module"}
+    lps = []
+    own = 0.0
+    for c in s.net.convs:
+        if c.name not in chosen or c.name not in by_name:
+            continue
+        rep = by_name[c.name]
+        moved = [st for st in rep.steps if st.op == "redistribute"]
+        mine = replace(rep, steps=[st for st in rep.steps if st.op != "redistribute"])
+        fwd, bwd = _phases(mine, s.machine)
+        _, _, mem = s.seconds(mine)
+        into = [st for st in moved if st.phase == "forward"]
+        lc = LayerCost(fwd, bwd, s.allreduce(steps[c.name]), mem)
+        own += fwd + bwd + sum(st.seconds(s.machine) for st in moved)
+        ru, at = runners.get(c.name, (None, math.inf))
+        lps.append(LayerPlan(c, chosen[c.name], lc, sum(st.seconds(s.machine) for st in into),
+                             max((sum(st.bytes[r] for st in into) for r in every), default=0),
+                             ru, at - t.step))
+    plan = Plan(s.P, s.net.input_shape[0], s.machine, lps, t.step - own, t.step, t.forward,
+                memory, notes, priced=s.visited, base=base, planned=planned, reports=layers)
     return plan
 
 
-def price(model: torch.nn.Module, config: Mapping[str, Any], input_shape: Sequence[int], *,
-          world_size: int, machine: Machine, itemsize: int, optimizer_states: int) -> Any:
-    """``explain`` of ``config`` without its sample-parallel baseline, refusing with the planner's
-    name what ``parallelize`` cannot run."""
-    from distconv.ops import Unsupported
-    from distconv.parallel.config import ParallelConfig
-    from distconv.parallel.explain import _explain
-
-    try:
-        return _explain(model, ParallelConfig(config, world_size=world_size),
-                        tuple(input_shape), machine, optimizer_states, itemsize, 25 << 20,
-                        baseline=False)
-    except Unsupported as exc:
-        raise Unsupported(f"plan_network: the plan puts a layer where parallelize cannot run "
-                          f"it ({exc}); the planner chooses for convolutions only, so keep that "
-                          "part sample-parallel with a config by hand, or use explain") from exc
-
-
-def _runner_ups(m: _Model, plan: Plan, pick: Mapping[str, Choice], step: float,
-                limit: float) -> None:
-    """Per layer, the best other choice with every other layer kept, and its cost in seconds."""
-    for lp in plan.layers:
-        best: tuple[float, Choice | None] = (math.inf, None)
-        for ch in m.options[lp.conv.name]:
-            if ch == lp.choice:
-                continue
-            ev = m.evaluate({**pick, lp.conv.name: ch})
-            if ev["memory"] <= limit:
-                best = min(best, (ev["step"], ch), key=lambda t: t[0])
-        lp.runner_up, lp.runner_up_delta = best[1], best[0] - step
-
-
-def _config_choices(net: Network, config: Any, world_size: int, *, auto: bool = False
-                    ) -> dict[str, Choice]:
-    """Each convolution's choice under a ``parallelize`` config (a mapping or a
-    :class:`ParallelConfig`), as parallelize matches it (:meth:`ParallelConfig.choice`);
-    ``auto``: leave out the layers whose entry says ``auto`` (else they are refused)."""
-    from distconv.parallel.config import ParallelConfig
-
+def _config_choices(net: Network, config: Any, world_size: int) -> dict[str, Choice]:
+    """Each convolution's choice under a ``parallelize`` config, as parallelize matches it
+    (:meth:`ParallelConfig.choice`); an ``auto`` entry is refused (predict prices given
+    configs)."""
     cfg = config if isinstance(config, ParallelConfig) else ParallelConfig(
         config, world_size=world_size)
     out = {}
     for c in net.convs:
         entry = cfg.choice(c.name)
-        if entry.algorithm == "auto" and auto:
-            continue
         if entry.layout is None or entry.algorithm == "auto":
             raise ValueError(f"predict: {c.name} takes {entry.source}, whose algorithm 'auto' "
                              "is chosen by parallelize; give it a grid and an algorithm")
-        # canonical, as the executor keeps placements: grid dims of extent 1 dropped
-        grid = _canonical(entry.layout)
-        algorithm = entry.algorithm
+        grid, algorithm = _canonical(entry.layout), entry.algorithm
         if c.module is not None and entry.source == "default" and algorithm != "spatial":
             # a sample or stationary default runs these sample-parallel on the data grid
             grid, algorithm = _canonical(cfg.data), "sample"
         groups = c.module.groups if c.module is not None else c.problem.groups
         e_ = dict(grid)
-        out[c.name] = Choice(grid, algorithm,
+        out[c.name] = Choice(grid, algorithm, pipeline=entry.pipeline,
                              groups_aligned=groups > 1 and e_.get("C", 1) * e_.get("F", 1) > 1,
                              spatial=c.spatial, transposed=c.transposed)
     return out
@@ -1294,17 +1130,14 @@ def _canonical(layout: Sequence[tuple[str, int]]) -> tuple[tuple[str, int], ...]
 
 def predict(model: torch.nn.Module | Network, config: Mapping[str, Any],
             input_shape: Sequence[int] | None = None, *, world_size: int, machine: Machine,
-            itemsize: int = 4, optimizer_slots: int = 1, activation_factor: int = 3) -> Plan:
-    """A given ``parallelize`` config (``auto`` is not resolved here) as a :class:`Plan`: priced
-    as :func:`plan_network` prices its plans (``step_time`` is ``explain``'s timeline of the
-    config on ``machine``; the per-layer table and memory are the search's); ``machine`` as
-    there."""
+            itemsize: int = 4, optimizer_slots: int = 1) -> Plan:
+    """A given ``parallelize`` config (``auto`` is not resolved here) as a :class:`Plan`: its
+    price is ``explain``'s on ``machine`` (any form of
+    :func:`~distconv.machines.resolve_machine`)."""
     machine = resolve_machine(machine, hierarchical=True)
     net = model if isinstance(model, Network) else trace_network(model, input_shape or ())
-    fixed = _config_choices(net, config, world_size)
-    m = _Model(net, world_size, machine, max_model=world_size, algorithms=ALGORITHMS,
-               itemsize=itemsize, optimizer_slots=optimizer_slots,
-               activation_factor=activation_factor, fixed=fixed)
-    ev = m.evaluate(fixed)
-    return _make_plan(m, fixed, ev, net.input_shape[0], ["prediction of a given config"],
-                      config)
+    cfg = ParallelConfig(config, world_size=world_size)
+    fixed = _config_choices(net, cfg, world_size)
+    search = _Search(net, world_size, machine, {}, cfg.to_dict(), itemsize, optimizer_slots)
+    return _make_plan(search, fixed, search.price({}), {}, ["prediction of a given config"],
+                      cfg.to_dict(), frozenset())

@@ -57,7 +57,7 @@ class DropoutHandler(Handler):
     functions = frozenset({F.dropout, F.dropout1d, F.dropout2d, F.dropout3d})
 
     def place(self, an: Any, node: Any, module: Any) -> Any:
-        from distconv.parallel.graph import LayerSpec
+        from distconv.parallel.steps import LayerSpec
 
         step = an.keep(node, "dropout")
         model_dims = step.out.dist.used() - set(step.out.dist.grid_dims_of(0))
@@ -102,7 +102,7 @@ class BinaryHandler(Handler):
     methods = frozenset({"add", "add_", "sub", "sub_", "mul", "mul_", "div", "div_"})
 
     def place(self, an: Any, node: Any, module: Any) -> Any:
-        from distconv.parallel.graph import Step
+        from distconv.parallel.steps import Step
 
         args = an.tensor_args(node)
         for a in fx.node.map_aggregate(node.args, lambda a: a):
@@ -131,7 +131,7 @@ class CatHandler(Handler):
     functions = frozenset({torch.cat})
 
     def place(self, an: Any, node: Any, module: Any) -> Any:
-        from distconv.parallel.graph import Step
+        from distconv.parallel.steps import Step
 
         args = an.tensor_args(node)
         dim = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else 0)

@@ -37,7 +37,7 @@ class LinearHandler(Handler):
     modules = (nn.Linear,)
 
     def place(self, an: Any, node: Any, module: Any) -> Any:
-        from distconv.parallel.graph import LayerSpec, Step, sample_dist
+        from distconv.parallel.steps import LayerSpec, Step, sample_dist
 
         name = str(node.target)
         choice = an.config.choice(name)

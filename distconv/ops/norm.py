@@ -40,7 +40,7 @@ class BatchNormHandler(Handler):
     modules = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
 
     def place(self, an: Any, node: Any, module: Any) -> Any:
-        from distconv.parallel.graph import LayerSpec
+        from distconv.parallel.steps import LayerSpec
 
         name = str(node.target)
         step = an.keep(node, "batchnorm")
@@ -184,7 +184,7 @@ class _LocalNorm(Handler):
         return False
 
     def place(self, an: Any, node: Any, module: Any) -> Any:
-        from distconv.parallel.graph import LayerSpec
+        from distconv.parallel.steps import LayerSpec
 
         step = an.keep(node, "norm")
         dist = step.out.dist
@@ -293,7 +293,7 @@ class LayerNormHandler(_LocalNorm):
     modules = (nn.LayerNorm,)
 
     def place(self, an: Any, node: Any, module: Any) -> Any:
-        from distconv.parallel.graph import LayerSpec
+        from distconv.parallel.steps import LayerSpec
 
         step = an.keep(node, "norm")
         dist, ext = step.out.dist, dict(step.out.layout)

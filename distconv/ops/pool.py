@@ -60,7 +60,7 @@ class PoolHandler(Handler):
                            F.avg_pool3d})
 
     def place(self, an: Any, node: Any, module: Any) -> Any:
-        from distconv.parallel.graph import LayerSpec
+        from distconv.parallel.steps import LayerSpec
 
         step = an.keep(node, "pool")
         dist = step.out.dist
@@ -155,7 +155,7 @@ class AdaptiveAvgPoolHandler(Handler):
     functions = frozenset({F.adaptive_avg_pool2d})
 
     def place(self, an: Any, node: Any, module: Any) -> Any:
-        from distconv.parallel.graph import LayerSpec
+        from distconv.parallel.steps import LayerSpec
 
         if module is not None:
             name, size = str(node.target), module.output_size
@@ -221,7 +221,7 @@ class MeanHandler(Handler):
         return args[0].sum(dims, keepdim=keep) / count
 
     def place(self, an: Any, node: Any, module: Any) -> Any:
-        from distconv.parallel.graph import LayerSpec, Step
+        from distconv.parallel.steps import LayerSpec, Step
 
         args = an.tensor_args(node)
         p = an.placement(args[0]).settled()

@@ -19,7 +19,7 @@ __all__ = ["FlattenHandler", "MetaHandler", "NewAxisHandler", "ReshapeHandler"]
 
 def to_samples(an: Any, node: Any, arg: Any, out_ndim: int) -> Any:
     """Every dim but the samples replicated (flatten, view, reshape act on local rows)."""
-    from distconv.parallel.graph import Step
+    from distconv.parallel.steps import Step
 
     p = an.placement(arg)
     need = Placement(p.layout, Dist((p.dist.entries[0],) + (None,) * (p.ndim - 1)))
@@ -74,7 +74,7 @@ class NewAxisHandler(Handler):
     methods = frozenset({"unsqueeze"})
 
     def place(self, an: Any, node: Any, module: Any) -> Any:
-        from distconv.parallel.graph import Step
+        from distconv.parallel.steps import Step
 
         args = an.tensor_args(node)
         if not args or node.args[0] is not args[0]:
@@ -141,7 +141,7 @@ class MetaHandler(Handler):
     methods = frozenset({"size", "dim"})
 
     def place(self, an: Any, node: Any, module: Any) -> Any:
-        from distconv.parallel.graph import Step
+        from distconv.parallel.steps import Step
 
         return Step(node, "meta", None)
 
