@@ -578,10 +578,14 @@ class _Search:
             self.grad[n.name] = owns or any(self.grad.get(a.name, False) for a in st.needs)
             self.ndim[n] = st.out.ndim if st.out is not None else None
         self._reports: dict[tuple, LayerReport] = {}
+        self._moves: dict[tuple, LayerReport] = {}
+        self._steps: dict[tuple, Step | None] = {}
+        self._buckets: dict[tuple, LayerReport | None] = {}
         self._seconds: dict[int, tuple[LayerReport, float, float, float]] = {}
         self._grads: dict[tuple, float] = {}
         self.visited = 0  # plans priced exactly
         self.binding = False  # whether a cheaper plan did not fit the memory limit
+        self.seeds: list[dict[str, Choice]] = []  # the plans the descent starts among
 
     def entry(self, name: str, ch: Choice) -> LayerChoice:
         """The config entry ``ch`` makes for the layer ``name``, as ``parallelize`` reads it."""
@@ -594,28 +598,63 @@ class _Search:
 
     # ---------------------------------------------------------------- one node
     def ranks(self, layouts: Sequence[Any]) -> list[int]:
-        """The ranks a report is evaluated on: every rank of a world of at most
-        :data:`~distconv.parallel.placement.ALL_RANKS` (as explain), else the corners of the
-        grids it touches (the maxima of the whole world, found once per set of grids)."""
-        if self.P <= ALL_RANKS:
-            return list(range(self.P))
+        """The ranks a report is evaluated on: the corners of the grids it touches, whose maxima
+        are the whole world's (:func:`~distconv.parallel.placement.evaluated_ranks`), found once
+        per set of grids."""
         return evaluated_ranks(sorted(set(layouts)), self.P, every=False)
 
-    def report(self, step: Step, moves: list[cost.Move], grad_in: bool) -> LayerReport:
-        """:func:`~distconv.parallel.cost.price_step` of ``step``, cached per node, placements,
-        layer and conversions."""
-        key = (step.node, step.out, step.layer, tuple(step.needs.items()), tuple(moves), grad_in,
-               step.segment)
-        rep = self._reports.get(key)
-        if rep is None:
+    def parts(self, step: Step, moves: list[cost.Move], grad_in: bool) -> list[LayerReport]:
+        """The reports that make ``step``'s (:func:`~distconv.parallel.cost.price_step`): its
+        handler's, cached per node, placements and layer, and one per conversion of an operand,
+        cached per shape and placements (shared by every node that converts alike)."""
+        if step.segment is not None:  # recomputed in backward: priced whole
+            return [self._whole(step, moves, grad_in)]
+        key = (step.node, step.out, step.layer, tuple(step.needs.items()), grad_in)
+        base = self._reports.get(key)
+        if base is None:
             layouts = [p.layout for p in (step.out, *step.needs.values()) if p is not None]
-            layouts += [m[1].layout for m in moves]
             if step.layer is not None:
                 layouts.append(step.layer.layout)
-            rep = cost.price_step(step, moves, self.modules, self.shapes, self.itemsize, self.P,
-                                  self.ranks(layouts), grad_in, self.grad, self.machine)
-            self._reports[key] = rep
-        return rep
+            base = cost.price_step(step, [], self.modules, self.shapes, self.itemsize, self.P,
+                                   self.ranks(layouts), grad_in, self.grad, self.machine)
+            self._reports[key] = base
+        out = [base]
+        for a, src, need, _ in moves:
+            back = self.grad.get(a.name, False)
+            mkey = (self.shapes[a.name], src, need, back)
+            rep = self._moves.get(mkey)
+            if rep is None:
+                rep = LayerReport("(conversion)", "redistribute", "-", "-", {})
+                cost.conversion(rep, "a value", src, need, self.shapes[a.name], self.itemsize,
+                                self.P, self.ranks([src.layout, need.layout]), back)
+                self._moves[mkey] = rep
+            out.append(rep)
+        return out
+
+    def _whole(self, step: Step, moves: list[cost.Move], grad_in: bool) -> LayerReport:
+        key = (step.node, step.out, step.layer, tuple(step.needs.items()), tuple(moves), grad_in,
+               step.segment)
+        if key not in self._reports:
+            layouts = [p.layout for p in (step.out, *step.needs.values()) if p is not None]
+            layouts += [m[1].layout for m in moves] + [m[2].layout for m in moves]
+            if step.layer is not None:
+                layouts.append(step.layer.layout)
+            self._reports[key] = cost.price_step(
+                step, moves, self.modules, self.shapes, self.itemsize, self.P,
+                self.ranks(layouts), grad_in, self.grad, self.machine)
+        return self._reports[key]
+
+    def report(self, step: Step, moves: list[cost.Move], grad_in: bool) -> LayerReport:
+        """``step``'s report from its :meth:`parts`: the conversions' forward steps first and
+        their adjoints last, as :func:`~distconv.parallel.cost.price_step` orders them."""
+        parts = self.parts(step, moves, grad_in)
+        if len(parts) == 1:
+            return parts[0]
+        steps = list(parts[0].steps)
+        for conv in parts[1:]:
+            steps.insert(0, conv.steps[0])
+            steps += conv.steps[1:]
+        return replace(parts[0], steps=steps)
 
     def seconds(self, rep: LayerReport) -> tuple[float, float, float]:
         """A report's forward and backward seconds on the critical path, and its memory."""
@@ -665,19 +704,18 @@ class _Search:
                 opts = ([chosen[name]] if name in chosen else self.options[name]) if name else [None]
                 for ch in opts:
                     picked = chosen if ch is None or name in chosen else {**chosen, name: ch}
-                    self.view.chosen = picked
-                    walker.out = {n: s.out for n, s in live.items()}
-                    try:
-                        step = walker.visit(node)
-                    except (Unsupported, ValueError):
+                    step = self._visit(walker, node, live, picked, ch)
+                    if step is None:
                         continue  # a choice the layer cannot take where its input is
                     made = set(done)
                     moves = cost.conversions(step, live.__getitem__, self.shapes, made)
                     add = 0.0
                     if i:  # the input's own report is the same for every plan
                         grad_in = any(self.grad.get(a.name, False) for a in step.needs)
-                        fwd, bwd, mem = self.seconds(self.report(step, moves, grad_in))
-                        add = fwd + bwd + lam * self.allreduce(step) + mu * mem
+                        for rep in self.parts(step, moves, grad_in):
+                            fwd, bwd, mem = self.seconds(rep)
+                            add += fwd + bwd + mu * mem
+                        add += lam * self.allreduce(step)
                     after = {n: s for n, s in live.items() if self.last[n] > i}
                     if self.last[node] > i and step.out is not None:
                         after[node] = step
@@ -692,14 +730,28 @@ class _Search:
             states = sorted(merged.values(), key=lambda s: s[0])[:width]
         return [s[2] for s in states]
 
+    def _visit(self, walker: Any, node: Any, live: Mapping[Any, Step],
+               picked: Mapping[str, Choice], ch: Choice | None) -> Step | None:
+        """The node's step by its handler where its inputs are (the one walk's), cached per
+        node, input placements and choice; None where the handler refuses the choice there."""
+        args = tuple((a, live[a].out) for a in node.all_input_nodes if a in live)
+        key = (node, args, ch)
+        if key not in self._steps:
+            self.view.chosen = picked
+            walker.out = {n: s.out for n, s in live.items()}
+            try:
+                self._steps[key] = walker.visit(node)
+            except (Unsupported, ValueError):
+                self._steps[key] = None
+        return self._steps[key]
+
     # ---------------------------------------------------------------- the price
     def price(self, chosen: Mapping[str, Choice]) -> _Priced:
         """The plan's price: ``explain``'s layers of its config, priced incrementally."""
         self.visited += 1
         self.view.chosen = chosen
         analysis = analyse(self.gm, self.view, input_ndim=len(self.net.input_shape))  # type: ignore[arg-type]
-        every = cost.evaluated_analysis_ranks(analysis, self.P)
-        layers = [cost.entry_report(analysis, self.net.input_shape, self.P, every)]
+        layers = [cost.entry_report(analysis, self.net.input_shape, self.P, [0])]
         done: set = set()
         for step in analysis.steps[1:]:
             moves = cost.conversions(step, analysis.step, self.shapes, done)
@@ -710,12 +762,25 @@ class _Search:
         running = cost.coalesced_running(layers)
         if running is not None:
             layers.append(running)
-        sync = cost.gradient_buckets(self.gm, analysis, self.P, every, self.itemsize, 25 << 20)
+        placed = tuple((st.node, st.layer) for st in analysis.steps if st.layer is not None)
+        if placed not in self._buckets:
+            corners = self.ranks(sorted({lay for lay in _layouts_of(analysis)}))
+            self._buckets[placed] = cost.gradient_buckets(self.gm, analysis, self.P, corners,
+                                                          self.itemsize, 25 << 20)
+        sync = self._buckets[placed]
         if sync is not None:
             layers.append(sync)
         t = timeline(layers, self.machine)
         mem = sum(cost.memory(layers, self.itemsize, self.optimizer_states).values())
         return _Priced(t.step, t.forward, float(mem), layers, analysis)
+
+
+def _layouts_of(analysis: Any) -> set:
+    """Every grid a value of the analysis lives on."""
+    out = {analysis.data}
+    for st in analysis.steps:
+        out.update(p.layout for p in [st.out, *st.needs.values()] if p is not None)
+    return out
 
 
 def _literal(name: str) -> str:
@@ -831,9 +896,9 @@ def explain(plan: Plan) -> str:
 #: the chunk counts the search tries for a layer whose collectives pipelining can overlap
 PIPELINES = (2, 4, 8)
 #: the frontiers the beam keeps per node
-BEAM_WIDTH = 8
+BEAM_WIDTH = 4
 #: the beam's plans per allreduce weight that are priced exactly
-BEAM_PLANS = 2
+BEAM_PLANS = 1
 
 
 def plan_network(
@@ -873,7 +938,7 @@ def plan_network(
             that grid's candidates; every other layer keeps its entry, and
             :meth:`Plan.config` is this config with an exact entry, first, for each chosen
             layer. Default None: choose for every convolution, from scratch.
-        beam_width: the frontiers the search keeps per node (:class:`_Search`). Default 8.
+        beam_width: the frontiers the search keeps per node (:class:`_Search`). Default 4.
 
     Raises:
         ValueError: bad arguments, a bad ``config``, or no plan within ``memory_limit``.
@@ -912,10 +977,12 @@ def plan_network(
                                                max_sample=max_sample, algorithms=algorithms)
         if not options[c.name]:
             what = c.problem or f"{type(c.module).__name__} on {c.in_shape}"
+            grid = (f" on the grid {dict(cfg.choice(c.name).layout)} its entry names"
+                    if config is not None and cfg.choice(c.name).layout is not None else "")
             raise ValueError(
-                f"plan_network: no candidate for {c.name} ({what}) on world_size={world_size} "
-                f"with algorithms={tuple(algorithms)}, max_model={max_model}; allow more "
-                "algorithms or a larger max_model, or a batch >= world_size")
+                f"plan_network: no candidate for {c.name} ({what}){grid} on world_size="
+                f"{world_size} with algorithms={tuple(algorithms)}, max_model={max_model}; "
+                "allow more algorithms or a larger max_model, or a batch >= world_size")
     search = _Search(net, world_size, machine, options, base, itemsize, optimizer_slots)
     notes: list[str] = []
     best = _search(search, 0.0, limit, beam_width)
@@ -952,6 +1019,7 @@ def _search(s: _Search, mu: float, limit: float, width: int
             plans.setdefault(tuple(sorted(p.items(), key=lambda kv: kv[0])), p)
     for p in _uniform(s):
         plans.setdefault(tuple(sorted(p.items(), key=lambda kv: kv[0])), p)
+    s.seeds.extend(plans.values())
     scored = []
     for p in plans.values():
         try:
@@ -1005,9 +1073,10 @@ def _fit_memory(s: _Search, limit: float, width: int) -> tuple[dict[str, Choice]
 
 
 def _alternatives(s: _Search, name: str, current: Choice) -> list[Choice]:
-    """A layer's other choices: its candidates, and its current one pipelined where that layer
-    moves data pipelining can overlap."""
-    out = [ch for ch in s.options[name] if ch != current]
+    """A layer's other choices the descent tries: what the beam's plans and the uniform plans
+    give it, and its current one pipelined where that layer moves data pipelining can
+    overlap."""
+    out = [p[name] for p in s.seeds if p[name] != current]
     if current.communicates:
         out += [replace(current, pipeline=k) for k in PIPELINES if k != current.pipeline]
     if current.pipeline > 1:

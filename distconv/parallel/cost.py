@@ -9,6 +9,7 @@ whole, :func:`distconv.ops.pricing.timeline`).
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -273,10 +274,9 @@ def gradient_buckets(gm: fx.GraphModule, analysis: Any, P: int, ranks: list[int]
             if layout is None:
                 sizes, sub = [params[n].numel() for n in names], r
             else:
-                g = paper_grid(layout, r)
-                sizes = [math.prod(specs[n].dist.local_shape(specs[n].global_shape, g))
+                sizes = [_local_numel(layout, specs[n].dist, specs[n].global_shape, r)
                          for n in names]
-                sub = segment_rank(layout, dims, g.coords)
+                sub = segment_rank(layout, dims, paper_grid(layout, r).coords)
             # each bucket carries one reached-flag per parameter (BucketedGradSync)
             buckets = plan_buckets([n * isz for n in sizes], bucket_bytes)
             per_rank[r] = [allreduce_bytes(sum(sizes[i] for i in b) + len(b), sub, size, isz)
@@ -291,6 +291,13 @@ def gradient_buckets(gm: fx.GraphModule, analysis: Any, P: int, ranks: list[int]
                                          layout, tuple(dims) if layout is not None else (),
                                          after=after[i]))
     return report if report.steps else None
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def _local_numel(layout: Any, dist: Dist, shape: tuple[int, ...], rank: int) -> int:
+    """Elements of ``rank``'s block of a tensor of global ``shape`` in ``dist`` on ``layout``
+    (cached: a plan's parameters are priced again with every other layer's choice)."""
+    return math.prod(dist.local_shape(shape, paper_grid(layout, rank)))
 
 
 def evaluated_analysis_ranks(analysis: Any, P: int) -> list[int]:
