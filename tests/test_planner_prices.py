@@ -73,3 +73,48 @@ def test_explain_prices_a_given_config_as_before(name: str) -> None:
 if __name__ == "__main__" and "--write" in sys.argv:
     FIXTURE.write_text(json.dumps({n: _prices(n) for n in sorted(_cases())}, indent=1,
                                   sort_keys=True) + "\n")
+
+
+def _sent_by_every_rank(sl: Any, s: Any, dl: Any, d: Any, shape: tuple, rank: int) -> int:
+    """What ``rank`` sends in a repartition, counted over every target rank: target t reads the
+    source box from its holder ``t % holders`` (holders: the ranks with the same box)."""
+    import math
+
+    from distconv.parallel.placement import paper_grid
+
+    size = math.prod(e for _, e in sl)
+    src = [tuple(s.blocks(shape, paper_grid(sl, r))) for r in range(size)]
+    dst = [tuple(d.blocks(shape, paper_grid(dl, r))) for r in range(size)]
+    mine = [r for r in range(size) if src[r] == src[rank]]
+
+    def overlap(a: tuple, b: tuple) -> int:
+        n = 1
+        for (s0, n0), (s1, n1) in zip(a, b):
+            n *= max(0, min(s0 + n0, s1 + n1) - max(s0, s1))
+        return n
+
+    return sum(overlap(src[rank], dst[t]) for t in range(size)
+               if t != rank and mine[t % len(mine)] == rank)
+
+
+def test_the_bytes_a_rank_sends_across_grids_in_closed_form_are_every_targets_count() -> None:
+    import itertools
+
+    from distconv.distribution import Dist
+    from distconv.parallel.placement import _sent
+
+    layouts = [(("N", 4),), (("N", 2), ("C", 2)), (("C", 2), ("F", 2)),
+               (("N", 1), ("H", 2), ("W", 2))]
+    dists = [Dist(("N", None, None, None)), Dist(("N", "C", None, None)),
+             Dist(("N", ("C", "F"), None, None)), Dist((None, "C", None, None)),
+             Dist(("N", None, "H", "W")), Dist((None,) * 4), Dist((("N", "H"), None, None, None))]
+    checked = 0
+    for sl, dl, s, d in itertools.product(layouts, layouts, dists, dists):
+        if not s.used() <= set(dict(sl)) or not d.used() <= set(dict(dl)):
+            continue
+        for shape in ((5, 3, 5, 6), (1, 2, 3, 1)):
+            for rank in range(4):
+                assert _sent(sl, s, dl, d, shape, rank) == _sent_by_every_rank(
+                    sl, s, dl, d, shape, rank), (sl, s, dl, d, shape, rank)
+                checked += 1
+    assert checked > 300
