@@ -899,6 +899,8 @@ PIPELINES = (2, 4, 8)
 BEAM_WIDTH = 4
 #: the beam's plans per allreduce weight that are priced exactly
 BEAM_PLANS = 1
+#: how much dearer than the best a priced plan may be for the descent to draw choices from it
+SEED_SLACK = 1.5
 
 
 def plan_network(
@@ -1019,7 +1021,6 @@ def _search(s: _Search, mu: float, limit: float, width: int
             plans.setdefault(tuple(sorted(p.items(), key=lambda kv: kv[0])), p)
     for p in _uniform(s):
         plans.setdefault(tuple(sorted(p.items(), key=lambda kv: kv[0])), p)
-    s.seeds.extend(plans.values())
     scored = []
     for p in plans.values():
         try:
@@ -1032,6 +1033,9 @@ def _search(s: _Search, mu: float, limit: float, width: int
     if not scored:
         raise ValueError("plan_network: the search found no plan parallelize can run")
     _, p, priced = min(scored, key=lambda t: t[0])
+    # the plans the descent draws each layer's alternatives from: those near the best
+    s.seeds.extend(q for (infeasible, _), q, qp in scored
+                   if not infeasible and qp.step <= SEED_SLACK * priced.step)
     s.binding = s.binding or min(scored, key=lambda t: t[2].step)[2].memory > limit
     return p, priced
 

@@ -314,3 +314,44 @@ def test_planner_candidates_are_the_layouts_explain_accepts(problem: ConvProblem
         accepted.add(grid)
     assert offered == accepted
     assert accepted != set(shaped)  # each case has a split explain refuses
+
+
+class _Three(nn.Module):
+    """A stem, a residual 3x3 conv and a 1x1 widening conv: small enough to price every plan."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(4, 16, 3, padding=1)
+        self.body = nn.Conv2d(16, 16, 3, padding=1)
+        self.wide = nn.Conv2d(16, 64, 1)
+        self.fc = nn.Linear(64, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.relu(self.stem(x))
+        x = x + torch.relu(self.body(x))
+        return self.fc(self.wide(x).mean((2, 3)))
+
+
+@pytest.mark.parametrize("machine", ["lassen", "slow"])
+def test_no_plan_of_the_space_is_priced_below_the_planners(machine: str) -> None:
+    """Every plan of the search space (each convolution any of its candidates) priced by
+    explain: none below the planner's plan, so no hand config of the space is either."""
+    from distconv.machines import lassen
+    from distconv.parallel.explain import explain
+    from distconv.planner import _Search
+
+    m = lassen() if machine == "lassen" else _flat(1e-6, 2e8, 1e11)
+    shape = (8, 4, 16, 16)
+    net = trace_network(_Three(), shape)
+    plan = plan_network(net, world_size=4, machine=m, max_model=4,
+                        algorithms=("sample", "spatial", "stationary-x", "stationary-y"))
+    options = {c.name: [ch for ch in candidates(c.problem, 4, max_model=4, algorithms=(
+        "sample", "spatial", "stationary-x", "stationary-y"))] for c in net.convs}
+    search = _Search(net, 4, m, options, {"default": {"grid": {"N": 4}, "algorithm": "sample"}},
+                     4, 1)
+    prices = [search.price(dict(zip(options, combo))).step
+              for combo in itertools.product(*options.values())]
+    assert len(prices) > 100
+    assert plan.step_time <= min(prices) * (1 + 1e-12)
+    assert plan.step_time == explain(_Three(), plan.config(), shape, world_size=4,
+                                     machine=m).seconds()
