@@ -1090,12 +1090,26 @@ def _alternatives(s: _Search, name: str, current: Choice) -> list[Choice]:
 
 def _descend(s: _Search, chosen: dict[str, Choice], priced: _Priced, limit: float,
              rounds: int = 4) -> tuple[dict[str, Choice], _Priced, dict[str, tuple]]:
-    """Coordinate descent on the price: each layer's alternatives with the rest kept, taken
-    where the step is cheaper, until a round changes nothing; the last round's best alternative
-    per layer (the runner-up) with its price."""
+    """Coordinate descent on the price, until a round changes nothing: each group of layers
+    (:func:`_groups`) given one grid and algorithm at once, then each layer's alternatives with
+    the rest kept, taken where the step is cheaper; the last round's best alternative per layer
+    (the runner-up) with its price."""
     runners: dict[str, tuple[Choice | None, float]] = {}
     for _ in range(rounds):
         improved = False
+        for group in _groups(s):  # a stage at once: what no single layer's change pays for
+            for key in sorted({(ch.grid, ch.algorithm) for n in group for ch in s.options[n]},
+                              key=lambda g: (g[1], g[0])):
+                moved = {n: next((ch for ch in s.options[n] if (ch.grid, ch.algorithm) == key),
+                                 chosen[n]) for n in group}
+                if all(moved[n] == chosen[n] for n in group):
+                    continue
+                try:
+                    trial = s.price({**chosen, **moved})
+                except (Unsupported, ValueError):
+                    continue
+                if trial.memory <= limit and trial.step < priced.step * (1 - 1e-9):
+                    chosen, priced, improved = {**chosen, **moved}, trial, True
         runners = {}
         for name in s.options:
             best_other: tuple[Choice | None, float] = (None, math.inf)
@@ -1116,6 +1130,15 @@ def _descend(s: _Search, chosen: dict[str, Choice], priced: _Priced, limit: floa
         if not improved:
             break
     return chosen, priced, runners
+
+
+def _groups(s: _Search) -> list[list[str]]:
+    """The layers the search chooses for, grouped by the model's top-level module (a ResNet's
+    stage, a U-Net's level), where a group holds more than one."""
+    groups: dict[str, list[str]] = {}
+    for name in s.options:
+        groups.setdefault(name.split(".")[0], []).append(name)
+    return [g for g in groups.values() if len(g) > 1]
 
 
 def _make_plan(s: _Search, chosen: Mapping[str, Choice], priced: _Priced,
