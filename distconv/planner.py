@@ -29,7 +29,9 @@ steps per (value, source, target) -- in two stages over the same reports:
    for how much of the gradient allreduces hides behind backward and how the buckets fuse;
 2. **coordinate descent on the price itself** (:meth:`_Search.price`): from the cheapest of the
    beam's plans and the uniform plans (one grid and algorithm for every convolution), each
-   layer's other choices with the rest kept, until no single change lowers the price.
+   stage (a top-level module's layers) given one grid and algorithm at once, then each layer's
+   alternatives (what the priced plans near the best give it, pipelined or not) with the rest
+   kept, until no change lowers the price.
 
 So the plan returned is the least-priced plan the search visits, by the very price ``explain``
 gives its config on the same machine (``Plan.step_time`` is that price).
