@@ -355,3 +355,49 @@ def test_no_plan_of_the_space_is_priced_below_the_planners(machine: str) -> None
     assert plan.step_time <= min(prices) * (1 + 1e-12)
     assert plan.step_time == explain(_Three(), plan.config(), shape, world_size=4,
                                      machine=m).seconds()
+
+
+class _Dense(nn.Module):
+    """A dense block (each conv reads the concatenation of all before it), a squeeze-and-
+    excitation gate (a product with a sigmoid of pooled channels) and a decoder that
+    interpolates to its skip's size."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 4, 3, padding=1)
+        self.d1, self.d2, self.d3 = (nn.Conv2d(4 * i, 4, 3, padding=1) for i in (1, 2, 3))
+        self.squeeze, self.excite = nn.Conv2d(16, 4, 1), nn.Conv2d(4, 16, 1)
+        self.down = nn.Conv2d(16, 8, 3, stride=2, padding=1)
+        self.up = nn.Conv2d(8 + 16, 4, 1)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = self.stem(x)
+        b = self.d1(a)
+        c = self.d2(torch.cat([a, b], 1))
+        d = self.d3(torch.cat([a, b, c], 1))
+        skip = torch.cat([a, b, c, d], 1)
+        gate = torch.sigmoid(self.excite(torch.relu(self.squeeze(skip.mean((2, 3), keepdim=True)))))
+        skip = skip * gate
+        low = nn.functional.interpolate(self.down(skip), size=(16, 16), mode="nearest")
+        return self.head(self.up(torch.cat([low, skip], 1)).mean((2, 3)))
+
+
+@pytest.mark.parametrize("machine", ["lassen", "flat"])
+def test_dense_blocks_gates_and_interpolations_are_planned_at_explains_price(machine: str
+                                                                            ) -> None:
+    """Many-way concatenations, a gate's product and an interpolation back to the skip's size:
+    every convolution chosen for, and the plan's price is explain's."""
+    from distconv.machines import lassen
+    from distconv.parallel.explain import explain
+
+    m = lassen() if machine == "lassen" else _flat(1e-5, 1e8, 1e10)
+    shape = (8, 3, 16, 16)
+    plan = plan_network(_Dense(), shape, world_size=4, machine=m, max_model=4)
+    names = [n for n, mod in _Dense().named_modules() if isinstance(mod, nn.Conv2d)]
+    assert sorted(lp.conv.name for lp in plan.layers) == sorted(names)
+    priced = explain(_Dense(), plan.config(), shape, world_size=4, machine=m)
+    assert plan.step_time == priced.seconds()
+    sample = explain(_Dense(), {"default": {"grid": {"N": 4}, "algorithm": "sample"}}, shape,
+                     world_size=4, machine=m)
+    assert plan.step_time <= sample.seconds()
