@@ -276,12 +276,13 @@ def _search(s: _Search, mu: float, limit: float, width: int
 
 
 def _uniform(s: _Search) -> list[dict[str, Choice]]:
-    """Per grid and algorithm every layer the search chooses for can take, the plan giving it
-    to all of them."""
+    """Per grid and algorithm some layer the search chooses for can take, the plan giving it to
+    every layer that can (the others their first candidate: the sample-parallel one where
+    allowed)."""
     keys = [{(ch.grid, ch.algorithm): ch for ch in opts} for opts in s.options.values()]
-    common = set(keys[0]).intersection(*keys[1:]) if keys else set()
-    return [{n: k[key] for n, k in zip(s.options, keys)}
-            for key in sorted(common, key=lambda g: (g[1], g[0]))]
+    every = set().union(*keys) if keys else set()
+    return [{n: k.get(key, s.options[n][0]) for n, k in zip(s.options, keys)}
+            for key in sorted(every, key=lambda g: (g[1], g[0]))]
 
 
 def _fit_memory(s: _Search, limit: float, width: int) -> tuple[dict[str, Choice], _Priced]:
@@ -313,9 +314,11 @@ def _fit_memory(s: _Search, limit: float, width: int) -> tuple[dict[str, Choice]
 
 def _alternatives(s: _Search, name: str, current: Choice) -> list[Choice]:
     """A layer's other choices the descent tries: what the beam's plans and the uniform plans
-    give it, and its current one pipelined where that layer moves data pipelining can
-    overlap."""
+    give it (each also pipelined as the current one is, where it moves data), and its current
+    one pipelined where that layer moves data pipelining can overlap."""
     out = [p[name] for p in s.seeds if p[name] != current]
+    if current.pipeline > 1:
+        out += [replace(ch, pipeline=current.pipeline) for ch in out if ch.communicates]
     if current.communicates:
         out += [replace(current, pipeline=k) for k in PIPELINES if k != current.pipeline]
     if current.pipeline > 1:
@@ -324,7 +327,7 @@ def _alternatives(s: _Search, name: str, current: Choice) -> list[Choice]:
 
 
 def _descend(s: _Search, chosen: dict[str, Choice], priced: _Priced, limit: float,
-             rounds: int = 4) -> tuple[dict[str, Choice], _Priced, dict[str, tuple]]:
+             rounds: int = 8) -> tuple[dict[str, Choice], _Priced, dict[str, tuple]]:
     """Coordinate descent on the price, until a round changes nothing: each group of layers
     (:func:`_groups`) given one grid and algorithm at once, then each layer's alternatives with
     the rest kept, taken where the step is cheaper; the last round's best alternative per layer
