@@ -166,6 +166,89 @@ def _fig78_one(machine: Any, spec: tuple[str, int, int], R: int, k: int) -> list
     return out
 
 
+def paper_config(net: Any, R: int, k: int) -> dict[str, Any]:
+    """The paper's kind of layout (§6): spatial in the early blocks (the stem, layer1, layer2),
+    channel/filter parallelism late -- stationary-y where y is larger than x, stationary-x
+    elsewhere -- on k GPUs per N row."""
+    sp = {"grid": {"N": R, "H": k}, "algorithm": "spatial"}
+    x = {"grid": {"N": R, "C": k}, "algorithm": "stationary-x"}
+    y = {"grid": {"N": R, "F": k}, "algorithm": "stationary-y"}
+    late = [c.name for c in net.convs if _stage(c.name) in ("layer3", "layer4")]
+    bigger_y = {c.name for c in net.convs if _elems(c.out_shape) > _elems(c.in_shape)}
+    return {"default": {"grid": {"N": R * k}, "algorithm": "sample"},
+            "layers": [{"match": n, **(y if n in bigger_y else x)} for n in late]
+            + [{"match": "conv1", **sp}, {"match": "layer1.*", **sp}, {"match": "layer2.*", **sp}]}
+
+
+def _stage_prices(reports: list[Any], modules: set[str], machine: Any) -> dict[str, float]:
+    """Seconds of each stage's modules (forward and backward on the critical path, conversions
+    into them included; residual adds, the fused gradient buckets and the running statistics
+    are the whole step's)."""
+    from distconv.ops.pricing import timeline
+
+    stages: dict[str, list[Any]] = {}
+    for lay in reports:
+        if lay.name in modules:
+            stages.setdefault(_stage(lay.name), []).append(lay)
+    out = {}
+    for st, lays in stages.items():
+        t = timeline(lays, machine)
+        out[st] = t.forward + t.backward
+    return out
+
+
+def paper_scale(machine: Any, cases: list[tuple[str, int, int, int, int]]
+                ) -> list[dict[str, Any]]:
+    """Per (net, widen, samples per row, rows R, GPUs per row k): the planner's time to plan,
+    its price next to every hand config's and the paper's layout's, its picks per stage next to
+    the paper's with each stage's price under both, and the speedup over sample parallelism on
+    R GPUs at the same global batch (the paper's Figs. 7-8 measure it)."""
+    out = []
+    for name, widen, per_row, R, k in cases:
+        B, P = per_row * R, R * k
+        net = trace_network(wrn50(widen), (B, 3, 224, 224))
+        t0 = time.perf_counter()
+        plan = plan_network(net, world_size=P, machine=machine, max_model=8, max_sample=R)
+        seconds = time.perf_counter() - t0
+        paper = paper_config(net, R, k)
+        hands = {**hand_configs(net, R, k), "paper": paper}
+        priced = {label: predict(net, cfg, world_size=P, machine=machine)
+                  for label, cfg in hands.items()}
+        sample = predict(net, {"default": {"grid": {"N": R}, "algorithm": "sample"}},
+                         world_size=R, machine=machine)
+        mine = {lp.conv.name: str(lp.choice) for lp in plan.layers}
+        theirs = {lp.conv.name: str(lp.choice) for lp in priced["paper"].layers}
+        stages: dict[str, dict[str, Any]] = {}
+        for c in net.convs:
+            st = stages.setdefault(_stage(c.name), {"planner": Counter(), "paper": Counter()})
+            st["planner"][mine[c.name]] += 1
+            st["paper"][theirs[c.name]] += 1
+        modules = {n for n, _ in net.gm.named_modules() if n}
+        p_stage = _stage_prices(plan.reports, modules, machine)
+        q_stage = _stage_prices(priced["paper"].reports, modules, machine)
+        for st, row in stages.items():
+            row["planner"], row["paper"] = dict(row["planner"]), dict(row["paper"])
+            row["planner_seconds"], row["paper_seconds"] = p_stage.get(st), q_stage.get(st)
+        row = {"net": name, "R": R, "k": k, "P": P, "B": B, "plan_seconds": seconds,
+               "planner": plan.step_time, "priced": plan.priced,
+               "configs": {label: p.step_time for label, p in priced.items()},
+               "sample_on_R": sample.step_time,
+               "speedup_planner": sample.step_time / plan.step_time,
+               "speedup_paper_layout": sample.step_time / priced["paper"].step_time,
+               "stages": stages, "plan": plan.config()}
+        row["behind"] = [label for label, t in row["configs"].items() if t < plan.step_time]
+        out.append(row)
+        print(f"{name} R={R} k={k} P={P}: planned in {seconds:.1f} s, {plan.step_time * 1e3:.2f} "
+              f"ms; " + ", ".join(f"{label} {t * 1e3:.2f}" for label, t in
+                                  row["configs"].items())
+              + f"; speedup over sample on {R} GPUs {row['speedup_planner']:.2f}x (paper's "
+              f"layout {row['speedup_paper_layout']:.2f}x)", flush=True)
+        for st, r in stages.items():
+            print(f"  {st}: planner {r['planner']} {_ms(r['planner_seconds'])} ms | paper "
+                  f"{r['paper']} {_ms(r['paper_seconds'])} ms", flush=True)
+    return out
+
+
 def crossover(machine: Any, batch: int, worlds: list[int], *, jobs: int = 1
               ) -> list[dict[str, Any]]:
     """ResNet-50 at a fixed global batch on growing P, the planner free to split samples down
@@ -431,8 +514,18 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="fewer scales and networks")
     ap.add_argument("--out", type=Path, default=OUT)
     ap.add_argument("--jobs", type=int, default=1, help="processes for the planner runs")
+    ap.add_argument("--paper-scale", action="store_true",
+                    help="only the paper-scale rows: ResNet-50 on 1024 GPUs, WRN-50-2 on 256 "
+                         "and WRN-50-4 on 256, planned, timed and set against the paper's layout")
     args = ap.parse_args()
     machine = lassen()
+    if args.paper_scale:
+        rows = paper_scale(machine, [("ResNet-50", 1, 32, 256, 4), ("WRN-50-2", 2, 16, 64, 4),
+                                     ("WRN-50-4", 4, 8, 32, 8)])
+        args.out.mkdir(parents=True, exist_ok=True)
+        Path(args.out / "scale_model_paper.json").write_text(
+            json.dumps(rows, indent=1, default=str))
+        return
     worlds = [8, 32, 128, 512, 2048] if args.quick else [8, 16, 32, 64, 128, 256, 512, 1024, 2048]
     rows_list = [4, 64] if args.quick else [4, 32, 256]
     nets = [("ResNet-50", 1, 32), ("WRN-50-2", 2, 16), ("WRN-50-4", 4, 8)]

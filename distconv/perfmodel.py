@@ -408,7 +408,12 @@ def conv_cost(
     layout = _layout(grid)
     ext = dict(layout)
     chunks = min(pipeline, -(-problem.batch // ext.get(sample_dim, 1)))
-    for coords in (all_coords if ranks == "all" else corner_coords)(grid):
+    # every step of a rank moves its local samples' bytes, or its share of a gradient allreduce
+    # over (N, H, W), and both are largest at sample coordinate 0 (balanced blocks put the larger
+    # first; the allreduce block of segment rank 0 is the largest): the slowest rank has the
+    # first sample block, and only the other coordinates need to be tried
+    for coords in [c for c in (all_coords if ranks == "all" else corner_coords)(grid)
+                   if c.get(sample_dim, 0) == 0]:
         t = conv_traffic(problem, grid, algorithm, coords, **kw)  # type: ignore[arg-type]
         steps = {"local conv forward": local, "local conv backward (data + filter)": 2 * local}
         for phase in (t.forward, t.backward):

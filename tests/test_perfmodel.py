@@ -108,3 +108,29 @@ def test_calibration_gives_every_rank_the_same_machine() -> None:
     machines = run_threads(_calibrate, 2)
     assert machines[0] == machines[1]
     assert machines[0].alpha > 0 and machines[0].beta > 0 and machines[0].flop_rate > 0
+
+
+@pytest.mark.parametrize("grid, algorithm", [
+    ({"N": 4, "C": 2}, "stationary-x"), ({"N": 3, "F": 2}, "stationary-y"),
+    ({"N": 2, "C": 2, "F": 2}, "stationary-w"), ({"N": 4, "H": 3}, "stationary-x"),
+])
+def test_the_slowest_rank_is_found_among_the_first_sample_block(grid: dict, algorithm: str
+                                                                 ) -> None:
+    """conv_cost tries only sample coordinate 0; every rank's cost, counted from its own
+    traffic, is no larger (uneven sample blocks, uneven rows, biased allreduce blocks)."""
+    from distconv.machines import lassen
+    from distconv.perfmodel import all_coords, conv_cost, conv_traffic
+
+    machine = lassen()
+    pb = ConvProblem(7, 6, 10, 7, 5, 3, padding=1)
+    got = conv_cost(pb, grid, algorithm, machine)
+    layout = tuple(grid.items())
+    local = got.steps["local conv forward"]
+    worst = 0.0
+    for coords in all_coords(grid):
+        t = conv_traffic(pb, grid, algorithm, coords)
+        total = 3 * local + sum(machine.collective_time(t.ops[k], t.peers[k], b, layout=layout,
+                                                        dims=t.dims[k])
+                                for phase in (t.forward, t.backward) for k, b in phase.items())
+        worst = max(worst, total)
+    assert got.total == pytest.approx(worst, rel=1e-12)

@@ -13,7 +13,7 @@ import torch.nn as nn
 from distconv.machines import Level, Machine
 from distconv.perfmodel import ConvProblem
 from distconv.planner import (
-    Block, Choice, ConvNode, candidates, plan_network, trace_network, transition_bytes,
+    Choice, ConvNode, candidates, plan_network, trace_network, transition_bytes,
 )
 from distconv.redistribute import _repartition_plan, plan_redistribution
 
@@ -48,15 +48,11 @@ def tiny() -> object:
     return trace_network(TinyResNet(), (8, 4, 8, 8))
 
 
-def test_trace_finds_the_chain_and_its_residual_blocks(tiny) -> None:  # noqa: ANN001
-    names = [[c.name for c in u.main] + ["|"] + [c.name for c in u.skip]
-             if isinstance(u, Block) else u.name for u in tiny.units]
-    assert names == ["stem", ["b1", "b2", "|"], ["d1", "d2", "|", "down"]]
-    stem = tiny.units[0]
-    assert isinstance(stem, ConvNode)
+def test_trace_finds_every_convolution_with_its_global_problem(tiny) -> None:  # noqa: ANN001
+    assert [c.name for c in tiny.convs] == ["stem", "b1", "b2", "d1", "d2", "down"]
+    stem = tiny.convs[0]
     assert stem.problem == ConvProblem(8, 4, 8, 8, 8, (3, 3), (1, 1), (1, 1), (1, 1), 1, True)
     assert stem.out_shape == (8, 8, 8, 8) and tiny.out_shape == (8, 16, 4, 4)
-    assert tiny.linears == (("fc", 16 * 10 + 10),)
 
 
 def test_free_communication_gives_pure_sample_parallelism(tiny) -> None:  # noqa: ANN001
@@ -183,72 +179,40 @@ class _Concat(nn.Module):
         return self.c(torch.cat(parts, self.dim)) if self.ways == 2 else torch.cat(parts, 1)
 
 
-def test_a_channel_concatenation_of_two_branches_is_planned_as_the_executor_joins_it() -> None:
-    """cat([a(x), b(x)], 1): a block joined by a cat; the plan runs and is priced as explain
-    prices it."""
+@pytest.mark.parametrize("dim,ways", [(1, 2), (2, 2), (1, 3)])
+def test_any_concatenation_is_planned_and_priced_as_explain_prices_it(dim: int, ways: int) -> None:
+    """cat([a(x), b(x)], 1), a cat along rows and a three-way cat: planned (the one walk places
+    the join as the executor does), and the plan's price is explain's."""
     from distconv.parallel.explain import explain
 
-    net = trace_network(_Concat(), (4, 2, 6, 6))
-    block = net.units[0]
-    assert isinstance(block, Block) and block.join == "cat"
-    assert [c.name for c in block.main + block.skip] == ["a", "b"] and block.main_first
-    assert block.shapes == ((4, 2, 6, 6), (4, 3, 6, 6))
     m = _flat(1e-5, 1e9, 1e9)
-    plan = plan_network(_Concat(), (4, 2, 6, 6), world_size=4, machine=m, max_model=4)
-    assert plan.step_time == explain(_Concat(), plan.config(), (4, 2, 6, 6), world_size=4,
+    shape = (4, 2, 6, 6)
+    plan = plan_network(_Concat(dim, ways), shape, world_size=4, machine=m, max_model=4)
+    assert {lp.conv.name for lp in plan.layers} == ({"a", "b", "c"} if ways == 2 else {"a", "b"})
+    assert plan.step_time == explain(_Concat(dim, ways), plan.config(), shape, world_size=4,
                                      machine=m).seconds()
 
 
-def test_concatenated_operands_meet_where_the_executor_joins_them() -> None:
-    """For every pair of choices of the two branches, the planner's cat output is the placement
-    parallelize's analysis gives the cat node under the same config."""
-    from distconv.parallel.config import ParallelConfig
-    from distconv.parallel.graph import analyse, trace
-    from distconv.parallel.placement import Placement
-    from distconv.planner import _Model
+def test_the_search_prices_every_pair_of_choices_as_explain_does() -> None:
+    """For every pair of choices of the two branches of a cat, the search's price of the plan
+    (its cached reports) is explain's price of its config, to the bit."""
+    from distconv.parallel.explain import explain
+    from distconv.planner import _Search
 
-    net = trace_network(_Concat(), (8, 2, 8, 8))
-    block = net.units[0]
-    model = _Model(net, 4, _flat(1e-6, 1e9, 1e9), max_model=4, algorithms=(
-        "sample", "spatial", "stationary-x", "stationary-y", "stationary-w"), itemsize=4,
-        optimizer_slots=1, activation_factor=3)
-    gm = trace(_Concat())
-    sample = {"grid": {"N": 4}, "algorithm": "sample"}
+    m = _flat(1e-6, 1e9, 1e9)
+    shape = (8, 2, 8, 8)
+    net = trace_network(_Concat(), shape)
     options = [c for c in candidates(ConvProblem(8, 2, 2, 8, 8, 1), 4, max_model=4)
                if not c.groups_aligned]
-    seen = set()
+    search = _Search(net, 4, m, {"a": options, "b": options},
+                     {"default": {"grid": {"N": 4}, "algorithm": "sample"}}, 4, 1)
     for a, b in itertools.product(options, options):
-        config = {"default": sample, "layers": [
+        config = {"default": {"grid": {"N": 4}, "algorithm": "sample"}, "layers": [
             {"match": "a", **a.config()}, {"match": "b", **b.config()}]}
-        steps = analyse(gm, ParallelConfig(config, world_size=4)).steps
-        cat = next(s for s in steps if s.node.target is torch.cat)
-        _, _, out = model.join(a, b, block)
-        assert Placement(out.grid, out.output_dist) == cat.out, (a, b)
-        seen.add(cat.out == Placement(a.grid, cat.out.dist))
-    assert seen == {True, False}  # both operands' placements are chosen somewhere
-
-
-@pytest.mark.parametrize("dim,ways", [(2, 2), (1, 3)])
-def test_other_joins_are_not_implemented(dim: int, ways: int) -> None:
-    with pytest.raises(NotImplementedError, match="joins several values"):
-        trace_network(_Concat(dim, ways), (2, 2, 4, 4))
-
-
-def test_residual_operands_meet_where_the_executor_joins_them() -> None:
-    # The executor's rule (distconv.parallel): the placement the other operand reaches with
-    # fewer bytes on a nominal shape, ties to the first operand.
-    from distconv.ops.elementwise import meeting as _cheaper_meeting
-    from distconv.parallel.placement import Placement
-    from distconv.planner import _Model
-
-    net = trace_network(_one_layer(8, 8), (8, 8, 8, 8))
-    model = _Model(net, 4, _flat(1e-6, 1e9, 1e9), max_model=4, algorithms=(
-        "sample", "spatial", "stationary-x", "stationary-y", "stationary-w"), itemsize=4,
-        optimizer_slots=1, activation_factor=3)
-    options = candidates(ConvProblem(8, 8, 8, 8, 8, 3, padding=1), 4, max_model=4)
-    for a, b in itertools.product(options, options):
-        pa, pb = Placement(a.grid, a.output_dist), Placement(b.grid, b.output_dist)
-        assert model.meet(a, b, True) == (_cheaper_meeting(pa, pb) == pa), (a, b)
+        priced = explain(_Concat(), config, shape, world_size=4, machine=m)
+        got = search.price({"a": a, "b": b})
+        assert got.step == priced.seconds(), (a, b)
+        assert got.memory == sum(priced.memory().values()), (a, b)
 
 
 def test_planner_takes_a_flat_machine_a_factory_or_a_name(tiny) -> None:  # noqa: ANN001
@@ -350,3 +314,90 @@ def test_planner_candidates_are_the_layouts_explain_accepts(problem: ConvProblem
         accepted.add(grid)
     assert offered == accepted
     assert accepted != set(shaped)  # each case has a split explain refuses
+
+
+class _Three(nn.Module):
+    """A stem, a residual 3x3 conv and a 1x1 widening conv: small enough to price every plan."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(4, 16, 3, padding=1)
+        self.body = nn.Conv2d(16, 16, 3, padding=1)
+        self.wide = nn.Conv2d(16, 64, 1)
+        self.fc = nn.Linear(64, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.relu(self.stem(x))
+        x = x + torch.relu(self.body(x))
+        return self.fc(self.wide(x).mean((2, 3)))
+
+
+@pytest.mark.parametrize("machine", ["lassen", "slow"])
+def test_no_plan_of_the_space_is_priced_below_the_planners(machine: str) -> None:
+    """Every plan of the search space (each convolution any of its candidates) priced by
+    explain: none below the planner's plan, so no hand config of the space is either."""
+    from distconv.machines import lassen
+    from distconv.parallel.explain import explain
+    from distconv.planner import _Search
+
+    m = lassen() if machine == "lassen" else _flat(1e-6, 2e8, 1e11)
+    shape = (8, 4, 16, 16)
+    net = trace_network(_Three(), shape)
+    plan = plan_network(net, world_size=4, machine=m, max_model=4,
+                        algorithms=("sample", "spatial", "stationary-x", "stationary-y"))
+    options = {c.name: [ch for ch in candidates(c.problem, 4, max_model=4, algorithms=(
+        "sample", "spatial", "stationary-x", "stationary-y"))] for c in net.convs}
+    search = _Search(net, 4, m, options, {"default": {"grid": {"N": 4}, "algorithm": "sample"}},
+                     4, 1)
+    prices = [search.price(dict(zip(options, combo))).step
+              for combo in itertools.product(*options.values())]
+    assert len(prices) > 100
+    assert plan.step_time <= min(prices) * (1 + 1e-12)
+    assert plan.step_time == explain(_Three(), plan.config(), shape, world_size=4,
+                                     machine=m).seconds()
+
+
+class _Dense(nn.Module):
+    """A dense block (each conv reads the concatenation of all before it), a squeeze-and-
+    excitation gate (a product with a sigmoid of pooled channels) and a decoder that
+    interpolates to its skip's size."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 4, 3, padding=1)
+        self.d1, self.d2, self.d3 = (nn.Conv2d(4 * i, 4, 3, padding=1) for i in (1, 2, 3))
+        self.squeeze, self.excite = nn.Conv2d(16, 4, 1), nn.Conv2d(4, 16, 1)
+        self.down = nn.Conv2d(16, 8, 3, stride=2, padding=1)
+        self.up = nn.Conv2d(8 + 16, 4, 1)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = self.stem(x)
+        b = self.d1(a)
+        c = self.d2(torch.cat([a, b], 1))
+        d = self.d3(torch.cat([a, b, c], 1))
+        skip = torch.cat([a, b, c, d], 1)
+        gate = torch.sigmoid(self.excite(torch.relu(self.squeeze(skip.mean((2, 3), keepdim=True)))))
+        skip = skip * gate
+        low = nn.functional.interpolate(self.down(skip), size=(16, 16), mode="nearest")
+        return self.head(self.up(torch.cat([low, skip], 1)).mean((2, 3)))
+
+
+@pytest.mark.parametrize("machine", ["lassen", "flat"])
+def test_dense_blocks_gates_and_interpolations_are_planned_at_explains_price(machine: str
+                                                                            ) -> None:
+    """Many-way concatenations, a gate's product and an interpolation back to the skip's size:
+    every convolution chosen for, and the plan's price is explain's."""
+    from distconv.machines import lassen
+    from distconv.parallel.explain import explain
+
+    m = lassen() if machine == "lassen" else _flat(1e-5, 1e8, 1e10)
+    shape = (8, 3, 16, 16)
+    plan = plan_network(_Dense(), shape, world_size=4, machine=m, max_model=4)
+    names = [n for n, mod in _Dense().named_modules() if isinstance(mod, nn.Conv2d)]
+    assert sorted(lp.conv.name for lp in plan.layers) == sorted(names)
+    priced = explain(_Dense(), plan.config(), shape, world_size=4, machine=m)
+    assert plan.step_time == priced.seconds()
+    sample = explain(_Dense(), {"default": {"grid": {"N": 4}, "algorithm": "sample"}}, shape,
+                     world_size=4, machine=m)
+    assert plan.step_time <= sample.seconds()

@@ -199,9 +199,16 @@ class _Crossing(nn.Module):
         return self.c(self.b(y) + x) + y
 
 
+def test_branches_that_cross_are_planned_and_priced_as_explain_prices_them() -> None:
+    """Any graph the executor runs is planned: joins whose branches cross, too."""
+    shape = (2, 2, 4, 4, 4)
+    plan = plan_network(_Crossing(), shape, world_size=4, machine=lassen())
+    assert [lp.conv.name for lp in plan.layers] == ["a", "b", "c"]
+    assert plan.step_time == explain(_Crossing(), plan.config(), shape, world_size=4,
+                                     machine="lassen").seconds()
+
+
 @pytest.mark.parametrize("model, shape, config, algorithms, error, message", [
-    (lambda: _Crossing(), (1, 2, 4, 4, 4), None, ALL, NotImplementedError,
-     r"output of \['a'\] feeds two branches.*not branches that cross"),
     (lambda: nn.Sequential(nn.Conv3d(2, 2, 3)), (2, 2, 5, 5, 5),
      {"layers": [{"match": "0", "algorithm": "auto", "grid": {"D": 4}}]}, ALL,
      ValueError, r"no candidate for 0 \(Conv3d on \(2, 2, 5, 5, 5\)\) on the grid \{'D': 4\}"),

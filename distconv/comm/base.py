@@ -15,18 +15,24 @@ Backends implement only the ``_op`` methods; they never validate or count.
 from __future__ import annotations
 
 import abc
-import hashlib
 import math
 import os
 import threading
 from collections import defaultdict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from distconv.comm.buffers import (  # noqa: F401 (re-exported: the communicators' helpers)
+    _REDUCERS, AlltoallBuffers, allreduce_bytes, concat_parts, flat_concat, flat_span,
+    packed, reduce_in_order, split_chunks,
+)
 from distconv.comm.errors import CollectiveMismatchError
+from distconv.comm.signature import (  # noqa: F401 (re-exported)
+    CallSignature, agree_on_value, decode_signature, encode_signature, find_mismatch,
+    signature_nbytes,
+)
 
 __all__ = [
     "REDUCE_OPS",
@@ -85,63 +91,6 @@ def check_timeout(value: Any, name: str = "timeout", *, allow_none: bool = False
     return float(value)
 
 
-def allreduce_bytes(n: int, rank: int, size: int, itemsize: int) -> int:
-    """Logical bytes rank ``rank`` receives in a ring allreduce of ``n`` elements.
-
-    A ring reduce-scatter delivers ``(size - 1) * b_r`` elements and the ring allgather the other
-    ``n - b_r``, where ``b_r = n // size + (rank < n % size)`` is the rank's balanced block.
-    """
-    b = n // size + (rank < n % size)
-    return ((size - 1) * b + (n - b)) * itemsize
-
-
-_REDUCERS = {
-    "sum": torch.add,
-    "avg": torch.add,
-    "prod": torch.mul,
-    "max": torch.maximum,
-    "min": torch.minimum,
-}
-
-
-def reduce_in_order(parts: Sequence[torch.Tensor], op: str, size: int) -> torch.Tensor:
-    """Reduce rank-ordered parts locally (a new tensor); bf16/fp16 in fp32, rounded once."""
-    dtype = parts[0].dtype
-    if dtype in (torch.bfloat16, torch.float16):
-        parts = [p.float() for p in parts]
-    out = parts[0].clone()
-    for p in parts[1:]:
-        out = _REDUCERS[op](out, p)
-    if op == "avg":
-        out = out / size
-    return out.to(dtype)
-
-
-def flat_span(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
-    """A 1-D view of the storage region holding ``tensors`` back to back, or None.
-
-    Not None when every non-empty tensor is contiguous, they share one storage and dtype, and
-    each starts where the previous one ends: then the region is their concatenation, flattened,
-    with no copy (only empty tensors give an empty one).
-    """
-    full = [t for t in tensors if t.numel() > 0]
-    if not full:
-        return tensors[0].new_empty(0) if tensors else None
-    first = full[0]
-    start = end = first.storage_offset()
-    storage = first.untyped_storage().data_ptr()
-    for t in full:
-        if (
-            t.dtype != first.dtype
-            or not t.is_contiguous()
-            or t.storage_offset() != end
-            or t.untyped_storage().data_ptr() != storage
-        ):
-            return None
-        end += t.numel()
-    return first.as_strided((end - start,), (1,), start)
-
-
 _IS_COMPILING = getattr(getattr(torch, "compiler", None), "is_compiling", None)
 
 
@@ -162,78 +111,6 @@ def eager(fn: Callable[..., Any]) -> Callable[..., Any]:
         return fn(*args, **kwargs)
 
     return call
-
-
-class AlltoallBuffers:
-    """The byte buffers of an all-to-all(v): the send bytes (packed without a copy where the
-    chunks already lie back to back), per-peer byte counts both ways, and the receive buffer."""
-
-    def __init__(self, chunks: Sequence[torch.Tensor], recv_shapes: Sequence[Shape]) -> None:
-        self.dtype = chunks[0].dtype
-        isz = chunks[0].element_size()
-        self.send = flat_concat(chunks).view(torch.uint8)
-        self.send_counts = [c.numel() * isz for c in chunks]
-        self.recv_counts = [math.prod(s) * isz for s in recv_shapes]
-        self.recv = torch.empty(sum(self.recv_counts), dtype=torch.uint8, device=self.send.device)
-        self._shapes = list(recv_shapes)
-
-    def received(self) -> list[torch.Tensor]:
-        """The received tensors, views of the receive buffer."""
-        parts = self.recv.split(self.recv_counts)
-        return [p.view(self.dtype).view(s) for p, s in zip(parts, self._shapes)]
-
-
-def flat_concat(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """The flattened concatenation of ``tensors``: :func:`flat_span` when they lie back to back
-    (no copy), else one new buffer (one copy)."""
-    span = flat_span(tensors)
-    return span if span is not None else torch.cat([t.reshape(-1) for t in tensors])
-
-
-def packed(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """``tensors`` laid out back to back in one storage, so :func:`flat_concat` needs no copy.
-
-    The tensors themselves when they already are (no copy); else views of consecutive slices of
-    one new buffer, each a copy of its tensor (one copy in all).
-    """
-    if flat_span(tensors) is not None:
-        return list(tensors)
-    t0 = tensors[0]
-    buf = torch.empty(sum(t.numel() for t in tensors), dtype=t0.dtype, device=t0.device)
-    out = [b.view(t.shape) for b, t in zip(buf.split([t.numel() for t in tensors]), tensors)]
-    for o, t in zip(out, tensors):
-        o.copy_(t)
-    return out
-
-
-def split_chunks(x: torch.Tensor, sizes: Sequence[int], dim: int) -> list[torch.Tensor]:
-    """``x`` split along ``dim`` into chunks of ``sizes``, the consecutive slices of one buffer
-    (one copy, none when they already are), so a communicator sends them without packing them
-    again."""
-    pre = math.prod(x.shape[:dim])
-    if (pre > 1 and len(sizes) > 1 and x.numel() and x.is_contiguous()
-            and all(s == sizes[0] for s in sizes)):
-        # equal chunks of a contiguous block: one transposing copy of its (pre, chunk, rest)
-        # view, where a copy per strided chunk costs four times as much
-        buf = x.view(pre, len(sizes), -1).transpose(0, 1).contiguous()
-        shape = list(x.shape)
-        shape[dim] = sizes[0]
-        return [b.view(shape) for b in buf.unbind(0)]
-    return packed(torch.split(x, list(sizes), dim=dim))
-
-
-def concat_parts(parts: Sequence[torch.Tensor], dim: int) -> torch.Tensor:
-    """``torch.cat(parts, dim)``; no copy when the parts lie back to back in one receive buffer
-    and every dim before ``dim`` has size 1 (then the concatenation is that buffer's layout)."""
-    if math.prod(parts[0].shape[:dim]) == 1:
-        span = flat_span(parts)
-        if span is not None:
-            shape = list(parts[0].shape)
-            shape[dim] = sum(p.shape[dim] for p in parts)
-            # detached: autograd forbids in-place updates of a custom Function's output that is
-            # a view, and nothing else holds the receive buffer
-            return span.view(shape).detach()
-    return torch.cat(list(parts), dim=dim)
 
 
 class CommStats:
@@ -332,86 +209,6 @@ class Work:
 
     def __repr__(self) -> str:
         return f"Work(completed={self.is_completed()})"
-
-
-@dataclass(frozen=True)
-class CallSignature:
-    """What one rank is calling: ``common`` must be equal on every rank; for an all-to-all,
-    ``sends[r]`` (shape sent to rank r) must equal rank r's ``recvs[self]``."""
-
-    desc: str
-    common: str
-    sends: tuple[str, ...] | None = None
-    recvs: tuple[str, ...] | None = None
-
-
-def find_mismatch(sigs: Sequence[CallSignature]) -> str | None:
-    """None when the ranks agree, else a message listing what each rank called."""
-    bad = any(s.common != sigs[0].common for s in sigs)
-    if not bad and sigs[0].sends is not None:
-        bad = any(
-            s.sends is None or r.recvs is None or s.sends[j] != r.recvs[i]
-            for i, s in enumerate(sigs)
-            for j, r in enumerate(sigs)
-        )
-    if not bad:
-        return None
-    lines = "\n".join(f"  rank {i}: {s.desc}" for i, s in enumerate(sigs))
-    return f"ranks entered different collectives:\n{lines}"
-
-
-_DIGEST = 8
-_DESC_BYTES = 480
-
-
-def agree_on_value(comm: Communicator, t: torch.Tensor, what: str) -> None:
-    """Raise :class:`CollectiveMismatchError` on every rank of ``comm`` unless all ranks pass
-    bitwise equal tensors ``t`` (dtype, shape and bytes; one small allgather of digests).
-
-    For arguments the API requires to be the same on every rank; called in debug mode.
-    """
-    if comm.size == 1:
-        return
-    t = t.detach()
-    data = t.contiguous().reshape(-1).view(torch.uint8).cpu().numpy().tobytes()
-    digest = hashlib.sha1(data, usedforsecurity=False).hexdigest()[:16]
-    desc = f"dtype={t.dtype}, shape={tuple(t.shape)}, sha1 {digest}"
-    sigs = comm._exchange_signatures(CallSignature(desc, desc), "value-check")
-    if any(s.common != sigs[0].common for s in sigs):
-        lines = "\n".join(f"  rank {i}: {s.desc}" for i, s in enumerate(sigs))
-        raise CollectiveMismatchError(
-            f"rank {comm.rank}, backend {comm.backend!r}: {what} must be the same on every rank, "
-            f"but it differs:\n{lines}"
-        )
-
-
-def _digest(text: str) -> bytes:
-    return hashlib.sha1(text.encode(), usedforsecurity=False).digest()[:_DIGEST]
-
-
-def encode_signature(sig: CallSignature, size: int) -> bytes:
-    """Fixed-size record (``signature_nbytes(size)``) carrying the digests and a truncated desc."""
-    sends = sig.sends if sig.sends is not None else ("",) * size
-    recvs = sig.recvs if sig.recvs is not None else ("",) * size
-    flag = b"\x01" if sig.sends is not None else b"\x00"
-    body = flag + _digest(sig.common) + b"".join(_digest(x) for x in sends + recvs)
-    desc = sig.desc.encode()[:_DESC_BYTES].ljust(_DESC_BYTES, b"\x00")
-    return body + desc
-
-
-def signature_nbytes(size: int) -> int:
-    return 1 + _DIGEST * (1 + 2 * size) + _DESC_BYTES
-
-
-def decode_signature(rec: bytes, size: int) -> CallSignature:
-    has_pairs = rec[0] == 1
-    common = rec[1 : 1 + _DIGEST].hex()
-    pos = 1 + _DIGEST
-    digs = [rec[pos + i * _DIGEST : pos + (i + 1) * _DIGEST].hex() for i in range(2 * size)]
-    desc = rec[signature_nbytes(size) - _DESC_BYTES :].rstrip(b"\x00").decode(errors="replace")
-    if not has_pairs:
-        return CallSignature(desc, common)
-    return CallSignature(desc, common, tuple(digs[:size]), tuple(digs[size:]))
 
 
 def _shape_of(shape: Any, name: str) -> Shape:

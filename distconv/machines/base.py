@@ -22,6 +22,7 @@ ring allreduce ``2 (p - 1)``, halo exchange (``alltoall`` between neighbours) 2.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -49,7 +50,13 @@ def latency_steps(op: str, peers: int, schedule: str = "ring") -> int:
 
 def group_of(layout: Layout, dims: Sequence[str]) -> list[int]:
     """The ranks of rank 0's segment over ``dims`` of a row-major grid (all segments alike)."""
-    layout = [(str(n), int(e)) for n, e in layout]
+    return list(_group(tuple((str(n), int(e)) for n, e in layout), tuple(dims)))
+
+
+@functools.lru_cache(maxsize=4096)
+def _group(layout: tuple[tuple[str, int], ...], dims: tuple[str, ...]) -> tuple[int, ...]:
+    """:func:`group_of`, cached: pricing asks for the same few segments of grids of thousands of
+    ranks again and again."""
     strides, s = {}, 1
     for name, e in reversed(layout):
         strides[name] = s
@@ -58,7 +65,18 @@ def group_of(layout: Layout, dims: Sequence[str]) -> list[int]:
     for name, e in layout:
         if name in dims and e > 1:
             ranks = [r + k * strides[name] for r in ranks for k in range(e)]
-    return sorted(ranks)
+    return tuple(sorted(ranks))
+
+
+@functools.lru_cache(maxsize=4096)
+def _span(units: tuple[int, ...], ranks: tuple[int, ...]) -> tuple[int, int]:
+    """:meth:`Machine.level_of` of the sorted distinct ``ranks`` on levels of ``units`` ranks
+    per unit (0: unbounded), cached."""
+    for i, size in enumerate(units):
+        if size == 0 or len({r // size for r in ranks}) == 1:
+            below = units[i - 1] if i else 1
+            return i, sum(1 for r in ranks if r // below == ranks[0] // below)
+    raise AssertionError("unreachable: the last level is unbounded")
 
 
 @dataclass(frozen=True)
@@ -213,18 +231,16 @@ class Machine:
     def level_of(self, ranks: Sequence[int]) -> tuple[int, int]:
         """``(L, k)``: the innermost level whose unit holds all ``ranks``, and how many of them
         share one unit of the level below (1 when L is the innermost level)."""
-        for i, lv in enumerate(self.levels):
-            if lv.ranks == 0 or len({r // lv.ranks for r in ranks}) == 1:
-                below = self.levels[i - 1].ranks if i else 1
-                k = sum(1 for r in ranks if r // below == ranks[0] // below)
-                return i, k
-        raise AssertionError("unreachable: the last level is unbounded")
+        return _span(tuple(lv.ranks for lv in self.levels), tuple(ranks))
 
     def link_time(self, ranks: Sequence[int], nbytes: float, steps: int) -> float:
         """Seconds to receive ``nbytes`` in ``steps`` message steps inside the group ``ranks``."""
-        if len(set(ranks)) <= 1:
-            return 0.0
-        i, k = self.level_of(sorted(set(ranks)))
+        group = tuple(sorted(set(ranks)))
+        return self._link(group, nbytes, steps) if len(group) > 1 else 0.0
+
+    def _link(self, group: tuple[int, ...], nbytes: float, steps: int) -> float:
+        """:meth:`link_time` in the sorted distinct ranks ``group`` (two or more)."""
+        i, k = self.level_of(group)
         lv = self.levels[i]
         below = self.levels[i - 1].ranks if i else 1
         flows = max(below // max(k, 1), 1) if lv.shared else 1
@@ -234,8 +250,11 @@ class Machine:
                         layout: Layout | None = None, dims: Sequence[str] = ()) -> float:
         """Seconds of one collective ``op`` over the grid ``dims`` of ``layout`` in which a rank
         receives ``nbytes``. Without a layout the group is taken as ``peers`` consecutive ranks."""
-        ranks = group_of(layout, dims) if layout is not None else list(range(peers))
-        return self.link_time(ranks, nbytes, latency_steps(op, peers, self.schedule))
+        group = (_group(tuple((str(n), int(e)) for n, e in layout), tuple(dims))
+                 if layout is not None else tuple(range(peers)))
+        if len(group) <= 1:
+            return 0.0
+        return self._link(group, nbytes, latency_steps(op, peers, self.schedule))
 
     def describe(self) -> str:
         """One line per level: ranks per unit, alpha, bandwidth, source."""

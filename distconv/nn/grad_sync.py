@@ -11,14 +11,19 @@ backward where the backend allows.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from distconv.nn.clip import mark_shard_grad
 
-__all__ = ["BucketedGradSync", "GradSync", "GradSyncGroup", "finish_grad_sync", "plan_buckets"]
+if TYPE_CHECKING:
+    from distconv.nn.sharding import ShardSpec
+    from distconv.parallel.placement import Layout
+
+__all__ = ["BucketedGradSync", "GradSync", "GradSyncGroup", "finish_grad_sync", "gradient_groups",
+           "plan_buckets"]
 
 
 class GradSync:
@@ -341,3 +346,24 @@ def finish_grad_sync(module: nn.Module) -> None:
         sync = getattr(m, "grad_sync", None)
         if isinstance(sync, (GradSync, BucketedGradSync, GradSyncGroup)):
             sync.finish()
+
+
+def gradient_groups(specs: dict[str, ShardSpec], params: dict[str, Any]
+                    ) -> dict[tuple[Layout | None, tuple[str, ...]], list[str]]:
+    """Parameters (in registration order) by the ranks their gradient is summed over: the grid
+    dims of extent > 1 their distribution leaves unused (in grid order), or every rank (``None``)
+    for parameters replicated on all ranks. Ranks that share no such dim need no reduction."""
+    groups: dict[tuple[Layout | None, tuple[str, ...]], list[str]] = {}
+    for name, p in params.items():
+        if not p.requires_grad:
+            continue
+        spec = specs[name]
+        if spec.grid is None:
+            key: tuple[Layout | None, tuple[str, ...]] = (None, ())
+        else:
+            dims = tuple(d for d in spec.dist.redundant(spec.grid) if spec.grid.extent(d) > 1)
+            if not dims:
+                continue
+            key = (spec.grid.layout, dims)
+        groups.setdefault(key, []).append(name)
+    return groups

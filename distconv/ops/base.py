@@ -26,7 +26,7 @@ import torch.fx as fx
 from torch import nn
 
 if TYPE_CHECKING:
-    from distconv.parallel.graph import Step
+    from distconv.parallel.steps import Step
 
 __all__ = ["SAMPLE_GRIDS", "SIGNAL_GRIDS", "VOLUME_GRIDS", "Handler", "PoolNet", "PriceContext",
            "Sample", "SampleNet", "Unsupported", "qualified_name"]

@@ -17,7 +17,8 @@ import torch.fx as fx
 from torch import nn
 
 from distconv.nn.conv import DistConv2d, conv_dists
-from distconv.nn.conv_nd import spatial_roles
+from distconv.conv_geometry import HaloPlan
+from distconv.nn.conv_nd import conv_nd_dims, spatial_roles
 from distconv.nn.halo_conv import interior_share
 from distconv.ops.base import SAMPLE_GRIDS, Handler, PriceContext, Sample, SampleNet
 from distconv.ops.extents import unit_dims
@@ -26,8 +27,8 @@ from distconv.ops.pricing import CommStep, halo_hidden, largest_block
 from distconv.parallel.placement import Placement, paper_grid, same_blocks
 from distconv.perfmodel import ConvProblem, conv_cost, conv_traffic
 
-__all__ = ["ConvHandler", "group_blocks", "memory_elements", "moves_data", "split_groups",
-           "whole_rows", "whole_step"]
+__all__ = ["ConvHandler", "group_blocks", "memory_elements", "moves_data", "row_refusal",
+           "split_groups", "whole_rows", "whole_step"]
 
 
 def _dists(step: Any, conv: nn.Conv2d) -> dict[str, Any]:
@@ -74,6 +75,21 @@ def check_channel_blocks(an: Any, node: Any, module: Any, choice: Any) -> None:
             an.fail(node, f"{choice.source}: layer {str(node.target)!r}: {what}={n} is smaller "
                     f"than the {parts} channel/filter blocks of {dict(choice.layout)}; use at "
                     "most that many C×F ranks", ValueError)
+
+
+def row_refusal(module: Any, layout: Any, in_shape: Sequence[int]) -> str | None:
+    """Why the grid ``layout`` cannot split the spatial dims of convolution ``module`` (any
+    dimensionality) on the global input ``in_shape``: some rank would hold no input or no
+    output row, or a padding mode cannot be split; None where it can."""
+    ext = {d: e for d, e in layout if e > 1}
+    rows = spatial_roles(module.weight.dim() - 2)
+    for row, d in zip(rows, conv_nd_dims(module, in_shape)):
+        if ext.get(row, 1) > 1:
+            try:
+                HaloPlan(d, ext[row], module.padding_mode).check(row)
+            except ValueError as exc:
+                return str(exc)
+    return None
 
 
 def halo_overlap(an: Any, node: Any, module: Any, choice: Any, ext: dict[str, int]) -> bool:
@@ -222,7 +238,7 @@ def whole_step(an: Any, node: fx.Node, arg: fx.Node, choice: Any, whole: tuple[s
     (replicated over the other grid dims, its weights whole, its weight gradient the sum over
     every rank as a ``Linear``'s), exact by the sum convention; ``whole`` is recorded for
     ``explain``."""
-    from distconv.parallel.graph import LayerSpec, Step, sample_dist
+    from distconv.parallel.steps import LayerSpec, Step, sample_dist
 
     need = Placement(choice.layout, sample_dist(an.placement(arg).ndim))
     return Step(node, "sample-layer", need, {arg: need},
@@ -245,7 +261,7 @@ class ConvHandler(Handler):
     modules = (nn.Conv2d,)
 
     def place(self, an: Any, node: Any, module: Any) -> Any:
-        from distconv.parallel.graph import LayerSpec, Step
+        from distconv.parallel.steps import LayerSpec, Step
 
         name = str(node.target)
         choice = an.config.choice(name)
@@ -295,8 +311,6 @@ class ConvHandler(Handler):
             gathered_input=gathered(step, module))
 
     def refuse(self, step: Any, module: Any, in_shape: tuple[int, ...]) -> str | None:
-        from distconv.ops.conv_nd import row_refusal
-
         if step.layer.kind == "linear":
             return None
         return row_refusal(module, step.layer.layout, in_shape)

@@ -33,7 +33,7 @@ from distconv.ops.base import (
 )
 from distconv.ops.linear import LinearHandler, compute
 from distconv.nn.halo_conv import interior_share
-from distconv.ops.conv import group_blocks, halo_overlap, whole_rows, whole_step
+from distconv.ops.conv import group_blocks, halo_overlap, row_refusal, whole_rows, whole_step
 from distconv.ops.pricing import CommStep, LayerReport, halo_hidden, largest_block
 from distconv.parallel.placement import Placement, paper_grid
 from distconv.redistribute import plan_redistribution
@@ -81,21 +81,6 @@ def refusal(module: Any, layout: Any, algorithm: str, in_shape: Sequence[int]) -
     return row_refusal(module, layout, in_shape)
 
 
-def row_refusal(module: Any, layout: Any, in_shape: Sequence[int]) -> str | None:
-    """Why the grid ``layout`` cannot split the spatial dims of convolution ``module`` (any
-    dimensionality) on the global input ``in_shape``: some rank would hold no input or no
-    output row, or a padding mode cannot be split; None where it can."""
-    ext = {d: e for d, e in layout if e > 1}
-    rows = spatial_roles(module.weight.dim() - 2)
-    for row, d in zip(rows, conv_nd_dims(module, in_shape)):
-        if ext.get(row, 1) > 1:
-            try:
-                HaloPlan(d, ext[row], module.padding_mode).check(row)
-            except ValueError as exc:
-                return str(exc)
-    return None
-
-
 def layer_report(module: Any, layout: Any, algorithm: str, in_shape: Sequence[int],
                  out_shape: Sequence[int], *, ranks: Sequence[int], itemsize: int = 4,
                  machine: Any = None, grad_in: bool = True) -> LayerReport:
@@ -104,7 +89,7 @@ def layer_report(module: Any, layout: Any, algorithm: str, in_shape: Sequence[in
     the stationary algorithms split): its distributions, the collectives with the bytes each of
     ``ranks`` receives, its blocks and its compute seconds on ``machine`` (None: bytes only), by
     :meth:`ConvNdHandler.price` itself -- what the planner weighs a candidate with."""
-    from distconv.parallel.graph import LayerSpec, Step, sample_dist
+    from distconv.parallel.steps import LayerSpec, Step, sample_dist
 
     layout = tuple(layout)
     kind = type(module).__name__
@@ -131,7 +116,7 @@ class ConvNdHandler(LinearHandler):
     modules = (nn.Conv1d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
 
     def place(self, an: Any, node: Any, module: Any) -> Any:
-        from distconv.parallel.graph import LayerSpec, Step, sample_dist
+        from distconv.parallel.steps import LayerSpec, Step, sample_dist
 
         name = str(node.target)
         choice = an.config.choice(name)

@@ -104,7 +104,7 @@ class DropoutHandler(Handler):
     functions = frozenset({F.dropout, F.dropout1d, F.dropout2d, F.dropout3d})
 
     def place(self, an: Any, node: Any, module: Any) -> Any:
-        from distconv.parallel.graph import LayerSpec
+        from distconv.parallel.steps import LayerSpec
 
         step = an.keep(node, "dropout")
         model_dims = step.out.dist.used() - set(step.out.dist.grid_dims_of(0))
@@ -151,7 +151,7 @@ class BinaryHandler(Handler):
                          "pow_", "maximum", "minimum"})
 
     def place(self, an: Any, node: Any, module: Any) -> Any:
-        from distconv.parallel.graph import Step
+        from distconv.parallel.steps import Step
 
         args = an.tensor_args(node)
         if len(args) == 1:
@@ -180,7 +180,7 @@ class CatHandler(Handler):
     functions = frozenset({torch.cat})
 
     def place(self, an: Any, node: Any, module: Any) -> Any:
-        from distconv.parallel.graph import Step
+        from distconv.parallel.steps import Step
 
         args = an.tensor_args(node)
         dim = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else 0)
@@ -212,7 +212,7 @@ def with_constants(an: Any, node: fx.Node, args: list[fx.Node]) -> Any:
     dims it broadcasts over then made whole by :func:`broadcast_need`), so its gradient is a
     pending sum that the replicated parameters' all-rank sum completes. Of parameters only: whole
     on every rank, as they are."""
-    from distconv.parallel.graph import Step
+    from distconv.parallel.steps import Step
 
     values = [a for a in args if not is_constant(a)]
     if len(values) > 1:

@@ -49,7 +49,7 @@ class LinearHandler(Handler):
     modules = (nn.Linear,)
 
     def place(self, an: Any, node: Any, module: Any) -> Any:
-        from distconv.parallel.graph import LayerSpec, Step, sample_dist
+        from distconv.parallel.steps import LayerSpec, Step, sample_dist
 
         name = str(node.target)
         choice = an.config.choice(name)
@@ -70,7 +70,7 @@ class LinearHandler(Handler):
     @staticmethod
     def _in_place(node: Any, arg: Any, name: str, met: Placement) -> Any:
         """On the placement it meets: rows as they are; the last dim split: stationary-x."""
-        from distconv.parallel.graph import LayerSpec, Step
+        from distconv.parallel.steps import LayerSpec, Step
 
         split = bool(met.dist.grid_dims_of(met.ndim - 1))
         return Step(node, "linear", met, {arg: met},

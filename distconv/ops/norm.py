@@ -45,7 +45,7 @@ class BatchNormHandler(Handler):
     modules = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
 
     def place(self, an: Any, node: Any, module: Any) -> Any:
-        from distconv.parallel.graph import LayerSpec
+        from distconv.parallel.steps import LayerSpec
 
         name = str(node.target)
         step = an.keep(node, "batchnorm")
@@ -189,7 +189,7 @@ class _LocalNorm(Handler):
         return False
 
     def place(self, an: Any, node: Any, module: Any) -> Any:
-        from distconv.parallel.graph import LayerSpec
+        from distconv.parallel.steps import LayerSpec
 
         step = an.keep(node, "norm")
         dist = step.out.dist
@@ -298,7 +298,7 @@ class LayerNormHandler(_LocalNorm):
     modules = (nn.LayerNorm,)
 
     def place(self, an: Any, node: Any, module: Any) -> Any:
-        from distconv.parallel.graph import LayerSpec
+        from distconv.parallel.steps import LayerSpec
 
         step = an.keep(node, "norm")
         dist, ext = step.out.dist, dict(step.out.layout)
@@ -370,7 +370,7 @@ class FunctionalLayerNormHandler(Handler):
     functions = frozenset({F.layer_norm, torch.layer_norm})
 
     def place(self, an: Any, node: Any, module: Any) -> Any:
-        from distconv.parallel.graph import Step
+        from distconv.parallel.steps import Step
 
         args = [a for a in an.tensor_args(node) if not is_constant(a)]
         if len(args) != 1 or node.args[0] is not args[0]:

@@ -76,7 +76,7 @@ class PermuteHandler(Handler):
         return super().binds(node, module)
 
     def place(self, an: Any, node: Any, module: Any) -> Any:
-        from distconv.parallel.graph import Step
+        from distconv.parallel.steps import Step
 
         arg = node.args[0]
         if not isinstance(arg, fx.Node) or is_constant(arg):

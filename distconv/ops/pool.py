@@ -61,7 +61,7 @@ class PoolHandler(Handler):
                            F.avg_pool3d})
 
     def place(self, an: Any, node: Any, module: Any) -> Any:
-        from distconv.parallel.graph import LayerSpec
+        from distconv.parallel.steps import LayerSpec
 
         step = an.keep(node, "pool")
         dist = step.out.dist
@@ -156,7 +156,7 @@ class AdaptiveAvgPoolHandler(Handler):
     functions = frozenset({F.adaptive_avg_pool2d})
 
     def place(self, an: Any, node: Any, module: Any) -> Any:
-        from distconv.parallel.graph import LayerSpec
+        from distconv.parallel.steps import LayerSpec
 
         if module is not None:
             name, size = str(node.target), module.output_size
@@ -220,7 +220,7 @@ class AdaptivePoolHandler(Handler):
         return args[0].sum(dims, keepdim=True) / math.prod(in_shape[2:])
 
     def place(self, an: Any, node: Any, module: Any) -> Any:
-        from distconv.parallel.graph import LayerSpec
+        from distconv.parallel.steps import LayerSpec
 
         if module is not None:
             name, size = str(node.target), module.output_size
@@ -291,7 +291,7 @@ class MeanHandler(Handler):
         return args[0].sum(dims, keepdim=keep) / count
 
     def place(self, an: Any, node: Any, module: Any) -> Any:
-        from distconv.parallel.graph import LayerSpec, Step
+        from distconv.parallel.steps import LayerSpec, Step
 
         args = an.tensor_args(node)
         p = an.placement(args[0]).settled()
@@ -324,7 +324,7 @@ class ReduceHandler(Handler):
     methods = frozenset({"sum", "amax", "amin"})
 
     def place(self, an: Any, node: Any, module: Any) -> Any:
-        from distconv.parallel.graph import Step
+        from distconv.parallel.steps import Step
 
         args = an.tensor_args(node)
         p = an.placement(args[0]).settled()

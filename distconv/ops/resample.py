@@ -65,9 +65,9 @@ class ResampleHandler(Handler):
                            F.adaptive_max_pool2d, F.adaptive_max_pool3d})
 
     def place(self, an: Any, node: Any, module: Any) -> Any:
-        from distconv.parallel.graph import Step
+        from distconv.parallel.steps import Step
 
-        from distconv.parallel.graph import LayerSpec
+        from distconv.parallel.steps import LayerSpec
 
         args = an.tensor_args(node)
         if len(args) != 1:

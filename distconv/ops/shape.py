@@ -38,7 +38,7 @@ def model_tensor(an: Any, node: Any) -> Any:
     """The step of a shape op on a model tensor (a parameter or buffer, as ``self.gamma.reshape(
     1, -1, 1, 1)``): the same whole value on every rank, run as written and sliced by the op that
     uses it with an activation (:func:`distconv.ops.elementwise.with_constants`)."""
-    from distconv.parallel.graph import Step
+    from distconv.parallel.steps import Step
 
     value = _meta_value(an.gm, node)
     if not isinstance(value, torch.Tensor):
@@ -68,7 +68,7 @@ def regroup(an: Any, node: Any, arg: Any, out_ndim: int, kept: dict[int, int]) -
     """The step of a shape op whose output dim ``k`` carries the entry of input dim
     ``kept[k]`` (the dim itself, or a merge or split of it whose blocks align:
     :func:`carriers`); every other dim is whole, in the input and the output."""
-    from distconv.parallel.graph import LayerSpec, Step
+    from distconv.parallel.steps import LayerSpec, Step
 
     if kept.get(0) != 0:
         an.fail(node, "it merges or splits the samples (dim 0); the parallel model's output "
@@ -339,7 +339,7 @@ class NewAxisHandler(Handler):
     methods = frozenset({"unsqueeze"})
 
     def place(self, an: Any, node: Any, module: Any) -> Any:
-        from distconv.parallel.graph import Step
+        from distconv.parallel.steps import Step
 
         args = an.tensor_args(node)
         if not args or node.args[0] is not args[0]:

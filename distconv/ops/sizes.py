@@ -82,7 +82,7 @@ class SizeHandler(Handler):
         return node.target is torch._assert or is_size(node)
 
     def place(self, an: Any, node: fx.Node, module: nn.Module | None) -> Any:
-        from distconv.parallel.graph import Step
+        from distconv.parallel.steps import Step
 
         if node.op == "call_method" and node.target in VALUE_METHODS:
             an.fail(node, f".{node.target}() reads the tensor's values into Python: each rank "

@@ -34,7 +34,7 @@ class StochasticDepthHandler(Handler):
                                 *(f"{m}.drop_path" for m in _TIMM)})
 
     def place(self, an: Any, node: Any, module: Any) -> Any:
-        from distconv.parallel.graph import LayerSpec
+        from distconv.parallel.steps import LayerSpec
 
         step = an.keep(node, "droppath")
         p, _, _, _ = _settings(an, node, module)

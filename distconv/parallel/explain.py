@@ -25,19 +25,12 @@ from torch import nn
 from torch.fx.passes.shape_prop import TensorMetadata
 
 from distconv import machines
-from distconv.comm.base import allreduce_bytes
-from distconv.nn.grad_sync import plan_buckets
 from distconv.parallel.config import ParallelConfig
-from distconv.distribution import Dist
-from distconv.ops import PriceContext, Unsupported
-from distconv.ops.pricing import (
-    CommStep, LayerReport, Machine, Timeline, largest_block, segment_rank, timeline,
-)
-from distconv.parallel.graph import Step, analyse, check_shapes, operand_need, trace
-from distconv.parallel.placement import (
-    ALL_RANKS, Placement, conversion_bytes, evaluated_ranks, layout_str, one_grid, paper_grid,
-    repartition_bytes,
-)
+from distconv.ops import Unsupported
+from distconv.ops.pricing import CommStep, LayerReport, Machine, Timeline, timeline
+from distconv.parallel.cost import memory, price_analysis
+from distconv.parallel.graph import analyse, check_shapes, trace
+from distconv.parallel.placement import ALL_RANKS
 from distconv.parallel.shapes import check_input_shape, propagate_shapes
 from distconv.perfmodel import Machine as FlatMachine
 
@@ -78,17 +71,7 @@ class Explanation:
         """Bytes per rank (the largest rank): parameters, gradients, optimizer state, and the
         activations kept for backward -- every layer's output block, except that the layers of a
         checkpointed segment hold theirs only while it is recomputed (the largest segment)."""
-        params = sum(layer.param_elements for layer in self.layers) * self.itemsize
-        segments: dict[int, int] = {}
-        kept = 0
-        for lay in self.layers:
-            if lay.segment is None:
-                kept += lay.activation_elements
-            else:
-                segments[lay.segment] = segments.get(lay.segment, 0) + lay.activation_elements
-        return {"parameters": params, "gradients": params,
-                "optimizer_state": params * self.optimizer_states,
-                "activations": (kept + max(segments.values(), default=0)) * self.itemsize}
+        return memory(self.layers, self.itemsize, self.optimizer_states)
 
     def timeline(self) -> Timeline | None:
         """The step on :attr:`machine` (None without one): forward, backward, and the gradient
@@ -392,56 +375,8 @@ def _explain(model: nn.Module, cfg: ParallelConfig, shape: tuple[int, ...],
     modules = dict(gm.named_modules())
     check_shapes(analysis, modules, shapes)
     P = cfg.world_size
-    ranks = _evaluated_ranks(analysis, P)
-    needs_grad: dict[str, bool] = {}
-    layers: list[LayerReport] = []
-    entry = LayerReport("(input)", "input", layout_str(cfg.data), "-",
-                        {"x": analysis.steps[0].out.format("x")})
-    if P > 1:
-        entry.steps.append(CommStep("forward", "agree on the global batch: allgather of local "
-                                    "shapes", "allgather", {r: (P - 1) * len(shape) * 8 for r in ranks}, P))
-    layers.append(entry)
-    done: set[tuple[str, Placement, int | None]] = set()  # converted once per placement
-    for step in analysis.steps[1:]:
-        node = step.node
-        args = [a for a in step.needs]
-        grad_in = any(needs_grad.get(a.name, False) for a in args)
-        owns = node.op == "call_module" and any(True for _ in modules[node.target].parameters())
-        needs_grad[node.name] = grad_in or owns
-        report = _layer(step, modules, shapes, itemsize, P, ranks, grad_in, machine)
-        if report.name in decisions:
-            decided = decisions[report.name].describe()
-            report.note = f"{decided}; {report.note}" if report.note else decided
-        recomputed = [st for st in report.steps if st.phase == "forward"
-                      and not st.what.startswith("running statistics")]
-        for a in step.needs:
-            need = operand_need(step, a, shapes)
-            src = analysis.step(a).out
-            # a value converted inside its own checkpointed segment is converted there, apart
-            # from the conversions outside it (as the parallel model runs it)
-            inside = step.segment is not None and analysis.step(a).segment == step.segment
-            key = (a.name, need, step.segment if inside else None)
-            if src != need and key not in done:
-                done.add(key)
-                _conversion(report, a.name, src, need, shapes[a.name], itemsize, P, ranks,
-                            needs_grad.get(a.name, False))
-                if inside:
-                    recomputed.append(report.steps[0])
-        if step.segment is not None:  # the forward again in backward, collectives included
-            report.segment = step.segment
-            report.backward_seconds += report.forward_seconds
-            report.steps += [CommStep("backward", "recompute: " + st.what, st.op, st.bytes,
-                                      st.peers, st.layout, st.dims) for st in recomputed]
-            note = f"checkpointed (segment {step.segment}): recomputed in backward"
-            report.note = f"{report.note}; {note}" if report.note else note
-        if report.steps or report.kind not in ("meta", "size", "constant", "pointwise", "reshape"):
-            layers.append(report)
-    running = _coalesced_running(layers)
-    if running is not None:
-        layers.append(running)
-    sync = _gradient_buckets(gm, analysis, P, ranks, itemsize, bucket_bytes)
-    if sync is not None:
-        layers.append(sync)
+    layers, ranks = price_analysis(gm, analysis, shape, shapes, P, itemsize, machine,
+                                   bucket_bytes, decisions)
     result = Explanation(P, ranks, shape, itemsize, optimizer_states, layers, machine,
                          unsupported=list(analysis.unsupported), paths=_module_paths(gm),
                          configured={str(st.node.target): cfg.choice(str(st.node.target)).algorithm
@@ -474,154 +409,3 @@ def _module_paths(gm: fx.GraphModule) -> dict[str, str]:
             owner = str(stack[-1][0]) if stack and stack[-1] else ""
             paths[node.name] = f"{owner}.{fn}" if owner else fn
     return paths
-
-
-def _conversion(report: LayerReport, name: str, src: Placement, dst: Placement,
-                shape: tuple[int, ...], isz: int, P: int, ranks: list[int],
-                backward: bool) -> None:
-    fwd = {r: conversion_bytes(src, dst, shape, isz, r) for r in ranks}
-    what = f"redistribute {name}: {src.format()} -> {dst.format()}"
-    report.steps.insert(0, CommStep("forward", what, "redistribute", fwd, P))
-    if backward:
-        bwd = {r: _backward_bytes(src, dst, shape, isz, r) for r in ranks}
-        report.steps.append(CommStep("backward", "adjoint of " + what, "redistribute", bwd, P))
-
-
-def _backward_bytes(src: Placement, dst: Placement, shape: tuple[int, ...], isz: int,
-                    rank: int) -> int:
-    """The adjoint's bytes: ``dst.dual -> src.dual`` on one grid; on two grids each rank receives
-    back what it sent (the reverse exchange), plus the duals of the pending steps."""
-    src = one_grid(src, dst, shape)  # one redistribution where that moves no more
-    if src.layout == dst.layout:
-        g = paper_grid(src.layout, rank)
-        return conversion_bytes(Placement(dst.layout, dst.dist.dual(g)),
-                                Placement(src.layout, src.dist.dual(g)), shape, isz, rank)
-    from distconv.redistribute import plan_redistribution
-
-    total = 0
-    s_dist, d_dist = src.dist, dst.dist
-    plain_src, plain_dst = s_dist.with_pending(()), d_dist.with_pending(())
-    if d_dist.pending:
-        g = paper_grid(dst.layout, rank)
-        total += plan_redistribution(dst.layout, d_dist.dual(g), plain_dst.dual(g),
-                                     shape).received_bytes(g, isz)
-    total += repartition_bytes(src.layout, plain_src, dst.layout, plain_dst, shape, rank,
-                               isz)[1]
-    if s_dist.pending:
-        g = paper_grid(src.layout, rank)
-        total += plan_redistribution(src.layout, plain_src.dual(g), s_dist.dual(g),
-                                     shape).received_bytes(g, isz)
-    return total
-
-
-def _layer(step: Step, modules: dict[str, nn.Module], shapes: dict[str, tuple[int, ...]],
-           isz: int, P: int, ranks: list[int], grad_in: bool,
-           machine: Machine | None) -> LayerReport:
-    node, spec = step.node, step.layer
-    out = step.out
-    name = str(node.target) if node.op == "call_module" else node.name
-    grid = layout_str(spec.layout) if spec is not None else (
-        layout_str(out.layout) if out is not None else "-")
-    dists = {"y": out.format("y")} if out is not None else {}
-    report = LayerReport(name, step.kind, grid, spec.algorithm if spec else "-", dists)
-    if out is not None and node.name in shapes:
-        report.activation_elements = largest_block(out, shapes[node.name])
-    if step.handler is not None and node.args and isinstance(node.args[0], fx.Node) and (
-            node.args[0].name in shapes):
-        module = modules.get(str(node.target)) if node.op == "call_module" else None
-        ctx = PriceContext(shapes[node.args[0].name], isz, ranks, grad_in, machine,
-                           shapes.get(node.name))
-        step.handler.price(report, step, module, ctx)
-    return report
-
-
-def _coalesced_running(layers: list[LayerReport]) -> LayerReport | None:
-    """The local-statistics layers' running-statistics broadcasts, as the parallel model sends
-    them: one per grid and step, after the forward (each layer prices its own share)."""
-    merged: dict[tuple, CommStep] = {}
-    for lay in layers:
-        keep = []
-        for st in lay.steps:
-            if st.op != "broadcast" or not st.what.startswith("running statistics"):
-                keep.append(st)
-                continue
-            key = (st.layout, st.dims)
-            if key not in merged:
-                merged[key] = CommStep("forward", "running statistics of sample block 0: one "
-                                       f"broadcast over {'×'.join(st.dims)} (asynchronous)",
-                                       "broadcast", dict.fromkeys(st.bytes, 0), st.peers,
-                                       st.layout, st.dims)
-            for r, b in st.bytes.items():
-                merged[key].bytes[r] += b
-        lay.steps = keep
-    if not merged:
-        return None
-    return LayerReport("(running statistics)", "bn-sync", "-", "-", {}, list(merged.values()))
-
-
-def _gradient_buckets(gm: fx.GraphModule, analysis: Any, P: int, ranks: list[int], isz: int,
-                      bucket_bytes: int) -> LayerReport | None:
-    """The fused gradient allreduces, grouped and bucketed exactly as ParallelModel runs them."""
-    from distconv.nn.sharding import ShardSpec
-    from distconv.parallel.model import gradient_groups
-
-    owners: dict[str, Step] = {str(s.node.target): s for s in analysis.steps
-                               if s.layer is not None and s.node.op == "call_module"}
-    order = {str(s.node.target): i for i, s in enumerate(analysis.steps)
-             if s.node.op == "call_module"}
-    params = dict(gm.named_parameters())
-    specs: dict[str, ShardSpec] = {}
-    for name, p in params.items():
-        owner, _, leaf = name.rpartition(".")
-        step = owners.get(owner)
-        dists = None if step is None else step.handler.param_dists(step, gm.get_submodule(owner))
-        dist = None if dists is None else dists[leaf]
-        if dist is None:
-            specs[name] = ShardSpec(None, Dist.replicated(p.dim()), tuple(p.shape))
-        else:
-            layout = step.layer.layout
-            specs[name] = ShardSpec(paper_grid(layout, 0), Placement(layout, dist).dist,
-                                    tuple(p.shape))
-    report = LayerReport("(gradients)", "grad-sync", "-", "-", {})
-    def ready_after(bucket: list[int], names: list[str]) -> str | None:
-        """The layer whose backward completes the bucket: its first owner in forward order."""
-        owned = [names[i].rpartition(".")[0] for i in bucket]
-        known = [o for o in owned if o in order]
-        return min(known, key=order.__getitem__) if len(known) == len(owned) else None
-
-    for (layout, dims), names in gradient_groups(specs, params).items():
-        if layout is None and P == 1:
-            continue
-        size = P if layout is None else math.prod(dict(layout)[d] for d in dims)
-        per_rank: dict[int, list[int]] = {}
-        for r in ranks:
-            if layout is None:
-                sizes, sub = [params[n].numel() for n in names], r
-            else:
-                g = paper_grid(layout, r)
-                sizes = [math.prod(specs[n].dist.local_shape(specs[n].global_shape, g))
-                         for n in names]
-                sub = segment_rank(layout, dims, g.coords)
-            # each bucket carries one reached-flag per parameter (BucketedGradSync)
-            buckets = plan_buckets([n * isz for n in sizes], bucket_bytes)
-            per_rank[r] = [allreduce_bytes(sum(sizes[i] for i in b) + len(b), sub, size, isz)
-                           for b in buckets]
-            if r == ranks[0]:
-                after = [ready_after(list(b), names) for b in buckets]
-        where = "every rank" if layout is None else f"{'×'.join(dims)} of {layout_str(layout)}"
-        for i in range(len(per_rank[ranks[0]])):
-            report.steps.append(CommStep("backward", f"gradient bucket {i} over {where} "
-                                         f"({len(names)} parameters in the group)", "allreduce",
-                                         {r: b[i] for r, b in per_rank.items()}, size,
-                                         layout, tuple(dims) if layout is not None else (),
-                                         after=after[i]))
-    return report if report.steps else None
-
-
-def _evaluated_ranks(analysis: Any, P: int) -> list[int]:
-    """The ranks evaluated (:func:`~distconv.parallel.placement.evaluated_ranks`) over every
-    layout a value of the analysis lives on."""
-    layouts = {analysis.data}
-    for step in analysis.steps:
-        layouts.update(pl.layout for pl in [step.out, *step.needs.values()] if pl is not None)
-    return evaluated_ranks(sorted(layouts), P)

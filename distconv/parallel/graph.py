@@ -18,7 +18,6 @@ builds the analysis, ``explain`` prices it, and a node no handler runs is refuse
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -29,59 +28,11 @@ from distconv import ops
 from distconv.distribution import Dist
 from distconv.parallel.capture import UntraceableModelError, trace
 from distconv.parallel.config import ParallelConfig
-from distconv.parallel.placement import Layout, Placement, layout_str
+from distconv.parallel.placement import Placement, layout_str
+from distconv.parallel.steps import Analysis, LayerSpec, Step, sample_dist
 
 __all__ = ["Analysis", "LayerSpec", "Step", "UntraceableModelError", "analyse", "operand_need",
-           "trace"]
-
-
-@dataclass(frozen=True)
-class LayerSpec:
-    """A module to build: its kind, config choice and placements (conv: grid and algorithm)."""
-
-    kind: str
-    name: str
-    layout: Layout
-    algorithm: str = ""
-    roles: tuple[tuple[str, str], ...] = ()
-    input: Placement | None = None
-    source: str = ""
-    statistics: str = "global"  # BatchNorm: global-batch or per-sample-block statistics
-    pipeline: int = 1  # conv: chunks of samples its collectives are pipelined over
-    overlap: bool = False  # conv: its halo exchange overlaps the interior rows' convolution
-    #: the spatial grid dims a default entry splits that this layer keeps whole (its maps have
-    #: one row there, as the graph states: a keepdim mean, an adaptive pool to 1)
-    whole: tuple[str, ...] = ()
-
-
-@dataclass
-class Step:
-    """One node: what runs, where its value lives, and what its inputs are converted to."""
-
-    node: fx.Node
-    kind: str
-    out: Placement | None
-    needs: dict[fx.Node, Placement] = field(default_factory=dict)
-    layer: LayerSpec | None = None
-    handler: Any = None  # the op handler that placed it (distconv.ops)
-    #: activation checkpointing: the index of the run of consecutive checkpointed steps this one
-    #: belongs to (recomputed together in backward); None: its activations are kept
-    segment: int | None = None
-
-
-@dataclass
-class Analysis:
-    graph: fx.GraphModule
-    steps: list[Step]
-    data: Layout
-    #: with ``strict=False``: every node no handler runs, as (node, target, reason)
-    unsupported: list[tuple[str, str, str]] = field(default_factory=list)
-
-    def step(self, node: fx.Node) -> Step:
-        return self._by_node[node]
-
-    def __post_init__(self) -> None:
-        self._by_node = {s.node: s for s in self.steps}
+           "sample_dist", "trace"]
 
 
 def check_shapes(analysis: Analysis, modules: dict[str, nn.Module],
@@ -104,8 +55,6 @@ def check_shapes(analysis: Analysis, modules: dict[str, nn.Module],
                              f"{tuple(shapes[first.name])}: {why}")
 
 
-def sample_dist(ndim: int) -> Dist:
-    return Dist(("N",) + (None,) * (ndim - 1))
 
 
 class _Analyser:

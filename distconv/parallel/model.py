@@ -41,16 +41,16 @@ from distconv.comm.base import compiling, eager
 from distconv.distribution import as_shape, balanced_block
 from distconv.grid import ProcessorGrid
 from distconv.nn import clip as _clip
-from distconv.nn.grad_sync import BucketedGradSync, GradSync, GradSyncGroup
+from distconv.nn.grad_sync import BucketedGradSync, GradSync, GradSyncGroup, gradient_groups
 from distconv.nn.batchnorm import DistBatchNorm, broadcast_running
 from distconv.nn.clip import register_parameter_specs
-from distconv.nn.sharding import ShardSpec, shard_specs
+from distconv.nn.sharding import shard_specs
 from distconv.nn.recompute import recompute_context
 from distconv.parallel.config import ParallelConfig
 from distconv.parallel.graph import (
     Analysis, LayerSpec, Step, analyse, check_shapes, operand_need, trace,
 )
-from distconv.parallel.program import _replaced, generate
+from distconv.parallel.program import _eager, _get_attr, _replaced, generate
 from distconv.parallel.shapes import propagate_shapes
 from distconv.parallel.placement import Layout, Placement, convert, layout_str
 from distconv.redistribute import gather
@@ -617,37 +617,9 @@ class ParallelModel(nn.Module):
                 f"config entries")
 
 
-def gradient_groups(specs: dict[str, ShardSpec], params: dict[str, Any]
-                    ) -> dict[tuple[Layout | None, tuple[str, ...]], list[str]]:
-    """Parameters (in registration order) by the ranks their gradient is summed over: the grid
-    dims of extent > 1 their distribution leaves unused (in grid order), or every rank (``None``)
-    for parameters replicated on all ranks. Ranks that share no such dim need no reduction."""
-    groups: dict[tuple[Layout | None, tuple[str, ...]], list[str]] = {}
-    for name, p in params.items():
-        if not p.requires_grad:
-            continue
-        spec = specs[name]
-        if spec.grid is None:
-            key: tuple[Layout | None, tuple[str, ...]] = (None, ())
-        else:
-            dims = tuple(d for d in spec.dist.redundant(spec.grid) if spec.grid.extent(d) > 1)
-            if not dims:
-                continue
-            key = (spec.grid.layout, dims)
-        groups.setdefault(key, []).append(name)
-    return groups
-
-
 def _set_submodule(root: nn.Module, target: str, module: nn.Module) -> None:
     parent, _, name = target.rpartition(".")
     setattr(root.get_submodule(parent) if parent else root, name, module)
-
-
-def _get_attr(root: nn.Module, target: str) -> Any:
-    obj: Any = root
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj
 
 
 #: bumped whenever any module anywhere registers a parameter or a submodule (assignment,
@@ -726,12 +698,6 @@ class _Placed:
             if module is not layer:
                 _replaced(target, module)
         self._take()  # containers on the way were replaced, the layers are the same
-
-
-def _eager(fn: Any, *args: Any) -> Any:
-    """``fn(*args)``; under ``torch.compile`` run eagerly, as a graph break: the collectives, the
-    conversions and the distributed layers, so that the local computation between them compiles."""
-    return eager(fn)(*args) if compiling() else fn(*args)
 
 
 def _check_split(target: str, steps: list[Step], plain: nn.Module) -> None:

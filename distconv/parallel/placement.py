@@ -162,24 +162,6 @@ def evaluated_ranks(layouts: Iterable[Layout], size: int, *, every: bool = True)
     return sorted(ranks)
 
 
-@functools.lru_cache(maxsize=256)
-def _boxes(layout: Layout, dist: Dist, shape: tuple[int, ...]) -> tuple[tuple, dict]:
-    """Every rank's index box of ``dist`` and, per distinct box, the ranks holding it."""
-    boxes = tuple(tuple(dist.blocks(shape, paper_grid(layout, r)))
-                  for r in range(math.prod(e for _, e in layout)))
-    holders: dict[tuple, list[int]] = {}
-    for r, box in enumerate(boxes):
-        holders.setdefault(box, []).append(r)
-    return boxes, holders
-
-
-def _overlap(a: tuple, b: tuple) -> int:
-    n = 1
-    for (s0, n0), (s1, n1) in zip(a, b):
-        n *= max(0, min(s0 + n0, s1 + n1) - max(s0, s1))
-    return n
-
-
 def _block_index(n: int, p: int, i: int) -> int:
     """Which of ``p`` balanced blocks of ``n`` items holds item ``i``."""
     q, r = divmod(n, p)
@@ -251,12 +233,55 @@ def repartition_bytes(src_layout: Layout, src: Dist, dst_layout: Layout, dst: Di
     from its holder ``holders[t % len(holders)]``, as the exchange does (the adjoint receives
     what the forward sent)."""
     received = sum(repartition_sources(src_layout, src, dst_layout, dst, shape, rank).values())
-    src_boxes, holders = _boxes(src_layout, src, shape)
-    dst_boxes, _ = _boxes(dst_layout, dst, shape)
-    mine = holders[src_boxes[rank]]
-    sent = sum(_overlap(src_boxes[rank], dst_boxes[t]) for t in range(len(dst_boxes))
-               if t != rank and mine[t % len(mine)] == rank)
-    return received * itemsize, sent * itemsize
+    return received * itemsize, _sent(src_layout, src, dst_layout, dst, shape, rank) * itemsize
+
+
+def _sent(src_layout: Layout, src: Dist, dst_layout: Layout, dst: Dist,
+          shape: tuple[int, ...], rank: int) -> int:
+    """Elements ``rank`` sends in :func:`repartition`, in closed form: to every target rank
+    whose box overlaps this rank's source box and reads it from this rank (the target ``t``
+    reads from the holder ``t % holders`` of the source box, holders in rank order: the ranks
+    that differ from this one on the source's redundant dims); O(overlapping blocks times
+    their replicas), not O(P)."""
+    sg, dg = paper_grid(src_layout, rank), paper_grid(dst_layout, rank)
+    box = list(src.blocks(shape, sg))
+    if any(k == 0 for _, k in box):
+        return 0
+    used = src.used()
+    redundant = [(n, e) for n, e in src_layout if n not in used]
+    mine = []
+    for j in range(math.prod(e for _, e in redundant)):
+        coords = dict(sg.coords)
+        for n, e in reversed(redundant):
+            j, coords[n] = divmod(j, e)
+        mine.append(sg.rank_of(coords))
+    mine.sort()
+    per_dim = []
+    for d, n in enumerate(shape):
+        names = dst.grid_dims_of(d)
+        lo, k = box[d]
+        per_dim.append([(dict(zip(names, c)), ov) for c, ov in
+                        _hits(n, [dg.extent(g) for g in names], lo, lo + k)])
+    d_used = dst.used()
+    spare = [(n, e) for n, e in dst_layout if n not in d_used]
+    sent = 0
+
+    def combine(d: int, coords: dict[str, int], elems: int) -> None:
+        nonlocal sent
+        if d == len(shape):
+            for j in range(math.prod(e for _, e in spare)):
+                rep: dict[str, int] = {}
+                for n, e in reversed(spare):
+                    j, rep[n] = divmod(j, e)
+                t = dg.rank_of({**coords, **rep})
+                if t != rank and mine[t % len(mine)] == rank:
+                    sent += elems
+            return
+        for c, ov in per_dim[d]:
+            combine(d + 1, {**coords, **c}, elems * ov)
+
+    combine(0, {}, 1)
+    return sent
 
 
 def conversion_bytes(src: Placement, dst: Placement, shape: Sequence[int], itemsize: int,

@@ -36,7 +36,9 @@ from typing import Any, Callable
 
 import torch
 import torch.fx as fx
+from torch import nn
 
+from distconv.comm.base import compiling, eager
 from distconv.parallel.placement import convert, one_grid
 from distconv.parallel.shapes import global_values
 
@@ -62,11 +64,22 @@ def _replaced(target: str, module: Any) -> None:
         "before parallelize")
 
 
+def _get_attr(root: nn.Module, target: str) -> Any:
+    obj: Any = root
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _eager(fn: Any, *args: Any) -> Any:
+    """``fn(*args)``; under ``torch.compile`` run eagerly, as a graph break: the collectives, the
+    conversions and the distributed layers, so that the local computation between them compiles."""
+    return eager(fn)(*args) if compiling() else fn(*args)
+
+
 class _Writer:
     def __init__(self, model: Any, shapes: dict[str, tuple[int, ...]],
                  needs: dict[tuple[fx.Node, fx.Node], Any], compiled: bool) -> None:
-        from distconv.parallel.model import _eager, _get_attr
-
         self.model, self.shapes, self.needs, self.compiled = model, shapes, needs, compiled
         self.analysis = model._analysis
         self.ns: dict[str, Any] = {"E": _eager, "convert": convert, "G": model._grids,

@@ -1,0 +1,132 @@
+"""No import circles among the modules of ``distconv`` and ``distkfac``.
+
+Every ``import`` and ``from ... import`` of the package's own modules counts, at module level
+and inside functions alike: a lazy import inside a function is still a dependency, and one that
+points back up is a circle deferred to run time. Two kinds are left out, each for a reason:
+
+* imports under ``if TYPE_CHECKING:`` -- they never run;
+* the parent packages Python initialises on the way to a submodule (``distconv.ops`` on the way
+  to ``distconv.ops.pricing``): a package's ``__init__`` is the facade that re-exports what lies
+  below it, so it sits above its own submodules. A name taken from the package itself
+  (``from distconv.ops import Unsupported``) does count, as an edge to the package.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("distconv", "distkfac")
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for pkg in PACKAGES:
+        for path in sorted((ROOT / pkg).rglob("*.py")):
+            parts = list(path.relative_to(ROOT).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            out[".".join(parts)] = path
+    return out
+
+
+def _resolve(name: str, modules: dict[str, Path]) -> str | None:
+    while name and name not in modules:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def _type_checking_nodes(tree: ast.AST) -> set[int]:
+    skip: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            skip.update(id(n) for stmt in node.body for n in ast.walk(stmt))
+    return skip
+
+
+def import_graph() -> dict[str, dict[str, int]]:
+    """module -> {module it imports: line of the first such import}."""
+    modules = _modules()
+    edges: dict[str, dict[str, int]] = {m: {} for m in modules}
+    for name, path in modules.items():
+        tree = ast.parse(path.read_text(), str(path))
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        skip = _type_checking_nodes(tree)
+        for node in ast.walk(tree):
+            if id(node) in skip:
+                continue
+            targets: list[str] = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = package.split(".")[:len(package.split(".")) - node.level + 1]
+                    mod = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    mod = node.module or ""
+                targets = [f"{mod}.{a.name}" if f"{mod}.{a.name}" in modules else mod
+                           for a in node.names]
+            for target in targets:
+                found = _resolve(target, modules)
+                if found is not None and found != name:
+                    edges[name].setdefault(found, node.lineno)
+    return edges
+
+
+def circles(edges: dict[str, dict[str, int]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:  # iterative enough for a few hundred modules
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in edges[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in edges:
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_the_circle_finder_finds_a_circle_and_only_that() -> None:
+    edges = {"a": {"b": 1}, "b": {"c": 1}, "c": {"a": 1}, "d": {"a": 1}, "e": {}}
+    assert circles(edges) == [["a", "b", "c"]]
+    assert circles({"a": {"b": 1}, "b": {}}) == []
+
+
+def test_the_import_graph_sees_lazy_relative_and_package_imports() -> None:
+    edges = import_graph()
+    # a function-level import (distconv.parallel.explain resolves ``auto`` lazily)
+    assert "distconv.parallel.auto" in edges["distconv.parallel.explain"]
+    # a name from a package is an edge to the package; a submodule, to the submodule
+    assert "distconv.ops" in edges["distconv.parallel.graph"]
+    assert "distconv.ops.pricing" in edges["distconv.ops.conv"]
+
+
+def test_no_module_imports_itself_through_others() -> None:
+    edges = import_graph()
+    found = circles(edges)
+    described = ["; ".join(f"{m} -> {', '.join(f'{t} (line {edges[m][t]})' for t in edges[m] if t in comp)}"
+                           for m in comp) for comp in found]
+    assert not found, "import circles:\n" + "\n".join(described)
