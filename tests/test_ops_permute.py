@@ -15,6 +15,7 @@ from torch import nn
 from distconv import ops
 from distconv.parallel.explain import explain
 from distconv.parallel.config import ParallelConfig
+from distconv.ops.shape import GLOBAL_SHAPE
 from distconv.parallel.graph import analyse, trace
 from distconv.testing import run_threads
 from tests.parallel.cases import TOL, counted_step, max_errors, reference_step, seeded, train_step
@@ -492,7 +493,9 @@ def _traced_with_shapes(shape: tuple[int, ...]) -> Any:
         meta = copy.deepcopy(gm).to("meta")
         propagate_shapes(meta, shape, dtype=torch.float64)
         for mine, theirs in zip(gm.graph.nodes, meta.graph.nodes):
-            mine.meta.update(theirs.meta)
+            found = theirs.meta.get("tensor_meta")
+            if found is not None and hasattr(found, "shape"):
+                mine.meta[GLOBAL_SHAPE] = tuple(found.shape)
         return gm
 
     return traced

@@ -23,7 +23,7 @@ from distconv.ops.elementwise import is_constant
 from distconv.parallel.placement import Placement, layout_str
 
 __all__ = ["FlattenHandler", "NewAxisHandler", "ReshapeHandler", "carriers",
-           "groups", "kept_dims", "model_tensor"]
+           "GLOBAL_SHAPE", "groups", "kept_dims", "model_tensor"]
 
 #: node.meta key: a reshape's output dim -> the input dim whose entry it carries (its placement)
 _CARRIERS = "distconv_carriers"
@@ -164,12 +164,15 @@ def _size_of(a: Any, x: fx.Node, ndim: int) -> int | None:
     return None
 
 
+#: node.meta key: a node's global shape, where a capture per input shape recorded it for the
+#: analysis (the placements of a graph analysed without it are the same for every input shape;
+#: fx's own ``tensor_meta``, which shape propagations leave behind, is not read)
+GLOBAL_SHAPE = "distconv_global_shape"
+
+
 def _global_shape(node: Any) -> tuple[int, ...] | None:
-    """A node's global shape where its capture recorded it (``tensor_meta`` or ``val``)."""
-    meta = node.meta.get("tensor_meta") if isinstance(node, fx.Node) else None
-    meta = meta if meta is not None else (node.meta.get("val")
-                                          if isinstance(node, fx.Node) else None)
-    shape = getattr(meta, "shape", None)
+    """A node's global shape where a capture recorded it for the analysis (:data:`GLOBAL_SHAPE`)."""
+    shape = node.meta.get(GLOBAL_SHAPE) if isinstance(node, fx.Node) else None
     return tuple(int(n) for n in shape) if shape is not None else None
 
 
