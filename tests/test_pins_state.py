@@ -139,3 +139,11 @@ def test_state_pins_on_gloo(gloo2, tmp_path: Path) -> None:  # noqa: ANN001
     for differ in ("dtype", "shape", "dist"):
         path = tmp_path / differ
         check_refused(gloo2.run(save_differing, differ, str(path)), path)
+
+
+@pytest.mark.gloo
+def test_sampler_pin_on_gloo(gloo4, tmp_path: Path) -> None:  # noqa: ANN001
+    path = str(tmp_path / "ckpt")
+    assert gloo4.run(sampler_run, path, save=True)[0] == [(0, b) for b in _epoch_batches(0)]
+    for seen in gloo4.run(sampler_run, path, save=False):
+        assert seen == [(1, b) for b in _epoch_batches(1)]
