@@ -492,9 +492,9 @@ MUTANTS += [
            "                        plan.halo_rows_sent(c) * other * itemsize))",
            "            out.append((d, plan.halo_rows_sent(c) * other * itemsize,\n"
            "                        plan.halo_rows_received(c) * other * itemsize))",
-           ("tests/nn/test_resample.py::"
-            "test_interpolation_of_split_rows_is_priced_as_a_halo_exchange",),
-           "an interpolation's halo is priced by the rows a rank sends, not those it receives"),
+           (f"{PINS_LAYERS}::test_an_interpolation_s_halo_is_priced_per_phase_as_counted",),
+           "an interpolation's halo is priced by the rows a rank sends, not those it receives "
+           "(and the reverse for its adjoint)"),
     Mutant("resample-short-output-in-place", "distconv/nn/resample.py",
            "        elif parts_of[d] > min(m.length, m.out_length):",
            "        elif parts_of[d] > m.length:",

@@ -213,3 +213,34 @@ def test_layer_pins_on_gloo(gloo4) -> None:  # noqa: ANN001
     check_bucket(gloo4.run(bucket_with_an_unreached_parameter, 1), 1)
     check_bn_groups(gloo4.run(bn_groups_uneven))
     check_layernorm(gloo4.run(standalone_layernorm))
+
+
+# ----------------------------------------------------------------------------- resampling price
+def upsample_phases(comm: Any) -> dict[str, Any]:
+    """A bilinear upsampling of 7 rows to 12 over {H: 2}: the bytes counted in forward and in
+    backward, and the pricing's (forward, backward) of this rank's halo."""
+    from distconv.nn.resample import DistUpsample, upsample_halo_bytes
+
+    grid = ProcessorGrid({"H": 2}, comm=comm)
+    dist = Dist((None, None, "H", None))
+    layer = DistUpsample(grid=grid, input_dist=dist, size=(12, 3), mode="bilinear",
+                         align_corners=False)
+    x = torch.arange(1 * 2 * 7 * 3, dtype=torch.float64).reshape(1, 2, 7, 3)
+    xl = x[dist.local_slices(tuple(x.shape), grid)].clone().requires_grad_()
+    before = comm.stats.total_bytes()
+    y = layer(xl, tuple(x.shape))
+    mid = comm.stats.total_bytes()
+    y.backward(torch.ones_like(y))
+    after = comm.stats.total_bytes()
+    plans = layer.plans(tuple(x.shape))
+    assert plans is not None  # in place: a halo exchange
+    priced = upsample_halo_bytes(layer._dims, plans[1], xl.shape, grid.coords, 8)
+    return {"counted": (mid - before, after - mid),
+            "priced": (sum(f for _, f, _ in priced), sum(b for _, _, b in priced))}
+
+
+def test_an_interpolation_s_halo_is_priced_per_phase_as_counted() -> None:
+    results = run_threads(upsample_phases, 2)
+    for got in results:
+        assert got["priced"] == got["counted"], got
+    assert any(f != b for f, b in (got["counted"] for got in results))  # the phases differ
