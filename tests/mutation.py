@@ -398,6 +398,7 @@ MOVING = ("distconv/ops/", "distconv/parallel/graph.py", "distconv/parallel/shap
 PINS_LAYERS = "tests/test_pins_layers.py"
 PINS_PARALLEL = "tests/test_pins_parallel.py"
 PINS_STATE = "tests/test_pins_state.py"
+PINS_KFAC = "tests/test_pins_kfac.py"
 
 # The modules of the last two waves: gradient buckets, clip, overlap, resampling, norms, dropout,
 # grouped statistics, async checkpoints, sampler state, N-d K-FAC, the shared-memory ring,
@@ -572,9 +573,8 @@ MUTANTS += [
            "    if handle._error is not None and not handle._reported:\n"
            "        handle._reported = True\n",
            "    if handle._error is not None and not handle._reported:\n",
-           ("tests/test_checkpoint_fast.py::"
-            "test_async_failure_not_waited_for_is_raised_by_the_next_save",),
-           "a failed asynchronous save is raised by every later save, not once"),
+           (f"{PINS_STATE}::test_a_failure_the_next_save_raised_is_not_raised_again_by_wait",),
+           "a failed asynchronous save the next save raised is raised again by its wait()"),
     Mutant("async-ignores-rank-error-record", "distconv/checkpoint/_async.py",
            "                    if \"error\" in got:\n",
            "                    if False:\n",
@@ -636,12 +636,12 @@ MUTANTS += [
     Mutant("kfac-nd-padding-first-dim-last", "distkfac/layers.py",
            "    return [p for i in reversed(range(len(k))) for p in (conv.padding[i], conv.padding[i])]",
            "    return [p for i in range(len(k)) for p in (conv.padding[i], conv.padding[i])]",
-           ("tests/kfac/test_conv_nd.py",),
+           (PINS_KFAC,),
            "F.pad's padding of an N-d convolution takes the first spatial dim's padding last"),
     Mutant("kfac-nd-windows-ignore-dilation", "distkfac/layers.py",
            "        x = x.unfold(2 + i, d * (k - 1) + 1, s)[..., ::d]  # windows as a trailing dim",
            "        x = x.unfold(2 + i, k, s)  # windows as a trailing dim",
-           ("tests/kfac/test_conv_nd.py",),
+           (PINS_KFAC,),
            "the im2col windows of a dilated N-d convolution read adjacent rows"),
     # ---- the shared-memory ring (distconv/comm/host_channel.py)
     Mutant("ring-reduce-skips-third-rank", "distconv/comm/host_channel.py",

@@ -89,6 +89,40 @@ def test_the_same_states_on_every_rank_are_saved(tmp_path: Path) -> None:
     assert run_threads(save, 2) == ["saved", "saved"]
 
 
+# ----------------------------------------------------------------------------- async failures
+def async_failure_seen_by_the_next_save(comm: Any, path: str, after: str) -> dict[str, Any]:
+    """An asynchronous save that fails on rank 1 (its shard's name is taken by a directory),
+    not waited for: the next save raises it; waiting on its handle afterwards raises nothing
+    (a failure is raised once)."""
+    from distconv.parallel import parallelize
+    from tests.test_checkpoint_fast import SAMPLE2, cnn
+
+    model = parallelize(cnn(), SAMPLE2, comm=comm)
+    handle = distconv.save(model, path, comm=comm, async_save=True)
+    try:
+        distconv.save(model, after, comm=comm)
+        next_save = "saved"
+    except CheckpointError as exc:
+        next_save = str(exc)
+    try:
+        handle.wait()
+        waited = "returned"
+    except Exception as exc:  # noqa: BLE001 -- what it raises is the finding
+        waited = f"{type(exc).__name__}: {exc}"
+    return {"next": next_save, "wait": waited, "repr": repr(handle)}
+
+
+def test_a_failure_the_next_save_raised_is_not_raised_again_by_wait(tmp_path: Path) -> None:
+    path = tmp_path / "ckpt"
+    (path / "shard-00001-of-00002.safetensors" / "keep").mkdir(parents=True)
+    got = run_threads(async_failure_seen_by_the_next_save, 2, str(path),
+                      str(tmp_path / "next"), timeout=20.0)
+    for r in got:
+        assert "previous asynchronous save" in r["next"], r
+        assert r["wait"] == "returned", r
+        assert "failed" in r["repr"], r
+
+
 # ----------------------------------------------------------------------------- GridSampler
 SAMPLES, BLOCKS, PER_BLOCK = 50, 4, 2  # 50 samples over 4 blocks: 52 positions, 2 of padding
 DATA = TensorDataset(torch.arange(SAMPLES))
