@@ -180,6 +180,48 @@ def test_an_add_of_a_replicated_and_a_row_split_operand_moves_no_byte(first: str
         assert (got["out"] - ref[got["rows"]]).abs().max() < TOL
 
 
+class _Tie(nn.Module):
+    """Two branches whose outputs cost the same to move either way: ``f`` splits the filters
+    (``y[*,o_F,*,*]`` on {F: 4}), ``h`` the rows (``y[*,*,o_H,*]`` on {H: 4})."""
+
+    def __init__(self, first: str) -> None:
+        super().__init__()
+        self.first = first
+        self.f = nn.Conv2d(4, 4, 1)
+        self.h = nn.Conv2d(4, 4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.f(x) + self.h(x) if self.first == "f" else self.h(x) + self.f(x)
+        return y.mean((2, 3))
+
+
+TIE = {"default": {"grid": {"H": 4}, "algorithm": "spatial"}, "data": {"H": 4},
+       "layers": [{"match": "f", "grid": {"F": 4}, "algorithm": "stationary-y"}]}
+
+
+def tie_step(comm: Any, first: str) -> dict[str, Any]:
+    gen = torch.Generator().manual_seed(23)
+    model = seeded(_Tie(first).double(), gen)
+    x = torch.randn(ADD_SHAPE, generator=gen, dtype=torch.float64)
+    y = torch.randint(0, 4, (2,), generator=gen)
+    got = counted_step(comm, model, TIE, x, y)
+    return {"error": (got["out"] - model(x).detach()[got["rows"]]).abs().max().item(),
+            "forward": got["counted"][0]}
+
+
+@pytest.mark.parametrize("first, output", [("f", 48), ("h", 96)])
+def test_operands_that_cost_the_same_meet_where_the_first_is(first: str, output: int) -> None:
+    """Each rank holds a quarter of the sum's operands either way and receives the part of its
+    new quarter it lacks: 2·1·8·8 elements less the 2·1·2·8 it holds, 768 bytes, whichever
+    meets the other. Where they meet decides the output's cost: filters split, the means of
+    y[*,o_F] are gathered (3 of 4 channel blocks of 2 samples: 48 bytes); rows split, the
+    pending sum over H is allreduced (2·4 values: 96 bytes). The entry agrees on the batch's
+    shape (3 peers' 4 dims of 8 bytes: 96)."""
+    for got in run_threads(tie_step, 4, first):
+        assert got["error"] < TOL
+        assert got["forward"] == 96 + 768 + output, got
+
+
 # ----------------------------------------------------------------------------- a real world
 @pytest.mark.gloo
 def test_parallel_pins_on_gloo(gloo4) -> None:  # noqa: ANN001
