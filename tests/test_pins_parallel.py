@@ -86,15 +86,21 @@ def _box(layout: tuple, rank: int) -> tuple[slice, slice]:
     return slice(2 * n, 2 * n + 2), slice(2 * other, 2 * other + 2)
 
 
+def _received(rank: int) -> int:
+    """Bytes of the new 2×2 block of ``rank`` that it does not hold already (8-byte values)."""
+    (ra, ca), (rb, cb) = _box(NF, rank), _box(CN, rank)
+    overlap = (max(0, min(ra.stop, rb.stop) - max(ra.start, rb.start))
+               * max(0, min(ca.stop, cb.stop) - max(ca.start, cb.start)))
+    return (4 - overlap) * 8
+
+
 def test_layouts_of_the_same_extents_under_other_names_are_not_the_same_layout() -> None:
     assert on_layout(SRC, CN) is None
     assert not same_blocks(SRC, DST)
     assert one_grid(SRC, DST, SHAPE) == SRC  # no one-grid shortcut: a cross-grid repartition
-    for r in range(6):  # the 4 elements of the new block, less those the rank holds already
-        (ra, ca), (rb, cb) = _box(NF, r), _box(CN, r)
-        overlap = (max(0, min(ra.stop, rb.stop) - max(ra.start, rb.start))
-                   * max(0, min(ca.stop, cb.stop) - max(ca.start, cb.start)))
-        assert conversion_bytes(SRC, DST, SHAPE, 8, r) == (4 - overlap) * 8, r
+    assert [_received(r) for r in range(6)] == [0, 32, 32, 32, 32, 0]
+    for r in range(6):
+        assert conversion_bytes(SRC, DST, SHAPE, 8, r) == _received(r), r
     # the same extents in the same order are one layout renamed
     assert on_layout(Placement((("N", 2), ("F", 3)), Dist(("N", "F"))),
                      (("N", 2), ("C", 3))) == Placement((("N", 2), ("C", 3)), Dist(("N", "C")))
@@ -111,7 +117,7 @@ def convert_across_names(comm: Any) -> tuple[torch.Tensor, torch.Tensor, int]:
 def test_a_conversion_between_those_layouts_moves_every_block_where_it_belongs() -> None:
     for r, (got, want, moved) in enumerate(run_threads(convert_across_names, 6)):
         assert torch.equal(got, want), r
-        assert moved == conversion_bytes(SRC, DST, SHAPE, 8, r), r
+        assert moved == _received(r), r
 
 
 # ----------------------------------------------------------------------------- meeting operands
