@@ -10,7 +10,7 @@ copy first, and the test worlds' workers inherit it). A mutant whose tests still
 the suite has a gap there.
 
 Every mutant runs in its own time budget (``--budget``, default 300 s for its tests; a healthy
-run takes 10-60 s, most of it starting Python and importing torch). A run past its budget is
+run takes 4-70 s, most of it starting Python and importing torch). A run past its budget is
 stopped and reported as ``timeout``, apart from killed and survived: it is neither proof of a
 gap nor of a kill (the tests' own communicator timeouts end a hang in 30 s, so it usually means
 an overloaded machine). The score counts it as not killed and the exit status is 1, as for a
