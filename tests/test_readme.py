@@ -4,9 +4,9 @@ comments claim.
 Rules for the blocks (new pages and sections follow them too):
 
 - A ```python block is a complete program: it imports and defines everything it uses.
-- A multi-rank block defines ``main(comm)``, imports ``distconv`` (under a launcher its last line
-  becomes ``main(distconv.comm.init())``) and ends with ``if __name__ == "__main__":
-  launch(main, P)``. The test runs ``main`` on P thread ranks (``run_threads``), so ranks must not
+- A multi-rank block defines ``main(comm)`` and ends with ``if __name__ == "__main__":
+  launch(main, P)`` (so it runs unchanged under ``python``, ``torchrun`` and ``mpiexec``:
+  tests/test_launch.py). The test runs ``main`` on P thread ranks (``run_threads``), so ranks must not
   rely on torch's global random generator (use ``distconv.testing.rank_generator``). A first line
   ``# run: processes`` runs the block as a script instead (real processes through ``launch``).
 - A block with an ``if __name__ == "__main__":`` entry point otherwise runs as a script, in a
@@ -22,7 +22,6 @@ Rules for the blocks (new pages and sections follow them too):
 """
 from __future__ import annotations
 
-import ast
 import contextlib
 import io
 import os
@@ -95,18 +94,6 @@ def test_python_block_runs_and_prints_what_it_claims(where, code, tmp_path):
         assert proc.returncode == 0, proc.stderr[-3000:]
         printed = proc.stdout
     assert [p.strip() for p in printed.splitlines() if p.strip()] == claims
-
-
-LAUNCHED = [(w, c) for w, c in PYTHON if _LAUNCH.search(c)]
-
-
-@pytest.mark.parametrize("where, code", LAUNCHED, ids=[w for w, _ in LAUNCHED])
-def test_launched_block_runs_under_a_launcher_as_its_comment_says(where, code):
-    """``main(distconv.comm.init())`` in place of ``launch(main, P)`` needs ``distconv`` bound."""
-    tree = ast.parse(_LAUNCH.sub("    main(distconv.comm.init())", code))
-    imported = {alias.asname or alias.name for node in tree.body if isinstance(node, ast.Import)
-                for alias in node.names}
-    assert "distconv" in imported, f"{where}: add `import distconv`"
 
 
 @pytest.mark.parametrize("where, code", _blocks("bash"), ids=[w for w, _ in _blocks("bash")])
