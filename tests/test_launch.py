@@ -5,6 +5,7 @@ sees the script's ``sys.argv``. A job of another size is refused at once, saying
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -49,7 +50,8 @@ def _run(tmp_path: Path, *launcher: str) -> list[str]:
     proc = subprocess.run([*launcher, str(script), "--steps", "3"], capture_output=True,
                           text=True, timeout=240, env=env, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    return sorted(line for line in proc.stdout.splitlines() if line.startswith("rank "))
+    # two processes share the pipe: a launcher may interleave their lines, so read the records
+    return sorted(re.findall(r"rank \d+ of \d+: [^\[]*\[[^\]]*\]", proc.stdout))
 
 
 EXPECTED = [f"rank {r} of 2: 3.0 ['--steps', '3']" for r in range(2)]
