@@ -430,8 +430,8 @@ def run_kfac(entry: Entry, config_name: str, seed: int = 0) -> tuple[Outcome, di
     try:
         if config == "plan_network":
             config = planned(model, tuple(x.shape))
-        ref = kfac_reference(model, x, y)
         got = run_threads(kfac_train, WORLD, model, config, x, y)
+        ref = kfac_reference(model, x, y)
     except Exception as exc:  # noqa: BLE001 - every failure is classified and reported
         return classify(exc), {}
     if any(g["skipped"] != ref["skipped"] for g in got):
