@@ -149,8 +149,8 @@ ZOO: dict[str, Entry] = {e.name: e for e in [
         blocks_down=(1, 1, 1), blocks_up=(1, 1), norm=("GROUP", {"num_groups": 2})),
         _VOL, 2, _MONAI),
     Entry("monai.UNETR", "monai", _monai(
-        "UNETR", 1, 2, img_size=8, feature_size=4, hidden_size=16, mlp_dim=32, num_heads=2,
-        spatial_dims=3), _VOL, 2, (*_MONAI, "einops")),
+        "UNETR", 1, 2, img_size=16, feature_size=4, hidden_size=16, mlp_dim=32, num_heads=2,
+        spatial_dims=3), (4, 1, 16, 16, 16), 2, (*_MONAI, "einops")),  # 16³ patches
     # torchvision and timm (their smallest variants at a small input)
     Entry("torchvision.resnet18", "torchvision", _tv("resnet18", num_classes=3), _RGB, 3, _TV),
     Entry("torchvision.regnet_x_400mf", "torchvision", _tv("regnet_x_400mf", num_classes=3),
@@ -262,7 +262,7 @@ def reference(model: nn.Module, x: torch.Tensor, y: torch.Tensor, steps: int = S
         loss(out, y).backward()
         outs.append(out.detach())
         opt.step()
-    return {"outs": outs, "grads": {k: p.grad.clone() for k, p in model.named_parameters()},
+    return {"outs": outs, "grads": grads(model),
             "state": {k: v.clone() for k, v in model.state_dict().items()}}
 
 
@@ -286,11 +286,17 @@ def train(comm: Any, model: nn.Module, config: Any, x: torch.Tensor, y: torch.Te
             "state": pmodel.gather_state_dict()}
 
 
+def grads(model: nn.Module) -> dict[str, torch.Tensor]:
+    """One process's gradients by name (parameters the forward does not use have none)."""
+    return {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+
+
 def gathered_grads(pmodel: nn.Module) -> dict[str, torch.Tensor]:
+    """The parallel model's gradients, gathered to their global tensors, by name."""
     specs = shard_specs(pmodel)
     return {k: p.grad.clone() if specs[k].grid is None else
             gather(p.grad, specs[k].dist, specs[k].grid, specs[k].global_shape)
-            for k, p in pmodel.named_parameters()}
+            for k, p in pmodel.named_parameters() if p.grad is not None}
 
 
 def relative_error(ref: dict[str, Any], got: dict[str, Any]) -> float:
@@ -393,7 +399,7 @@ def kfac_reference(model: nn.Module, x: torch.Tensor, y: torch.Tensor, steps: in
         warnings.simplefilter("ignore")
         kfac = distkfac.KFAC(model, comm=None, **KFAC_OPTIONS)
     _kfac_steps(model, kfac, x, y, steps)
-    return {"outs": [], "grads": {k: p.grad.clone() for k, p in model.named_parameters()},
+    return {"outs": [], "grads": grads(model),
             "state": {k: v.clone() for k, v in model.state_dict().items()},
             "skipped": dict(kfac.skipped)}
 
