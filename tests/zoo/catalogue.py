@@ -339,15 +339,20 @@ class Outcome:
         return {k: v for k, v in self.__dict__.items() if v not in ("", None)}
 
 
+def _ours(filename: str) -> bool:
+    return "/distconv/" in filename or "/distkfac/" in filename
+
+
 def classify(exc: BaseException) -> Outcome:
-    """A refusal is one of :data:`REFUSALS` raised by the library's code (its innermost frame
-    of ``distconv``/``distkfac``); everything else is an internal error."""
+    """A refusal is one of :data:`REFUSALS` raised by the library's own code (the innermost
+    frame is in ``distconv``/``distkfac``: a torch error passing through is no refusal);
+    everything else is an internal error. ``where``: the innermost frame of the library."""
     # run_threads raises a copy naming the rank, from the rank's own exception
     inner = exc.__cause__ if str(exc).startswith("[rank ") and exc.__cause__ else exc
-    frames = [f for f in traceback.extract_tb(inner.__traceback__)
-              if "/distconv/" in f.filename or "/distkfac/" in f.filename]
+    tb = traceback.extract_tb(inner.__traceback__)
+    frames = [f for f in tb if _ours(f.filename)]
     where = f"{frames[-1].filename.split('/distconv/')[-1]}:{frames[-1].lineno}" if frames else ""
-    kind = "refused" if isinstance(inner, REFUSALS) and frames else "error"
+    kind = "refused" if isinstance(inner, REFUSALS) and tb and _ours(tb[-1].filename) else "error"
     return Outcome(kind, raised=type(inner).__name__, message=str(inner), where=where)
 
 
