@@ -166,6 +166,10 @@ def table(results: dict[str, dict[str, Outcome]], configs: list[str], kfac_rows:
     for name, row in results.items():
         lines.append(f"| {name} | " + " | ".join(_cell(row[c], refusals) for c in configs)
                      + " |")
+    ran_of = {c: [row[c].kind for row in results.values() if row[c].kind != "skipped"]
+              for c in configs}
+    lines.append("| exact of those that ran | " + " | ".join(
+        f"{ran_of[c].count('exact')} of {len(ran_of[c])}" for c in configs) + " |")
     skipped = {name: row[configs[0]].message for name, row in results.items()
                if row[configs[0]].kind == "skipped"}
     if skipped:
