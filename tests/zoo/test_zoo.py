@@ -4,7 +4,6 @@ thread ranks in fp64 against one process (``tests/zoo/catalogue.py``), each exac
 names and the reason. The whole matrix is ``benchmarks/model_zoo.py``'s."""
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
 
 import pytest
@@ -103,7 +102,6 @@ def _gloo_pair(comm, name: str, config: str) -> float:  # noqa: ANN001
 @pytest.mark.gloo
 def test_zoo_densenet_on_gloo(gloo4) -> None:  # noqa: ANN001
     """A DenseNet's last dense block over channels on a real gloo world."""
-    if importlib.util.find_spec("monai") is None:
-        pytest.skip("needs monai")
+    _needs("monai.DenseNet")
     for err in gloo4.run(_gloo_pair, "monai.DenseNet", "channels"):
         assert err <= REL_TOL
