@@ -21,18 +21,20 @@ from distconv.ops.norm import (
 )
 from distconv.ops.pool import AdaptiveAvgPoolHandler, MeanHandler, PoolHandler
 from distconv.ops.resample import ResampleHandler
-from distconv.ops.shape import FlattenHandler, MetaHandler, NewAxisHandler, ReshapeHandler
+from distconv.ops.shape import FlattenHandler, NewAxisHandler, ReshapeHandler
+from distconv.ops.sizes import SizeHandler
 
 __all__ = ["CONFIGURABLE", "REGISTRY", "Handler", "PriceContext", "Sample", "Unsupported",
            "handler_for", "supported"]
 
 #: Every op family, in matching order (the first that binds a node handles it).
 REGISTRY: tuple[Handler, ...] = (
+    SizeHandler(),  # first: Python arithmetic on sizes is no tensor op
     ConvHandler(), LinearHandler(), ConvNdHandler(), BatchNormHandler(),
     GroupNormHandler(), LayerNormHandler(), InstanceNormHandler(), PoolHandler(),
     AdaptiveAvgPoolHandler(), MeanHandler(), ResampleHandler(), DropoutHandler(),
     FlattenHandler(), ReshapeHandler(), NewAxisHandler(), PointwiseHandler(), BinaryHandler(),
-    CatHandler(), MetaHandler(),
+    CatHandler(),
 )
 
 

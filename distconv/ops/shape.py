@@ -1,6 +1,5 @@
 """Shape ops: ``flatten`` / ``view`` / ``reshape`` of the features act on local rows, so every
-dim but the samples is replicated first; ``size()`` / ``dim()`` and attribute reads carry no
-value to place."""
+dim but the samples is replicated first (sizes and attribute reads: :mod:`distconv.ops.sizes`)."""
 
 from __future__ import annotations
 
@@ -14,7 +13,7 @@ from distconv.distribution import Dist
 from distconv.ops.base import SAMPLE_GRIDS, Handler, Sample
 from distconv.parallel.placement import Placement
 
-__all__ = ["FlattenHandler", "MetaHandler", "NewAxisHandler", "ReshapeHandler"]
+__all__ = ["FlattenHandler", "NewAxisHandler", "ReshapeHandler"]
 
 
 def to_samples(an: Any, node: Any, arg: Any, out_ndim: int) -> Any:
@@ -131,22 +130,6 @@ class _Gate(nn.Module):
         s = torch.sigmoid(self.fc(x.mean((2, 3))))
         x = x * s[:, :, None, None] * torch.sigmoid(x.mean(1)).unsqueeze(1)
         return self.head(x[..., None].mean((2, 3, 4)))
-
-
-class MetaHandler(Handler):
-    """``x.size()``, ``x.dim()``, ``getattr(x, "shape")``: values of the global shape, not
-    tensors."""
-
-    functions = frozenset({getattr})
-    methods = frozenset({"size", "dim"})
-
-    def place(self, an: Any, node: Any, module: Any) -> Any:
-        from distconv.parallel.graph import Step
-
-        return Step(node, "meta", None)
-
-    def samples(self) -> Sequence[Sample]:
-        return (Sample("size-view-head", lambda: _ViewNet(), (5, 4, 4, 4), SAMPLE_GRIDS[:3]),)
 
 
 class _FlatNet(nn.Module):

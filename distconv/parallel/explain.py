@@ -268,7 +268,8 @@ def _explain(model: nn.Module, cfg: ParallelConfig, shape: tuple[int, ...],
     analysis = analyse(gm, cfg, input_ndim=len(shape), strict=strict)
     meta = copy.deepcopy(gm).to("meta")
     dtype = next((p.dtype for p in gm.parameters() if p.is_floating_point()), None)
-    propagate_shapes(meta, shape, dtype=dtype)  # in the model's own dtype (a .double() model)
+    # in the model's own dtype (a .double() model); a capture that is not the model's forward
+    propagate_shapes(meta, shape, dtype=dtype, module=model)  # is refused, not the shape
     shapes = {n.name: tuple(n.meta["tensor_meta"].shape) for n in meta.graph.nodes
               if isinstance(n.meta.get("tensor_meta"), TensorMetadata)}
     modules = dict(gm.named_modules())
@@ -316,7 +317,7 @@ def _explain(model: nn.Module, cfg: ParallelConfig, shape: tuple[int, ...],
                                       st.peers, st.layout, st.dims) for st in recomputed]
             note = f"checkpointed (segment {step.segment}): recomputed in backward"
             report.note = f"{report.note}; {note}" if report.note else note
-        if report.steps or report.kind not in ("meta", "constant", "pointwise", "reshape"):
+        if report.steps or report.kind not in ("meta", "size", "constant", "pointwise", "reshape"):
             layers.append(report)
     running = _coalesced_running(layers)
     if running is not None:

@@ -1,8 +1,9 @@
 """From a model and a config to a placement for every value: the pure half of ``parallelize``.
 
-The model is traced with ``torch.fx``; every node gets a kind (what runs there), the
-:class:`~distconv.parallel.placement.Placement` of its value, and the placement each of its inputs
-must be converted to. Placements do not depend on the input shape, so parameters can be sharded
+The model is traced with ``torch.fx`` (:mod:`distconv.parallel.capture`: a graph that is the
+module's forward, or a refusal naming what keeps it from being so); every node gets a kind (what
+runs there), the :class:`~distconv.parallel.placement.Placement` of its value, and the placement
+each of its inputs must be converted to. Placements do not depend on the input shape, so parameters can be sharded
 at construction; shapes enter only when a step is planned (cached per global input shape).
 
 This is the one walk over the traced graph: the input, output and constants are placed here;
@@ -17,7 +18,6 @@ builds the analysis, ``explain`` prices it, and a node no handler runs is refuse
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,10 +27,12 @@ from torch import nn
 
 from distconv import ops
 from distconv.distribution import Dist
+from distconv.parallel.capture import UntraceableModelError, trace
 from distconv.parallel.config import ParallelConfig
 from distconv.parallel.placement import Layout, Placement, layout_str
 
-__all__ = ["Analysis", "LayerSpec", "Step", "analyse", "operand_need", "trace"]
+__all__ = ["Analysis", "LayerSpec", "Step", "UntraceableModelError", "analyse", "operand_need",
+           "trace"]
 
 
 @dataclass(frozen=True)
@@ -97,44 +99,6 @@ def check_shapes(analysis: Analysis, modules: dict[str, nn.Module],
             raise ValueError(f"parallelize: node {node.name!r} ({node.op} {_target(node)}) on "
                              f"{dict(step.layer.layout)}, input of global shape "
                              f"{tuple(shapes[first.name])}: {why}")
-
-
-# torch.fx patches module-level functions while it traces: thread ranks must take turns.
-_TRACE_LOCK = threading.Lock()
-
-
-class UntraceableModelError(TypeError):
-    """The model contains a construct ``torch.fx`` cannot capture."""
-
-
-def trace(model: nn.Module) -> fx.GraphModule:
-    """``torch.fx.symbolic_trace`` with an error that names the construct fx stopped at."""
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
-    try:
-        with _TRACE_LOCK:
-            gm = fx.symbolic_trace(model)
-    except Exception as exc:  # fx raises TraceError, TypeError, ... with the construct's text
-        raise UntraceableModelError(
-            f"parallelize: torch.fx cannot trace {type(model).__name__}: {exc}. Data-dependent "
-            "control flow cannot be captured; rewrite it, or convert layer by layer with "
-            "DistConv2d.from_conv2d and Redistribute"
-        ) from exc
-    _order_like(gm, model)  # fx registers modules in call order; users expect theirs
-    return gm
-
-
-def _order_like(module: nn.Module, original: nn.Module) -> None:
-    """Register ``module``'s submodules in the order ``original`` defines them (recursively), so
-    that ``parameters()`` and ``state_dict()`` list the shards in the single-process model's
-    order: optimizers and their state dicts address parameters by position."""
-    rank = {name: i for i, name in enumerate(original._modules)}
-    names = sorted(module._modules, key=lambda n: rank.get(n, len(rank)))
-    module._modules = {n: module._modules[n] for n in names}
-    for n in names:
-        child, twin = module._modules[n], original._modules.get(n)
-        if child is not None and twin is not None and child is not twin and child._modules:
-            _order_like(child, twin)
 
 
 def sample_dist(ndim: int) -> Dist:
@@ -302,11 +266,18 @@ def module_path(node: fx.Node) -> str:
 
 def _segments(steps: list[Step], config: ParallelConfig) -> None:
     """Number the runs of consecutive call steps that the config checkpoints (constants inside a
-    run belong to it)."""
+    run belong to it). Sizes are constants of the program, in no run; a view sized by them runs
+    in the program too (it sizes the local block: :mod:`distconv.parallel.program`), between two
+    runs."""
+    sizes = {s.node for s in steps if s.kind == "size"}
     segment, current = -1, None
     for step in steps:
         op = step.node.op
-        if op.startswith("call_") and config.checkpointed(module_path(step.node)):
+        if step.kind == "size":
+            continue
+        if step.kind == "reshape" and sizes.intersection(step.node.all_input_nodes):
+            current = None
+        elif op.startswith("call_") and config.checkpointed(module_path(step.node)):
             if current is None:
                 segment += 1
                 current = segment

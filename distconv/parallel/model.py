@@ -462,7 +462,8 @@ class ParallelModel(nn.Module):
         if program is None:
             meta: fx.GraphModule = self._meta
             meta.to(dtype)
-            propagate_shapes(meta, shape, dtype=dtype, argument="the input's global shape")
+            propagate_shapes(meta, shape, dtype=dtype, argument="the input's global shape",
+                             module=self._template)
             shapes = {n.name: tuple(n.meta["tensor_meta"].shape) for n in meta.graph.nodes
                       if isinstance(n.meta.get("tensor_meta"), fx.passes.shape_prop.TensorMetadata)}
             check_shapes(self._analysis, dict(meta.named_modules()), shapes)

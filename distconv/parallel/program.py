@@ -15,15 +15,18 @@ straight-line code (the technique of ``torch.fx``'s own code generation)::
         return exit(v_fc)
 
 Every constant the code uses is bound in its namespace (``L*`` layers, ``S*`` shapes, ``P*``
-placements, ``K*`` other arguments), never printed into it; each value is deleted after the
-statement that reads it last. Modules that run as traced are looked up from the model root at
-each call (``R._modules[...]``), so a module the user swaps between steps is the one that runs,
-as in eager PyTorch; a distributed layer swapped after ``parallelize`` is refused, naming it (the
-eager forward checks them all before its program runs). Activation-checkpointed segments run
-through the model's segment runner. The program that ``torch.compile`` traces is written apart:
-there each layer call and conversion is wrapped as ``E(L0, x, S0)``, run eagerly as a graph
-break (collectives cannot be traced), and each layer is checked where it is called; eager
-execution needs neither.
+placements, ``Z*`` sizes, ``K*`` other arguments), never printed into it. Sizes the model reads
+(``h, w = skip.shape[2:]``, ``c // groups``, :mod:`distconv.ops.sizes`) are the global tensor's,
+from the shape propagation, the same on every rank; nothing computes them per step, and a view
+or reshape that keeps the samples in dim 0 is given this rank's block of the global output shape.
+Each value is deleted after the statement that reads it last. Modules that run as traced are looked
+up from the model root at each call (``R._modules[...]``), so a module the user swaps between steps
+is the one that runs, as in eager PyTorch; a distributed layer swapped after ``parallelize`` is
+refused, naming it (the eager forward checks them all before its program runs).
+Activation-checkpointed segments run through the model's segment runner. The program that
+``torch.compile`` traces is written apart: there each layer call and conversion is wrapped as
+``E(L0, x, S0)``, run eagerly as a graph break (collectives cannot be traced), and each layer is
+checked where it is called; eager execution needs neither.
 """
 
 from __future__ import annotations
@@ -31,11 +34,15 @@ from __future__ import annotations
 import itertools
 from typing import Any, Callable
 
+import torch
 import torch.fx as fx
 
 from distconv.parallel.placement import convert, one_grid
+from distconv.parallel.shapes import global_values
 
 __all__ = ["generate"]
+
+_RESHAPES = frozenset({"view", "reshape", torch.reshape})
 
 
 def generate(model: Any, shapes: dict[str, tuple[int, ...]],
@@ -72,6 +79,12 @@ class _Writer:
         self.var: dict[fx.Node, str] = {}
         self.converted: dict[tuple[fx.Node, Any], str] = {}
         self._ids = itertools.count()
+        # sizes are constants of the global shape (distconv.ops.sizes), bound before any
+        # statement: a checkpointed segment may read one computed after its first step
+        values = global_values(model._meta)
+        self.folded = {s.node for s in self.analysis.steps if s.kind == "size"}
+        for node in self.folded:
+            self.var[node] = self.const(values[node.name], "Z")
 
     # ------------------------------------------------------------------ names and constants
     def const(self, value: Any, prefix: str = "K") -> str:
@@ -86,6 +99,8 @@ class _Writer:
     def operand(self, node: fx.Node, a: fx.Node) -> str:
         """The expression of operand ``a`` of ``node``: its value, converted to what ``node``
         needs (each conversion emitted once, where it is first needed)."""
+        if a in self.folded:
+            return self.var[a]
         need = self.needs[(node, a)]
         src = self.analysis.step(a).out
         if need is not None and src is not None:  # on need's grid where convert would move it
@@ -161,6 +176,8 @@ class _Writer:
             node = step.node
             if step.kind == "input":
                 self.var[node] = "x"
+            elif step.kind == "size":
+                continue
             elif step.segment is not None:
                 if step.segment not in done:
                     self.segment(step.segment)
@@ -193,7 +210,9 @@ class _Writer:
                       f"{args}, {kwargs}, {self.const(self.shapes[node.args[0].name], 'S')})")
             return
         layer = model._function_modules.get(node.name)
-        if layer is not None:  # this node's own layer: a function's, or a module's without state
+        if step.kind == "reshape" and node.target in _RESHAPES:
+            self.reshape(step, out)
+        elif layer is not None:  # this node's own layer: a function's, or a module's without state
             # called in another layout than its first call
             args = (f"{self.expr(node, node.args[0])}, "
                     f"{self.const(self.shapes[node.args[0].name], 'S')}")
@@ -228,6 +247,22 @@ class _Writer:
         else:
             raise AssertionError(f"unexpected node {node.op}")
 
+    def reshape(self, step: Any, out: str) -> None:
+        """A view or reshape that keeps the samples in dim 0: of this rank's block, to the block
+        of the global output shape it holds (its arguments are sizes of the global tensor)."""
+        node = step.node
+        got, want = self.shapes[node.args[0].name], self.shapes[node.name]
+        args = node.args[1:]
+        if got[:1] == want[:1] and not node.kwargs:
+            local = step.out.dist.local_shape(want, self.model.grid(step.out.layout))
+            args = (tuple(local),)
+        this = self.expr(node, node.args[0])
+        rest = self.call_args(node, args, node.kwargs)
+        if node.op == "call_method":
+            self.emit(f"{out} = {this}.{node.target}({rest})")
+        else:
+            self.emit(f"{out} = {self.const(node.target, 'F')}({this}, {rest})")
+
     def segment(self, index: int) -> None:
         """A checkpointed segment: its inputs and the conversions made so far handed over in
         dicts, the segment runner called, the values leaving it (and the conversions it made of
@@ -235,7 +270,9 @@ class _Writer:
         steps = [s for s in self.analysis.steps if s.segment == index]
         inside = {s.node for s in steps}
         outer = {a for s in steps for a in s.node.all_input_nodes if a not in inside}
-        env = ", ".join(f"{self.const(a, 'N')}: {self.use(self.var[a])}" for a in outer)
+        env = ", ".join(f"{self.const(a, 'N')}: "
+                        f"{self.var[a] if a in self.folded else self.use(self.var[a])}"
+                        for a in outer)
         self.emit(f"env = {{{env}}}")
         conv = ", ".join(f"({self.const(k[0], 'N')}, {self.const(k[1], 'P')}): {self.use(v)}"
                          for k, v in self.converted.items())

@@ -3,10 +3,15 @@
 ``torch.fx``'s shape propagation fails deep inside with a dump of the graph node; these helpers
 turn a wrong ``input_shape`` into a ``ValueError`` that names it, the shape received and what
 the model's first layer expects (its number of dims and channels or features), with no dump.
+The propagation also gives every value of the global shape that is not a tensor (``x.shape[2]``,
+``c // 2``: the program's constants, :mod:`distconv.ops.sizes`), checks the model's own
+``torch._assert`` on them, and tells a capture that is not the module's forward from a shape
+that does not fit (:func:`distconv.parallel.capture.check_capture`).
 """
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, NoReturn, Sequence
 
 import torch
@@ -15,7 +20,10 @@ from torch import nn
 from torch.fx.node import map_aggregate
 from torch.fx.passes.shape_prop import _extract_tensor_metadata
 
-__all__ = ["check_input_shape", "check_input_shape_error", "first_layer", "propagate_shapes"]
+from distconv.parallel.capture import check_capture
+
+__all__ = ["check_input_shape", "check_input_shape_error", "first_layer", "global_values",
+           "propagate_shapes"]
 
 _CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 _NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
@@ -125,24 +133,60 @@ class _ShapeRecorder(fx.Interpreter):
         meta = map_aggregate(result, extract)
         if found:
             n.meta["tensor_meta"] = meta
+        else:  # a value of the global shape (a size, a comparison of sizes): the program's
+            n.meta["global_value"] = result  # constant (distconv.ops.sizes)
         n.meta["type"] = type(result)
         return result
 
 
 def propagate_shapes(gm: fx.GraphModule, shape: Sequence[int], *,
-                     dtype: torch.dtype | None = None, argument: str = "input_shape") -> None:
+                     dtype: torch.dtype | None = None, argument: str = "input_shape",
+                     module: nn.Module | None = None) -> None:
     """Shape propagation of a meta ``shape`` input through ``gm`` (a copy on the meta device),
-    filling ``node.meta['tensor_meta']`` as ``ShapeProp`` does; a shape the model cannot take
-    raises the ``ValueError`` of :func:`check_input_shape_error`."""
+    filling ``node.meta['tensor_meta']`` as ``ShapeProp`` does (and ``['global_value']`` of
+    every value that is not a tensor: sizes); a shape the model cannot take raises the
+    ``ValueError`` of :func:`check_input_shape_error`, a false ``torch._assert`` of the model one
+    naming it. ``module``: the plain model ``gm`` was captured from; where its own forward on this
+    shape disagrees with the graph's (the graph fails where the module runs, or gives other output
+    shapes, or skips a module with parameters that the module calls) the capture is not the
+    module's, and :func:`~distconv.parallel.capture.check_capture` refuses it."""
     prop = _ShapeRecorder(gm)
     # in eval mode: a batch norm with momentum=None reads its batch count (.item(), which meta
     # tensors cannot give) in training, and no layer's shapes depend on the mode
     training = {m: m.training for m in gm.modules()}
     gm.eval()
     try:
-        prop.run(torch.empty(tuple(shape), dtype=dtype, device="meta"))
+        out = prop.run(torch.empty(tuple(shape), dtype=dtype, device="meta"))
     except Exception as exc:  # noqa: BLE001 - any failure of propagation is the shape's
+        if prop.failed is not None and prop.failed.target is torch._assert:
+            _refuse_assert(exc, shape, prop.failed, argument)
+        if module is not None:
+            check_capture(gm, module, shape, failed=(prop.failed, exc))
         check_input_shape_error(exc, shape, gm, argument=argument, node=prop.failed)
     finally:
         for m, mode in training.items():
             m.training = mode
+    if module is not None and module not in _FAITHFUL:  # what fx captured does not depend on
+        check_capture(gm, module, shape, out=out)     # the shape: once a module is enough
+        _FAITHFUL.add(module)
+
+
+#: the modules :func:`check_capture` found their captured graph faithful to
+_FAITHFUL: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+
+
+def global_values(gm: fx.GraphModule) -> dict[str, Any]:
+    """Every non-tensor value of the last :func:`propagate_shapes` of ``gm``, by node name: on
+    the global input shape, so a size is the global one (the program's constants)."""
+    return {n.name: n.meta["global_value"] for n in gm.graph.nodes if "global_value" in n.meta}
+
+
+def _refuse_assert(exc: BaseException, shape: Sequence[int], node: fx.Node,
+                   argument: str) -> NoReturn:
+    """A model's own ``torch._assert`` on sizes is false on this global shape: say which."""
+    from distconv.parallel.graph import module_path
+
+    where = module_path(node)
+    raise ValueError(f"{argument}={tuple(shape)} fails the model's own check at node "
+                     f"{node.name!r} (torch._assert) in module {where or '(the root)'!r}: "
+                     f"{str(exc).strip() or type(exc).__name__}") from None

@@ -1,0 +1,229 @@
+"""Capture: a model's forward as a ``torch.fx`` graph that is the module's, or a refusal naming
+the construct that keeps it from being so -- never the input.
+
+:func:`trace` is ``torch.fx``'s symbolic tracing, with ``len()`` of a traced value recorded (a size
+of the global shape, :mod:`distconv.ops.sizes`), modules without state that a forward builds per
+call traced through, ``torch.jit.isinstance`` of a traced value refused where it is called (fx
+answers it for its proxy: False, and MONAI's ``BasicUNet`` would lose its skip ``cat``), and an
+error that names the model's own line and module where fx stops. :func:`check_capture` runs the
+module itself on a meta input of a global shape (no data, no arithmetic) and refuses a graph that
+fails where the module runs, returns other shapes, or never calls a module with parameters that
+the module calls: Python fx cannot follow (``isinstance(x, torch.Tensor)`` of a traced value)
+decided it.
+
+Why fx and a check, not ``torch.export`` (non-strict), which runs the real Python: export yields
+ATen operators with every module inlined (no module calls for the op handlers, the config's
+module paths or the parameter shards to bind; ``nn_module_stack`` names them only as metadata),
+specialises the graph to one input shape, and costs 5-30 times fx's trace per capture
+(``benchmarks/capture.py``); the check costs one meta forward per model.
+"""
+
+from __future__ import annotations
+
+import builtins
+import contextlib
+import copy
+import os
+import sys
+import threading
+from typing import Any, Iterator, Sequence
+
+import torch
+import torch.fx as fx
+from torch import nn
+from torch.fx.node import map_aggregate
+
+__all__ = ["UntraceableModelError", "check_capture", "trace"]
+
+
+# torch.fx patches module-level functions while it traces: thread ranks must take turns.
+_TRACE_LOCK = threading.Lock()
+
+
+class UntraceableModelError(TypeError):
+    """The model contains a construct ``torch.fx`` cannot capture faithfully."""
+
+
+def trace(model: nn.Module) -> fx.GraphModule:
+    """``torch.fx.symbolic_trace`` with an error that names the construct fx stopped at, or the
+    construct that would have made the captured graph compute something else than the module
+    (``torch.jit.isinstance`` of a traced value, which fx answers for its proxy: False)."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    tracer = _Tracer()
+    try:
+        with _TRACE_LOCK, _capture_patches(tracer, type(model).__name__):
+            graph = tracer.trace(model)
+    except UntraceableModelError:
+        raise
+    except Exception as exc:  # fx raises TraceError, TypeError, ... with the construct's text
+        raise UntraceableModelError(
+            f"parallelize: torch.fx cannot trace {type(model).__name__}{_where(exc, model)}: "
+            f"{exc}. Python that branches on a tensor's values or sizes, or iterates over them, "
+            "cannot be captured (sizes are: x.shape[i], x.size(i), len(x) and arithmetic on "
+            "them; an if on them is not); rewrite it, or convert layer by layer with "
+            "DistConv2d.from_conv2d and Redistribute"
+        ) from exc
+    gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
+    _order_like(gm, model)  # fx registers modules in call order; users expect theirs
+    return gm
+
+
+def _where(exc: BaseException, model: nn.Module) -> str:
+    """`` at file:line in module 'path'``: the model's own line the trace failed at (the last
+    frame outside torch), and the module whose code it is."""
+    root = os.path.dirname(torch.__file__)
+    frame = None
+    tb = exc.__traceback__
+    while tb is not None:
+        if not tb.tb_frame.f_code.co_filename.startswith(root):
+            frame = tb.tb_frame
+        tb = tb.tb_next
+    if frame is None or frame.f_code.co_filename == __file__:
+        return ""
+    this = frame.f_locals.get("self")
+    path = next((p for p, m in model.named_modules() if m is this), None)
+    module = f" in module {path or '(the root)'!r}" if path is not None else ""
+    return f" at {frame.f_code.co_filename}:{frame.f_lineno}{module}"
+
+
+class _Tracer(fx.Tracer):
+    """fx's tracer, except that a module without state made inside a forward (a pooling layer
+    built per call, as MONAI's ResNet shortcut does) is traced through as the functions it
+    calls: fx would refuse it, as it is installed under no path."""
+
+    def call_module(self, m: nn.Module, forward: Any, args: Any, kwargs: Any) -> Any:
+        try:
+            self.path_of_module(m)
+        except NameError:
+            if next(iter(m.parameters()), None) is None and next(iter(m.buffers()), None) is None:
+                return forward(*args, **kwargs)
+            raise
+        return super().call_module(m, forward, args, kwargs)
+
+
+@contextlib.contextmanager
+def _capture_patches(tracer: fx.Tracer, model: str) -> Iterator[None]:
+    """While ``tracer`` traces: ``len`` of a traced value is recorded as a node (a size of the
+    global shape, :mod:`distconv.ops.sizes`; fx refuses it, as ``__len__`` must return an int),
+    and ``torch.jit.isinstance`` of a traced value raises :class:`UntraceableModelError` naming
+    where (fx would answer False for its proxy, and the graph would take a branch the module
+    does not: MONAI's ``UpCat`` drops its skip ``cat``). Both are process-wide: the parallel
+    model's ranks trace between barriers."""
+    real_isinstance, real_len = torch.jit.isinstance, builtins.len
+
+    def jit_isinstance(obj: Any, target_type: Any) -> bool:
+        if isinstance(obj, fx.Proxy):
+            caller = sys._getframe(1)
+            where = list(tracer.module_stack)[-1] if tracer.module_stack else ""
+            raise UntraceableModelError(
+                f"parallelize: {model} calls torch.jit.isinstance on a traced value "
+                f"({obj.node.name}) in module {where or '(the root)'!r} at "
+                f"{caller.f_code.co_filename}:{caller.f_lineno}: torch.fx answers it for its "
+                "proxy, not the tensor, so the captured graph would not be the module's. "
+                "Rewrite the check (e.g. 'x is not None'), or convert layer by layer with "
+                "DistConv2d.from_conv2d and Redistribute")
+        return real_isinstance(obj, target_type)
+
+    def length(obj: Any) -> Any:
+        if isinstance(obj, fx.Proxy):
+            return obj.tracer.create_proxy("call_function", real_len, (obj,), {})
+        return real_len(obj)
+
+    torch.jit.isinstance, builtins.len = jit_isinstance, length
+    try:
+        yield
+    finally:
+        torch.jit.isinstance, builtins.len = real_isinstance, real_len
+
+
+def _order_like(module: nn.Module, original: nn.Module) -> None:
+    """Register ``module``'s submodules in the order ``original`` defines them (recursively), so
+    that ``parameters()`` and ``state_dict()`` list the shards in the single-process model's
+    order: optimizers and their state dicts address parameters by position."""
+    rank = {name: i for i, name in enumerate(original._modules)}
+    names = sorted(module._modules, key=lambda n: rank.get(n, len(rank)))
+    module._modules = {n: module._modules[n] for n in names}
+    for n in names:
+        child, twin = module._modules[n], original._modules.get(n)
+        if child is not None and twin is not None and child is not twin and child._modules:
+            _order_like(child, twin)
+
+
+def check_capture(gm: fx.GraphModule, module: nn.Module, shape: Sequence[int], *,
+                  out: Any = None, failed: tuple[fx.Node | None, BaseException] | None = None
+                  ) -> None:
+    """Raise :class:`UntraceableModelError` where the captured graph
+    ``gm`` is not ``module``'s forward on a meta input of ``shape``: the graph failed (``failed``:
+    its node and exception) where the module runs, or its output shapes (``out``: its output)
+    differ from the module's, or the module calls a module with parameters the graph never
+    calls. Python that ``torch.fx`` cannot follow decided the capture then, not the input."""
+    module = _meta_twin(module)  # in its own mode: the one fx captured (a branch on
+    called: list[nn.Module] = []  # self.training is the graph's)
+    for m in module.modules():
+        m.register_forward_pre_hook(lambda m, _: called.append(m))
+    dtype = next((p.dtype for p in module.parameters() if p.is_floating_point()), None)
+    try:
+        own = module(torch.empty(tuple(shape), dtype=dtype, device="meta"))
+    except Exception:  # noqa: BLE001 - the module itself cannot run on this shape (or not on
+        return  # meta): nothing tells the capture wrong
+    name = type(module).__name__
+    what = ("Python that torch.fx cannot follow (isinstance(x, torch.Tensor) on a traced value, "
+            "a branch taken on something fx stands in for) decided the captured graph; rewrite "
+            "it, or convert layer by layer with DistConv2d.from_conv2d and Redistribute")
+    if failed is not None:
+        node, exc = failed
+        at = f" at node {node.name!r} ({node.format_node()})" if node is not None else ""
+        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise UntraceableModelError(
+            f"parallelize: the graph torch.fx captured of {name} is not its forward: {name} "
+            f"runs on an input of shape {tuple(shape)}, its captured graph fails{at}: {reason}. "
+            f"{what}") from None
+    mine, theirs = _shapes_of(out), _shapes_of(own)
+    if mine != theirs:
+        raise UntraceableModelError(
+            f"parallelize: the graph torch.fx captured of {name} is not its forward: on an "
+            f"input of shape {tuple(shape)} it returns shapes {mine}, {name} returns {theirs}. "
+            f"{what}")
+    paths: dict[int, list[str]] = {}
+    for path, m in module.named_modules(remove_duplicate=False):
+        paths.setdefault(id(m), []).append(path)
+    leaves = tuple(str(n.target) + "." for n in gm.graph.nodes if n.op == "call_module")
+    seen = {str(n.target) for n in gm.graph.nodes if n.op in ("call_module", "get_attr")}
+    seen |= {p for n in gm.graph.nodes for p, _ in (n.meta.get("nn_module_stack") or {}).values()}
+    seen = {prefix for p in seen for prefix in _prefixes(p)}
+
+    def captured(m: nn.Module) -> bool:  # a module of the graph's, or inside one it calls
+        return any(p in seen or (p + ".").startswith(leaves) for p in paths[id(m)])
+
+    missed = sorted({paths[id(m)][0] for m in called
+                     if any(True for _ in m.parameters(recurse=False)) and not captured(m)})
+    if missed:
+        raise UntraceableModelError(
+            f"parallelize: the graph torch.fx captured of {name} is not its forward: {name} "
+            f"calls {missed} on an input of shape {tuple(shape)}, its captured graph never "
+            f"does. {what}")
+
+
+def _meta_twin(module: nn.Module) -> nn.Module:
+    """A copy of ``module`` whose parameters and buffers are meta tensors of theirs (no data
+    copied; a tensor under several names is one tensor in the copy too)."""
+    memo: dict[int, Any] = {}
+    for p in module.parameters():
+        memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), p.requires_grad)
+    for b in module.buffers():
+        memo[id(b)] = torch.empty_like(b, device="meta")
+    return copy.deepcopy(module, memo)
+
+
+def _shapes_of(value: Any) -> list[tuple[int, ...]]:
+    found: list[tuple[int, ...]] = []
+    map_aggregate(value, lambda v: found.append(tuple(v.shape)) if isinstance(
+        v, torch.Tensor) else None)
+    return found
+
+
+def _prefixes(path: str) -> list[str]:
+    """``a.b.c`` -> ``a``, ``a.b``, ``a.b.c`` (a parameter's path names its modules)."""
+    parts = path.split(".")
+    return [".".join(parts[:i]) for i in range(1, len(parts) + 1)]
