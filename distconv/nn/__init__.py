@@ -5,7 +5,9 @@ from distconv.nn.batchnorm import DistBatchNorm, DistBatchNorm1d, DistBatchNorm2
 from distconv.nn.clip import clip_grad_norm_
 from distconv.nn.conv import ALGORITHMS, DistConv2d, UnsupportedConvError
 from distconv.nn.conv_nd import DistConvNd
-from distconv.nn.dropout import DistDropout, DistDropout1d, DistDropout2d, DistDropout3d
+from distconv.nn.dropout import (
+    DistDropout, DistDropout1d, DistDropout2d, DistDropout3d, DistDropPath,
+)
 from distconv.nn.grad_sync import GradSync, finish_grad_sync
 from distconv.nn.groupnorm import (
     DistGroupNorm, DistInstanceNorm1d, DistInstanceNorm2d, DistInstanceNorm3d, DistLayerNorm,
@@ -22,5 +24,6 @@ __all__ = ["ALGORITHMS", "DistConv2d", "DistConvNd", "GradSync", "Redistribute",
            "shard_specs"]
 __all__ += ["DistAdaptiveAvgPool2d", "DistAvgPool1d", "DistAvgPool2d", "DistAvgPool3d",
             "DistBatchNorm", "DistBatchNorm1d", "DistBatchNorm2d", "DistBatchNorm3d",
-            "DistDropout", "DistDropout1d", "DistDropout2d", "DistDropout3d", "DistGroupNorm",
+            "DistDropPath", "DistDropout", "DistDropout1d", "DistDropout2d", "DistDropout3d",
+            "DistGroupNorm",
             "DistInstanceNorm1d", "DistInstanceNorm2d", "DistInstanceNorm3d", "DistLayerNorm", "DistMaxPool1d", "DistMaxPool2d", "DistMaxPool3d"]

@@ -18,8 +18,9 @@ from torch.nn.modules.dropout import _DropoutNd
 
 from distconv.distribution import Dist
 from distconv.grid import ProcessorGrid
+from distconv.nn.recompute import replayed
 
-__all__ = ["DistDropout", "DistDropout1d", "DistDropout2d", "DistDropout3d"]
+__all__ = ["DistDropPath", "DistDropout", "DistDropout1d", "DistDropout2d", "DistDropout3d"]
 
 
 class _DistDropout(_DropoutNd):
@@ -48,7 +49,7 @@ class _DistDropout(_DropoutNd):
             shape = shape[:2] + (1,) * (len(shape) - 2)
             dist = Dist(dist.entries[:2] + (None,) * (len(shape) - 2), dist.pending,
                         dist.tensor_dims)
-        generator = self.grid.comm.shared_generator()
+        generator = replayed(self.grid.comm.shared_generator())
         noise = torch.empty(shape, dtype=x.dtype, device=generator.device)
         noise.bernoulli_(1 - self.p, generator=generator)
         noise = noise[dist.local_slices(shape, self.grid)].to(x.device)
@@ -95,3 +96,57 @@ class DistDropout3d(_DistDropout, nn.Dropout3d):
     being ``[N, C, 1, 1, 1]``; an ``nn.Dropout3d`` for ``isinstance``."""
 
     features = True
+
+
+class DistDropPath(nn.Module):
+    """Stochastic depth (``DropPath``, ``torchvision.ops.stochastic_depth``) on this rank's block
+    of an activation distributed as ``input_dist``, with one process's masks: the mask of the
+    global batch, ``[N, 1, ..., 1]`` (``per_sample``) or ``[1, ..., 1]``, is drawn from the
+    generator every rank shares and each rank keeps its samples' entries ``m[o_N]``.
+
+    Args:
+        p: the probability of a sample's path to be dropped, in [0, 1].
+        grid: the processor grid ``input_dist`` lives on (its communicator gives the shared
+            generator).
+        input_dist: the Dist of ``x``, e.g. ``x[o,o_C,o,o]``; the output has the same Dist.
+        per_sample: one draw per sample (timm, MONAI, torchvision ``mode="row"``; default) or
+            one for the whole batch (torchvision ``mode="batch"``).
+        scale: divide the kept paths by ``1 - p`` (timm's ``scale_by_keep``; default True).
+
+    ``forward(x_local, global_shape)``: in training, ``x_local * (mask / (1 - p))[block]`` with
+    the mask drawn as one process draws it (``x.new_empty(shape).bernoulli_(1 - p)``); in eval
+    mode or with ``p = 0``, ``x_local``.
+    """
+
+    def __init__(self, p: float, *, grid: ProcessorGrid, input_dist: Dist,
+                 per_sample: bool = True, scale: bool = True) -> None:
+        super().__init__()
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 <= p <= 1:
+            raise ValueError(f"DistDropPath: p must be a probability in [0, 1], got {p!r}")
+        if not isinstance(grid, ProcessorGrid):
+            raise TypeError(f"DistDropPath: grid must be a ProcessorGrid, got {grid!r}")
+        if not isinstance(input_dist, Dist):
+            raise TypeError(f"DistDropPath: input_dist must be a Dist, got {input_dist!r}")
+        self.p, self.per_sample, self.scale = float(p), bool(per_sample), bool(scale)
+        self.grid, self.input_dist = grid, input_dist
+        grid.comm.shared_generator()  # agreed here (a collective), not in a training step
+
+    def forward(self, x: torch.Tensor, global_shape: Sequence[int]) -> torch.Tensor:
+        if not self.training or self.p == 0:
+            return x
+        ndim = len(global_shape)
+        shape = ((int(global_shape[0]),) if self.per_sample else (1,)) + (1,) * (ndim - 1)
+        keep = 1 - self.p
+        generator = replayed(self.grid.comm.shared_generator())
+        mask = torch.empty(shape, dtype=x.dtype, device=generator.device).bernoulli_(
+            keep, generator=generator)
+        if keep > 0 and self.scale:
+            mask.div_(keep)
+        if self.per_sample:
+            dist = Dist((self.input_dist.entries[0],) + (None,) * (ndim - 1))
+            mask = mask[dist.local_slices(shape, self.grid)]
+        return x * mask.to(x.device)
+
+    def extra_repr(self) -> str:
+        return (f"p={self.p}, per_sample={self.per_sample}, scale={self.scale}, "
+                f"grid={dict(self.grid.layout)}, x={self.input_dist.format('x')}")

@@ -8,6 +8,9 @@ binds (:func:`supported`).
 
 from __future__ import annotations
 
+import sys
+from typing import Any
+
 import torch.fx as fx
 from torch import nn
 
@@ -19,20 +22,24 @@ from distconv.ops.linear import LinearHandler
 from distconv.ops.norm import (
     BatchNormHandler, GroupNormHandler, InstanceNormHandler, LayerNormHandler,
 )
-from distconv.ops.pool import AdaptiveAvgPoolHandler, MeanHandler, PoolHandler
+from distconv.ops.pool import (
+    AdaptiveAvgPoolHandler, AdaptivePoolHandler, MeanHandler, PoolHandler, ReduceHandler,
+)
 from distconv.ops.resample import ResampleHandler
 from distconv.ops.shape import FlattenHandler, NewAxisHandler, ReshapeHandler
 from distconv.ops.sizes import SizeHandler
+from distconv.ops.stochastic import StochasticDepthHandler
 
 __all__ = ["CONFIGURABLE", "REGISTRY", "Handler", "PriceContext", "Sample", "Unsupported",
-           "handler_for", "supported"]
+           "handler_for", "is_leaf", "loaded_functions", "supported"]
 
 #: Every op family, in matching order (the first that binds a node handles it).
 REGISTRY: tuple[Handler, ...] = (
     SizeHandler(),  # first: Python arithmetic on sizes is no tensor op
     ConvHandler(), LinearHandler(), ConvNdHandler(), BatchNormHandler(),
     GroupNormHandler(), LayerNormHandler(), InstanceNormHandler(), PoolHandler(),
-    AdaptiveAvgPoolHandler(), MeanHandler(), ResampleHandler(), DropoutHandler(),
+    AdaptiveAvgPoolHandler(), AdaptivePoolHandler(), MeanHandler(), ReduceHandler(),
+    ResampleHandler(), DropoutHandler(), StochasticDepthHandler(),
     FlattenHandler(), ReshapeHandler(), NewAxisHandler(), PointwiseHandler(), BinaryHandler(),
     CatHandler(),
 )
@@ -51,6 +58,26 @@ def handler_for(node: fx.Node, module: nn.Module | None) -> Handler | None:
     return None
 
 
+def is_leaf(module: nn.Module) -> bool:
+    """Whether the trace keeps ``module`` as one call: a module type a handler binds by name
+    (:attr:`Handler.module_names`), whose forward ``torch.fx`` need not (or cannot) follow."""
+    return any(handler.binds_by_name(module) for handler in REGISTRY)
+
+
+def loaded_functions() -> tuple[Any, ...]:
+    """The functions handlers bind by name (:attr:`Handler.function_names`) whose packages are
+    loaded: the trace keeps each call of them as one node (fx's ``autowrap_functions``), as it
+    keeps the modules :func:`is_leaf` names."""
+    found = []
+    for handler in REGISTRY:
+        for name in sorted(handler.function_names):
+            module, _, attr = name.rpartition(".")
+            fn = getattr(sys.modules.get(module), attr, None)
+            if callable(fn):
+                found.append(fn)
+    return tuple(found)
+
+
 def supported(op: str) -> str:
     """The forms the registry binds for a node op (``call_module``, ``call_function``,
     ``call_method``), as a sentence for refusals."""
@@ -58,6 +85,7 @@ def supported(op: str) -> str:
     for handler in REGISTRY:
         if op == "call_module":
             forms += [m.__name__ for m in handler.modules]
+            forms += [n.rsplit(".", 1)[-1] for n in sorted(handler.module_names)]
         elif op == "call_function":
             forms += [f for f in handler.forms() if not f.startswith(".")
                       and f not in {m.__name__ for m in handler.modules}]

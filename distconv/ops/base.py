@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from distconv.parallel.graph import Step
 
 __all__ = ["SAMPLE_GRIDS", "SIGNAL_GRIDS", "VOLUME_GRIDS", "Handler", "PoolNet", "PriceContext",
-           "Sample", "SampleNet", "Unsupported"]
+           "Sample", "SampleNet", "Unsupported", "qualified_name"]
 
 
 class Unsupported(NotImplementedError):
@@ -129,15 +129,26 @@ class Handler:
     modules: tuple[type, ...] = ()
     functions: frozenset[Any] = frozenset()
     methods: frozenset[str] = frozenset()
+    #: module types and functions of packages that need not be installed, by qualified name
+    #: (``"timm.layers.drop.DropPath"``): bound without importing them. Such module types are
+    #: leaves of the trace (their forward runs as one call).
+    module_names: frozenset[str] = frozenset()
+    function_names: frozenset[str] = frozenset()
 
     def binds(self, node: fx.Node, module: nn.Module | None) -> bool:
         if node.op == "call_module":
-            return isinstance(module, self.modules)
+            return isinstance(module, self.modules) or self.binds_by_name(module)
         if node.op == "call_function":
-            return node.target in self.functions
+            return node.target in self.functions or bool(self.function_names) and (
+                qualified_name(node.target) in self.function_names)
         if node.op == "call_method":
             return node.target in self.methods
         return False
+
+    def binds_by_name(self, module: nn.Module | None) -> bool:
+        """Whether ``module``'s type, or a base of it, is one of :attr:`module_names`."""
+        return bool(self.module_names) and module is not None and any(
+            qualified_name(t) in self.module_names for t in type(module).__mro__)
 
     def place(self, an: Any, node: fx.Node, module: nn.Module | None) -> Step:
         raise NotImplementedError
@@ -184,4 +195,10 @@ class Handler:
                   .replace("torch.nn.functional.", "F.").replace("_operator.", "operator.")
                   .lstrip(".") for f in self.functions]
         names += [f".{m}()" for m in sorted(self.methods)]
+        names += sorted(self.module_names) + sorted(self.function_names)
         return names
+
+
+def qualified_name(obj: Any) -> str:
+    """``module.qualname`` of a class or function (as :attr:`Handler.module_names` spells it)."""
+    return f"{getattr(obj, '__module__', '')}.{getattr(obj, '__qualname__', '')}"

@@ -9,19 +9,25 @@ takes it with no data movement. Bytes and time per rank are the §4 model's
 
 from __future__ import annotations
 
+import math
 from typing import Any, Sequence
 
+import torch
+import torch.fx as fx
 from torch import nn
 
 from distconv.nn.conv import DistConv2d, conv_dists
 from distconv.nn.conv_nd import spatial_roles
 from distconv.nn.halo_conv import interior_share
 from distconv.ops.base import SAMPLE_GRIDS, Handler, PriceContext, Sample, SampleNet
+from distconv.ops.extents import unit_dims
+from distconv.ops.linear import compute
 from distconv.ops.pricing import CommStep, halo_hidden, largest_block
 from distconv.parallel.placement import Placement, paper_grid, same_blocks
 from distconv.perfmodel import ConvProblem, conv_cost, conv_traffic
 
-__all__ = ["ConvHandler", "memory_elements", "moves_data"]
+__all__ = ["ConvHandler", "group_blocks", "memory_elements", "moves_data", "split_groups",
+           "whole_rows", "whole_step"]
 
 
 def _dists(step: Any, conv: nn.Conv2d) -> dict[str, Any]:
@@ -164,6 +170,77 @@ def gathered(step: Any, module: Any) -> bool:
     return Placement(layout, d["input"]) != work and step.layer.input == work
 
 
+def whole_rows(an: Any, node: fx.Node, module: Any, choice: Any) -> tuple[str, ...]:
+    """The spatial grid dims of a default entry that split a convolution's input of one row
+    (:func:`unit_dims`): that layer runs with them whole. Empty where the entry is a layer's own
+    (it stays refused where it cannot split) or some split spatial dim is not of one row."""
+    if choice.source != "default" or choice.layout is None:
+        return ()
+    ext = dict(choice.layout)
+    rows = spatial_roles(module.weight.dim() - 2)
+    split = [(d, r) for d, r in enumerate(rows, 2) if ext.get(r, 1) > 1]
+    args = an.tensor_args(node)
+    if not split or not args:
+        return ()
+    ones = unit_dims(an, args[0])
+    return tuple(r for _, r in split) if all(d in ones for d, _ in split) else ()
+
+
+def group_blocks(groups: int, channels: int) -> list[int]:
+    """The channel/filter block counts (C×F) whose blocks hold whole groups of a grouped
+    convolution: the divisors of ``groups`` up to ``channels``."""
+    return [p for p in range(1, min(groups, channels) + 1) if groups % p == 0]
+
+
+def split_groups(an: Any, node: fx.Node, module: Any, choice: Any) -> tuple[str, ...]:
+    """The grid dims a convolution keeps whole where its C×F blocks would not hold whole groups
+    (RegNet's 25 groups over C = 2, a depthwise layer of odd width) or outnumber its channels
+    (an RGB stem, a squeeze-and-excitation's narrow layer): under a default entry it runs with
+    its channels (and rows) whole, ``x[o_N,*,*,*]``; a layer's own entry is refused, naming the
+    block counts that work (:func:`check_channel_blocks` refuses one with too few channels)."""
+    ext = dict(choice.layout or ())
+    blocks = ext.get("C", 1) * ext.get("F", 1)
+    if choice.source == "default" and blocks > min(module.in_channels, module.out_channels):
+        return tuple(d for d, e in choice.layout if e > 1 and d != "N")  # fewer channels
+    if module.groups == 1 or blocks == 1 or module.groups % blocks == 0:
+        return ()
+    if choice.source != "default":
+        works = group_blocks(module.groups, min(module.in_channels, module.out_channels))
+        an.fail(node, f"{choice.source} asks for {choice.algorithm} on {dict(choice.layout)}, "
+                f"but this Conv2d is grouped (groups={module.groups}) and its {blocks} "
+                "channel/filter blocks would not hold whole groups; use C×F among "
+                f"{', '.join(map(str, works))} (dividing {module.groups}), or sample or "
+                "spatial parallelism for it (a default entry runs such a layer with its "
+                "channels whole)", ValueError)
+    return tuple(d for d, e in choice.layout if e > 1 and d != "N")
+
+
+def whole_step(an: Any, node: fx.Node, arg: fx.Node, choice: Any, whole: tuple[str, ...]
+               ) -> Any:
+    """A convolution a default entry cannot split as it asks (one-row maps under split rows,
+    groups across channel blocks): it runs sample-parallel on the entry's grid, ``x[o_N,*,...]``
+    (replicated over the other grid dims, its weights whole, its weight gradient the sum over
+    every rank as a ``Linear``'s), exact by the sum convention; ``whole`` is recorded for
+    ``explain``."""
+    from distconv.parallel.graph import LayerSpec, Step, sample_dist
+
+    need = Placement(choice.layout, sample_dist(an.placement(arg).ndim))
+    return Step(node, "sample-layer", need, {arg: need},
+                LayerSpec("linear", str(node.target), choice.layout, "sample", input=need,
+                          source=choice.source, whole=whole))
+
+
+def _whole_reason(conv: Any, spec: Any) -> str:
+    """Why a default entry's convolution runs with ``spec.whole`` whole (for ``explain``)."""
+    if set(spec.whole) <= {"H", "W"}:
+        return "one-row maps"
+    blocks = math.prod(e for d, e in spec.layout if d in ("C", "F"))
+    channels = min(conv.in_channels, conv.out_channels)
+    if blocks > channels:
+        return f"{channels} channels over {blocks} channel/filter blocks"
+    return f"{conv.groups} groups across {blocks} channel/filter blocks"
+
+
 class ConvHandler(Handler):
     modules = (nn.Conv2d,)
 
@@ -182,9 +259,12 @@ class ConvHandler(Handler):
             an.fail(node, f"{choice.source} splits D on {dict(choice.layout)}, but a Conv2d's "
                     "spatial dims are H and W: split those (D splits a volume's depth)",
                     ValueError)
+        args = an.tensor_args(node)
+        whole = whole_rows(an, node, module, choice) or split_groups(an, node, module, choice)
+        if whole:
+            return whole_step(an, node, args[0], choice, whole)
         check_channel_blocks(an, node, module, choice)
         grouped = module.groups > 1 and ext.get("C", 1) * ext.get("F", 1) > 1
-        args = an.tensor_args(node)
         roles, dists = _roles_and_dists(an, args, module, choice, algorithm)
         if choice.pipeline > 1 and not moves_data(choice.layout, dists):
             an.fail(node, f"{choice.source} asks for pipeline: {choice.pipeline}, but this "
@@ -205,6 +285,8 @@ class ConvHandler(Handler):
         return Step(node, "conv", out, {args[0]: need}, spec)
 
     def build(self, module: Any, node: Any, step: Any, grid: Any) -> Any:
+        if step.layer.kind == "linear":  # runs as traced (whole_step)
+            return None
         roles = dict(step.layer.roles)
         return DistConv2d.from_conv2d(
             module, grid=grid, algorithm=step.layer.algorithm, channel_dim=roles["C"],
@@ -215,14 +297,24 @@ class ConvHandler(Handler):
     def refuse(self, step: Any, module: Any, in_shape: tuple[int, ...]) -> str | None:
         from distconv.ops.conv_nd import row_refusal
 
+        if step.layer.kind == "linear":
+            return None
         return row_refusal(module, step.layer.layout, in_shape)
 
-    def param_dists(self, step: Any, module: Any) -> dict[str, Any]:
+    def param_dists(self, step: Any, module: Any) -> dict[str, Any] | None:
+        if step.layer.kind == "linear":
+            return None
         d = _dists(step, module)
         return {"weight": d["weight"], "bias": d["bias"]}
 
     def price(self, report: Any, step: Any, conv: Any, ctx: PriceContext) -> None:
         spec = step.layer
+        if spec.kind == "linear":
+            report.param_elements = sum(p.numel() for p in conv.parameters())
+            report.dists["w"] = "w[*,*,*,*]"
+            report.note = f"{'×'.join(spec.whole)} whole: {_whole_reason(conv, spec)}"
+            compute(report, step, conv, ctx)
+            return
         roles = dict(spec.roles)
         x = ctx.in_shape
         problem = ConvProblem(x[0], conv.in_channels, conv.out_channels, x[2], x[3],
@@ -283,5 +375,22 @@ class ConvHandler(Handler):
                        (5, 4, 9, 8), SAMPLE_GRIDS[:4]),
                 Sample("conv-grouped-stationary-w",  # 4 groups over C×F: one a rank
                        lambda: SampleNet(nn.Conv2d(4, 8, 3, padding=1, groups=4), 4, 8),
-                       (5, 4, 7, 6), SAMPLE_GRIDS[4:]))
+                       (5, 4, 7, 6), SAMPLE_GRIDS[4:]),
+                Sample("conv-groups-across-blocks",  # 3 groups over 2 or 4 blocks: whole
+                       lambda: SampleNet(nn.Conv2d(6, 6, 3, padding=1, groups=3), 6),
+                       (5, 6, 7, 6), SAMPLE_GRIDS),
+                Sample("conv-one-row-maps",  # squeeze-and-excitation: rows whole
+                       lambda: SampleNet(_Excite(), 4), (5, 4, 7, 6), SAMPLE_GRIDS))
+
+
+class _Excite(nn.Module):
+    """Squeeze-and-excitation's convolutions on ``[N, C, 1, 1]`` maps."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Conv2d(4, 2, 1), nn.Conv2d(2, 4, 1)
+
+    def forward(self, x: Any) -> Any:
+        s = self.fc2(torch.relu(self.fc1(x.mean((2, 3), keepdim=True))))
+        return x * torch.sigmoid(s)
 

@@ -33,7 +33,7 @@ from distconv.ops.base import (
 )
 from distconv.ops.linear import LinearHandler, compute
 from distconv.nn.halo_conv import interior_share
-from distconv.ops.conv import halo_overlap
+from distconv.ops.conv import group_blocks, halo_overlap, whole_rows, whole_step
 from distconv.ops.pricing import CommStep, LayerReport, halo_hidden, largest_block
 from distconv.parallel.placement import Placement, paper_grid
 from distconv.redistribute import plan_redistribution
@@ -147,6 +147,9 @@ class ConvNdHandler(LinearHandler):
         # a stationary default plans the Conv2d layers: these run sample-parallel under it
         split = choice.algorithm == "spatial" or (
             choice.algorithm.startswith("stationary-") and choice.source != "default")
+        whole = whole_rows(an, node, module, choice) if split else ()
+        if whole:
+            return whole_step(an, node, an.tensor_args(node)[0], choice, whole)
         if split and live - {"N"}:
             roles = _roles(module)
             rows = [r for r in roles if r not in ("N", "C", "F")]
@@ -157,12 +160,15 @@ class ConvNdHandler(LinearHandler):
                         f"{rows}: name those (and N, C, F)", ValueError)
             ext = dict(choice.layout)
             blocks = ext.get("C", 1) * ext.get("F", 1)
+            channels = min(module.in_channels, module.out_channels)
             if module.groups > 1 and module.groups % blocks:
                 an.fail(node, f"{choice.source} asks for {choice.algorithm} on "
                         f"{dict(choice.layout)}, but this {kind} is grouped "
                         f"(groups={module.groups}) and its {blocks} channel blocks would not "
-                        f"hold whole groups; use C×F dividing {module.groups}, or split it over "
-                        f"N and {rows} only", ValueError)
+                        f"hold whole groups; use C×F among "
+                        f"{', '.join(map(str, group_blocks(module.groups, channels)))} "
+                        f"(dividing {module.groups}), or split it over N and {rows} only",
+                        ValueError)
             if choice.pipeline > 1:
                 an.fail(node, f"{choice.source} asks for pipeline: {choice.pipeline}, which is "
                         f"implemented for Conv2d; leave it out for this {kind}", ValueError)

@@ -19,21 +19,40 @@ from distconv.ops.base import SAMPLE_GRIDS, Handler, Sample, SampleNet
 from distconv.parallel.placement import Placement, conversion_bytes, evaluated_ranks
 
 __all__ = ["BinaryHandler", "CatHandler", "DropoutHandler", "PointwiseHandler",
-           "broadcast_need", "meeting"]
+           "broadcast_need", "is_constant", "meeting", "with_constants"]
 
 
 class PointwiseHandler(Handler):
+    """Pointwise activations and maps of one value (module, ``F.*``, ``torch.*`` or method):
+    each element of the result depends on the same element of the input only, so every rank
+    maps its block, in its input's settled placement, and nothing moves."""
+
     modules = (nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.GELU, nn.SiLU, nn.Sigmoid, nn.Tanh, nn.ELU,
-               nn.Hardswish, nn.Hardsigmoid, nn.Mish, nn.Softplus, nn.Identity, nn.PReLU)
+               nn.Hardswish, nn.Hardsigmoid, nn.Mish, nn.Softplus, nn.Identity, nn.PReLU,
+               nn.Hardtanh, nn.SELU, nn.CELU, nn.Softsign, nn.LogSigmoid, nn.Tanhshrink,
+               nn.Softshrink, nn.Hardshrink, nn.Threshold)
     functions = frozenset({
         F.relu, torch.relu, F.relu6, F.gelu, F.silu, F.leaky_relu, F.elu, F.hardswish, F.mish,
         torch.sigmoid, torch.tanh, F.sigmoid, F.tanh, torch.clamp, torch.abs, operator.neg,
-        torch.neg, F.softplus,
+        torch.neg, F.softplus, F.hardsigmoid, F.hardtanh, F.selu, F.celu, F.softsign,
+        F.logsigmoid, F.tanhshrink, F.softshrink, F.hardshrink, F.threshold, F.relu_,
+        F.hardtanh_, F.elu_, F.leaky_relu_, torch.selu, torch.celu, torch.clamp_min,
+        torch.clamp_max, torch.clip, torch.erf, torch.erfc, torch.exp, torch.expm1, torch.log,
+        torch.log1p, torch.sqrt, torch.rsqrt, torch.square, torch.reciprocal, torch.sign,
+        torch.sin, torch.cos, torch.floor, torch.ceil, torch.round,
     })
-    methods = frozenset({"relu", "relu_", "sigmoid", "tanh", "clamp", "abs", "neg", "contiguous",
-                         "float", "double", "half", "bfloat16", "clone", "detach"})
+    methods = frozenset({
+        "relu", "relu_", "sigmoid", "sigmoid_", "tanh", "tanh_", "clamp", "clamp_", "clamp_min",
+        "clamp_max", "clip", "abs", "neg", "contiguous", "float", "double", "half", "bfloat16",
+        "clone", "detach", "erf", "erfc", "exp", "expm1", "log", "log1p", "sqrt", "rsqrt",
+        "square", "reciprocal", "sign", "sin", "cos", "floor", "ceil", "round"})
+    #: activations of packages that need not be installed (their forward is one pointwise map)
+    module_names = frozenset({"monai.networks.blocks.activation.MemoryEfficientSwish"})
 
     def place(self, an: Any, node: Any, module: Any) -> Any:
+        args = an.tensor_args(node)
+        if len(args) > 1 and any(is_constant(a) for a in args):  # torch.clamp(x, max=self.t)
+            return with_constants(an, node, args)
         step = an.keep(node, "pointwise")
         if isinstance(module, nn.PReLU) and module.num_parameters > 1 and (
                 step.out.dist.grid_dims_of(1)):
@@ -43,7 +62,35 @@ class PointwiseHandler(Handler):
         return step
 
     def samples(self) -> Sequence[Sample]:
-        return (Sample("relu", lambda: SampleNet(nn.ReLU(), 4), (5, 4, 7, 6), SAMPLE_GRIDS),)
+        return (Sample("relu", lambda: SampleNet(nn.ReLU(), 4), (5, 4, 7, 6), SAMPLE_GRIDS),
+                Sample("activation-modules", lambda: SampleNet(_activation_modules(), 4),
+                       (5, 4, 7, 6), SAMPLE_GRIDS),
+                Sample("activation-functions", lambda: SampleNet(_Activations(), 4),
+                       (5, 4, 7, 6), SAMPLE_GRIDS))
+
+
+def _activation_modules() -> nn.Module:
+    """Every activation module the handler binds, in a chain whose values stay O(1)."""
+    return nn.Sequential(
+        nn.Hardswish(), nn.Hardsigmoid(), nn.SiLU(), nn.GELU(), nn.GELU(approximate="tanh"),
+        nn.Mish(), nn.SELU(), nn.CELU(0.7), nn.Softsign(), nn.Hardtanh(-0.4, 0.8),
+        nn.LogSigmoid(), nn.Tanhshrink(), nn.Softshrink(0.01), nn.Hardshrink(0.001),
+        nn.Threshold(-0.5, 0.1), nn.ReLU6(), nn.ELU(), nn.LeakyReLU(0.1), nn.Softplus(),
+        nn.Sigmoid(), nn.Tanh())
+
+
+class _Activations(nn.Module):
+    """The functional and method forms (in place ones included) and elementwise maps, chained
+    with scalars so values stay O(1)."""
+
+    def forward(self, x: Any) -> Any:
+        x = F.hardtanh(F.hardsigmoid(x) * 3 - 1, -0.5, 0.5) * 4
+        x = F.gelu(F.relu6(x * 4) - 2, approximate="tanh")
+        x = torch.erf(F.silu(x.clone(), inplace=True).sigmoid()) - 0.5
+        x = torch.sqrt(torch.exp(-x.pow(2)) + 1).pow(3) - 2
+        x = F.softsign(F.celu(F.selu(x)))
+        x = torch.rsqrt(F.tanhshrink(F.logsigmoid(x)).square() + 1).clamp(-1, 0.9)
+        return torch.log1p(F.hardswish(F.mish(x * 3 - 1)).abs()).clamp_min(0.1)
 
 
 class DropoutHandler(Handler):
@@ -98,21 +145,21 @@ def _drop_p(node: Any, module: Any) -> float:
 class BinaryHandler(Handler):
     functions = frozenset({operator.add, operator.iadd, operator.sub, operator.isub, operator.mul,
                            operator.imul, operator.truediv, operator.itruediv, torch.add,
-                           torch.sub, torch.mul, torch.div})
-    methods = frozenset({"add", "add_", "sub", "sub_", "mul", "mul_", "div", "div_"})
+                           torch.sub, torch.mul, torch.div, operator.pow, torch.pow,
+                           torch.maximum, torch.minimum})
+    methods = frozenset({"add", "add_", "sub", "sub_", "mul", "mul_", "div", "div_", "pow",
+                         "pow_", "maximum", "minimum"})
 
     def place(self, an: Any, node: Any, module: Any) -> Any:
         from distconv.parallel.graph import Step
 
         args = an.tensor_args(node)
-        for a in fx.node.map_aggregate(node.args, lambda a: a):
-            if isinstance(a, fx.Node) and an.out.get(a) is None and a.op == "get_attr":
-                an.fail(node, "an elementwise op between an activation and a model tensor "
-                        "(get_attr) is not supported: its broadcast over split dims is unplanned")
         if len(args) == 1:
             return an.keep(node, "pointwise")
         if len(args) != 2:
             an.fail(node, f"expected two tensor operands, got {len(args)}")
+        if any(is_constant(x) for x in args):
+            return with_constants(an, node, args)
         a, b = (an.placement(x).settled() for x in args)
         if a.ndim != b.ndim:
             an.fail(node, "operands with different numbers of dims (broadcasting across "
@@ -124,6 +171,8 @@ class BinaryHandler(Handler):
         return (Sample("residual-add", lambda: SampleNet(_Residual(), 4), (5, 4, 7, 6),
                        SAMPLE_GRIDS),
                 Sample("squeeze-excitation", lambda: SampleNet(_Excite(), 4), (5, 4, 7, 6),
+                       SAMPLE_GRIDS),
+                Sample("layer-scale", lambda: SampleNet(_Scaled(), 4), (5, 4, 7, 6),
                        SAMPLE_GRIDS))
 
 
@@ -156,6 +205,42 @@ class CatHandler(Handler):
                        SAMPLE_GRIDS),)
 
 
+def with_constants(an: Any, node: fx.Node, args: list[fx.Node]) -> Any:
+    """An elementwise op of one activation and parameters or buffers (a layer scale, a
+    positional term, a bound): the value stays where the activation is, and each parameter is
+    sliced to the activation's blocks (trailing dims aligned, as broadcasting aligns them; the
+    dims it broadcasts over then made whole by :func:`broadcast_need`), so its gradient is a
+    pending sum that the replicated parameters' all-rank sum completes. Of parameters only: whole
+    on every rank, as they are."""
+    from distconv.parallel.graph import Step
+
+    values = [a for a in args if not is_constant(a)]
+    if len(values) > 1:
+        an.fail(node, f"expected one activation among the operands, got {len(values)}")
+    if not values:
+        out = max((an.placement(a) for a in args), key=lambda p: p.ndim)
+        return Step(node, "pointwise", out, {a: an.placement(a) for a in args})
+    act = an.placement(values[0]).settled()
+    needs = {}
+    for a in args:
+        k = an.placement(a).ndim
+        if a is not values[0] and k > act.ndim:
+            an.fail(node, f"a parameter of {k} dims broadcast against an activation of "
+                    f"{act.ndim}: the activation would gain dims")
+        needs[a] = act if a is values[0] else Placement(
+            act.layout, Dist(act.dist.entries[act.ndim - k:]))
+    return Step(node, "pointwise", act, needs)
+
+
+def is_constant(node: fx.Node) -> bool:
+    """Whether ``node``'s value comes from parameters and buffers only (``self.gamma``,
+    ``self.gamma.view(1, -1, 1, 1)``, ``self.gamma[:, None, None]``), never from the input."""
+    if node.op == "get_attr":
+        return True
+    inputs = node.all_input_nodes
+    return node.op.startswith("call_") and bool(inputs) and all(is_constant(a) for a in inputs)
+
+
 def broadcast_need(need: Placement, shape: Sequence[int], out_shape: Sequence[int]) -> Placement:
     """What an operand of shape ``shape`` of a broadcasting elementwise op is converted to: the
     placement the operands meet in, with every dim it broadcasts over (size 1 against a larger
@@ -163,8 +248,9 @@ def broadcast_need(need: Placement, shape: Sequence[int], out_shape: Sequence[in
     ``[N, C, 1, 1]`` gate of squeeze-and-excitation against a row- or channel-split activation.
     Its cotangent is then a pending sum over the grid dims that split those dims of the result,
     which the conversion's adjoint resolves."""
-    if len(shape) != len(out_shape):
+    if len(shape) > len(out_shape):
         return need
+    out_shape = out_shape[len(out_shape) - len(shape):]  # broadcasting aligns trailing dims
     entries = list(need.dist.entries)
     for d, (a, o) in enumerate(zip(shape, out_shape)):
         if a == 1 and o != 1:
@@ -209,6 +295,21 @@ class _Excite(nn.Module):
     def forward(self, x: Any) -> Any:
         x = x * torch.sigmoid(x.mean((2, 3), keepdim=True))
         return self.conv(x) * torch.sigmoid(x.mean(1, keepdim=True))
+
+
+class _Scaled(nn.Module):
+    """Parameters used directly in ops: a layer scale (viewed, indexed) and a positional term
+    ``[1, C, H, W]``, each sliced to the activation's blocks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(4, 4, 3, padding=1)
+        self.gamma = nn.Parameter(torch.ones(4))
+        self.pos = nn.Parameter(torch.zeros(1, 4, 7, 6))
+
+    def forward(self, x: Any) -> Any:
+        y = self.conv(x * self.gamma.view(1, -1, 1, 1) + self.pos)
+        return y.mul(self.gamma[:, None, None])
 
 
 class _Cat(nn.Module):

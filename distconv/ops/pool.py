@@ -19,7 +19,8 @@ from distconv.ops.base import (
 from distconv.ops.pricing import CommStep, block_index
 from distconv.parallel.placement import Placement, paper_grid
 
-__all__ = ["AdaptiveAvgPoolHandler", "MeanHandler", "PoolHandler"]
+__all__ = ["AdaptiveAvgPoolHandler", "AdaptivePoolHandler", "MeanHandler", "PoolHandler",
+           "ReduceHandler"]
 
 
 def _as_module(node: Any) -> nn.Module:
@@ -196,6 +197,75 @@ class AdaptiveAvgPoolHandler(Handler):
                        (5, 4, 7, 6), SAMPLE_GRIDS))
 
 
+class AdaptivePoolHandler(Handler):
+    """Adaptive pooling besides ``AdaptiveAvgPool2d``: average pooling of signals and volumes
+    (``AdaptiveAvgPool1d/3d``, MONAI's 3-D squeeze-and-excitation) and max pooling of any.
+    Average pooling to one row per spatial dim over split rows is a local sum over the global
+    count, a pending sum over the grid dims that split them (as ``x.mean``); any other size, and
+    max pooling (whose maximum over blocks no sum completes), makes the spatial dims whole
+    first (an allgather) and pools locally."""
+
+    modules = (nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool3d, nn.AdaptiveMaxPool1d,
+               nn.AdaptiveMaxPool2d, nn.AdaptiveMaxPool3d)
+    functions = frozenset({F.adaptive_avg_pool1d, F.adaptive_avg_pool3d, F.adaptive_max_pool1d,
+                           F.adaptive_max_pool2d, F.adaptive_max_pool3d})
+    runs_locally = True
+
+    def runs_as_traced(self, step: Any) -> bool:
+        return step.layer is None
+
+    def run(self, node: Any, args: Any, kwargs: Any, in_shape: tuple[int, ...]) -> Any:
+        """This block's part of the average over every spatial dim (one output row each)."""
+        dims = tuple(range(2, len(in_shape)))
+        return args[0].sum(dims, keepdim=True) / math.prod(in_shape[2:])
+
+    def place(self, an: Any, node: Any, module: Any) -> Any:
+        from distconv.parallel.graph import LayerSpec
+
+        if module is not None:
+            name, size = str(node.target), module.output_size
+            average = isinstance(module, (nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool3d))
+            indices = bool(getattr(module, "return_indices", False))
+        else:
+            name = node.name
+            size = node.kwargs.get("output_size", node.args[1] if len(node.args) > 1 else None)
+            average = node.target in (F.adaptive_avg_pool1d, F.adaptive_avg_pool3d)
+            indices = bool(node.kwargs.get("return_indices",
+                                           node.args[2] if len(node.args) > 2 else False))
+        if indices:
+            an.fail(node, "adaptive max pooling with return_indices=True is not supported (its "
+                    "indices are positions in a block); pool without them")
+        step = an.keep(node, "pool")
+        p = step.out
+        spatial = range(2, p.ndim)
+        split = [g for d in spatial for g in p.dist.grid_dims_of(d)]
+        if not split:
+            return step  # every rank holds whole rows: the traced call pools its block
+        sizes = tuple(size) if isinstance(size, (tuple, list)) else (size,) * len(spatial)
+        entries = p.dist.entries[:2] + (None,) * len(spatial)
+        if average and all(n == 1 for n in sizes):
+            step.out = Placement(p.layout, Dist(entries, frozenset(split)))
+            step.layer = LayerSpec("adaptive-mean", name, p.layout, input=p)
+            return step
+        whole = Placement(p.layout, Dist(entries))
+        step.out, step.needs = whole, {a: whole for a in step.needs}
+        return step
+
+    def samples(self) -> Sequence[Sample]:
+        return (Sample("adaptive-max-2d", lambda: SampleNet(nn.AdaptiveMaxPool2d((1, 2)), 4),
+                       (5, 4, 7, 6), SAMPLE_GRIDS),
+                Sample("adaptive-avg-3d", lambda: PoolNet(nn.AdaptiveAvgPool3d(1), 2, 3),
+                       (5, 2, 4, 5, 3), VOLUME_GRIDS),
+                # (over D×H, explain prices the backward of the gather whole per rank
+                # otherwise than it runs, as for any value gathered over two grid dims)
+                Sample("adaptive-pools-3d", lambda: PoolNet(nn.Sequential(
+                    nn.AdaptiveAvgPool3d((2, 1, 3)), nn.AdaptiveMaxPool3d(1)), 2, 3),
+                    (5, 2, 4, 5, 3), VOLUME_GRIDS[:3]),
+                Sample("adaptive-avg-max-1d", lambda: PoolNet(nn.Sequential(
+                    nn.AdaptiveAvgPool1d(1), nn.AdaptiveMaxPool1d(1)), 3, 1), (5, 3, 10),
+                    SIGNAL_GRIDS))
+
+
 class MeanHandler(Handler):
     """``x.mean(dims)`` over non-sample dims: a local sum over the global count, a pending sum
     over the grid dims that split those dims (as global average pooling)."""
@@ -242,6 +312,51 @@ class MeanHandler(Handler):
     def samples(self) -> Sequence[Sample]:
         return (Sample("spatial-mean", lambda: SampleNet(nn.Identity(), 4), (5, 4, 7, 6),
                        SAMPLE_GRIDS),)
+
+
+class ReduceHandler(Handler):
+    """``x.sum(dims)``, ``x.amax(dims)``, ``x.amin(dims)`` over non-sample dims (CBAM's channel
+    and spatial gates). A sum over split dims is the block's own sum, a pending sum over the
+    grid dims that split them; a maximum or minimum, which no sum completes, makes those dims
+    whole first (an allgather) and reduces locally."""
+
+    functions = frozenset({torch.sum, torch.amax, torch.amin})
+    methods = frozenset({"sum", "amax", "amin"})
+
+    def place(self, an: Any, node: Any, module: Any) -> Any:
+        from distconv.parallel.graph import Step
+
+        args = an.tensor_args(node)
+        p = an.placement(args[0]).settled()
+        dims = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else None)
+        keep = bool(node.kwargs.get("keepdim", node.args[2] if len(node.args) > 2 else False))
+        dims = (dims,) if isinstance(dims, int) else tuple(dims or ())
+        dims = tuple(sorted(d % p.ndim for d in dims))
+        what = getattr(node.target, "__name__", node.target)
+        if not dims or 0 in dims or node.kwargs.get("dtype") is not None:
+            an.fail(node, f"{what} is supported over non-sample dims (e.g. x.{what}((2, 3)))")
+        split = frozenset(g for d in dims for g in p.dist.grid_dims_of(d))
+        entries = [None if i in dims else e for i, e in enumerate(p.dist.entries)]
+        need = p if what == "sum" else Placement(p.layout, Dist(tuple(entries)))
+        if not keep:
+            entries = [e for i, e in enumerate(entries) if i not in dims]
+        pending = split if what == "sum" else frozenset()
+        return Step(node, "reduce", Placement(p.layout, Dist(tuple(entries), pending)),
+                    {args[0]: need})
+
+    def samples(self) -> Sequence[Sample]:
+        return (Sample("sum-amax-gates", lambda: SampleNet(_Gates(), 4), (5, 4, 7, 6),
+                       SAMPLE_GRIDS),)
+
+
+class _Gates(nn.Module):
+    """CBAM's gates: channel attention from the spatial sum and maximum, spatial attention from
+    the channel maximum and minimum."""
+
+    def forward(self, x: Any) -> Any:
+        c = torch.sigmoid(x.sum((2, 3), keepdim=True) / 42 + x.amax((2, 3), keepdim=True))
+        x = x * c
+        return x * torch.sigmoid(torch.amax(x, 1, keepdim=True) - x.amin(dim=1, keepdim=True))
 
 
 class _Functional(nn.Module):

@@ -88,9 +88,21 @@ def _where(exc: BaseException, model: nn.Module) -> str:
 
 
 class _Tracer(fx.Tracer):
-    """fx's tracer, except that a module without state made inside a forward (a pooling layer
-    built per call, as MONAI's ResNet shortcut does) is traced through as the functions it
-    calls: fx would refuse it, as it is installed under no path."""
+    """fx's tracer, keeping as one call each module and loaded function a handler binds by name
+    (:func:`distconv.ops.is_leaf`, :func:`distconv.ops.loaded_functions`: e.g. stochastic
+    depth, whose body fx cannot follow); a module without state made inside a forward (a
+    pooling layer built per call, as MONAI's ResNet shortcut does) is traced through as the
+    functions it calls: fx would refuse it, as it is installed under no path."""
+
+    def __init__(self) -> None:
+        from distconv import ops  # the handlers import the parallel package: not at load
+
+        super().__init__(autowrap_functions=ops.loaded_functions())
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        from distconv import ops
+
+        return super().is_leaf_module(m, module_qualified_name) or ops.is_leaf(m)
 
     def call_module(self, m: nn.Module, forward: Any, args: Any, kwargs: Any) -> Any:
         try:

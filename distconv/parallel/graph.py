@@ -49,6 +49,9 @@ class LayerSpec:
     statistics: str = "global"  # BatchNorm: global-batch or per-sample-block statistics
     pipeline: int = 1  # conv: chunks of samples its collectives are pipelined over
     overlap: bool = False  # conv: its halo exchange overlaps the interior rows' convolution
+    #: the spatial grid dims a default entry splits that this layer keeps whole (its maps have
+    #: one row there, as the graph states: a keepdim mean, an adaptive pool to 1)
+    whole: tuple[str, ...] = ()
 
 
 @dataclass
@@ -147,8 +150,19 @@ class _Analyser:
         if node.op == "output":
             return self.visit_output(node)
         if node.op == "get_attr":
-            return Step(node, "constant", None)
+            return self.visit_constant(node)
         return self.visit_call(node)
+
+    def visit_constant(self, node: fx.Node) -> Step:
+        """A parameter or buffer used directly in ops (a layer scale, a positional term): whole
+        on every rank, where the model keeps it; an op converts it to the slice it needs (its
+        gradient then a pending sum, completed with the replicated parameters')."""
+        value = self.gm
+        for part in str(node.target).split("."):
+            value = getattr(value, part, None)
+        if not isinstance(value, torch.Tensor):
+            return Step(node, "constant", None)
+        return Step(node, "constant", Placement(self.config.data, Dist.replicated(value.dim())))
 
     def _ndim_from_users(self, node: fx.Node) -> int:
         for user in node.users:
