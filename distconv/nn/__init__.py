@@ -9,6 +9,7 @@ from distconv.nn.dropout import (
     DistDropout, DistDropout1d, DistDropout2d, DistDropout3d, DistDropPath,
 )
 from distconv.nn.grad_sync import GradSync, finish_grad_sync
+from distconv.nn.linear import DistLinear
 from distconv.nn.groupnorm import (
     DistGroupNorm, DistInstanceNorm1d, DistInstanceNorm2d, DistInstanceNorm3d, DistLayerNorm,
 )
@@ -27,3 +28,4 @@ __all__ += ["DistAdaptiveAvgPool2d", "DistAvgPool1d", "DistAvgPool2d", "DistAvgP
             "DistDropPath", "DistDropout", "DistDropout1d", "DistDropout2d", "DistDropout3d",
             "DistGroupNorm",
             "DistInstanceNorm1d", "DistInstanceNorm2d", "DistInstanceNorm3d", "DistLayerNorm", "DistMaxPool1d", "DistMaxPool2d", "DistMaxPool3d"]
+__all__ += ["DistLinear"]

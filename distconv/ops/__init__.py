@@ -20,8 +20,10 @@ from distconv.ops.conv_nd import ConvNdHandler
 from distconv.ops.elementwise import BinaryHandler, CatHandler, DropoutHandler, PointwiseHandler
 from distconv.ops.linear import LinearHandler
 from distconv.ops.norm import (
-    BatchNormHandler, GroupNormHandler, InstanceNormHandler, LayerNormHandler,
+    BatchNormHandler, FunctionalLayerNormHandler, GroupNormHandler, InstanceNormHandler,
+    LayerNormHandler,
 )
+from distconv.ops.permute import PermuteHandler
 from distconv.ops.pool import (
     AdaptiveAvgPoolHandler, AdaptivePoolHandler, MeanHandler, PoolHandler, ReduceHandler,
 )
@@ -40,7 +42,8 @@ REGISTRY: tuple[Handler, ...] = (
     GroupNormHandler(), LayerNormHandler(), InstanceNormHandler(), PoolHandler(),
     AdaptiveAvgPoolHandler(), AdaptivePoolHandler(), MeanHandler(), ReduceHandler(),
     ResampleHandler(), DropoutHandler(), StochasticDepthHandler(),
-    FlattenHandler(), ReshapeHandler(), NewAxisHandler(), PointwiseHandler(), BinaryHandler(),
+    FunctionalLayerNormHandler(), FlattenHandler(), ReshapeHandler(), NewAxisHandler(),
+    PermuteHandler(), PointwiseHandler(), BinaryHandler(),
     CatHandler(),
 )
 

@@ -18,6 +18,9 @@ from __future__ import annotations
 import math
 from typing import Any, Sequence
 
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
 from torch import nn
 
 from distconv.comm.base import allreduce_bytes
@@ -32,7 +35,8 @@ from distconv.ops.base import (
 from distconv.ops.pricing import CommStep, largest_block, segment_rank
 from distconv.parallel.placement import Placement, paper_grid
 
-__all__ = ["BatchNormHandler", "GroupNormHandler", "InstanceNormHandler", "LayerNormHandler"]
+__all__ = ["BatchNormHandler", "FunctionalLayerNormHandler", "GroupNormHandler",
+           "InstanceNormHandler", "LayerNormHandler"]
 
 
 class BatchNormHandler(Handler):
@@ -350,6 +354,72 @@ class LayerNormHandler(_LocalNorm):
                                       (4, {"default": {"grid": {"H": 2, "W": 2},
                                                        "algorithm": "spatial"},
                                            "data": {"N": 1, "H": 2, "W": 2}}))))
+
+
+class FunctionalLayerNormHandler(Handler):
+    """``F.layer_norm(x, normalized_shape, weight, bias, eps)`` as a module's forward writes it
+    (timm's ``LayerNorm2d``: ``F.layer_norm`` between two permutes, with the module's own
+    ``weight`` and ``bias`` read as model tensors). Where ``x`` keeps the normalised (trailing)
+    dims whole -- sample or row splits -- the call runs on each rank's rows as written; where
+    they are split (a channels-last value with its channels split), they are made whole first:
+    the full ``weight`` and ``bias`` are applied on every rank, which is exact only with whole
+    rows, and the allgather over the grid dims that split them is priced as the conversion it
+    is. (``nn.LayerNorm`` modules normalise split dims in place: :class:`LayerNormHandler`.)"""
+
+    functions = frozenset({F.layer_norm, torch.layer_norm})
+
+    def place(self, an: Any, node: Any, module: Any) -> Any:
+        from distconv.parallel.graph import Step
+
+        args = an.tensor_args(node)
+        if len(args) != 1 or node.args[0] is not args[0]:
+            an.fail(node, "layer_norm's weight and bias must be model tensors (parameters, "
+                    "buffers) or None, not values computed from the input")
+        shape = node.kwargs.get("normalized_shape", node.args[1] if len(node.args) > 1
+                                else None)
+        found: list[fx.Node] = []
+        fx.node.map_arg(shape, found.append)
+        if shape is None or found:
+            an.fail(node, f"normalized_shape {shape!r} is computed in the graph; give it as "
+                    "numbers (a module's normalized_shape attribute is)", TypeError)
+        k = 1 if isinstance(shape, int) else len(shape)
+        p = an.placement(args[0]).settled()
+        if not 1 <= k < p.ndim:
+            an.fail(node, f"normalized_shape {shape!r} must name 1 to {p.ndim - 1} trailing dims "
+                    f"of the {p.ndim}-dim value", ValueError)
+        entries = p.dist.entries[:p.ndim - k] + (None,) * k
+        whole = Placement(p.layout, Dist(entries, frozenset(), p.dist.tensor_dims))
+        return Step(node, "norm", whole, {args[0]: whole})
+
+    def samples(self) -> Sequence[Sample]:
+        return (Sample("layernorm2d", lambda: SampleNet(_LayerNorm2d(4), 4), (5, 4, 7, 6),
+                       SAMPLE_GRIDS),
+                Sample("F.layer_norm-channels-first", lambda: SampleNet(_ChannelsFirstNorm(4), 4),
+                       (5, 4, 7, 6), SAMPLE_GRIDS[:3]))
+
+
+class _LayerNorm2d(nn.LayerNorm):
+    """timm's ``LayerNorm2d``: a LayerNorm over the channels of an ``[N, C, H, W]`` value."""
+
+    def forward(self, x: Any) -> Any:
+        x = x.permute(0, 2, 3, 1)
+        x = F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
+        return x.permute(0, 3, 1, 2)
+
+
+class _ChannelsFirstNorm(nn.Module):
+    """A channels-first LayerNorm written with ``F.layer_norm`` on a permuted value and
+    permuted back (MONAI, timm)."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.channels = channels
+        self.weight = nn.Parameter(torch.ones(channels))
+        self.bias = nn.Parameter(torch.zeros(channels))
+
+    def forward(self, x: Any) -> Any:
+        return F.layer_norm(x.permute(0, 2, 3, 1), (self.channels,), self.weight, self.bias,
+                            1e-6).permute(0, 3, 1, 2)
 
 
 class InstanceNormHandler(_LocalNorm):
