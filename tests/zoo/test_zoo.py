@@ -33,27 +33,30 @@ EXPECTED: dict[tuple[str, str], str | Refused] = {
     # MONAI pads the stem with a ConstantPad2d module ("same" padding, TensorFlow style)
     ("monai.EfficientNet", "sample"): Refused(
         "Unsupported", ("_conv_stem_padding", "ConstantPad2d", "not supported")),
-    # its forward branches on tensors fx cannot follow
-    ("monai.HighResNet", "sample"): Refused("UntraceableModelError", ("HighResNet", "trace")),
+    # its residual blocks branch in Python on something fx stands in for
+    ("monai.HighResNet", "sample"): Refused(
+        "UntraceableModelError", ("HighResNet", "trace", "blocks.1")),
     # its upsampling blocks call F.pad
     ("monai.MedNeXt", "sample"): Refused("Unsupported", ("'pad'", "not supported")),
-    # the decoder's padding to the skip's size reads traced sizes fx cannot follow
+    # its decoder (MONAI's UpCat) asks torch.jit.isinstance of a traced value, which fx answers
+    # for its proxy: the captured graph would drop the skip's cat
     ("monai.FlexibleUNet", "sample"): Refused(
-        "ValueError", ("decoder.blocks.0.convs.conv_0.conv", "shape propagation failed")),
+        "UntraceableModelError", ("torch.jit.isinstance", "decoder.blocks.0")),
     ("monai.AttentionUnet", "channels"): EXACT,
     # the attention gate multiplies two values: not a chain the planner plans
     ("monai.AttentionUnet", "plan"): Refused(
         "NotImplementedError", ("trace_network", "mul", "joins several values")),
-    # torch.jit.isinstance on a traced value drops the skip's cat from the captured graph
+    # the same UpCat
     ("monai.BasicUNet", "sample"): Refused(
-        "ValueError", ("upcat_4.convs.conv_0.conv", "shape propagation failed")),
+        "UntraceableModelError", ("torch.jit.isinstance", "upcat_4")),
     ("monai.UNet", "spatial"): EXACT,
     ("monai.DynUNet", "spatial"): EXACT,
     ("monai.DynUNet", "channels"): EXACT,
     ("monai.SegResNet", "sample"): EXACT,
     ("monai.SegResNet", "channels"): EXACT,
-    # its ViT encoder reads a traced value's attribute in Python
-    ("monai.UNETR", "sample"): Refused("UntraceableModelError", ("UNETR", "trace")),
+    # its ViT's einops rearrangement reads a traced value's attribute in Python
+    ("monai.UNETR", "sample"): Refused(
+        "UntraceableModelError", ("UNETR", "trace", "vit.blocks.0.attn.input_rearrange")),
     ("torchvision.resnet18", "sample"): EXACT,
     ("torchvision.vgg11", "channels"): EXACT,
     ("timm.regnetx_002", "sample"): EXACT,
