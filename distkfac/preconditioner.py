@@ -185,7 +185,8 @@ class KFAC:
         factor_sharding: layout of DistConv2d factors, ``'exact'`` or ``'block'`` (see
             :mod:`distkfac.sharded`), or a mapping from module name to layout (others
             ``'exact'``); every key must name a layer K-FAC registers (ValueError otherwise,
-            listing them). Default ``'exact'``.
+            listing them); a module registered under several paths may be named by any of
+            them. Default ``'exact'``.
         accumulation_steps: backward passes per ``step()`` (gradient accumulation, each
             micro-batch's loss divided by it): their factor contributions add up.  A further
             forward pass before ``step()`` starts the collection anew (a step that was
@@ -197,7 +198,9 @@ class KFAC:
             of two float64 per looked factor), so every rank skips the same.
         stale_max_interval: the longest stretch, in scheduled decompositions. Default 8.
         skip_layers: module names or class names left unpreconditioned; each must name some
-            module of the model. Default ().
+            module of the model (a module registered under several paths, e.g. a U-Net's skip
+            list holding the encoder's blocks, by any of them: it is one layer, registered and
+            reported under its first path, as ``named_modules()`` lists it). Default ().
         cost_model: a :class:`~distkfac.placement.CostModel` for ``'lbp'``; default None fits
             one on this machine at the first decomposition (collectively).
     """
@@ -331,9 +334,15 @@ class KFAC:
         return self.factor_sharding.get(name, "exact")
 
     def _register(self) -> None:
+        paths: dict[int, list[str]] = {}  # every path of each module; the first is its name
+        for name, module in self.model.named_modules(remove_duplicate=False):
+            paths.setdefault(id(module), []).append(name)
+        if not isinstance(self.factor_sharding, str):
+            first = {alias: group[0] for group in paths.values() for alias in group}
+            self.factor_sharding = {first.get(k, k): v for k, v in self.factor_sharding.items()}
         matched: set[str] = set()
         for name, module in self.model.named_modules():
-            hit = {name, type(module).__name__} & set(self.skip_layers)
+            hit = {*paths[id(module)], type(module).__name__} & set(self.skip_layers)
             if hit:
                 matched |= hit
                 continue

@@ -54,9 +54,10 @@ class ShardSpec:
 
 def shard_specs(model: nn.Module) -> dict[str, ShardSpec]:
     """The :class:`ShardSpec` of every parameter and buffer of ``model`` by qualified name
-    (the keys of ``model.state_dict()``); tensors no layer describes are replicated."""
+    (the keys of ``model.state_dict()``, so a module registered under several paths is listed
+    under each); tensors no layer describes are replicated."""
     specs: dict[str, ShardSpec] = {}
-    for prefix, module in model.named_modules():
+    for prefix, module in model.named_modules(remove_duplicate=False):
         own = module._shard_specs() if hasattr(module, "_shard_specs") else {}
         tensors = dict(module.named_parameters(recurse=False))
         tensors.update(dict(module.named_buffers(recurse=False)))

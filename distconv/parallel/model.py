@@ -160,6 +160,7 @@ class ParallelModel(nn.Module):
             elif step.layer is not None:
                 self._build(gm, step)
         _retie(gm, ties)
+        _realias(gm, self._template)
         for name, child in gm.named_children():
             self.add_module(name, child)
         for name, value in list(gm.named_parameters(recurse=False)):
@@ -579,15 +580,22 @@ class ParallelModel(nn.Module):
 
     # ------------------------------------------------------------------ gathering
     def gather_state_dict(self) -> dict[str, torch.Tensor]:
-        """The single-process state dict, on every rank (collective)."""
-        state = self.state_dict()
+        """The single-process state dict, on every rank (collective). A tensor the model holds
+        under several keys (a module registered under several paths) is gathered once and is one
+        tensor under all of them, as in the single-process model's state dict."""
+        state = self.state_dict(keep_vars=True)
         out: dict[str, torch.Tensor] = {}
+        done: dict[int, torch.Tensor] = {}
         for key, spec in shard_specs(self).items():
             local = state[key]
-            if spec.grid is None or spec.is_replicated:
-                out[key] = local.detach().clone()
-            else:
-                out[key] = gather(local.detach(), spec.dist, spec.grid, spec.global_shape)
+            whole = done.get(id(local))
+            if whole is None:
+                if spec.grid is None or spec.is_replicated:
+                    whole = local.detach().clone()
+                else:
+                    whole = gather(local.detach(), spec.dist, spec.grid, spec.global_shape)
+                done[id(local)] = whole
+            out[key] = whole
         return out
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Any:
@@ -773,6 +781,33 @@ def _retie(gm: nn.Module, ties: list[list[tuple[str, str]]]) -> None:
                     f"{_show_where(where)}). Give both layers the same grid and algorithm in the "
                     "config (one entry matching both), or untie the parameter")
             setattr(module, pname, shared)
+
+
+def _realias(gm: nn.Module, template: nn.Module) -> None:
+    """Register each module the model holds under several paths (``self.skips = [self.enc[1]]``)
+    under every one of them again: the traced module keeps only the path the graph names it by, and
+    torch's state dict lists the module's tensors under each path. The other paths point at the
+    traced (and perhaps distributed) module itself, so every key is the same tensor; parents the
+    traced module lacks are plain containers. Modules the forward never calls stay absent."""
+    paths: dict[int, list[str]] = {}
+    owns: dict[int, bool] = {}
+    for name, m in template.named_modules(remove_duplicate=False):
+        paths.setdefault(id(m), []).append(name)
+        owns[id(m)] = any(t is not None for t in [*m._parameters.values(), *m._buffers.values()])
+    held = dict(gm.named_modules())
+    aliases = []
+    for key, group in paths.items():
+        there = [p for p in group if p in held]
+        if owns[key] and there:
+            aliases.extend((p, there[0]) for p in group if p not in held)
+    for alias, path in sorted(aliases, key=lambda a: a[0].count(".")):
+        parent: nn.Module = gm
+        *dirs, leaf = alias.split(".")
+        for part in dirs:
+            if part not in parent._modules:
+                parent.add_module(part, nn.Module())
+            parent = parent._modules[part]
+        parent.add_module(leaf, gm.get_submodule(path))
 
 
 def _show_where(where: tuple[Any, Any, Any]) -> str:

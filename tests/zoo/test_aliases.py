@@ -1,0 +1,121 @@
+"""A module registered under several paths (a U-Net's skip list holding the encoder's blocks):
+the parallel model's state dicts, ``gather_module``, checkpoints and K-FAC keep every path torch's
+``state_dict`` keeps, each the same tensor as its first path, after training exactly."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import distconv
+import distkfac
+from distconv.data import sample_block
+from distconv.parallel import parallelize
+from distconv.testing import run_threads
+from tests.parallel.cases import LR, MOMENTUM, TOL, reference_step, seeded
+
+SPLIT_C = {"default": {"grid": {"N": 2, "C": 2}, "algorithm": "stationary-x"}}
+SPLIT_H = {"default": {"grid": {"N": 2, "H": 2}, "algorithm": "spatial"}}
+DEEP_C = {"default": {"grid": {"N": 4}, "algorithm": "sample"},
+          "layers": [{"match": "bottleneck.*", "grid": {"N": 2, "C": 2},
+                      "algorithm": "stationary-x"}]}
+SPLIT_F = {"default": {"grid": {"N": 2, "F": 2}, "algorithm": "stationary-y"}}
+
+
+class Skips(nn.Module):
+    """``skips[0]`` is ``enc[1]``: torch's state dict lists its tensors under both paths,
+    ``named_parameters()`` once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = nn.ModuleList([nn.Conv2d(3, 4, 3, padding=1), nn.Conv2d(4, 4, 3, padding=1)])
+        self.skips = nn.ModuleList([self.enc[1]])
+        self.head = nn.Linear(4, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.enc[0](x))
+        h = h + self.skips[0](h)
+        return self.head(h.mean((2, 3)))
+
+
+def skips_case() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(3)
+    model = seeded(Skips().double(), gen)
+    return (model, torch.randn(4, 3, 8, 8, generator=gen, dtype=torch.float64),
+            torch.randint(0, 5, (4,), generator=gen))
+
+
+def dynunet_case() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    nets = pytest.importorskip("monai.networks.nets")
+    gen = torch.Generator().manual_seed(5)
+    model = nets.DynUNet(spatial_dims=2, in_channels=1, out_channels=2, kernel_size=[3, 3, 3],
+                         strides=[1, 2, 2], upsample_kernel_size=[2, 2], filters=[4, 8, 8])
+    model = seeded(model.double(), gen)
+    return (model, torch.randn(4, 1, 16, 16, generator=gen, dtype=torch.float64),
+            torch.randint(0, 2, (4, 16, 16), generator=gen))
+
+
+def _train_save_load(comm, model, config, x, y, path, other):  # noqa: ANN001, ANN202
+    """One SGD step of the user's loop; the gathered state and module; a checkpoint of the
+    trained model loaded onto the ``other`` config, gathered again."""
+    pmodel = parallelize(copy.deepcopy(model), config, comm=comm)
+    opt = torch.optim.SGD(pmodel.parameters(), lr=LR, momentum=MOMENTUM)
+    rows = sample_block(x.shape[0], pmodel.data_grid)
+    F.cross_entropy(pmodel(x[rows]), y[rows]).backward()
+    opt.step()
+    keys = list(pmodel.state_dict())
+    state = pmodel.gather_state_dict()
+    module = pmodel.gather_module()
+    distconv.save(pmodel, path, comm=comm)
+    moved = parallelize(copy.deepcopy(model), other, comm=comm)
+    distconv.load(moved, path)
+    return keys, state, module, moved.gather_state_dict()
+
+
+@pytest.mark.parametrize("case, config, other", [
+    (skips_case, SPLIT_C, SPLIT_F), (dynunet_case, SPLIT_H, DEEP_C)],
+    ids=["skips", "dynunet"])
+def test_aliased_modules_keep_every_path_through_training_gathering_and_checkpoints(
+        case, config, other, tmp_path) -> None:  # noqa: ANN001
+    model, x, y = case()
+    ref = reference_step(model, x, y)["state"]
+    aliased = {k for k in ref if k not in dict(model.named_parameters())
+               and k not in dict(model.named_buffers())}
+    assert aliased, "the case must alias a module"
+    for keys, state, module, moved in run_threads(_train_save_load, 4, model, config, x, y,
+                                                  tmp_path / "ckpt", other):
+        assert set(keys) == set(ref) and set(state) == set(ref) and set(moved) == set(ref)
+        for k, v in ref.items():
+            torch.testing.assert_close(state[k], v, rtol=TOL, atol=TOL, msg=k)
+            assert torch.equal(moved[k], state[k]), k
+        mine = module.state_dict(keep_vars=True)
+        assert set(mine) == set(ref)
+        for k in aliased:  # one tensor behind every path, as in the single-process model
+            first = next(n for n, t in model.state_dict(keep_vars=True).items()
+                         if t is model.state_dict(keep_vars=True)[k])
+            assert state[k] is state[first] and mine[k] is mine[first], k
+
+
+def _kfac_naming_an_alias(comm, model, x, y, options):  # noqa: ANN001, ANN202
+    pmodel = parallelize(copy.deepcopy(model), SPLIT_C, comm=comm)
+    kfac = distkfac.KFAC(pmodel, factor_dtype=torch.float64, **options)
+    rows = sample_block(x.shape[0], pmodel.data_grid)
+    F.cross_entropy(pmodel(x[rows]), y[rows]).backward()
+    kfac.step()
+    return sorted({ly.name for ly in [*kfac.layers, *kfac.exact_layers]}), kfac.factor_sharding
+
+
+@pytest.mark.parametrize("options, layers, sharding", [
+    ({"skip_layers": ["skips.0"]}, ["enc.0", "head"], "exact"),
+    ({"factor_sharding": {"skips.0": "block"}}, ["enc.0", "enc.1", "enc.1.bias", "head"],
+     {"enc.1": "block"})])
+def test_kfac_names_an_aliased_module_by_any_of_its_paths(  # noqa: ANN001
+        options, layers, sharding) -> None:
+    """``skip_layers`` and ``factor_sharding`` may name ``enc.1`` as ``skips.0``: one layer,
+    known by its first path."""
+    model, x, y = skips_case()
+    for names, got in run_threads(_kfac_naming_an_alias, 4, model, x, y, options):
+        assert names == layers and got == sharding

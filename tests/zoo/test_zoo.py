@@ -1,0 +1,110 @@
+"""The model zoo in CI: a few (model, config) pairs of each zoo model, trained two SGD steps on 4
+thread ranks in fp64 against one process (``tests/zoo/catalogue.py``), each exact (relative error
+≤ 1e-9) or refused with the exception and the words the table below states: the node or module it
+names and the reason. The whole matrix is ``benchmarks/model_zoo.py``'s."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+
+from tests.zoo.catalogue import (
+    REL_TOL, ZOO, case, configs, relative_error, reference, run_kfac, run_pair, train,
+)
+
+
+@dataclass(frozen=True)
+class Refused:
+    """A refusal: the exception's class name and words its message must hold."""
+
+    raised: str
+    words: tuple[str, ...]
+
+
+EXACT = "exact"
+
+#: what each pair does, written down by hand with the reason in the model's code (never read back
+#: from the library): pairs that run must be exact; the rest are refused, naming what and why.
+#: A pair the library learns to run moves from a refusal to EXACT here.
+EXPECTED: dict[tuple[str, str], str | Refused] = {
+    ("monai.ResNet", "channels"): EXACT,
+    ("monai.ResNet", "plan"): EXACT,
+    ("monai.DenseNet", "spatial"): EXACT,
+    # MONAI pads the stem with a ConstantPad2d module ("same" padding, TensorFlow style)
+    ("monai.EfficientNet", "sample"): Refused(
+        "Unsupported", ("_conv_stem_padding", "ConstantPad2d", "not supported")),
+    # its residual blocks branch in Python on something fx stands in for
+    ("monai.HighResNet", "sample"): Refused(
+        "UntraceableModelError", ("HighResNet", "trace", "blocks.1")),
+    # its upsampling blocks call F.pad
+    ("monai.MedNeXt", "sample"): Refused("Unsupported", ("'pad'", "not supported")),
+    # its decoder (MONAI's UpCat) asks torch.jit.isinstance of a traced value, which fx answers
+    # for its proxy: the captured graph would drop the skip's cat
+    ("monai.FlexibleUNet", "sample"): Refused(
+        "UntraceableModelError", ("torch.jit.isinstance", "decoder.blocks.0")),
+    ("monai.AttentionUnet", "channels"): EXACT,
+    # the attention gate multiplies two values: not a chain the planner plans
+    ("monai.AttentionUnet", "plan"): Refused(
+        "NotImplementedError", ("trace_network", "mul", "joins several values")),
+    # the same UpCat
+    ("monai.BasicUNet", "sample"): Refused(
+        "UntraceableModelError", ("torch.jit.isinstance", "upcat_4")),
+    ("monai.UNet", "spatial"): EXACT,
+    ("monai.DynUNet", "spatial"): EXACT,
+    ("monai.DynUNet", "channels"): EXACT,
+    ("monai.SegResNet", "sample"): EXACT,
+    ("monai.SegResNet", "channels"): EXACT,
+    # its ViT's einops rearrangement reads a traced value's attribute in Python
+    ("monai.UNETR", "sample"): Refused(
+        "UntraceableModelError", ("UNETR", "trace", "vit.blocks.0.attn.input_rearrange")),
+    ("torchvision.resnet18", "sample"): EXACT,
+    ("torchvision.vgg11", "channels"): EXACT,
+    ("timm.regnetx_002", "sample"): EXACT,
+}
+
+
+def _needs(name: str) -> None:
+    for module in ZOO[name].needs:
+        pytest.importorskip(module)
+
+
+@pytest.mark.parametrize("name, config", list(EXPECTED), ids=[f"{m}-{c}" for m, c in EXPECTED])
+def test_zoo_pair_is_exact_or_refused_as_stated(name: str, config: str) -> None:
+    _needs(name)
+    want = EXPECTED[(name, config)]
+    got = run_pair(ZOO[name], config)
+    if want == EXACT:
+        assert got.kind == "exact", got
+        assert got.error is not None and got.error <= REL_TOL
+    else:
+        assert isinstance(want, Refused)
+        assert got.kind == "refused" and got.raised == want.raised, got
+        missing = [w for w in want.words if w not in got.message]
+        assert not missing, f"{missing} not in {got.message!r}"
+
+
+#: K-FAC on the channel config (the deepest convolutions over C), against one process's K-FAC,
+#: and the layers neither preconditions (none: every convolution and Linear is a K-FAC layer)
+KFAC_CASES = ["monai.ResNet", "monai.UNet", "monai.DynUNet"]
+
+
+@pytest.mark.parametrize("name", KFAC_CASES)
+def test_kfac_on_a_parallelized_zoo_model_equals_one_process(name: str) -> None:
+    _needs(name)
+    got, skipped = run_kfac(ZOO[name], "channels")
+    assert got.kind == "exact", got
+    assert skipped == {}
+
+
+def _gloo_pair(comm, name: str, config: str) -> float:  # noqa: ANN001
+    model, x, y = case(ZOO[name])
+    return relative_error(reference(model, x, y),
+                          train(comm, model, configs(ZOO[name], model, x)[config], x, y))
+
+
+@pytest.mark.gloo
+def test_zoo_densenet_on_gloo(gloo4) -> None:  # noqa: ANN001
+    """A DenseNet's last dense block over channels on a real gloo world."""
+    _needs("monai.DenseNet")
+    for err in gloo4.run(_gloo_pair, "monai.DenseNet", "channels"):
+        assert err <= REL_TOL
