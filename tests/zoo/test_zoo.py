@@ -43,9 +43,8 @@ EXPECTED: dict[tuple[str, str], str | Refused] = {
     ("monai.FlexibleUNet", "sample"): Refused(
         "UntraceableModelError", ("torch.jit.isinstance", "decoder.blocks.0")),
     ("monai.AttentionUnet", "channels"): EXACT,
-    # the attention gate multiplies two values: not a chain the planner plans
-    ("monai.AttentionUnet", "plan"): Refused(
-        "NotImplementedError", ("trace_network", "mul", "joins several values")),
+    # the attention gate multiplies two values: the planner plans any graph the handlers run
+    ("monai.AttentionUnet", "plan"): EXACT,
     # the same UpCat
     ("monai.BasicUNet", "sample"): Refused(
         "UntraceableModelError", ("torch.jit.isinstance", "upcat_4")),
