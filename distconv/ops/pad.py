@@ -42,6 +42,9 @@ def padded_dims(pad: Any, ndim: int) -> tuple[int, ...] | None:
 
 
 class PadHandler(Handler):
+    """Every pad form: the padded dims of its input made whole, the rest as they come, and the
+    call run as traced on each rank's block (its output in the same placement)."""
+
     modules = _pad_modules()
     functions = frozenset({F.pad})
 
