@@ -23,6 +23,7 @@ from distconv.ops.norm import (
     BatchNormHandler, FunctionalLayerNormHandler, GroupNormHandler, InstanceNormHandler,
     LayerNormHandler,
 )
+from distconv.ops.pad import PadHandler
 from distconv.ops.permute import PermuteHandler
 from distconv.ops.pool import (
     AdaptiveAvgPoolHandler, AdaptivePoolHandler, MeanHandler, PoolHandler, ReduceHandler,
@@ -42,7 +43,7 @@ REGISTRY: tuple[Handler, ...] = (
     GroupNormHandler(), LayerNormHandler(), InstanceNormHandler(), PoolHandler(),
     AdaptiveAvgPoolHandler(), AdaptivePoolHandler(), MeanHandler(), ReduceHandler(),
     ResampleHandler(), DropoutHandler(), StochasticDepthHandler(), FunctionalLayerNormHandler(),
-    FlattenHandler(), ReshapeHandler(), NewAxisHandler(), PermuteHandler(), PointwiseHandler(),
+    PadHandler(), FlattenHandler(), ReshapeHandler(), NewAxisHandler(), PermuteHandler(), PointwiseHandler(),
     BinaryHandler(), CatHandler(),
 )
 

@@ -30,14 +30,16 @@ EXPECTED: dict[tuple[str, str], str | Refused] = {
     ("monai.ResNet", "channels"): EXACT,
     ("monai.ResNet", "plan"): EXACT,
     ("monai.DenseNet", "spatial"): EXACT,
-    # MONAI pads the stem with a ConstantPad2d module ("same" padding, TensorFlow style)
-    ("monai.EfficientNet", "sample"): Refused(
-        "Unsupported", ("_conv_stem_padding", "ConstantPad2d", "not supported")),
+    # MONAI pads the stem with a ConstantPad2d module ("same" padding, TensorFlow style): the
+    # padded dims are gathered first
+    ("monai.EfficientNet", "sample"): EXACT,
+    ("monai.EfficientNet", "spatial"): EXACT,
     # its residual blocks branch in Python on something fx stands in for
     ("monai.HighResNet", "sample"): Refused(
         "UntraceableModelError", ("HighResNet", "trace", "blocks.1")),
     # its upsampling blocks call F.pad
-    ("monai.MedNeXt", "sample"): Refused("Unsupported", ("'pad'", "not supported")),
+    ("monai.MedNeXt", "sample"): EXACT,
+    ("monai.MedNeXt", "spatial"): EXACT,
     # its decoder (MONAI's UpCat) asks torch.jit.isinstance of a traced value, which fx answers
     # for its proxy: the captured graph would drop the skip's cat
     ("monai.FlexibleUNet", "sample"): Refused(
