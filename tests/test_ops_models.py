@@ -18,7 +18,9 @@ from torch import nn
 from distconv.data import sample_block
 from distconv.parallel import parallelize
 from distconv.testing import run_threads
-from tests.parallel.cases import TOL, _gathered_grads, seeded
+from tests.parallel.cases import (
+    _gathered_grads, check_rows, seeded, square_mean_reference, square_mean_step,
+)
 
 monai = pytest.importorskip("monai")
 
@@ -119,20 +121,7 @@ DROP_PATHS = {
 
 
 def _reference(model: nn.Module, x: torch.Tensor) -> dict[str, Any]:
-    model = copy.deepcopy(model)
-    torch.manual_seed(SEED)  # the masks are the first draws after this
-    out = model(x)
-    out.square().mean().backward()
-    return {"out": out.detach(), "grads": {k: p.grad for k, p in model.named_parameters()}}
-
-
-def _step(comm: Any, model: nn.Module, config: Any, x: torch.Tensor) -> dict[str, Any]:
-    pmodel = parallelize(copy.deepcopy(model), config, comm=comm)
-    rows = sample_block(x.shape[0], pmodel.data_grid)
-    out = pmodel(x[rows])
-    out.square().mean().backward()
-    kinds = {type(m).__name__ for m in pmodel.modules()}
-    return {"rows": rows, "out": out.detach(), "grads": _gathered_grads(pmodel), "kinds": kinds}
+    return square_mean_reference(model, x, SEED)  # the masks are the first draws after SEED
 
 
 def _seeded_step(comm: Any, model: nn.Module, config: Any, x: torch.Tensor) -> dict[str, Any]:
@@ -141,14 +130,7 @@ def _seeded_step(comm: Any, model: nn.Module, config: Any, x: torch.Tensor) -> d
     tasks)."""
     torch.manual_seed(SEED + 1 + comm.rank)
     comm.shared_generator().manual_seed(SEED)
-    return _step(comm, model, config, x)
-
-
-def _check(ref: dict[str, Any], results: list[dict[str, Any]]) -> None:
-    for got in results:
-        assert (got["out"] - ref["out"][got["rows"]]).abs().max() < TOL
-        for k, g in ref["grads"].items():
-            assert (got["grads"][k] - g).abs().max() < TOL, k
+    return square_mean_step(comm, model, config, x)
 
 
 def _case(make: Any, functional: bool = False) -> tuple[nn.Module, torch.Tensor]:
@@ -171,9 +153,9 @@ def test_drop_path_equals_one_process(kind: str, name: str) -> None:
     model, x = _case(DROP_PATHS[kind])
     ref = _reference(model, x)
     torch.manual_seed(SEED)  # thread ranks share it: rank 0's seed is every rank's
-    results = run_threads(_step, 4, model, CONFIGS[name], x)
+    results = run_threads(square_mean_step, 4, model, CONFIGS[name], x)
     assert all("DistDropPath" in got["kinds"] for got in results)
-    _check(ref, results)
+    check_rows(ref, results)
 
 
 @pytest.mark.parametrize("name", ["sample", "stationary-x"])
@@ -181,7 +163,7 @@ def test_torchvision_stochastic_depth_function_equals_one_process(name: str) -> 
     model, x = _case(lambda: StochasticDepth(0.4, "row"), functional=True)
     ref = _reference(model, x)
     torch.manual_seed(SEED)
-    _check(ref, run_threads(_step, 4, model, CONFIGS[name], x))
+    check_rows(ref, run_threads(square_mean_step, 4, model, CONFIGS[name], x))
 
 
 @pytest.mark.parametrize("make", [lambda: DropPath(0.0), lambda: DropPath(0.4).eval(),
@@ -194,7 +176,7 @@ def test_drop_path_with_p0_or_in_eval_is_the_identity(make: Any) -> None:
         plain = copy.deepcopy(model)
         plain.d1, plain.d2 = nn.Identity(), nn.Identity()
         assert torch.equal(plain(x), ref["out"])
-    _check(ref, run_threads(_step, 4, model, CONFIGS["spatial"], x))
+    check_rows(ref, run_threads(square_mean_step, 4, model, CONFIGS["spatial"], x))
 
 
 def test_drop_path_is_one_call_of_the_trace() -> None:
@@ -209,7 +191,7 @@ def test_drop_path_is_one_call_of_the_trace() -> None:
 def test_drop_path_on_gloo(gloo4) -> None:  # noqa: ANN001
     model, x = _case(DROP_PATHS["monai"])  # (a type pickle finds by its name)
     ref = _reference(model, x)
-    _check(ref, gloo4.run(_seeded_step, model, CONFIGS["stationary-x"], x))
+    check_rows(ref, gloo4.run(_seeded_step, model, CONFIGS["stationary-x"], x))
 
 
 # ---------------------------------------------------------------- MONAI's activations
@@ -232,7 +214,7 @@ def test_monai_activations_equal_one_process(name: str) -> None:
     model = seeded(Activations().double(), gen)
     x = torch.randn(SHAPE, generator=gen, dtype=torch.float64)
     ref = _reference(model, x)
-    _check(ref, run_threads(_step, 4, model, CONFIGS[name], x))
+    check_rows(ref, run_threads(square_mean_step, 4, model, CONFIGS[name], x))
 
 
 # ---------------------------------------------------------------- parameters used in ops
@@ -263,7 +245,7 @@ def test_parameters_used_in_ops_equal_one_process(name: str) -> None:
     model = seeded(LayerScale().double(), gen)
     x = torch.randn(SHAPE, generator=gen, dtype=torch.float64)
     ref = _reference(model, x)
-    _check(ref, run_threads(_step, 4, model, CONFIGS[name], x))
+    check_rows(ref, run_threads(square_mean_step, 4, model, CONFIGS[name], x))
 
 
 def test_parameters_used_in_ops_on_gloo(gloo4) -> None:  # noqa: ANN001
@@ -271,7 +253,7 @@ def test_parameters_used_in_ops_on_gloo(gloo4) -> None:  # noqa: ANN001
     model = seeded(LayerScale().double(), gen)
     x = torch.randn(SHAPE, generator=gen, dtype=torch.float64)
     ref = _reference(model, x)
-    _check(ref, gloo4.run(_step, model, CONFIGS["spatial"], x))
+    check_rows(ref, gloo4.run(square_mean_step, model, CONFIGS["spatial"], x))
 
 
 # ---------------------------------------------------------------- one-row maps
@@ -320,7 +302,7 @@ def test_one_row_maps_under_a_default_spatial_grid_equal_one_process(squeeze: st
     x = torch.randn(SHAPE, generator=gen, dtype=torch.float64)
     ref = _reference(model, x)
     world = 2 if config is SPATIAL_DEFAULT else 4
-    _check(ref, run_threads(_step, world, model, config, x))
+    check_rows(ref, run_threads(square_mean_step, world, model, config, x))
 
 
 def test_explain_says_which_layers_keep_their_rows_whole() -> None:
@@ -366,7 +348,7 @@ def test_one_row_volumes_under_a_default_spatial_grid_equal_one_process(squeeze:
     ref = _reference(model, x)
     config = {"default": {"grid": {"D": 2, "H": 2}, "algorithm": "spatial"},
               "data": {"N": 1, "D": 2, "H": 2}}
-    _check(ref, run_threads(_step, 4, model, config, x))
+    check_rows(ref, run_threads(square_mean_step, 4, model, config, x))
 
 
 # ---------------------------------------------------------------- groups across channel blocks
@@ -396,7 +378,7 @@ def test_groups_across_channel_blocks_under_a_default_entry_equal_one_process(
     model = seeded(Grouped(groups, width).double(), gen)
     x = torch.randn((4, 4, 5, 4), generator=gen, dtype=torch.float64)
     ref = _reference(model, x)
-    _check(ref, run_threads(_step, 4, model, CONFIGS[name], x))
+    check_rows(ref, run_threads(square_mean_step, 4, model, CONFIGS[name], x))
 
 
 def test_explain_says_which_grouped_layers_keep_their_channels_whole() -> None:
@@ -432,7 +414,7 @@ def test_a_default_entry_with_more_channel_blocks_than_channels_runs_them_whole(
     gen = torch.Generator().manual_seed(9)
     model = seeded(model.double(), gen)
     x = torch.randn((4, 3, 5, 4), generator=gen, dtype=torch.float64)
-    _check(_reference(model, x), run_threads(_step, 4, model, config, x))
+    check_rows(_reference(model, x), run_threads(square_mean_step, 4, model, config, x))
 
 
 @pytest.mark.parametrize("kind", ["drop-path", "dropout"])
@@ -446,7 +428,7 @@ def test_masks_recomputed_under_checkpointing_are_the_first_forward_s(kind: str)
         {"match": "c1", "checkpoint": True}, {"match": "d1", "checkpoint": True},
         {"match": "c2", "checkpoint": True}, {"match": "d2", "checkpoint": True}]}
     torch.manual_seed(SEED)
-    _check(ref, run_threads(_step, 4, model, config, x))
+    check_rows(ref, run_threads(square_mean_step, 4, model, config, x))
 
 
 def drop_path(x: torch.Tensor, drop_prob: float = 0.0, training: bool = False,
@@ -484,7 +466,7 @@ def test_timm_drop_path_called_as_a_function_equals_one_process(
     x = torch.randn(SHAPE, generator=gen, dtype=torch.float64)
     ref = _reference(model, x)
     torch.manual_seed(SEED)
-    _check(ref, run_threads(_step, 4, model, CONFIGS["spatial"], x))
+    check_rows(ref, run_threads(square_mean_step, 4, model, CONFIGS["spatial"], x))
 
 
 # ---------------------------------------------------------------- K-FAC of the layers run whole
@@ -553,7 +535,7 @@ def test_buffers_bounding_a_pointwise_function_equal_one_process(name: str) -> N
     gen = torch.Generator().manual_seed(11)
     model = seeded(Bounded().double(), gen)
     x = torch.randn(SHAPE, generator=gen, dtype=torch.float64)
-    _check(_reference(model, x), run_threads(_step, 4, model, CONFIGS[name], x))
+    check_rows(_reference(model, x), run_threads(square_mean_step, 4, model, CONFIGS[name], x))
 
 
 class Extents(nn.Module):

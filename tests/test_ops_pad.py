@@ -6,18 +6,14 @@ allgather is priced as the conversion it is); an unpadded one keeps its split.""
 
 from __future__ import annotations
 
-import copy
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from distconv import explain
-from distconv.data import sample_block
-from distconv.parallel import parallelize
 from distconv.testing import run_threads
-from tests.parallel.cases import TOL, _gathered_grads, seeded
+from tests.parallel.cases import check_rows, seeded, square_mean_reference, square_mean_step
 
 SHAPE = (5, 4, 6, 6)
 CONFIGS = {
@@ -26,28 +22,6 @@ CONFIGS = {
                 "data": {"N": 2, "H": 2}},
     "stationary-x": {"default": {"grid": {"N": 2, "C": 2}, "algorithm": "stationary-x"}},
 }
-
-
-def _reference(model: nn.Module, x: torch.Tensor) -> dict[str, Any]:
-    model = copy.deepcopy(model)
-    out = model(x)
-    out.square().mean().backward()
-    return {"out": out.detach(), "grads": {k: p.grad for k, p in model.named_parameters()}}
-
-
-def _step(comm: Any, model: nn.Module, config: Any, x: torch.Tensor) -> dict[str, Any]:
-    pmodel = parallelize(copy.deepcopy(model), config, comm=comm)
-    rows = sample_block(x.shape[0], pmodel.data_grid)
-    out = pmodel(x[rows])
-    out.square().mean().backward()
-    return {"rows": rows, "out": out.detach(), "grads": _gathered_grads(pmodel)}
-
-
-def _check(ref: dict[str, Any], results: list[dict[str, Any]]) -> None:
-    for got in results:
-        assert (got["out"] - ref["out"][got["rows"]]).abs().max() < TOL
-        for k, g in ref["grads"].items():
-            assert (got["grads"][k] - g).abs().max() < TOL, k
 
 
 class Padded(nn.Module):
@@ -90,15 +64,15 @@ def test_the_reference_pads_as_written() -> None:
 
 def test_padding_equals_one_process() -> None:
     model, x = _case()
-    ref = _reference(model, x)
+    ref = square_mean_reference(model, x)
     for name in ("sample", "spatial", "stationary-x"):
-        _check(ref, run_threads(_step, 4, model, CONFIGS[name], x))
+        check_rows(ref, run_threads(square_mean_step, 4, model, CONFIGS[name], x))
 
 
 def test_padding_on_gloo(gloo4) -> None:  # noqa: ANN001
     model, x = _case()
-    ref = _reference(model, x)
-    _check(ref, gloo4.run(_step, model, CONFIGS["spatial"], x))
+    ref = square_mean_reference(model, x)
+    check_rows(ref, gloo4.run(square_mean_step, model, CONFIGS["spatial"], x))
 
 
 class _PadW(nn.Module):

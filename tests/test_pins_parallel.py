@@ -5,19 +5,15 @@ move. Expectations are one process's values or byte counts worked out by hand.""
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from distconv.data import sample_block
 from distconv.distribution import Dist
 from distconv.grid import ProcessorGrid
 from distconv.ops.elementwise import meeting
-from distconv.parallel import parallelize
 from distconv.parallel.placement import (
     Placement, conversion_bytes, convert, on_layout, one_grid, same_blocks,
 )

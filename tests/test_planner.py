@@ -13,7 +13,7 @@ import torch.nn as nn
 from distconv.machines import Level, Machine
 from distconv.perfmodel import ConvProblem
 from distconv.planner import (
-    Choice, ConvNode, candidates, plan_network, trace_network, transition_bytes,
+    Choice, candidates, plan_network, trace_network, transition_bytes,
 )
 from distconv.redistribute import _repartition_plan, plan_redistribution
 

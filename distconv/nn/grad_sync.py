@@ -11,7 +11,7 @@ backward where the backend allows.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 from torch import nn
@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from distconv.parallel.placement import Layout
 
 __all__ = ["BucketedGradSync", "GradSync", "GradSyncGroup", "finish_grad_sync", "gradient_groups",
-           "plan_buckets"]
+           "plan_buckets", "redundant_sync"]
 
 
 class GradSync:
@@ -108,6 +108,21 @@ class GradSync:
 
     def __repr__(self) -> str:
         return f"GradSync(comm size={self.comm.size}, where={self.where!r})"
+
+
+def redundant_sync(grid: Any, dist: Any, where: str, params: Sequence[Any] = ()
+                   ) -> GradSync | None:
+    """The segmented allreduce that completes the gradients of parameters sharded as ``dist``
+    on ``grid``: over the grid dims the Dist leaves redundant (extent > 1), registered for
+    ``params`` (None entries skipped); None where no dim is redundant."""
+    redundant = [d for d in dist.redundant(grid) if grid.extent(d) > 1]
+    if not redundant:
+        return None
+    sync = GradSync(grid.subcomm(redundant), where=f"{where} over {'×'.join(redundant)}")
+    for p in params:
+        if p is not None:
+            sync.register(p)
+    return sync
 
 
 def plan_buckets(sizes: list[int], bucket_bytes: int) -> list[list[int]]:

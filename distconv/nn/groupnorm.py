@@ -37,7 +37,7 @@ from distconv.nn._activation import (
 )
 from distconv.nn._amp import autocast_dtype
 from distconv.nn.clip import register_parameter_specs
-from distconv.nn.grad_sync import GradSync
+from distconv.nn.grad_sync import redundant_sync
 from distconv.nn.sharding import ShardSpec, keep_requires_grad
 from distconv.nn.batchnorm import _moments
 from distconv.nn.recompute import is_recomputing
@@ -364,12 +364,7 @@ class DistLayerNorm(nn.LayerNorm):
         segment = [g for d in range(self.input_dist.ndim - k, self.input_dist.ndim)
                    for g in split_dims(grid, self.input_dist, d)]
         self._comm = grid.subcomm(segment) if segment else None
-        redundant = [d for d in self.param_dist.redundant(grid) if grid.extent(d) > 1]
-        self.grad_sync = (GradSync(grid.subcomm(redundant), where=f"{name} over "
-                                   f"{'×'.join(redundant)}") if redundant else None)
-        for p in (self.weight, self.bias):
-            if p is not None and self.grad_sync is not None:
-                self.grad_sync.register(p)
+        self.grad_sync = redundant_sync(grid, self.param_dist, name, (self.weight, self.bias))
         register_parameter_specs(self, grid.comm)
         self._resolved: dict[Any, Any] = {}
 

@@ -30,7 +30,7 @@ from distconv.distribution import Dist
 from distconv.grid import ProcessorGrid
 from distconv.nn._activation import check_grid, resolve_shape, show
 from distconv.nn.clip import register_parameter_specs
-from distconv.nn.grad_sync import GradSync
+from distconv.nn.grad_sync import redundant_sync
 from distconv.nn.sharding import ShardSpec
 from distconv.redistribute import redistribute
 
@@ -77,12 +77,7 @@ class DistLinear(nn.Module):
             (self.out_features, self.in_features), grid), **kw))
         self.register_parameter("bias", nn.Parameter(torch.empty(self.bias_dist.local_shape(
             (self.out_features,), grid), **kw)) if bias else None)
-        redundant = [d for d in self.weight_dist.redundant(grid) if grid.extent(d) > 1]
-        self.grad_sync = (GradSync(grid.subcomm(redundant), where=f"{name} over "
-                                   f"{'×'.join(redundant)}") if redundant else None)
-        for p in (self.weight, self.bias):
-            if p is not None and self.grad_sync is not None:
-                self.grad_sync.register(p)
+        self.grad_sync = redundant_sync(grid, self.weight_dist, name, (self.weight, self.bias))
         register_parameter_specs(self, grid.comm)
         self._resolved: dict[Any, Any] = {}
 

@@ -266,6 +266,15 @@ class AdaptivePoolHandler(Handler):
                     SIGNAL_GRIDS))
 
 
+def reduced_dims(node: Any, ndim: int) -> tuple[tuple[int, ...], bool]:
+    """The dims a reduction node (``x.mean(dims, keepdim)``, ``torch.sum(x, dims)``, ...) of a
+    value of ``ndim`` dims reduces, sorted and non-negative, and its ``keepdim``."""
+    dims = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else None)
+    keep = bool(node.kwargs.get("keepdim", node.args[2] if len(node.args) > 2 else False))
+    dims = (dims,) if isinstance(dims, int) else tuple(dims or ())
+    return tuple(sorted(d % ndim for d in dims)), keep
+
+
 class MeanHandler(Handler):
     """``x.mean(dims)`` over non-sample dims: a local sum over the global count, a pending sum
     over the grid dims that split those dims (as global average pooling)."""
@@ -284,10 +293,8 @@ class MeanHandler(Handler):
         """The local part of ``x.mean(dims)``: a sum over the local block over the global count
         (the blocks' parts add up to the mean: a pending sum over the grid dims that split
         ``dims``)."""
-        dims = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else None)
-        keep = bool(node.kwargs.get("keepdim", node.args[2] if len(node.args) > 2 else False))
-        dims = (dims,) if isinstance(dims, int) else tuple(dims)
-        count = math.prod(in_shape[d % len(in_shape)] for d in dims)
+        dims, keep = reduced_dims(node, len(in_shape))
+        count = math.prod(in_shape[d] for d in dims)
         return args[0].sum(dims, keepdim=keep) / count
 
     def place(self, an: Any, node: Any, module: Any) -> Any:
@@ -295,10 +302,7 @@ class MeanHandler(Handler):
 
         args = an.tensor_args(node)
         p = an.placement(args[0]).settled()
-        dims = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else None)
-        keep = bool(node.kwargs.get("keepdim", node.args[2] if len(node.args) > 2 else False))
-        dims = (dims,) if isinstance(dims, int) else tuple(dims or ())
-        dims = tuple(sorted(d % p.ndim for d in dims))
+        dims, keep = reduced_dims(node, p.ndim)
         if not dims or 0 in dims or node.kwargs.get("dtype") is not None:
             an.fail(node, "mean is supported over non-sample dims (e.g. x.mean((2, 3)))")
         split = [g for d in dims for g in p.dist.grid_dims_of(d)]
@@ -328,10 +332,7 @@ class ReduceHandler(Handler):
 
         args = an.tensor_args(node)
         p = an.placement(args[0]).settled()
-        dims = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else None)
-        keep = bool(node.kwargs.get("keepdim", node.args[2] if len(node.args) > 2 else False))
-        dims = (dims,) if isinstance(dims, int) else tuple(dims or ())
-        dims = tuple(sorted(d % p.ndim for d in dims))
+        dims, keep = reduced_dims(node, p.ndim)
         what = getattr(node.target, "__name__", node.target)
         if not dims or 0 in dims or node.kwargs.get("dtype") is not None:
             an.fail(node, f"{what} is supported over non-sample dims (e.g. x.{what}((2, 3)))")

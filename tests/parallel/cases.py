@@ -137,3 +137,35 @@ def counted_step(comm: Any, model: nn.Module, config: Any, x: torch.Tensor, y: t
     b2 = comm.stats.total_bytes()
     return {"rows": rows, "out": out.detach(), "grads": _gathered_grads(pmodel),
             "counted": (b1 - b0, b2 - b1)}
+
+
+def square_mean_reference(model: nn.Module, x: torch.Tensor, seed: int | None = None
+                          ) -> dict[str, Any]:
+    """One process: the output and parameter gradients of ``model(x).square().mean()`` (torch's
+    generator seeded with ``seed`` first, where the model draws)."""
+    model = copy.deepcopy(model)
+    if seed is not None:
+        torch.manual_seed(seed)
+    out = model(x)
+    out.square().mean().backward()
+    return {"out": out.detach(), "grads": {k: p.grad for k, p in model.named_parameters()}}
+
+
+def square_mean_step(comm: Any, model: nn.Module, config: Any, x: torch.Tensor
+                     ) -> dict[str, Any]:
+    """The same on the parallel model: this rank's samples, its output rows, the gathered
+    gradients and the module types it built."""
+    pmodel = parallelize(copy.deepcopy(model), config, comm=comm)
+    rows = sample_block(x.shape[0], pmodel.data_grid)
+    out = pmodel(x[rows])
+    out.square().mean().backward()
+    kinds = {type(m).__name__ for m in pmodel.modules()}
+    return {"rows": rows, "out": out.detach(), "grads": _gathered_grads(pmodel), "kinds": kinds}
+
+
+def check_rows(ref: dict[str, Any], results: list[dict[str, Any]]) -> None:
+    """Every rank's output rows and every gathered gradient equal one process's."""
+    for got in results:
+        assert (got["out"] - ref["out"][got["rows"]]).abs().max() < TOL
+        for k, g in ref["grads"].items():
+            assert (got["grads"][k] - g).abs().max() < TOL, k
