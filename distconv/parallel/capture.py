@@ -35,11 +35,13 @@ from torch.fx.node import map_aggregate
 
 from distconv import ops
 
-__all__ = ["UntraceableModelError", "check_capture", "trace"]
+__all__ = ["TRACING", "UntraceableModelError", "check_capture", "trace"]
 
 
-# torch.fx patches module-level functions while it traces: thread ranks must take turns.
-_TRACE_LOCK = threading.Lock()
+#: torch.fx patches module-level functions and ``nn.Module.__call__`` process-wide while it
+#: traces, so a module another thread calls meanwhile goes through the tracer: tracing and the
+#: meta runs that find shapes (:func:`check_capture`, shape propagation) take turns (thread ranks)
+TRACING = threading.RLock()
 
 
 class UntraceableModelError(TypeError):
@@ -54,7 +56,7 @@ def trace(model: nn.Module) -> fx.GraphModule:
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     tracer = _Tracer()
     try:
-        with _TRACE_LOCK, _capture_patches(tracer, type(model).__name__):
+        with TRACING, _capture_patches(tracer, type(model).__name__):
             graph = tracer.trace(model)
     except UntraceableModelError:
         raise
@@ -174,7 +176,8 @@ def check_capture(gm: fx.GraphModule, module: nn.Module, shape: Sequence[int], *
         m.register_forward_pre_hook(lambda m, _: called.append(m))
     dtype = next((p.dtype for p in module.parameters() if p.is_floating_point()), None)
     try:
-        own = module(torch.empty(tuple(shape), dtype=dtype, device="meta"))
+        with TRACING:
+            own = module(torch.empty(tuple(shape), dtype=dtype, device="meta"))
     except Exception:  # noqa: BLE001 - the module itself cannot run on this shape (or not on
         return  # meta): nothing tells the capture wrong
     name = type(module).__name__

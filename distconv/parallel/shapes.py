@@ -20,7 +20,7 @@ from torch import nn
 from torch.fx.node import map_aggregate
 from torch.fx.passes.shape_prop import _extract_tensor_metadata
 
-from distconv.parallel.capture import check_capture
+from distconv.parallel.capture import TRACING, check_capture
 
 __all__ = ["check_input_shape", "check_input_shape_error", "first_layer", "global_values",
            "propagate_shapes"]
@@ -156,7 +156,8 @@ def propagate_shapes(gm: fx.GraphModule, shape: Sequence[int], *,
     training = {m: m.training for m in gm.modules()}
     gm.eval()
     try:
-        out = prop.run(torch.empty(tuple(shape), dtype=dtype, device="meta"))
+        with TRACING:
+            out = prop.run(torch.empty(tuple(shape), dtype=dtype, device="meta"))
     except Exception as exc:  # noqa: BLE001 - any failure of propagation is the shape's
         if prop.failed is not None and prop.failed.target is torch._assert:
             _refuse_assert(exc, shape, prop.failed, argument)
