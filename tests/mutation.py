@@ -306,7 +306,7 @@ MUTANTS = [
            ("tests/test_ops.py",),
            "BatchNorm's statistics allgather is priced without the M2 term"),
     Mutant("mean-local-count", "distconv/ops/pool.py",
-           "count = math.prod(in_shape[d % len(in_shape)] for d in dims)",
+           "count = math.prod(in_shape[d] for d in dims)",
            "count = math.prod(args[0].shape[d] for d in dims)",
            ("tests/test_ops.py",),
            "x.mean over split dims divides each block's sum by its local count"),
@@ -511,10 +511,8 @@ MUTANTS += [
            "a downsampling with fewer output rows than ranks runs in place"),
     # ---- norms (distconv/nn/groupnorm.py, batchnorm.py)
     Mutant("layernorm-bias-grad-unsynced", "distconv/nn/groupnorm.py",
-           "        for p in (self.weight, self.bias):\n"
-           "            if p is not None and self.grad_sync is not None:",
-           "        for p in (self.weight,):\n"
-           "            if p is not None and self.grad_sync is not None:",
+           "redundant_sync(grid, self.param_dist, name, (self.weight, self.bias))",
+           "redundant_sync(grid, self.param_dist, name, (self.weight,))",
            (f"{PINS_LAYERS}::test_standalone_layernorm_weight_and_bias_grads_equal_torch_s",),
            "a standalone DistLayerNorm's bias gradient is left a pending sum over the replicas"),
     Mutant("groupnorm-backward-sums-local", "distconv/nn/groupnorm.py",
