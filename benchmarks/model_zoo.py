@@ -92,7 +92,7 @@ def measure(comm: Any, name: str, steps: int, warmup: int) -> dict[str, list[flo
         "ddp": DistributedDataParallel(copy.deepcopy(model)),
         "sample": parallelize(copy.deepcopy(model), {"default": {
             "grid": {"N": comm.size}, "algorithm": "sample", "statistics": "local"}},
-            comm=comm),
+            comm=comm, input_shape=tuple(x.shape)),
     }
     opts = {k: torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9) for k, m in sides.items()}
     rows = slice(comm.rank * PER_RANK, (comm.rank + 1) * PER_RANK)

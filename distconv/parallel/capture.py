@@ -142,11 +142,18 @@ def _capture_patches(tracer: fx.Tracer, model: str) -> Iterator[None]:
             return obj.tracer.create_proxy("call_function", real_len, (obj,), {})
         return real_len(obj)
 
-    torch.jit.isinstance, builtins.len = jit_isinstance, length
+    def as_tensor(data: Any, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(data, fx.Proxy) and not args and not kwargs:
+            return data  # a tensor as a tensor is itself (fx would ask it for an array interface)
+        return real_as_tensor(data, *args, **kwargs)
+
+    real_as_tensor = torch.as_tensor
+    torch.jit.isinstance, builtins.len, torch.as_tensor = jit_isinstance, length, as_tensor
     try:
         yield
     finally:
-        torch.jit.isinstance, builtins.len = real_isinstance, real_len
+        torch.jit.isinstance, builtins.len, torch.as_tensor = (real_isinstance, real_len,
+                                                                real_as_tensor)
 
 
 def _order_like(module: nn.Module, original: nn.Module) -> None:

@@ -15,7 +15,7 @@ from torch import nn
 from distconv import ops
 from distconv.parallel import parallelize
 from distconv.parallel.explain import explain
-from distconv.parallel.graph import UntraceableModelError
+from distconv.parallel.graph import UntraceableModelError, trace
 from distconv.testing import run_threads
 from tests.parallel.cases import TOL, max_errors, reference_step, seeded, train_step
 
@@ -88,6 +88,27 @@ def test_decoder_interpolating_to_the_skip_size_equals_one_process(config: dict)
 @SPLITS
 def test_sizes_and_arithmetic_on_them_equal_one_process(config: dict) -> None:
     model, x, y = _case(Sizes, (4, 2, 8, 6))
+    _exact(model, config, x, y)
+
+
+class AsTensor(nn.Module):
+    """``x_conv + torch.as_tensor(self.pad(x))`` as MONAI's ``HighResBlock`` writes it: a tensor
+    as a tensor is itself (fx alone would ask the traced value for an array interface)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(2, 2, 3, padding=1)
+        self.head = nn.Linear(2, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.conv(x) + torch.as_tensor(torch.relu(x))
+        return self.head(y.mean((2, 3)))
+
+
+@SPLITS
+def test_as_tensor_of_a_traced_value_is_the_value(config: dict) -> None:
+    model, x, y = _case(AsTensor, (4, 2, 8, 6))
+    assert not any(n.target is torch.as_tensor for n in trace(model).graph.nodes)
     _exact(model, config, x, y)
 
 

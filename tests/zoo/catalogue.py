@@ -193,7 +193,8 @@ def case(entry: Entry, seed: int = 0) -> tuple[nn.Module, torch.Tensor, torch.Te
 
 def deepest_convs(model: nn.Module, x: torch.Tensor) -> list[str]:
     """The convolutions that read the coarsest maps (fewest positions per channel): the last
-    stage of a classifier, the bottleneck of a U-Net."""
+    stage of a classifier, the bottleneck of a U-Net; of a network that never downsamples, its
+    convolutions with channels and filters to split (a one-channel stem has none)."""
     seen: dict[str, int] = {}
     model = copy.deepcopy(model).eval()
 
@@ -203,7 +204,8 @@ def deepest_convs(model: nn.Module, x: torch.Tensor) -> list[str]:
         return record
 
     hooks = [m.register_forward_hook(hook(n)) for n, m in model.named_modules()
-             if isinstance(m, (nn.Conv1d, nn.Conv2d, nn.Conv3d))]
+             if isinstance(m, (nn.Conv1d, nn.Conv2d, nn.Conv3d))
+             and min(m.in_channels, m.out_channels) >= 2]
     try:
         with torch.no_grad():
             model(x[:2])

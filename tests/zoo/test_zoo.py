@@ -34,9 +34,9 @@ EXPECTED: dict[tuple[str, str], str | Refused] = {
     # padded dims are gathered first
     ("monai.EfficientNet", "sample"): EXACT,
     ("monai.EfficientNet", "spatial"): EXACT,
-    # its residual blocks branch in Python on something fx stands in for
-    ("monai.HighResNet", "sample"): Refused(
-        "UntraceableModelError", ("HighResNet", "trace", "blocks.1")),
+    # its residual blocks add torch.as_tensor of a traced value
+    ("monai.HighResNet", "sample"): EXACT,
+    ("monai.HighResNet", "channels"): EXACT,
     # its upsampling blocks call F.pad
     ("monai.MedNeXt", "sample"): EXACT,
     ("monai.MedNeXt", "spatial"): EXACT,
