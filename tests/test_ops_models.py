@@ -19,21 +19,14 @@ from distconv.data import sample_block
 from distconv.parallel import parallelize
 from distconv.testing import run_threads
 from tests.parallel.cases import (
-    _gathered_grads, check_rows, seeded, square_mean_reference, square_mean_step,
+    OPTIONS, _gathered_grads, check_rows, seeded, square_mean_reference, square_mean_step,
 )
 
 monai = pytest.importorskip("monai")
 
 SEED = 7
 SHAPE = (5, 4, 6, 6)
-CONFIGS = {
-    "sample": {"default": {"grid": {"N": 4}, "algorithm": "sample"}},
-    "spatial": {"default": {"grid": {"N": 2, "H": 2}, "algorithm": "spatial"},
-                "data": {"N": 2, "H": 2}},
-    "stationary-x": {"default": {"grid": {"N": 2, "C": 2}, "algorithm": "stationary-x"}},
-    "stationary-y": {"default": {"grid": {"N": 2, "F": 2}, "algorithm": "stationary-y"}},
-    "stationary-w": {"default": {"grid": {"C": 2, "F": 2}, "algorithm": "stationary-w"}},
-}
+CONFIGS = OPTIONS
 
 
 # ---------------------------------------------------------------- stochastic depth

@@ -13,15 +13,12 @@ from torch import nn
 
 from distconv import explain
 from distconv.testing import run_threads
-from tests.parallel.cases import check_rows, seeded, square_mean_reference, square_mean_step
+from tests.parallel.cases import (
+    OPTIONS, check_rows, seeded, square_mean_reference, square_mean_step,
+)
 
 SHAPE = (5, 4, 6, 6)
-CONFIGS = {
-    "sample": {"default": {"grid": {"N": 4}, "algorithm": "sample"}},
-    "spatial": {"default": {"grid": {"N": 2, "H": 2}, "algorithm": "spatial"},
-                "data": {"N": 2, "H": 2}},
-    "stationary-x": {"default": {"grid": {"N": 2, "C": 2}, "algorithm": "stationary-x"}},
-}
+CONFIGS = {k: OPTIONS[k] for k in ("sample", "spatial", "stationary-x")}
 
 
 class Padded(nn.Module):

@@ -17,8 +17,8 @@ straight-line code (the technique of ``torch.fx``'s own code generation)::
 Every constant the code uses is bound in its namespace (``L*`` layers, ``S*`` shapes, ``P*``
 placements, ``Z*`` sizes, ``K*`` other arguments), never printed into it. Sizes the model reads
 (``h, w = skip.shape[2:]``, ``c // groups``, :mod:`distconv.ops.sizes`) are the global tensor's,
-from the shape propagation, the same on every rank; nothing computes them per step, and a view
-or reshape that keeps the samples in dim 0 is given this rank's block of the global output shape.
+from the shape propagation, the same on every rank; nothing computes them per step (a view or
+reshape sized by them regroups this rank's block: :class:`~distconv.ops.shape.ReshapeHandler`).
 Each value is deleted after the statement that reads it last. Modules that run as traced are looked
 up from the model root at each call (``R._modules[...]``), so a module the user swaps between steps
 is the one that runs, as in eager PyTorch; a distributed layer swapped after ``parallelize`` is
@@ -34,7 +34,6 @@ from __future__ import annotations
 import itertools
 from typing import Any, Callable
 
-import torch
 import torch.fx as fx
 from torch import nn
 
@@ -43,8 +42,6 @@ from distconv.parallel.placement import convert, one_grid
 from distconv.parallel.shapes import global_values
 
 __all__ = ["generate"]
-
-_RESHAPES = frozenset({"view", "reshape", torch.reshape})
 
 
 def generate(model: Any, shapes: dict[str, tuple[int, ...]],
@@ -223,9 +220,7 @@ class _Writer:
                       f"{args}, {kwargs}, {self.const(self.shapes[node.args[0].name], 'S')})")
             return
         layer = model._function_modules.get(node.name)
-        if step.kind == "reshape" and node.target in _RESHAPES:
-            self.reshape(step, out)
-        elif layer is not None:  # this node's own layer: a function's, or a module's without state
+        if layer is not None:  # this node's own layer: a function's, or a module's without state
             # called in another layout than its first call
             args = (f"{self.expr(node, node.args[0])}, "
                     f"{self.const(self.shapes[node.args[0].name], 'S')}")
@@ -259,22 +254,6 @@ class _Writer:
             self.emit(f"{out} = GA(R, {str(node.target)!r})")
         else:
             raise AssertionError(f"unexpected node {node.op}")
-
-    def reshape(self, step: Any, out: str) -> None:
-        """A view or reshape that keeps the samples in dim 0: of this rank's block, to the block
-        of the global output shape it holds (its arguments are sizes of the global tensor)."""
-        node = step.node
-        got, want = self.shapes[node.args[0].name], self.shapes[node.name]
-        args = node.args[1:]
-        if got[:1] == want[:1] and not node.kwargs:
-            local = step.out.dist.local_shape(want, self.model.grid(step.out.layout))
-            args = (tuple(local),)
-        this = self.expr(node, node.args[0])
-        rest = self.call_args(node, args, node.kwargs)
-        if node.op == "call_method":
-            self.emit(f"{out} = {this}.{node.target}({rest})")
-        else:
-            self.emit(f"{out} = {self.const(node.target, 'F')}({this}, {rest})")
 
     def segment(self, index: int) -> None:
         """A checkpointed segment: its inputs and the conversions made so far handed over in

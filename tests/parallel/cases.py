@@ -20,6 +20,16 @@ from distconv.redistribute import gather
 
 #: fp64 tolerance of the whole-network checks (values and gradients are O(1)).
 TOL = 1e-10
+
+#: the options the op tests run a model under on 4 ranks: sample, spatial (H), stationary-x/-y/-w
+OPTIONS = {
+    "sample": {"default": {"grid": {"N": 4}, "algorithm": "sample"}},
+    "spatial": {"default": {"grid": {"N": 2, "H": 2}, "algorithm": "spatial"},
+                "data": {"N": 2, "H": 2}},
+    "stationary-x": {"default": {"grid": {"N": 2, "C": 2}, "algorithm": "stationary-x"}},
+    "stationary-y": {"default": {"grid": {"N": 2, "F": 2}, "algorithm": "stationary-y"}},
+    "stationary-w": {"default": {"grid": {"C": 2, "F": 2}, "algorithm": "stationary-w"}},
+}
 LR, MOMENTUM = 0.1, 0.9
 
 #: The paper's hybrid on 4 ranks in miniature: spatial N×H early, stationary-x, stationary-y
