@@ -21,7 +21,7 @@ from distconv.conv_geometry import HaloPlan
 from distconv.nn.conv_nd import conv_nd_dims, spatial_roles
 from distconv.nn.halo_conv import interior_share
 from distconv.ops.base import SAMPLE_GRIDS, Handler, PriceContext, Sample, SampleNet
-from distconv.ops.extents import unit_dims
+from distconv.ops.extents import captured_shape, unit_dims
 from distconv.ops.linear import compute
 from distconv.ops.pricing import CommStep, halo_hidden, largest_block
 from distconv.parallel.placement import Placement, paper_grid, same_blocks
@@ -188,8 +188,10 @@ def gathered(step: Any, module: Any) -> bool:
 
 def whole_rows(an: Any, node: fx.Node, module: Any, choice: Any) -> tuple[str, ...]:
     """The spatial grid dims of a default entry that split a convolution's input of one row
-    (:func:`unit_dims`): that layer runs with them whole. Empty where the entry is a layer's own
-    (it stays refused where it cannot split) or some split spatial dim is not of one row."""
+    (:func:`unit_dims`), or maps too small to split on the input shape the model was captured on
+    (:func:`captured_shape`; running whole is exact on every shape): that layer runs with them
+    whole. Empty where the entry is a layer's own (it stays refused where it cannot split), or
+    the rows split."""
     if choice.source != "default" or choice.layout is None:
         return ()
     ext = dict(choice.layout)
@@ -199,7 +201,12 @@ def whole_rows(an: Any, node: fx.Node, module: Any, choice: Any) -> tuple[str, .
     if not split or not args:
         return ()
     ones = unit_dims(an, args[0])
-    return tuple(r for _, r in split) if all(d in ones for d, _ in split) else ()
+    if all(d in ones for d, _ in split):
+        return tuple(r for _, r in split)
+    hint = captured_shape(args[0])  # maps too small to split on the captured input shape
+    if hint is not None and row_refusal(module, choice.layout, hint) is not None:
+        return tuple(r for _, r in split)
+    return ()
 
 
 def group_blocks(groups: int, channels: int) -> list[int]:
@@ -248,8 +255,8 @@ def whole_step(an: Any, node: fx.Node, arg: fx.Node, choice: Any, whole: tuple[s
 
 def _whole_reason(conv: Any, spec: Any) -> str:
     """Why a default entry's convolution runs with ``spec.whole`` whole (for ``explain``)."""
-    if set(spec.whole) <= {"H", "W"}:
-        return "one-row maps"
+    if set(spec.whole) <= {"D", "H", "W"}:
+        return "maps too small to split"
     blocks = math.prod(e for d, e in spec.layout if d in ("C", "F"))
     channels = min(conv.in_channels, conv.out_channels)
     if blocks > channels:

@@ -13,7 +13,19 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["unit_dims"]
+__all__ = ["CAPTURED_SHAPE", "captured_shape", "unit_dims"]
+
+#: node.meta key: the node's global shape on the input shape the model was captured on
+#: (:func:`distconv.parallel.capture.trace` with ``input_shape``). A hint, not a fact of every
+#: shape: only decisions exact on every input shape may read it (a default entry keeping maps
+#: too small to split whole; another shape's larger maps run whole too, exactly)
+CAPTURED_SHAPE = "distconv_captured_shape"
+
+
+def captured_shape(node: Any) -> tuple[int, ...] | None:
+    """``node``'s global shape on the captured input shape (:data:`CAPTURED_SHAPE`), if known."""
+    shape = node.meta.get(CAPTURED_SHAPE) if isinstance(node, fx.Node) else None
+    return tuple(shape) if shape is not None else None
 
 #: reductions whose ``keepdim=True`` leaves the reduced dims of extent 1
 _REDUCTIONS = frozenset({torch.mean, torch.sum, torch.amax, torch.amin, "mean", "sum", "amax",

@@ -23,6 +23,7 @@ from __future__ import annotations
 import builtins
 import contextlib
 import copy
+import operator
 import os
 import sys
 import threading
@@ -34,8 +35,13 @@ from torch import nn
 from torch.fx.node import map_aggregate
 
 from distconv import ops
+from distconv.ops.extents import CAPTURED_SHAPE
+from distconv.ops.sizes import is_size
 
 __all__ = ["TRACING", "UntraceableModelError", "check_capture", "trace"]
+
+#: a guard of the sized capture (a ``torch._assert`` node's meta key: the size it decided on)
+GUARD = "capture_guard"
 
 
 #: torch.fx patches module-level functions and ``nn.Module.__call__`` process-wide while it
@@ -48,13 +54,32 @@ class UntraceableModelError(TypeError):
     """The model contains a construct ``torch.fx`` cannot capture faithfully."""
 
 
-def trace(model: nn.Module) -> fx.GraphModule:
+def trace(model: nn.Module, input_shape: Sequence[int] | None = None) -> fx.GraphModule:
     """``torch.fx.symbolic_trace`` with an error that names the construct fx stopped at, or the
     construct that would have made the captured graph compute something else than the module
-    (``torch.jit.isinstance`` of a traced value, which fx answers for its proxy: False)."""
+    (``torch.jit.isinstance`` of a traced value, which fx answers for its proxy: False).
+
+    With ``input_shape`` (the global input shape) the model is captured on that shape
+    (:class:`_SizedTracer`): the same graph where fx alone follows the model, and where it cannot
+    (a loop over ``range(len(x.shape) - 2)``, an ``if`` on sizes, ``torch.jit.isinstance``) the
+    Python runs on the values a meta forward gives, each size it decided on checked by a guard in
+    the graph (a ``torch._assert`` the program evaluates once per global input shape): another
+    shape that would take another path is refused by name, never run on this one's graph. Each
+    node also records its global shape on this input (:data:`~distconv.ops.extents.CAPTURED_SHAPE`).
+    """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
-    tracer = _Tracer()
+    if input_shape is not None:
+        return _trace(model, _SizedTracer(model, input_shape))
+    try:
+        return _trace(model, _Tracer())
+    except UntraceableModelError as exc:
+        raise UntraceableModelError(
+            f"{exc} (with input_shape= given, the capture follows Python that decides on sizes "
+            "or asks torch.jit.isinstance)") from exc.__cause__
+
+
+def _trace(model: nn.Module, tracer: _Tracer) -> fx.GraphModule:
     try:
         with TRACING, _capture_patches(tracer, type(model).__name__):
             graph = tracer.trace(model)
@@ -63,11 +88,13 @@ def trace(model: nn.Module) -> fx.GraphModule:
     except Exception as exc:  # fx raises TraceError, TypeError, ... with the construct's text
         raise UntraceableModelError(
             f"parallelize: torch.fx cannot trace {type(model).__name__}{_where(exc, model)}: "
-            f"{exc}. Python that branches on a tensor's values or sizes, or iterates over them, "
-            "cannot be captured (sizes are: x.shape[i], x.size(i), len(x) and arithmetic on "
-            "them; an if on them is not); rewrite it, or convert layer by layer with "
-            "DistConv2d.from_conv2d and Redistribute"
+            f"{exc}. Python that branches on a tensor's values, or iterates over them, "
+            "cannot be captured (sizes can: x.shape[i], x.size(i), len(x), arithmetic on "
+            "them, and with input_shape= given an if or a loop on them); rewrite it, or "
+            "convert layer by layer with DistConv2d.from_conv2d and Redistribute"
         ) from exc
+    if isinstance(tracer, _SizedTracer):
+        tracer.add_guards(graph)
     gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
     _order_like(gm, model)  # fx registers modules in call order; users expect theirs
     return gm
@@ -114,6 +141,170 @@ class _Tracer(fx.Tracer):
         return super().call_module(m, forward, args, kwargs)
 
 
+#: a node's value on the sized capture's meta input (``node.meta`` key)
+_VALUE = "capture_value"
+
+
+class _SizedProxy(fx.Proxy):
+    """A traced value whose meta value the tracer knows. Where Python needs a size as a plain
+    value (an ``if``, ``range()``, a list's length, an index), it gets the global one and the
+    tracer records a guard on it; tensors' values stay out of reach (fx's refusal)."""
+
+    @property
+    def known(self) -> bool:
+        return _VALUE in self.node.meta
+
+    @property
+    def value(self) -> Any:
+        return self.node.meta[_VALUE]
+
+    def concrete(self) -> Any:
+        """The value, guarded, if it is a size (:func:`distconv.ops.sizes.is_size`); else fx's
+        refusal of a traced value used as a Python value."""
+        if not (self.known and is_size(self.node)):
+            raise fx.proxy.TraceError(
+                "symbolically traced variables cannot be used as inputs to control flow")
+        assert isinstance(self.tracer, _SizedTracer)
+        self.tracer.guard(self.node, self.value)
+        return self.value
+
+    def __index__(self) -> int:
+        return operator.index(self.concrete())
+
+    def __int__(self) -> int:
+        return int(self.concrete())
+
+    def __len__(self) -> int:
+        length = self.tracer.create_proxy("call_function", builtins.len, (self,), {})
+        return length.concrete() if isinstance(length, _SizedProxy) else len(self.concrete())
+
+
+class _SizedTracer(_Tracer):
+    """fx's tracer that also runs every node on meta values of one global input shape (the
+    module's meta twin: no data, no arithmetic), so the model's Python can decide on sizes:
+    each size it turned into a plain value (:meth:`_SizedProxy.concrete`) is a guard, and
+    :meth:`add_guards` writes the guards into the graph as ``torch._assert`` nodes naming where
+    the Python decided. ``torch.jit.isinstance`` of a traced value is answered with its value."""
+
+    def __init__(self, model: nn.Module, input_shape: Sequence[int]) -> None:
+        super().__init__()
+        self.twin = _meta_twin(model).eval()  # shapes are the same in either mode; some
+        # training-mode checks are not (an instance norm of one element per channel)
+        self._twins = {id(m) for m in self.twin.modules()}
+        self.shape = tuple(int(s) for s in input_shape)
+        self.guards: dict[fx.Node, tuple[Any, str]] = {}
+        self._inputs = 0
+
+    def proxy(self, node: fx.Node) -> fx.Proxy:
+        return _SizedProxy(node, self)
+
+    def call_module(self, m: nn.Module, forward: Any, args: Any, kwargs: Any) -> Any:
+        if id(m) in self._twins:  # a meta value being computed: the module itself runs
+            return forward(*args, **kwargs)
+        return super().call_module(m, forward, args, kwargs)
+
+    def create_proxy(self, kind: str, target: Any, args: Any, kwargs: Any, *rest: Any,
+                     **more: Any) -> fx.Proxy:
+        proxy = super().create_proxy(kind, target, args, kwargs, *rest, **more)
+        try:
+            value = proxy.node.meta[_VALUE] = self._evaluate(proxy.node)
+        except Exception:  # noqa: BLE001 - unknown value: Python deciding on it is refused
+            return proxy
+        if isinstance(value, torch.Tensor):
+            proxy.node.meta[CAPTURED_SHAPE] = tuple(value.shape)
+        return proxy
+
+    def _evaluate(self, node: fx.Node) -> Any:
+        if node.op == "placeholder":
+            self._inputs += 1
+            if self._inputs == 1:
+                dtype = next((p.dtype for p in self.twin.parameters() if p.is_floating_point()),
+                             None)
+                return torch.empty(self.shape, dtype=dtype, device="meta")
+            if not node.args:
+                raise LookupError(node.name)
+            return node.args[0]  # a default
+        args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta[_VALUE])
+        if node.op == "get_attr":
+            value: Any = self.twin
+            for part in str(node.target).split("."):
+                value = getattr(value, part)
+            return value
+        if node.op == "call_module":
+            return self.twin.get_submodule(str(node.target))(*args, **kwargs)
+        if node.op == "call_method":
+            return getattr(args[0], str(node.target))(*args[1:], **kwargs)
+        return node.target(*args, **kwargs)
+
+    def to_bool(self, obj: fx.Proxy) -> bool:
+        if isinstance(obj, _SizedProxy):
+            return bool(obj.concrete())
+        return super().to_bool(obj)
+
+    def iter(self, obj: fx.Proxy) -> Iterator[Any]:
+        if isinstance(obj, _SizedProxy) and obj.known and isinstance(obj.value, (tuple, list)):
+            return iter([obj[i] for i in range(len(obj))])
+        return super().iter(obj)
+
+    def guard(self, node: fx.Node, value: Any) -> None:
+        """Record that the capture decided on ``node`` being ``value``, and where."""
+        if node not in self.guards:
+            self.guards[node] = (value, _caller(self))
+
+    def add_guards(self, graph: fx.Graph) -> None:
+        """Each guard as ``torch._assert(node == value)`` right after its node (before anything
+        the decision shaped): the program checks it once per global input shape, and a shape it
+        fails is refused naming the guard."""
+        for node, (value, where) in self.guards.items():
+            with graph.inserting_after(node):
+                same = graph.call_function(operator.eq, (node, value))
+            with graph.inserting_after(same):
+                check = graph.call_function(torch._assert, (same, (
+                    f"the model was captured on the global input shape {self.shape}, where "
+                    f"{_expression(node)} is {value!r} and its Python {where} decided on it; "
+                    "an input of this shape needs a capture of its own: parallelize the model "
+                    "with input_shape= this shape")))
+            check.meta[GUARD] = (node.name, value, where)
+
+
+_SYMBOLS = {operator.eq: "==", operator.ne: "!=", operator.lt: "<", operator.le: "<=",
+            operator.gt: ">", operator.ge: ">=", operator.add: "+", operator.sub: "-",
+            operator.mul: "*", operator.floordiv: "//", operator.mod: "%"}
+
+
+def _expression(node: Any, depth: int = 4) -> str:
+    """A size expression as the model wrote it, near enough: ``enc.shape[-1] != up.shape[-1]``
+    (graph values by their node names)."""
+    if not isinstance(node, fx.Node):
+        return repr(node)
+    if depth == 0 or node.op not in ("call_function", "call_method"):
+        return node.name
+    args = [_expression(a, depth - 1) for a in node.args]
+    if node.target is getattr:
+        return f"{args[0]}.{node.args[1]}"
+    if node.target is operator.getitem:
+        return f"{args[0]}[{node.args[1]!r}]"
+    if node.target is builtins.len:
+        return f"len({args[0]})"
+    if node.target in _SYMBOLS and len(args) == 2:
+        return f"({args[0]} {_SYMBOLS[node.target]} {args[1]})"
+    if node.op == "call_method":
+        return f"{args[0]}.{node.target}({', '.join(args[1:])})"
+    return node.name
+
+
+def _caller(tracer: fx.Tracer) -> str:
+    """``at file:line in module 'path'``: the model's own frame that asked for a value."""
+    root = os.path.dirname(torch.__file__)
+    frame = sys._getframe(1)
+    while frame is not None and (frame.f_code.co_filename == __file__
+                                 or frame.f_code.co_filename.startswith(root)):
+        frame = frame.f_back
+    path = list(tracer.module_stack)[-1] if tracer.module_stack else ""
+    line = f"at {frame.f_code.co_filename}:{frame.f_lineno} " if frame is not None else ""
+    return f"{line}in module {path or '(the root)'!r}"
+
+
 @contextlib.contextmanager
 def _capture_patches(tracer: fx.Tracer, model: str) -> Iterator[None]:
     """While ``tracer`` traces: ``len`` of a traced value is recorded as a node (a size of the
@@ -125,6 +316,8 @@ def _capture_patches(tracer: fx.Tracer, model: str) -> Iterator[None]:
     real_isinstance, real_len = torch.jit.isinstance, builtins.len
 
     def jit_isinstance(obj: Any, target_type: Any) -> bool:
+        if isinstance(obj, _SizedProxy) and obj.known:  # the value the module would see
+            return real_isinstance(obj.value, target_type)
         if isinstance(obj, fx.Proxy):
             caller = sys._getframe(1)
             where = list(tracer.module_stack)[-1] if tracer.module_stack else ""
@@ -139,7 +332,8 @@ def _capture_patches(tracer: fx.Tracer, model: str) -> Iterator[None]:
 
     def length(obj: Any) -> Any:
         if isinstance(obj, fx.Proxy):
-            return obj.tracer.create_proxy("call_function", real_len, (obj,), {})
+            size = obj.tracer.create_proxy("call_function", real_len, (obj,), {})
+            return size.concrete() if isinstance(size, _SizedProxy) and size.known else size
         return real_len(obj)
 
     def as_tensor(data: Any, *args: Any, **kwargs: Any) -> Any:

@@ -357,7 +357,7 @@ def _check_shape(shape: Any) -> tuple[int, ...]:
 def _explain(model: nn.Module, cfg: ParallelConfig, shape: tuple[int, ...],
              machine: Machine | None, optimizer_states: int, itemsize: int,
              bucket_bytes: int, baseline: bool, strict: bool = True) -> Explanation:
-    gm = trace(model)
+    gm = trace(model, shape)
     check_input_shape(gm, shape)
     decisions: dict[str, Any] = {}
     if cfg.has_auto():

@@ -121,7 +121,7 @@ class ParallelModel(nn.Module):
         try:
             # Our own copy: the parallel model never shares a module or tensor with the caller's
             # (thread ranks may pass one model object; shards replace its layers anyway).
-            gm = trace(copy.deepcopy(model))
+            gm = trace(copy.deepcopy(model), input_shape)
         finally:
             comm.barrier(meta="parallelize: after tracing")
         ndim = None if input_shape is None else len(tuple(input_shape))

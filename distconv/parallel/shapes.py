@@ -20,7 +20,7 @@ from torch import nn
 from torch.fx.node import map_aggregate
 from torch.fx.passes.shape_prop import _extract_tensor_metadata
 
-from distconv.parallel.capture import TRACING, check_capture
+from distconv.parallel.capture import GUARD, TRACING, check_capture
 
 __all__ = ["check_input_shape", "check_input_shape_error", "first_layer", "global_values",
            "propagate_shapes"]
@@ -188,6 +188,9 @@ def _refuse_assert(exc: BaseException, shape: Sequence[int], node: fx.Node,
     from distconv.parallel.graph import module_path
 
     where = module_path(node)
+    if GUARD in node.meta:  # not the model's check: the capture's, on what its Python decided
+        raise ValueError(f"{argument}={tuple(shape)} cannot run on this graph: "
+                         f"{node.args[1]}") from None
     raise ValueError(f"{argument}={tuple(shape)} fails the model's own check at node "
                      f"{node.name!r} (torch._assert) in module {where or '(the root)'!r}: "
                      f"{str(exc).strip() or type(exc).__name__}") from None

@@ -55,7 +55,7 @@ def trace_network(model: torch.nn.Module, input_shape: Sequence[int]) -> Network
     if any(p.device.type != "meta" for p in model.parameters()):
         model = copy.deepcopy(model).to("meta")
     input_shape = tuple(int(s) for s in input_shape)
-    gm = trace(model)
+    gm = trace(model, input_shape)
     check_input_shape(gm, input_shape)
     analyse(gm, ParallelConfig({"default": {"grid": {"N": 1}, "algorithm": "sample"}},
                                world_size=1), input_ndim=len(input_shape))

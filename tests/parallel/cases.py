@@ -78,9 +78,10 @@ def reference_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor,
 
 
 def train_step(comm: Any, model: nn.Module, config: Any, x: torch.Tensor, y: torch.Tensor,
-               reduction: str = "mean") -> dict[str, Any]:
+               reduction: str = "mean", input_shape: Any = None) -> dict[str, Any]:
     """The user's loop, verbatim, for one step on this rank's samples; then everything gathered."""
-    pmodel = parallelize(copy.deepcopy(model), config, comm=comm, loss_reduction=reduction)
+    pmodel = parallelize(copy.deepcopy(model), config, comm=comm, loss_reduction=reduction,
+                         input_shape=input_shape)
     opt = torch.optim.SGD(pmodel.parameters(), lr=LR, momentum=MOMENTUM)
     rows = sample_block(x.shape[0], pmodel.data_grid)
     out = pmodel(x[rows])

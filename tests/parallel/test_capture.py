@@ -346,6 +346,96 @@ def test_monai_basic_unet_is_refused_naming_the_construct() -> None:
         run_threads(lambda comm: parallelize(copy.deepcopy(model), SAMPLE, comm=comm), 2)
 
 
+class UpCat(nn.Module):
+    """MONAI's ``UpCat`` as it is written: ``torch.jit.isinstance`` of the skip, a loop over
+    ``range(len(x.shape) - 2)`` and an ``if`` on the skip's and the upsampled map's sizes that
+    pads the map by a row where the skip is odd. fx alone follows none of it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = nn.Conv2d(2, 4, 3, padding=1)
+        self.down = nn.MaxPool2d(2)
+        self.up = nn.ConvTranspose2d(4, 4, 2, stride=2)
+        self.cat_conv = nn.Conv2d(8, 3, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x_e = self.enc(x)
+        x_0 = self.up(self.down(x_e))
+        if x_e is not None and torch.jit.isinstance(x_e, torch.Tensor):
+            dims = len(x.shape) - 2
+            sp = [0] * (dims * 2)
+            for i in range(dims):
+                if x_e.shape[-i - 1] != x_0.shape[-i - 1]:
+                    sp[i * 2 + 1] = 1
+            x_0 = F.pad(x_0, sp, "replicate")
+            y = self.cat_conv(torch.cat([x_e, x_0], 1))
+        else:
+            y = self.cat_conv(x_0)
+        return y.mean((2, 3))
+
+
+def _sized_step(comm, model, config, x, y):  # noqa: ANN001, ANN202
+    return train_step(comm, model, config, x, y, input_shape=tuple(x.shape))
+
+
+@pytest.mark.parametrize("shape", [(4, 2, 8, 6), (4, 2, 9, 7)], ids=["even", "odd-padded"])
+@SPLITS
+def test_python_deciding_on_sizes_is_captured_on_the_input_shape(config: dict, shape) -> None:
+    model, x, y = _case(UpCat, shape)
+    ref = reference_step(model, x, y)
+    for got in run_threads(_sized_step, 2, model, config, x, y):
+        err = max_errors(ref, got)
+        assert max(err.values()) < TOL, err
+
+
+def test_a_shape_taking_another_path_is_refused_naming_the_guard() -> None:
+    model, x, _ = _case(UpCat, (4, 2, 8, 6))
+
+    def rank(comm):  # noqa: ANN001, ANN202
+        pmodel = parallelize(copy.deepcopy(model), SAMPLE, comm=comm, input_shape=(4, 2, 8, 6))
+        fewer = pmodel(x[comm.rank:comm.rank + 1])  # the batch decides nothing: it runs
+        with pytest.raises(ValueError) as info:  # 9 rows: the skip is odd, the map is padded
+            pmodel(torch.randn(2, 2, 9, 6, dtype=torch.float64))
+        return fewer, str(info.value)
+
+    for r, (fewer, message) in enumerate(run_threads(rank, 2)):
+        assert (fewer - model(x[r:r + 1])).abs().max() < TOL
+        assert "captured on the global input shape (4, 2, 8, 6)" in message, message
+        assert "is False" in message and "test_capture.py" in message, message
+        assert "module '(the root)'" in message and "input_shape=" in message, message
+
+
+def test_without_the_input_shape_the_refusal_says_it_would_help() -> None:
+    with pytest.raises(UntraceableModelError, match=r"with input_shape= given, the capture "
+                                                    r"follows Python that decides on sizes"):
+        run_threads(lambda comm: parallelize(UpCat(), SAMPLE, comm=comm), 2)
+
+
+class Deep(nn.Module):
+    """A stride-2 stack down to maps of one row: under a default spatial entry on H=2 the
+    deepest convolutions cannot give each rank a row."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.convs = nn.Sequential(*[nn.Conv2d(2, 2, 3, stride=2, padding=1) for _ in range(3)])
+        self.last = nn.Conv2d(2, 3, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.last(self.convs(x)).mean((2, 3))
+
+
+def test_a_default_spatial_entry_keeps_maps_too_small_to_split_whole() -> None:
+    model, x, y = _case(Deep, (4, 2, 8, 8))  # rows 8 -> 4 -> 2 -> 1 -> 1
+    with pytest.raises(ValueError, match="grid dim H=2 exceeds what this layer can split"):
+        run_threads(train_step, 2, model, SPATIAL, x, y)  # without the shape: refused
+    ref = reference_step(model, x, y)
+    for got in run_threads(_sized_step, 2, model, SPATIAL, x, y):
+        err = max_errors(ref, got)
+        assert max(err.values()) < TOL, err
+    text = str(explain(model, SPATIAL, (4, 2, 8, 8), world_size=2, verbose=True))
+    assert "convs.2" in text and "last" in text, text
+
+
 def decoder_on_world(comm) -> dict[str, float]:  # noqa: ANN001
     """The decoder idiom under a spatial split, after one SGD step, against one process."""
     model, x, y = _case(Decoder, (4, 2, 8, 6))
