@@ -14,10 +14,10 @@ import distconv.comm
 from distconv.nn.conv_nd import DistConvNd
 from distconv.nn.conv import DistConv2d
 from distkfac.comm import FactorReducer, PayloadBroadcaster
-from distkfac.factors import RunningFactor
 from distkfac.layers import LayerAdapter, adapter_for
 from distkfac.lowprec import check_comm_dtype
 from distkfac.methods import Method, method_for
+from distkfac.preconditioner.layer import Layer, Stale, control_device
 from distkfac.placement import (
     EVERYWHERE,
     CostModel,
@@ -46,47 +46,9 @@ Schedule = float | int | Callable[[int], float]
 PHASES = ("factor_compute", "factor_comm", "inversion", "broadcast", "precondition")
 
 
-class _Stale:
-    """Stale-statistics state of one factor: its value at the last decomposition, the current
-    interval (in scheduled decompositions) and how many are left before the next look."""
-
-    __slots__ = ("ref", "interval", "wait")
-
-    def __init__(self) -> None:
-        self.ref: Tensor | None = None
-        self.interval = 1
-        self.wait = 1
-
-
 def _relative_change(value: Tensor, ref: Tensor) -> float:
     """``||value - ref||_F / ||ref||_F``."""
     return float(torch.linalg.norm(value - ref) / torch.linalg.norm(ref).clamp_min(1e-300))
-
-
-class _Layer:
-    """Runtime state of one preconditioned module (or DistConv2d shard block)."""
-
-    def __init__(self, adapter: LayerAdapter, comm, dtype: torch.dtype) -> None:
-        self.adapter = adapter
-        self.comm = comm
-        g = adapter.groups
-        self.a = RunningFactor(g, adapter.a_dim, dtype=dtype)
-        self.g = RunningFactor(g, adapter.g_dim, dtype=dtype)
-        self.a_payload: Tensor | None = None
-        self.g_payload: Tensor | None = None
-        self.inverses: tuple[float, Tensor, Tensor] | None = None  # (damping, A^-1, G^-1)
-        self.uses = 0  # steps preconditioned with the current payloads
-        self.stale = (_Stale(), _Stale())
-        self.handles: list = []
-
-    @property
-    def name(self) -> str:
-        return self.adapter.name
-
-    @property
-    def replication(self) -> int:
-        """Ranks holding the same gradient (each counts it once in the KL clip's sum)."""
-        return 1 if self.comm is None else self.comm.size
 
 
 _RULES = {
@@ -244,14 +206,14 @@ class KFAC:
         self.timings = dict.fromkeys(PHASES, 0.0)
         self.stale_counts = {"scheduled": 0, "looked": 0, "skipped": 0}
         self.skipped: dict[str, str] = {}
-        self.layers: list[_Layer] = []
+        self.layers: list[Layer] = []
         self.exact_layers: list[ExactLayer] = []
         self._reducers: dict[int, FactorReducer] = {}
         self._broadcasters: dict[int, PayloadBroadcaster] = {}
         self._warned: set[str] = set()
         self._micro = 0
         self._register()
-        self._exact_stale = {ly.name: (_Stale(), _Stale()) for ly in self.exact_layers}
+        self._exact_stale = {ly.name: (Stale(), Stale()) for ly in self.exact_layers}
         self._root_hook = model.register_forward_pre_hook(self._count_micro_batch)
         self._begin_step()
 
@@ -367,8 +329,8 @@ class KFAC:
         root = all(grid.coords[d] == 0 for d in replicas)
         return root, (grid.subcomm(replicas) if replicas else None)
 
-    def _add_layer(self, adapter: LayerAdapter, comm) -> _Layer:
-        layer = _Layer(adapter, comm, self.factor_dtype)
+    def _add_layer(self, adapter: LayerAdapter, comm) -> Layer:
+        layer = Layer(adapter, comm, self.factor_dtype)
         self.layers.append(layer)
         self._reducer(comm)
         return layer
@@ -461,7 +423,7 @@ class KFAC:
                 reducer.discard()
             self._micro = 1
 
-    def _forward_hook(self, layer: _Layer, root: bool = True, pending=None):
+    def _forward_hook(self, layer: Layer, root: bool = True, pending=None):
         def hook(module: nn.Module, inputs: tuple, output: Any) -> None:
             if not (self._collecting and module.training and torch.is_grad_enabled()):
                 return
@@ -617,7 +579,7 @@ class KFAC:
             self.placement.cost_model = CostModel.fit(
                 self.comm, lambda m: self.method.decompose(m, damping), dtype=self.factor_dtype)
 
-    def _stale_due(self, entries: list[tuple[_Stale, Tensor, bool]],
+    def _stale_due(self, entries: list[tuple[Stale, Tensor, bool]],
                    moved: Callable[[list[int]], list[bool]]) -> list[bool]:
         """The stale-statistics rule over ``(state, current value, must decompose)`` entries
         at a scheduled decomposition: a factor whose wait is over is looked at, ``moved(looks)``
@@ -652,7 +614,7 @@ class KFAC:
                 self.stale_counts["skipped"] += 1
         return due  # type: ignore[return-value]
 
-    def _due(self, layers: list[_Layer], comm) -> list[bool]:
+    def _due(self, layers: list[Layer], comm) -> list[bool]:
         """Which of the layers' factors (A, G of each) to decompose at this scheduled update;
         with ``stale_threshold``, rank 0 of ``comm`` (every rank of it holds the factors)
         decides the looks and broadcasts them, so every rank skips the same."""
@@ -664,7 +626,7 @@ class KFAC:
         def moved(looks: list[int]) -> list[bool]:
             flags = torch.tensor([_relative_change(entries[i][1], entries[i][0].ref)
                                   >= self.stale_threshold for i in looks], dtype=torch.float64,
-                                 device=_device(comm))
+                                 device=control_device(comm))
             if comm is not None and comm.size > 1:
                 flags = comm.broadcast(flags, root=0, meta="kfac stale statistics")
             return [bool(v) for v in flags.tolist()]
@@ -687,7 +649,7 @@ class KFAC:
             local = torch.tensor([[float(torch.sum((entries[i][1] - entries[i][0].ref) ** 2)),
                                    float(torch.sum(entries[i][0].ref ** 2))]
                                   for i in looks], dtype=torch.float64,
-                                 device=_device(self.comm))
+                                 device=control_device(self.comm))
             local = local / torch.tensor([holders[i] for i in looks], dtype=torch.float64,
                                          device=local.device)[:, None]
             parts = ([local] if self.comm is None or self.comm.size == 1 else
@@ -790,7 +752,7 @@ class KFAC:
         self.last_kl_scale = scale
         self.timings["precondition"] += time.perf_counter() - t0
 
-    def _precondition_layer(self, layer: _Layer, damping: float,
+    def _precondition_layer(self, layer: Layer, damping: float,
                             ) -> tuple[int, Tensor, Tensor, Callable[[Tensor], None]] | None:
         """``(replication, V, V~, write)`` of a layer with whole (not row-block) factors."""
         if layer.a_payload is None:
@@ -825,7 +787,7 @@ class KFAC:
         weights = [(self.comm.size if rep == 0 else rep) for rep, _, _, _ in done]
         local = sum(float((v * g).sum()) / w for w, (_, g, v, _) in zip(weights, done))
         total = self.comm.allreduce(torch.tensor([local], dtype=torch.float64,
-                                                 device=_device(self.comm)),
+                                                 device=control_device(self.comm)),
                                     meta="kfac KL clip")
         return float(total[0])
 
@@ -966,10 +928,10 @@ class KFAC:
             "payload_format": self.method.name,  # rows per group: packing does not matter
         }
 
-    def _block_modules(self) -> dict[str, dict[str, _Layer]]:
+    def _block_modules(self) -> dict[str, dict[str, Layer]]:
         """The ``'block'`` layers of DistConv2d modules split over C or F by module name:
         ``{"weight": layer}``, plus ``"bias"`` where the bias is a block of its own."""
-        out: dict[str, dict[str, _Layer]] = {}
+        out: dict[str, dict[str, Layer]] = {}
         for ly in self.layers:
             ad = ly.adapter
             if (isinstance(ad, (ShardAdapter, BiasShardAdapter)) and ad.geo.C * ad.geo.F > 1
@@ -979,7 +941,7 @@ class KFAC:
                 out.setdefault(name, {})["bias" if bias else "weight"] = ly
         return out
 
-    def _block_state(self, parts: dict[str, _Layer]) -> dict[str, Any]:
+    def _block_state(self, parts: dict[str, Layer]) -> dict[str, Any]:
         """``{layout key: {part: fields}}`` of one module's shard: its factors, stale-statistics
         references and decompositions zero-padded to the layout's largest block, as this
         shard's ``(1, 1, ...)`` entry of the stack over the shards; the stale intervals and
@@ -1002,7 +964,7 @@ class KFAC:
             out[part] = fields
         return {layout.key: {"layout": {k: getattr(layout, k) for k in LAYOUT_FIELDS}, **out}}
 
-    def _by_group(self, layer: _Layer, key: str) -> Tensor | None:
+    def _by_group(self, layer: Layer, key: str) -> Tensor | None:
         payload = layer.a_payload if key == "A" else layer.g_payload
         ad = layer.adapter
         return None if payload is None else self.method.by_group(
@@ -1113,7 +1075,7 @@ class KFAC:
         self.steps = int(state["steps"])
         self._begin_step()
 
-    def _load_blocks(self, name: str, parts: dict[str, _Layer], saved: dict[str, Any],
+    def _load_blocks(self, name: str, parts: dict[str, Layer], saved: dict[str, Any],
                      same_format: bool) -> None:
         """One module's ``'block'`` state: on the saved layout each shard takes its own entry
         (decompositions, stale statistics and uses too: the run continues identically); on
@@ -1160,7 +1122,7 @@ class KFAC:
                 ly.a_payload = ly.g_payload = None
                 ly.uses = 0
 
-    def _load_blocks_from_whole(self, name: str, parts: dict[str, _Layer],
+    def _load_blocks_from_whole(self, name: str, parts: dict[str, Layer],
                                 saved: dict[str, Any]) -> None:
         """One module's ``'block'`` state from whole factors (saved under ``'exact'`` or on a
         layout without a channel or filter split): its diagonal blocks."""
@@ -1173,7 +1135,7 @@ class KFAC:
         self._cut_blocks(name, parts, BlockLayout.of(geo, whole=True), source,
                          lambda part, k: saved[k]["updates"])
 
-    def _cut_blocks(self, name: str, parts: dict[str, _Layer], layout: BlockLayout,
+    def _cut_blocks(self, name: str, parts: dict[str, Layer], layout: BlockLayout,
                     source: Callable[[str, int, int, str], Tensor | None],
                     updates: Callable[[str, str], int]) -> None:
         """Each shard's factors cut from the blocks of ``layout`` that hold them
@@ -1227,6 +1189,3 @@ def _padded(t: Tensor | None, shape: tuple[int, ...]) -> Tensor | None:
     return out[None, None]
 
 
-def _device(comm: Any) -> torch.device:
-    """Where control values travel: the communicator's device (NCCL's GPU), else the CPU."""
-    return getattr(comm, "device", None) or torch.device("cpu")
