@@ -2,8 +2,6 @@
 from __future__ import annotations
 
 import math
-import time
-import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -11,44 +9,33 @@ import torch
 from torch import Tensor, nn
 
 import distconv.comm
-from distconv.nn.conv_nd import DistConvNd
 from distconv.nn.conv import DistConv2d
+from distconv.nn.conv_nd import DistConvNd
 from distkfac.comm import FactorReducer, PayloadBroadcaster
-from distkfac.layers import LayerAdapter, adapter_for
 from distkfac.lowprec import check_comm_dtype
 from distkfac.methods import Method, method_for
-from distkfac.preconditioner.layer import Layer, Stale, control_device
 from distkfac.placement import (
-    EVERYWHERE,
     CostModel,
-    FactorTask,
     LoadBalanced,
     Placement,
     placement_for,
 )
+from distkfac.preconditioner.decompositions import Decompositions
+from distkfac.preconditioner.hooks import FactorHooks
+from distkfac.preconditioner.layer import Layer, Stale
+from distkfac.preconditioner.precondition import Preconditioning
 from distkfac.sharded import (
     LAYOUTS,
     BiasShardAdapter,
     BlockLayout,
     ExactLayer,
     ShardAdapter,
-    SpatialShardAdapter,
-    ShardGeometry,
-    attach,
-    exchange_exact,
-    precondition_exact,
-    redundant_comm,
 )
 
 __all__ = ["KFAC"]
 
 Schedule = float | int | Callable[[int], float]
 PHASES = ("factor_compute", "factor_comm", "inversion", "broadcast", "precondition")
-
-
-def _relative_change(value: Tensor, ref: Tensor) -> float:
-    """``||value - ref||_F / ||ref||_F``."""
-    return float(torch.linalg.norm(value - ref) / torch.linalg.norm(ref).clamp_min(1e-300))
 
 
 _RULES = {
@@ -86,7 +73,7 @@ def _check_int(name: str, value: Any, low: int) -> int:
     return value
 
 
-class KFAC:
+class KFAC(FactorHooks, Decompositions, Preconditioning):
     """Distributed K-FAC preconditioner for the ``nn.Linear``, ``nn.Conv2d`` and ``DistConv2d``
     layers of a model.
 
@@ -256,248 +243,10 @@ class KFAC:
         return comm
 
     # ------------------------------------------------------------------ registration
-    def _group_comm(self, adapter: LayerAdapter):
-        """The ranks a plain layer's factors are reduced over: every rank (data parallelism)."""
-        return self.comm
-
-    def _layout(self, name: str) -> str:
-        if isinstance(self.factor_sharding, str):
-            return self.factor_sharding
-        return self.factor_sharding.get(name, "exact")
-
-    def _register(self) -> None:
-        paths: dict[int, list[str]] = {}  # every path of each module; the first is its name
-        for name, module in self.model.named_modules(remove_duplicate=False):
-            paths.setdefault(id(module), []).append(name)
-        if not isinstance(self.factor_sharding, str):
-            first = {alias: group[0] for group in paths.values() for alias in group}
-            self.factor_sharding = {first.get(k, k): v for k, v in self.factor_sharding.items()}
-        matched: set[str] = set()
-        for name, module in self.model.named_modules():
-            hit = {*paths[id(module)], type(module).__name__} & set(self.skip_layers)
-            if hit:
-                matched |= hit
-                continue
-            if isinstance(module, DistConvNd) and not module.transposed and all(
-                    module.grid.extent(module.roles[r]) == 1 for r in ("C", "F")):
-                self._register_spatial(name, module)
-                continue
-            if isinstance(module, (DistConv2d, DistConvNd)):  # factors sharded like the weight
-                self._register_dist(name, module)
-                continue
-            if not isinstance(module, (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d,
-                                       nn.modules.conv._ConvTransposeNd)):
-                continue
-            adapter = adapter_for(module, name)
-            if isinstance(adapter, str):
-                self.skipped[name] = adapter
-                warnings.warn(f"distkfac: skipping module {name!r}: {adapter}", stacklevel=3)
-                continue
-            root, pending = (self._parallel_placement(name) if self._parallel is not None
-                             else (True, None))
-            layer = self._add_layer(adapter, self._group_comm(adapter))
-            layer.handles.append(module.register_forward_hook(
-                self._forward_hook(layer, root, pending)))
-        unknown = [n for n in self.skip_layers if n not in matched]
-        if unknown:
-            self._detach_layers()
-            names = [n for n, _ in self.model.named_modules() if n][:8]
-            raise ValueError(f"skip_layers names {unknown}, which match no module name or class "
-                             f"name of the model (module names: {names}...)")
-        self._check_sharding_names()
-        if not self.layers and not self.exact_layers:
-            warnings.warn("distkfac: no layer of the model can be preconditioned", stacklevel=3)
-
-    def _parallel_placement(self, name: str) -> tuple[bool, Any]:
-        """A plain (Linear) layer of a ``distconv.parallelize`` model runs sample-parallel on
-        its own grid, ``x[o_N, *]``, replicated over that grid's other dims R.  Returns whether
-        this rank counts its samples (the root of R: its coordinates over R all 0) and the
-        communicator over R, or None without replicas.  Over R the output's gradient is a
-        pending sum (the adjoint of replication; at the model's output the cotangent is kept
-        on one replica), so at factor-update steps one allreduce over R completes it before G
-        is formed (``allreduce_bytes`` of the output's numbers)."""
-        steps = [st.layer for st in self._parallel._analysis.steps
-                 if st.layer is not None and st.layer.kind == "linear" and st.layer.name == name]
-        if not steps:
-            raise NotImplementedError(
-                f"K-FAC of {name!r}: the parallelized model runs it outside its traced layers; "
-                "skip it with skip_layers")
-        spec = steps[0]
-        grid = self._parallel.grid(spec.layout)
-        samples = spec.input.dist.used()
-        replicas = [d for d, e in grid.shape.items() if e > 1 and d not in samples]
-        root = all(grid.coords[d] == 0 for d in replicas)
-        return root, (grid.subcomm(replicas) if replicas else None)
-
-    def _add_layer(self, adapter: LayerAdapter, comm) -> Layer:
-        layer = Layer(adapter, comm, self.factor_dtype)
-        self.layers.append(layer)
-        self._reducer(comm)
-        return layer
-
-    def _reducer(self, comm) -> FactorReducer:
-        key = id(comm)
-        if key not in self._reducers:
-            self._reducers[key] = FactorReducer(comm, bucket_bytes=self.bucket_bytes,
-                                                symmetric=self.symmetric_comm,
-                                                comm_dtype=self.factor_comm_dtype)
-            self._broadcasters[key] = PayloadBroadcaster(comm)
-        return self._reducers[key]
-
-    def _register_spatial(self, name: str, module: DistConvNd) -> None:
-        """A DistConvNd split over samples and spatial dims: one block, its rows summed over
-        the ranks that hold the weight (the work hook's statistics)."""
-        if self._frozen(name, module):
-            return
-        comm = redundant_comm(module)
-        target = self._add_layer(SpatialShardAdapter(module, name), comm)
-        attach(module, self._work_hook([(target.adapter, target.name)],
-                                       self._reducers[id(comm)]))
-
-    def _frozen(self, name: str, module: nn.Module) -> bool:
-        """Whether a distributed layer's parameters are frozen (then skipped, with a warning)."""
-        if module.weight.requires_grad and (module.bias is None or module.bias.requires_grad):
-            return False
-        self.skipped[name] = "its parameters are frozen"
-        warnings.warn(f"distkfac: skipping module {name!r}: frozen", stacklevel=5)
-        return True
-
-    def _register_dist(self, name: str, module: DistConv2d | DistConvNd) -> None:
-        if self._frozen(name, module):
-            return
-        geo = ShardGeometry(module)
-        comm = redundant_comm(module)
-        targets: list[Any]
-        # A grouped layer's K-FAC is block-diagonal by group, and a grouped DistConv2d split
-        # over C or F holds whole groups: its groups' factors are local and exact in any layout.
-        if geo.C * geo.F == 1 or module.groups > 1 or self._layout(name) == "block":
-            targets = [self._add_layer(ShardAdapter(module, name, geo), comm)]
-            if geo.bias and geo.C > 1:
-                targets.append(self._add_layer(BiasShardAdapter(module, name + ".bias", geo),
-                                               comm))
-            keys = [(t.adapter, t.name) for t in targets]
-        else:
-            exact = ExactLayer(module, name, self.factor_dtype, self.factor_comm_dtype)
-            self.exact_layers.append(exact)
-            self._reducer(comm)
-            keys = [(exact, name)]
-        attach(module, self._work_hook(keys, self._reducers[id(comm)]))
-
-    def _check_sharding_names(self) -> None:
-        """Every key of a ``factor_sharding`` mapping names a layer this preconditioner registered
-        (its module name); an unknown key would be ignored silently."""
-        if isinstance(self.factor_sharding, str):
-            return
-        known = list(dict.fromkeys(
-            [ly.name for ly in self.layers if not isinstance(ly.adapter, BiasShardAdapter)]
-            + [ly.name for ly in self.exact_layers]))
-        unknown = [k for k in self.factor_sharding if k not in known]
-        if unknown:
-            self._detach_layers()
-            shown = ", ".join(repr(n) for n in known[:8]) + (
-                f", ... ({len(known)} in all)" if len(known) > 8 else "")
-            raise ValueError(f"factor_sharding names {unknown}, which are not layers K-FAC "
-                             f"preconditions; keys must be module names of registered layers: "
-                             f"{shown or 'none'}")
-
-    def _detach_layers(self) -> None:
-        for layer in self.layers:
-            for h in layer.handles:
-                h.remove()
-            layer.handles = []
-        for m in self.model.modules():
-            if isinstance(m, (DistConv2d, DistConvNd)):
-                m.work_hook = None
-
     def remove_hooks(self) -> None:
         """Detach from the model (the preconditioner stops collecting factors)."""
         self._detach_layers()
         self._root_hook.remove()
-
-    def _count_micro_batch(self, module: nn.Module, args: Any) -> None:
-        if not (self._collecting and module.training and torch.is_grad_enabled()):
-            return
-        self._micro += 1
-        if self._micro > self.accumulation_steps:  # the last step's step() never came
-            for reducer in self._reducers.values():
-                reducer.discard()
-            self._micro = 1
-
-    def _forward_hook(self, layer: Layer, root: bool = True, pending=None):
-        def hook(module: nn.Module, inputs: tuple, output: Any) -> None:
-            if not (self._collecting and module.training and torch.is_grad_enabled()):
-                return
-            if not inputs or not isinstance(inputs[0], Tensor):
-                return
-            if not isinstance(output, Tensor) or not output.requires_grad:
-                return
-            t0 = time.perf_counter()
-            x = inputs[0]
-            # d = n dL/dy: n the local batch under data parallelism (each rank's loss a local
-            # mean); the global batch in a parallelized model (the cotangent is dl_i / N)
-            n = (self._parallel.global_batch_size if self._parallel is not None
-                 else layer.adapter.batch_size(x))
-            batch = n * self.accumulation_steps
-            a, rows = layer.adapter.a_sum(x, self.factor_dtype)
-            if not root:  # a replica of samples another rank counts
-                a, rows = a.zero_(), 0
-            reducer = self._reducers[id(layer.comm)]
-            reducer.add(layer.name + "/A", a, rows)
-            self.timings["factor_compute"] += time.perf_counter() - t0
-
-            def grad_hook(gy: Tensor) -> None:
-                t1 = time.perf_counter()
-                if pending is not None:  # a pending sum over the replicas of the samples
-                    gy = pending.allreduce(gy.detach(), meta=f"kfac dL/dy of {layer.name}")
-                g, grows = layer.adapter.g_sum(gy, batch, self.factor_dtype)
-                if not root:
-                    g, grows = g.zero_(), 0
-                reducer.add(layer.name + "/G", g, grows)
-                self.timings["factor_compute"] += time.perf_counter() - t1
-
-            output.register_hook(grad_hook)
-        return hook
-
-    def _work_hook(self, targets: list, reducer: FactorReducer):
-        """DistConv2d work hook: A from the local convolution's input, G from its output's
-        gradient, for each block (or the exact layer) of the module."""
-        def hook(module: nn.Module, x: Tensor, padding: tuple, y: Tensor, y_shape) -> None:
-            if not (self._collecting and module.training and torch.is_grad_enabled()
-                    and y.requires_grad):
-                return
-            t0 = time.perf_counter()
-            # d = N dL/dy with N the global batch: from the layer's global shape, else the
-            # parallelized model's, else (sample parallelism only) from the reduced row count
-            n = y_shape[0] if y_shape[0] > 0 else getattr(self._parallel, "global_batch_size",
-                                                          None)
-            scale = None if n is None else float(n * self.accumulation_steps) ** 2
-            deferred = []
-            for target, name in targets:
-                target.positions = math.prod(y_shape[2:])
-                target.y_shape = tuple(y_shape)
-                target.prescaled = scale is not None
-                a, rows = target.work_a(x, padding, y, self.factor_dtype)
-                if callable(a):  # still being reduced: added when the gradient arrives
-                    deferred.append((name, a, rows))
-                else:
-                    reducer.add(name + "/A", a, rows,
-                                symmetric=not isinstance(target, ExactLayer))
-            self.timings["factor_compute"] += time.perf_counter() - t0
-
-            def grad_hook(gy: Tensor) -> None:
-                t1 = time.perf_counter()
-                for name, wait, rows in deferred:
-                    reducer.add(name + "/A", wait(), rows, symmetric=False)
-                for target, name in targets:
-                    g, rows = target.work_g(gy, self.factor_dtype)
-                    if scale is not None:
-                        g = g * scale
-                    reducer.add(name + "/G", g, rows,
-                                symmetric=not isinstance(target, ExactLayer))
-                self.timings["factor_compute"] += time.perf_counter() - t1
-
-            y.register_hook(grad_hook)
-        return hook
 
     # ------------------------------------------------------------------ schedule
     def _value(self, name: str, step: int | None = None) -> Any:
@@ -538,258 +287,6 @@ class KFAC:
         self._precondition()
         self.steps += 1
         self._begin_step()
-
-    def _warn_once(self, key: str, msg: str) -> None:
-        if key not in self._warned:
-            self._warned.add(key)
-            warnings.warn(msg, stacklevel=3)
-
-    def _update_factors(self) -> None:
-        t0 = time.perf_counter()
-        results: dict[str, tuple[Tensor, float]] = {}
-        for reducer in self._reducers.values():
-            results.update(reducer.finish())
-        self.timings["factor_comm"] += time.perf_counter() - t0
-        t0 = time.perf_counter()
-        decay = float(self._value("factor_decay"))
-        for layer in self.layers:
-            a, g = results.get(layer.name + "/A"), results.get(layer.name + "/G")
-            if a is None or g is None:
-                self._no_factors(layer.name)
-                continue
-            layer.a.update(a[0] / a[1], decay)
-            scale = layer.adapter.g_scale(g[1]) if hasattr(layer.adapter, "g_scale") else 1.0
-            layer.g.update(g[0] / g[1] * scale, decay)
-        for exact in self.exact_layers:
-            if not exact.update(results, decay):
-                self._no_factors(exact.name)
-        self.timings["factor_compute"] += time.perf_counter() - t0
-
-    def _no_factors(self, name: str) -> None:
-        self._warn_once(name, f"distkfac: layer {name!r} produced no factors on a factor-update "
-                        "step (not called, or no gradient reached it); its factors were not "
-                        "updated")
-
-    def _ensure_cost_model(self) -> None:
-        """Fit LBP's cost model once, over every rank: a placement must come from a model all
-        ranks share, and the groups of sharded layers are segments of the grid (a model fitted
-        per segment placed a data-parallel layer differently on different segments)."""
-        if isinstance(self.placement, LoadBalanced) and self.placement.cost_model is None:
-            damping = float(self._value("damping"))
-            self.placement.cost_model = CostModel.fit(
-                self.comm, lambda m: self.method.decompose(m, damping), dtype=self.factor_dtype)
-
-    def _stale_due(self, entries: list[tuple[Stale, Tensor, bool]],
-                   moved: Callable[[list[int]], list[bool]]) -> list[bool]:
-        """The stale-statistics rule over ``(state, current value, must decompose)`` entries
-        at a scheduled decomposition: a factor whose wait is over is looked at, ``moved(looks)``
-        says (the same on every rank) which looked factors moved by ``stale_threshold`` or
-        more; those are decomposed and their interval reset, the others' doubles (up to
-        ``stale_max_interval``)."""
-        due: list[bool | None] = []
-        looks = []
-        for i, (st, _, force) in enumerate(entries):
-            self.stale_counts["scheduled"] += 1
-            if force or st.ref is None:
-                due.append(True)
-            elif st.wait > 1:
-                st.wait -= 1
-                due.append(False)
-            else:
-                due.append(None)
-                looks.append(i)
-        it = iter(moved(looks) if looks else [])
-        self.stale_counts["looked"] += len(looks)
-        for i, (st, value, _) in enumerate(entries):
-            if due[i] is None:
-                if next(it):
-                    due[i], st.interval = True, 1
-                else:
-                    due[i] = False
-                    st.interval = min(2 * st.interval, self.stale_max_interval)
-                    st.wait = st.interval
-            if due[i]:
-                st.ref, st.wait = value.clone(), st.interval
-            else:
-                self.stale_counts["skipped"] += 1
-        return due  # type: ignore[return-value]
-
-    def _due(self, layers: list[Layer], comm) -> list[bool]:
-        """Which of the layers' factors (A, G of each) to decompose at this scheduled update;
-        with ``stale_threshold``, rank 0 of ``comm`` (every rank of it holds the factors)
-        decides the looks and broadcasts them, so every rank skips the same."""
-        if self.stale_threshold is None:
-            return [True] * (2 * len(layers))
-        entries = [(st, f.value, ly.a_payload is None)
-                   for ly in layers for f, st in zip((ly.a, ly.g), ly.stale)]
-
-        def moved(looks: list[int]) -> list[bool]:
-            flags = torch.tensor([_relative_change(entries[i][1], entries[i][0].ref)
-                                  >= self.stale_threshold for i in looks], dtype=torch.float64,
-                                 device=control_device(comm))
-            if comm is not None and comm.size > 1:
-                flags = comm.broadcast(flags, root=0, meta="kfac stale statistics")
-            return [bool(v) for v in flags.tolist()]
-
-        return self._stale_due(entries, moved)
-
-    def _exact_due(self, layers: list[ExactLayer]) -> list[bool]:
-        """The stale rule for row-block factors: the squared norms of each looked factor's
-        change and reference are summed over the grid (each row block counted once: divided
-        by the ranks that hold it) by one allgather, in rank order, so every rank decides
-        alike."""
-        if self.stale_threshold is None:
-            return [True] * (2 * len(layers))
-        entries = [(st, ly.factors[k], ly.inverse_rows[k] is None)
-                   for ly in layers for k, st in zip("AG", self._exact_stale[ly.name])]
-        holders = [ly.grid.size // (ly.grid.extent(d) if d else 1)
-                   for ly in layers for d in (ly.geo.cdim, ly.geo.fdim)]
-
-        def moved(looks: list[int]) -> list[bool]:
-            local = torch.tensor([[float(torch.sum((entries[i][1] - entries[i][0].ref) ** 2)),
-                                   float(torch.sum(entries[i][0].ref ** 2))]
-                                  for i in looks], dtype=torch.float64,
-                                 device=control_device(self.comm))
-            local = local / torch.tensor([holders[i] for i in looks], dtype=torch.float64,
-                                         device=local.device)[:, None]
-            parts = ([local] if self.comm is None or self.comm.size == 1 else
-                     self.comm.allgather(local, meta="kfac stale statistics"))
-            total = torch.zeros_like(local)
-            for part in parts:
-                total += part
-            return [math.sqrt(num / den) >= self.stale_threshold if den > 0 else True
-                    for num, den in total.tolist()]
-
-        return self._stale_due(entries, moved)
-
-    def _update_decompositions(self) -> None:
-        damping = float(self._value("damping"))
-        for key, broadcaster in self._broadcasters.items():
-            layers = [ly for ly in self.layers if id(ly.comm) == key and ly.a.value is not None]
-            if not layers:
-                continue
-            comm = layers[0].comm
-            size = 1 if comm is None else comm.size
-            rank = 0 if comm is None else comm.rank
-            if size > 1:
-                self._ensure_cost_model()
-            due = self._due(layers, comm)
-            factors = [f for ly in layers for f in (ly.a, ly.g)]
-            index = [i for i in range(len(factors)) if due[i]]
-            if not index:
-                continue
-            names = [f"{ly.name}/{n}" for ly in layers for n in "AG"]
-            numels = [self.method.payload_numel(factors[i].groups, factors[i].d) for i in index]
-            tasks = [FactorTask(names[i], factors[i].groups, factors[i].d, n)
-                     for i, n in zip(index, numels)]
-            owners = self.placement.assign(tasks, size) if size > 1 else [EVERYWHERE] * len(tasks)
-            t0 = time.perf_counter()
-            mine = {j: self.method.decompose(factors[i].value, damping)
-                    for j, i in enumerate(index) if owners[j] in (EVERYWHERE, rank)}
-            t1 = time.perf_counter()
-            payloads = broadcaster.exchange(owners, mine, numels, self.factor_dtype,
-                                            factors[0].value.device)
-            t2 = time.perf_counter()
-            self.timings["inversion"] += t1 - t0
-            self.timings["broadcast"] += t2 - t1
-            for j, i in enumerate(index):
-                layer = layers[i // 2]
-                if i % 2 == 0:
-                    layer.a_payload = payloads[j]
-                else:
-                    layer.g_payload = payloads[j]
-                layer.inverses, layer.uses = None, 0
-            self.last_assignment = dict(zip((t.key for t in tasks), owners))
-        if self.exact_layers:
-            self._update_exact(damping)
-
-    def _update_exact(self, damping: float) -> None:
-        layers = [ly for ly in self.exact_layers if ly.factors["A"] is not None]
-        if not layers:
-            return
-        size = self.comm.size
-        due = self._exact_due(layers)
-        work = [(ly, k) for i, (ly, k) in enumerate((ly, k) for ly in layers for k in "AG")
-                if due[i]]
-        if not work:
-            return
-        tasks = [FactorTask(f"{ly.name}/{k}", 1, ly.side[k], ly.side[k] * ly.side[k])
-                 for ly, k in work]
-        owners = [o if o != EVERYWHERE else i % size
-                  for i, o in enumerate(self.placement.assign(tasks, size))]
-        t0 = time.perf_counter()
-
-        def decompose(full: Tensor) -> Tensor:
-            payload = self.method.decompose(full[None], damping)
-            return self.method.damped_inverse(payload, 1, full.shape[0], damping)[0]
-
-        exchange_exact(work, owners, self.comm, decompose, self.factor_dtype)
-        self.timings["inversion"] += time.perf_counter() - t0
-        self.last_exact_assignment = dict(zip((t.key for t in tasks), owners))
-
-    def _precondition(self) -> None:
-        t0 = time.perf_counter()
-        damping = float(self._value("damping"))
-        done: list[tuple[int, Tensor, Tensor, Callable[[Tensor], None]]] = []
-
-        def others() -> None:
-            for layer in self.layers:
-                out = self._precondition_layer(layer, damping)
-                if out is not None:
-                    done.append(out)
-
-        # the exact layers' reduce-scatters are in flight while the others are preconditioned
-        done += precondition_exact(self.exact_layers, others)
-        scale = 1.0
-        kl_clip = self._value("kl_clip")
-        if kl_clip is not None and done:
-            lr = float(self._value("lr"))
-            vg = self._vg(done) * lr * lr
-            if vg != 0.0:
-                scale = min(1.0, math.sqrt(float(kl_clip) / abs(vg)))
-        for _, _, v, write in done:
-            write(v * scale)
-        self.last_kl_scale = scale
-        self.timings["precondition"] += time.perf_counter() - t0
-
-    def _precondition_layer(self, layer: Layer, damping: float,
-                            ) -> tuple[int, Tensor, Tensor, Callable[[Tensor], None]] | None:
-        """``(replication, V, V~, write)`` of a layer with whole (not row-block) factors."""
-        if layer.a_payload is None:
-            return None
-        ad = layer.adapter
-        grad = ad.grad_matrix(self.factor_dtype)
-        if grad is None:
-            return None
-        # A decomposition used once (inverse updates every step) is applied directly; from
-        # its second use on, the damped inverses are formed once and reused.
-        fresh = layer.uses == 0
-        layer.uses += 1
-        if fresh:
-            v = self.method.precondition(grad, layer.a_payload, layer.g_payload, ad.groups,
-                                         ad.a_dim, ad.g_dim, damping)
-        else:
-            if layer.inverses is None or layer.inverses[0] != damping:
-                layer.inverses = (
-                    damping,
-                    self.method.damped_inverse(layer.a_payload, ad.groups, ad.a_dim, damping),
-                    self.method.damped_inverse(layer.g_payload, ad.groups, ad.g_dim, damping))
-            _, a_inv, g_inv = layer.inverses
-            v = g_inv @ grad @ a_inv
-        return layer.replication, grad, v, ad.set_grad
-
-    def _vg(self, done: list) -> float:
-        """``sum_l <V~_l, V_l>`` over the global model: local sums, and when some layers are
-        sharded one float64 allreduce over the grid with each gradient counted once."""
-        sharded = self.exact_layers or any(ly.comm is not self.comm for ly in self.layers)
-        if not sharded or self.comm is None or self.comm.size == 1:
-            return sum(float((v * g).sum()) for _, g, v, _ in done)
-        weights = [(self.comm.size if rep == 0 else rep) for rep, _, _, _ in done]
-        local = sum(float((v * g).sum()) / w for w, (_, g, v, _) in zip(weights, done))
-        total = self.comm.allreduce(torch.tensor([local], dtype=torch.float64,
-                                                 device=control_device(self.comm)),
-                                    meta="kfac KL clip")
-        return float(total[0])
 
     # ------------------------------------------------------------------ state
     def reset_timings(self) -> None:
