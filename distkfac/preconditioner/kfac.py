@@ -6,7 +6,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 
 import distconv.comm
 from distconv.nn.conv import DistConv2d
@@ -20,16 +20,14 @@ from distkfac.placement import (
     Placement,
     placement_for,
 )
+from distkfac.preconditioner import checkpoint
 from distkfac.preconditioner.decompositions import Decompositions
 from distkfac.preconditioner.hooks import FactorHooks
 from distkfac.preconditioner.layer import Layer, Stale
 from distkfac.preconditioner.precondition import Preconditioning
 from distkfac.sharded import (
     LAYOUTS,
-    BiasShardAdapter,
-    BlockLayout,
     ExactLayer,
-    ShardAdapter,
 )
 
 __all__ = ["KFAC"]
@@ -329,52 +327,7 @@ class KFAC(FactorHooks, Decompositions, Preconditioning):
         :meth:`load_state_dict`).
         Where the layout changes the decompositions are recomputed at the next ``step()``
         from the loaded factors; where it does not, the run continues identically."""
-        from distconv.distribution import Dist
-        from distconv.nn.sharding import ShardSpec
-
-        specs: dict[str, Any] = {}
-        for ly in self.layers:
-            ad = ly.adapter
-            if (not isinstance(ad, (ShardAdapter, BiasShardAdapter)) or ad.geo.C * ad.geo.F == 1
-                    or ad.module.groups == 1):
-                continue
-            # whole groups per rank: blocks of the global (groups, d, d) factors over the
-            # grid dim that splits the filters, and of the decompositions' rows per group
-            groups, grid, dim = ad.module.groups, ad.module.grid, ad.geo.fdim
-            for key, d in (("A", ad.a_dim), ("G", ad.g_dim)):
-                specs[f"factors/{ly.name}/{key}/value"] = ShardSpec(
-                    grid, Dist((dim, None, None)), (groups, d, d))
-                specs[f"decompositions/{ly.name}/{key}"] = ShardSpec(
-                    grid, Dist((dim, None)), (groups, self.method.group_numel(d)))
-        for name, parts in self._block_modules().items():
-            geo = parts["weight"].adapter.geo
-            layout, grid = BlockLayout.of(geo), parts["weight"].adapter.module.grid
-            shards = (layout.F, layout.C)
-            over = lambda *rest: Dist((geo.fdim, geo.cdim, *rest))  # noqa: E731
-            for part in parts:
-                base = f"block/{name}/{layout.key}/{part}"
-                for key in "AG":
-                    d = layout.side(part, key)
-                    for field in (key, f"{key}_ref"):
-                        specs[f"{base}/{field}"] = ShardSpec(grid, over(None, None),
-                                                             (*shards, d, d))
-                    specs[f"{base}/{key}_decomposition"] = ShardSpec(
-                        grid, over(None), (*shards, self.method.group_numel(d)))
-                specs[f"{base}/counters"] = ShardSpec(grid, over(None), (*shards, 5))
-        for ly in self.exact_layers:
-            geo, grid = ly.geo, ly.grid
-            specs[f"factors/{ly.name}/A/value"] = ShardSpec(
-                grid, Dist((None, geo.cdim, None)), (1, geo.K, geo.K))
-            specs[f"factors/{ly.name}/G/value"] = ShardSpec(
-                grid, Dist((None, geo.fdim, None)), (1, geo.fo, geo.fo))
-            specs[f"exact_inverses/{ly.name}/A"] = ShardSpec(
-                grid, Dist((geo.cdim, None, None)), (geo.ci, geo.k2, geo.K))
-            specs[f"exact_inverses/{ly.name}/G"] = ShardSpec(
-                grid, Dist((geo.fdim, None)), (geo.fo, geo.fo))
-        # the stale-statistics references lie like the factors
-        for key in [k for k in specs if k.startswith("factors/")]:
-            specs["stale/" + key[len("factors/"): -len("/value")] + "/ref"] = specs[key]
-        return specs
+        return checkpoint.shard_specs(self)
 
     def state_dict(self) -> dict[str, Any]:
         """Steps, settings (callables are not saved), every layer's running factors, its
@@ -386,86 +339,9 @@ class KFAC(FactorHooks, Decompositions, Preconditioning):
         have preconditioned (``uses``: the damped inverses are formed again from them where the
         uninterrupted run reused its own).  ``'block'`` layers of channel/filter-parallel
         modules are under ``"block"``, keyed by module and layout (see
-        :meth:`_block_state`), and the LBP cost model under ``"placement"``."""
-        settings = {k: v for k, v in self.settings().items() if not callable(v)}
-        blocks = self._block_modules()
-        in_blocks = {id(ly) for parts in blocks.values() for ly in parts.values()}
-        whole = [ly for ly in self.layers if id(ly) not in in_blocks]
-        factors = {ly.name: {"A": ly.a.state_dict(), "G": ly.g.state_dict()}
-                   for ly in whole}
-        inverses: dict[str, Any] = {}
-        for ly in self.exact_layers:
-            factors[ly.name] = {k: {"value": None if ly.factors[k] is None
-                                    else ly.factors[k].unsqueeze(0), "updates": ly.updates}
-                                for k in "AG"}
-            a_inv, g_inv = ly.inverse_rows["A"], ly.inverse_rows["G"]
-            if a_inv is not None:
-                cn = ly.geo.c_blocks[ly.geo.c][1]
-                inverses[ly.name] = {
-                    "A": a_inv[: cn * ly.geo.k2].reshape(cn, ly.geo.k2, -1).clone(), "G": g_inv}
-                if ly.geo.bias:
-                    inverses[ly.name]["A_bias"] = a_inv[-1].clone()
-        stale = {ly.name: dict(zip("AG", ly.stale)) for ly in whole}
-        stale.update({name: dict(zip("AG", pair)) for name, pair in self._exact_stale.items()})
-        exact = {ly.name for ly in self.exact_layers}
-        return {
-            "steps": self.steps,
-            "settings": settings,
-            "factors": factors,
-            "stale": {name: {k: {"ref": None if st.ref is None else
-                                 st.ref.unsqueeze(0) if name in exact else st.ref,
-                                 "interval": st.interval, "wait": st.wait}
-                             for k, st in pair.items()} for name, pair in stale.items()},
-            "decompositions": {ly.name: {k: self._by_group(ly, k) for k in "AG"}
-                               for ly in whole},
-            "uses": {ly.name: ly.uses for ly in whole},
-            "exact_inverses": inverses,
-            "block": {name: self._block_state(parts) for name, parts in blocks.items()},
-            "placement": self.placement.state_dict(),
-            "payload_format": self.method.name,  # rows per group: packing does not matter
-        }
-
-    def _block_modules(self) -> dict[str, dict[str, Layer]]:
-        """The ``'block'`` layers of DistConv2d modules split over C or F by module name:
-        ``{"weight": layer}``, plus ``"bias"`` where the bias is a block of its own."""
-        out: dict[str, dict[str, Layer]] = {}
-        for ly in self.layers:
-            ad = ly.adapter
-            if (isinstance(ad, (ShardAdapter, BiasShardAdapter)) and ad.geo.C * ad.geo.F > 1
-                    and ad.module.groups == 1):
-                bias = isinstance(ad, BiasShardAdapter)
-                name = ly.name[: -len(".bias")] if bias else ly.name
-                out.setdefault(name, {})["bias" if bias else "weight"] = ly
-        return out
-
-    def _block_state(self, parts: dict[str, Layer]) -> dict[str, Any]:
-        """``{layout key: {part: fields}}`` of one module's shard: its factors, stale-statistics
-        references and decompositions zero-padded to the layout's largest block, as this
-        shard's ``(1, 1, ...)`` entry of the stack over the shards; the stale intervals and
-        waits and the uses of the decompositions as ``counters``."""
-        geo = parts["weight"].adapter.geo
-        layout = BlockLayout.of(geo)
-        out: dict[str, Any] = {}
-        for part, ly in parts.items():
-            fields: dict[str, Any] = {"updates": {"A": ly.a.updates, "G": ly.g.updates}}
-            counters = []
-            for key, factor, st in (("A", ly.a, ly.stale[0]), ("G", ly.g, ly.stale[1])):
-                d = layout.side(part, key)
-                fields[key] = _padded(factor.value, (d, d))
-                fields[f"{key}_ref"] = _padded(st.ref, (d, d))
-                rows = self._by_group(ly, key)
-                fields[f"{key}_decomposition"] = _padded(
-                    rows, (self.method.group_numel(d),))
-                counters += [st.interval, st.wait]
-            fields["counters"] = torch.tensor([[counters + [ly.uses]]], dtype=torch.int64)
-            out[part] = fields
-        return {layout.key: {"layout": {k: getattr(layout, k) for k in LAYOUT_FIELDS}, **out}}
-
-    def _by_group(self, layer: Layer, key: str) -> Tensor | None:
-        payload = layer.a_payload if key == "A" else layer.g_payload
-        ad = layer.adapter
-        return None if payload is None else self.method.by_group(
-            payload, ad.groups, ad.a_dim if key == "A" else ad.g_dim)
+        :mod:`~distkfac.preconditioner.checkpoint`), and the LBP cost model under
+        ``"placement"``."""
+        return checkpoint.state_dict(self)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore factors, decompositions, steps and non-callable settings.  Without saved
@@ -485,26 +361,7 @@ class KFAC(FactorHooks, Decompositions, Preconditioning):
                 blocks do not lie inside the saved ones, or onto whole factors (``'exact'``, or
                 no channel or filter split), naming both layouts.
         """
-        blocks = self._block_modules()
-        in_blocks = {id(ly) for parts in blocks.values() for ly in parts.values()}
-        whole = [ly for ly in self.layers if id(ly) not in in_blocks]
-        saved_blocks = state.get("block", {})
-        names = ({ly.name for ly in whole} | {ly.name for ly in self.exact_layers}
-                 | set(blocks))
-        saved_names = set(state["factors"]) | set(saved_blocks)
-        if saved_names != names:
-            raise ValueError(f"state holds layers {sorted(saved_names)}, this "
-                             f"preconditioner has {sorted(names)}")
-        for ly in [*whole, *self.exact_layers]:
-            if ly.name in saved_blocks:
-                saved, = (BlockLayout(**{k: v["layout"][k] for k in LAYOUT_FIELDS})
-                          for v in saved_blocks[ly.name].values())
-                geo = ly.geo if isinstance(ly, ExactLayer) else ly.adapter.geo
-                raise ValueError(
-                    f"K-FAC layer {ly.name!r}: the state holds its factors under {saved}; this "
-                    f"preconditioner keeps {BlockLayout.of(geo, whole=True)}, which diagonal "
-                    "blocks cannot give: load it with the saved layout (or one that splits "
-                    "those blocks further), or let the factors re-accumulate")
+        checkpoint.check_layers(self, state)
         settings = dict(state.get("settings", {}))
         for key in ("factor_update_steps", "inv_update_steps", "damping", "factor_decay",
                     "kl_clip", "lr"):
@@ -514,153 +371,9 @@ class KFAC(FactorHooks, Decompositions, Preconditioning):
             self.compute_method = settings.get("compute_method", self.compute_method)
             self.symmetric_comm = settings.get("symmetric_comm", self.symmetric_comm)
             self.method = method_for(self.compute_method, symmetric=self._pack_payloads)
-        same_format = state.get("payload_format") == self.method.name
-        for layer in whole:
-            layer.a.load_state_dict(state["factors"][layer.name]["A"])
-            layer.g.load_state_dict(state["factors"][layer.name]["G"])
-            saved = state.get("decompositions", {}).get(layer.name, {}) if same_format else {}
-            ad = layer.adapter
-            layer.a_payload, layer.g_payload = (
-                None if saved.get(k) is None else
-                self.method.from_groups(saved[k], ad.groups, d).to(self.factor_dtype)
-                for k, d in (("A", ad.a_dim), ("G", ad.g_dim)))
-            layer.inverses = None
-            layer.uses = int(state.get("uses", {}).get(layer.name, 0)) if same_format else 0
-            if layer.a_payload is None or layer.g_payload is None:
-                layer.a_payload = layer.g_payload = None
-                layer.uses = 0
-        for layer in self.exact_layers:
-            saved = state["factors"][layer.name]
-            for key in "AG":
-                value = saved[key]["value"]
-                want = (1, len(layer.rows[key]), layer.side[key])
-                if value is not None and tuple(value.shape) != want:
-                    raise ValueError(f"factor {key} of {layer.name!r} of shape "
-                                     f"{tuple(value.shape)} does not fit this rank's block "
-                                     f"{want}")
-                layer.factors[key] = None if value is None else value[0].to(
-                    self.factor_dtype).clone()
-            layer.updates = int(saved["A"]["updates"])
-            inv = state.get("exact_inverses", {}).get(layer.name)
-            layer.inverse_rows = {"A": None, "G": None}
-            if inv is not None:
-                a_rows = [inv["A"].reshape(-1, layer.side["A"])]
-                if layer.geo.bias:
-                    a_rows.append(inv["A_bias"].reshape(1, -1))
-                layer.inverse_rows = {"A": torch.cat(a_rows).to(self.factor_dtype),
-                                      "G": inv["G"].to(self.factor_dtype).clone()}
-        saved_stale = state.get("stale", {})
-        pairs = [(ly.name, ly.stale, False) for ly in whole] + [
-            (name, pair, True) for name, pair in self._exact_stale.items()]
-        for name, pair, exact in pairs:
-            for key, st in zip("AG", pair):
-                got = saved_stale.get(name, {}).get(key)
-                if got is None:
-                    st.ref, st.interval, st.wait = None, 1, 1
-                    continue
-                ref = got["ref"]
-                st.ref = None if ref is None else (ref[0] if exact else ref).to(
-                    self.factor_dtype).clone()
-                st.interval, st.wait = int(got["interval"]), int(got["wait"])
-        if state["settings"].get("placement") == self.placement.name:
-            self.placement.load_state_dict(state.get("placement", {}))
-        for name, parts in blocks.items():
-            if name in saved_blocks:
-                self._load_blocks(name, parts, saved_blocks[name], same_format)
-            else:
-                self._load_blocks_from_whole(name, parts, state["factors"][name])
+        checkpoint.load_layers(self, state)
         self.steps = int(state["steps"])
         self._begin_step()
-
-    def _load_blocks(self, name: str, parts: dict[str, Layer], saved: dict[str, Any],
-                     same_format: bool) -> None:
-        """One module's ``'block'`` state: on the saved layout each shard takes its own entry
-        (decompositions, stale statistics and uses too: the run continues identically); on
-        another, its blocks are cut from the saved blocks that hold them."""
-        geo = parts["weight"].adapter.geo
-        mine = BlockLayout.of(geo)
-        entry, = saved.values()
-        layout = BlockLayout(**{k: entry["layout"][k] for k in LAYOUT_FIELDS})
-        if layout != mine:
-            def source(part: str, f: int, c: int, field: str) -> Tensor | None:
-                t = entry[part][field]
-                return None if t is None else t[f, c]
-
-            self._cut_blocks(name, parts, layout, source,
-                             lambda part, k: entry[part]["updates"][k])
-            return
-        for part, ly in parts.items():
-            fields = entry[part]
-            ranges = mine.ranges(part, geo.f, geo.c)
-
-            def own(field: str) -> Tensor | None:
-                t = fields[field]
-                return None if t is None else t[0, 0] if t.shape[:2] == (1, 1) else \
-                    t[geo.f, geo.c]
-
-            counters = own("counters").tolist()
-            for i, (key, factor, st) in enumerate((("A", ly.a, ly.stale[0]),
-                                                   ("G", ly.g, ly.stale[1]))):
-                d = ranges[key][1] - ranges[key][0]
-                value, ref = own(key), own(f"{key}_ref")
-                factor.load_state_dict({"value": None if value is None else value[None, :d, :d],
-                                        "updates": fields["updates"][key]})
-                st.ref = None if ref is None else ref[None, :d, :d].to(self.factor_dtype).clone()
-                st.interval, st.wait = int(counters[2 * i]), int(counters[2 * i + 1])
-                rows = own(f"{key}_decomposition") if same_format else None
-                payload = None if rows is None else self.method.from_groups(
-                    rows[None, : self.method.group_numel(d)], 1, d).to(self.factor_dtype)
-                if key == "A":
-                    ly.a_payload = payload
-                else:
-                    ly.g_payload = payload
-            ly.inverses, ly.uses = None, int(counters[4])
-            if ly.a_payload is None or ly.g_payload is None:
-                ly.a_payload = ly.g_payload = None
-                ly.uses = 0
-
-    def _load_blocks_from_whole(self, name: str, parts: dict[str, Layer],
-                                saved: dict[str, Any]) -> None:
-        """One module's ``'block'`` state from whole factors (saved under ``'exact'`` or on a
-        layout without a channel or filter split): its diagonal blocks."""
-        geo = parts["weight"].adapter.geo
-
-        def source(part: str, f: int, c: int, field: str) -> Tensor | None:
-            value = saved[field]["value"]
-            return None if value is None else value[0]
-
-        self._cut_blocks(name, parts, BlockLayout.of(geo, whole=True), source,
-                         lambda part, k: saved[k]["updates"])
-
-    def _cut_blocks(self, name: str, parts: dict[str, Layer], layout: BlockLayout,
-                    source: Callable[[str, int, int, str], Tensor | None],
-                    updates: Callable[[str, str], int]) -> None:
-        """Each shard's factors cut from the blocks of ``layout`` that hold them
-        (``source(part, f, c, "A" | "G")``: that block, padded); decompositions are recomputed
-        at the next step and the stale-statistics schedule starts again.  A block that lies in
-        no saved block is refused, naming both layouts."""
-        geo = parts["weight"].adapter.geo
-        mine = BlockLayout.of(geo)
-        for part, ly in parts.items():
-            for key, factor, st in (("A", ly.a, ly.stale[0]), ("G", ly.g, ly.stale[1])):
-                lo, hi = mine.ranges(part, geo.f, geo.c)[key]
-                found = layout.holder(key, lo, hi, prefer=part)
-                if found is None:
-                    raise ValueError(
-                        f"K-FAC layer {name!r}: the state holds its factors under {layout}; "
-                        f"this preconditioner keeps {mine}, and the {key} block [{lo}:{hi}) of "
-                        f"shard (f={geo.f}, c={geo.c}) lies in no saved block: load it with the "
-                        "saved layout (or one that splits those blocks further), or let the "
-                        "factors re-accumulate")
-                part0, f0, c0, start = found
-                value = source(part0, f0, c0, key)
-                factor.load_state_dict({
-                    "value": None if value is None else
-                    value[None, lo - start: hi - start, lo - start: hi - start],
-                    "updates": updates(part0, key)})
-                st.ref, st.interval, st.wait = None, 1, 1
-            ly.a_payload = ly.g_payload = ly.inverses = None
-            ly.uses = 0
 
     def __repr__(self) -> str:
         s = self.settings()
@@ -670,19 +383,3 @@ class KFAC(FactorHooks, Decompositions, Preconditioning):
         s["skipped"] = sorted(self.skipped)
         body = ",\n".join(f"  {k}={v!r}" for k, v in s.items())
         return f"KFAC(\n{body},\n)"
-
-
-#: the fields of a BlockLayout a checkpoint holds, beside its key
-LAYOUT_FIELDS = ("ci", "fo", "k2", "bias", "C", "F")
-
-
-def _padded(t: Tensor | None, shape: tuple[int, ...]) -> Tensor | None:
-    """``t[0]`` (a one-group factor or payload row) zero-padded to ``shape``, as a
-    ``(1, 1, *shape)`` entry of a stack over shards."""
-    if t is None:
-        return None
-    out = t.new_zeros(shape)
-    out[tuple(slice(0, n) for n in t.shape[1:])] = t[0]
-    return out[None, None]
-
-
