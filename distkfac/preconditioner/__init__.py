@@ -28,6 +28,14 @@ their row counts, so P ranks with local batches b equal one process with the con
 ``DistConv2d`` layers: the factors follow the weight's distribution (:mod:`distkfac.sharded`,
 layouts ``'exact'`` and ``'block'``); their gradients are complete after ``backward`` and the
 cotangent at their output is ``dl_i / N`` (global-mean units).
+
+Modules, one concern each: :mod:`~distkfac.preconditioner.kfac` (the :class:`KFAC` class: its
+options, public methods and the order of a step), :mod:`~distkfac.preconditioner.hooks`
+(registration and factor hooks, steps 1-2), :mod:`~distkfac.preconditioner.decompositions`
+(placement, broadcast and stale statistics, step 3), :mod:`~distkfac.preconditioner.precondition`
+(the preconditioned gradients and the KL clip, step 4), :mod:`~distkfac.preconditioner.checkpoint`
+(``state_dict``, ``shard_specs``, loading onto a layout) and :mod:`~distkfac.preconditioner.layer`
+(the state kept per layer and factor).
 """
 from __future__ import annotations
 

@@ -14,21 +14,13 @@ from distconv.nn.conv_nd import DistConvNd
 from distkfac.comm import FactorReducer, PayloadBroadcaster
 from distkfac.lowprec import check_comm_dtype
 from distkfac.methods import Method, method_for
-from distkfac.placement import (
-    CostModel,
-    LoadBalanced,
-    Placement,
-    placement_for,
-)
+from distkfac.placement import CostModel, LoadBalanced, Placement, placement_for
 from distkfac.preconditioner import checkpoint
 from distkfac.preconditioner.decompositions import Decompositions
 from distkfac.preconditioner.hooks import FactorHooks
 from distkfac.preconditioner.layer import Layer, Stale
 from distkfac.preconditioner.precondition import Preconditioning
-from distkfac.sharded import (
-    LAYOUTS,
-    ExactLayer,
-)
+from distkfac.sharded import LAYOUTS, ExactLayer
 
 __all__ = ["KFAC"]
 
