@@ -130,3 +130,13 @@ def test_no_module_imports_itself_through_others() -> None:
     described = ["; ".join(f"{m} -> {', '.join(f'{t} (line {edges[m][t]})' for t in edges[m] if t in comp)}"
                            for m in comp) for comp in found]
     assert not found, "import circles:\n" + "\n".join(described)
+
+
+def test_the_preconditioner_concerns_import_only_the_layer_state() -> None:
+    """K-FAC's concern modules import neither each other nor the class that composes them, only
+    the per-layer state below them (a concern that needs another goes through ``KFAC``)."""
+    edges = import_graph()
+    pkg = "distkfac.preconditioner"
+    for concern in ("hooks", "decompositions", "precondition", "checkpoint"):
+        siblings = {t for t in edges[f"{pkg}.{concern}"] if t.startswith(pkg)}
+        assert siblings == {f"{pkg}.layer"}, f"{pkg}.{concern} imports {sorted(siblings)}"
