@@ -23,7 +23,8 @@ def calibrate(comm: Any, *, problems: Sequence[ConvProblem] = (), memory: float 
               overheads: bool = True) -> Machine:
     """Profile this machine on ``comm`` (collective; every rank gets rank 0's fit).
 
-    * alpha and beta from allgathers, and the local FLOP rate (:func:`distconv.pricing.calibrate.calibrate`);
+    * alpha and beta from allgathers, and the local FLOP rate
+      (:func:`distconv.pricing.calibrate.calibrate`);
     * the local forward convolutions in ``problems`` timed into a :class:`ConvTable`;
     * with ``overheads`` (default) and 1 < P <= 16 ranks: the software around each layer and
       each collective call, fitted so that the model reproduces two measured

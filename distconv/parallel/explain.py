@@ -279,11 +279,11 @@ def explain(model: nn.Module, config: Any, input_shape: Sequence[int], *,
         world_size: ranks to plan for, an int >= 1. Default: the product of the config's
             default grid.
         machine: for predicted times: a flat :class:`~distconv.pricing.machine.Machine` (e.g.
-            from ``distconv.pricing.calibrate.calibrate``), a hierarchical :class:`distconv.machines.Machine` (each
-            collective priced on the level its ranks span), a factory such as
-            ``distconv.machines.lassen`` or a name such as ``"lassen"``
-            (:func:`distconv.machines.resolve_machine`). Default None (bytes and memory only;
-            ``auto`` layers then choose with the default flat ``Machine()``).
+            from ``distconv.pricing.calibrate.calibrate``), a hierarchical
+            :class:`distconv.machines.Machine` (each collective priced on the level its ranks
+            span), a factory such as ``distconv.machines.lassen`` or a name such as
+            ``"lassen"`` (:func:`distconv.machines.resolve_machine`). Default None (bytes and
+            memory only; ``auto`` layers then choose with the default flat ``Machine()``).
         optimizer_states: optimizer state tensors per parameter, an int >= 0 (SGD 0, SGD with
             momentum 1, Adam 2). Default 1.
         itemsize: bytes per element, an int >= 1. Default: the model's parameter dtype.

@@ -40,7 +40,7 @@ class Cost:
 def _local_problem(problem: ConvProblem, grid: Mapping[str, int], algorithm: str,
                    roles: Roles) -> ConvProblem:
     """The largest local convolution any rank runs (balanced blocks: rank 0's)."""
-    ext = lambda d: grid.get(d, 1)
+    ext = lambda d: grid.get(d, 1)  # noqa: E731
     pc, pf = ext(roles.channel), ext(roles.filter)
     c_work = {"stationary-x": -(-problem.in_channels // pc), "stationary-y": problem.in_channels,
               "stationary-w": -(-problem.in_channels // pc)}[algorithm]
