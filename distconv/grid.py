@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
 if TYPE_CHECKING:
     from distconv.comm import Communicator
 
-__all__ = ["CANONICAL_DIMS", "ProcessorGrid"]
+__all__ = ["CANONICAL_DIMS", "ProcessorGrid", "all_coords", "corner_coords", "grid_layout"]
 
 #: Grid dims a layer may refer to even when the grid leaves them out (their extent is then 1).
 CANONICAL_DIMS = ("N", "C", "F", "D", "H", "W")
@@ -222,3 +222,35 @@ def _unravel(index: int, dims: Sequence[tuple[str, int]]) -> dict[str, int]:
     for name, extent in reversed(dims):
         index, coords[name] = divmod(index, extent)
     return coords
+
+
+def grid_layout(grid: Mapping[str, int] | Sequence[tuple[str, int]]
+                ) -> tuple[tuple[str, int], ...]:
+    """The ordered ``(name, extent)`` pairs of a grid given as a mapping or as pairs."""
+    if isinstance(grid, Mapping):
+        return tuple(grid.items())
+    return tuple((str(n), int(e)) for n, e in grid)
+
+
+def all_coords(grid: Mapping[str, int] | Sequence[tuple[str, int]]) -> list[dict[str, int]]:
+    """The coordinates of every rank of a row-major grid, in rank order."""
+    layout = grid_layout(grid)
+    out = []
+    for r in range(math.prod(e for _, e in layout)):
+        c: dict[str, int] = {}
+        for name, e in reversed(layout):
+            r, c[name] = divmod(r, e)
+        out.append(c)
+    return out
+
+
+def corner_coords(grid: Mapping[str, int] | Sequence[tuple[str, int]]) -> list[dict[str, int]]:
+    """The ranks whose every coordinate is 0, 1 or the last: with balanced blocks they hold every
+    combination of the larger and the smaller block per dim, and an interior block with halos on
+    both sides, so the slowest rank is among them (the one sampling rule of pricing:
+    :func:`distconv.parallel.placement.evaluated_ranks`)."""
+    layout = grid_layout(grid)
+    out: list[dict[str, int]] = [{}]
+    for name, e in layout:
+        out = [{**c, name: v} for c in out for v in sorted({0, min(1, e - 1), e - 1})]
+    return out

@@ -123,7 +123,7 @@ MUTANTS = [
            '"stationary-w": both(c, f)}[algorithm]',
            ("tests/nn/test_conv.py", "tests/nn/test_conv_layouts.py"),
            "the same wrong output layout, with the performance model moved along",
-           also=(("distconv/perfmodel.py", "fy, fw, cw = _blk2(Fo, [pf, pc], [f, c])",
+           also=(("distconv/pricing/traffic.py", "fy, fw, cw = _blk2(Fo, [pf, pc], [f, c])",
                   "fy, fw, cw = _blk2(Fo, [pc, pf], [c, f])"),)),
     Mutant("stationary-w-input-layout", "distconv/nn/conv.py",
            'x_in = {"stationary-x": c, "stationary-y": f, "stationary-w": both(c, f)}[algorithm]',
@@ -398,7 +398,7 @@ MUTANTS = [
 #: stale when that work lands (``--list`` says which are stale now); they are marked ``moving``.
 MOVING = ("distconv/ops/", "distconv/parallel/graph.py", "distconv/parallel/shapes.py",
           "distconv/parallel/program.py", "distconv/parallel/explain.py", "distconv/planner.py",
-          "distconv/perfmodel.py", "distconv/parallel/auto.py", "distconv/parallel/model.py",
+          "distconv/pricing/", "distconv/parallel/auto.py", "distconv/parallel/model.py",
           "distconv/nn/clip.py", "distconv/launch.py")
 
 PINS_LAYERS = "tests/test_pins_layers.py"
@@ -709,14 +709,14 @@ MUTANTS += [
            "        if False:\n            entries[d] = None",
            ("tests/test_idioms.py::test_se_broadcast_over_split_rows_is_exact_and_explained",),
            "an [N, C, 1, 1] gate meets a row-split value still split over the rows"),
-    # ---- pricing (distconv/ops/pricing.py, moving)
-    Mutant("pricing-hides-the-whole-halo", "distconv/ops/pricing.py",
+    # ---- pricing (distconv/pricing/timeline.py)
+    Mutant("pricing-hides-the-whole-halo", "distconv/pricing/timeline.py",
            'return {"forward": o * min(part("halo exchange"), share * part("local conv forward")),',
            'return {"forward": o * part("halo exchange"),',
            ("tests/nn/test_overlap.py::"
             "test_the_seconds_an_overlapped_layer_hides_are_priced_by_hand",),
            "an overlapped layer hides its whole halo exchange, however little compute it has"),
-    Mutant("pricing-gradients-never-wait-for-backward", "distconv/ops/pricing.py",
+    Mutant("pricing-gradients-never-wait-for-backward", "distconv/pricing/timeline.py",
            "        for t in waiting.pop(lay.name, ()):\n            comm = max(comm, compute) + t",
            "        for t in waiting.pop(lay.name, ()):\n            comm = comm + t",
            ("tests/test_planner.py", "tests/parallel/test_config.py"),

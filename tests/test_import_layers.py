@@ -121,7 +121,7 @@ def test_the_import_graph_sees_lazy_relative_and_package_imports() -> None:
     assert "distconv.parallel.auto" in edges["distconv.parallel.explain"]
     # a name from a package is an edge to the package; a submodule, to the submodule
     assert "distconv.ops" in edges["distconv.parallel.graph"]
-    assert "distconv.ops.pricing" in edges["distconv.ops.conv"]
+    assert "distconv.pricing.timeline" in edges["distconv.ops.conv"]
 
 
 def test_no_module_imports_itself_through_others() -> None:
@@ -140,3 +140,68 @@ def test_the_preconditioner_concerns_import_only_the_layer_state() -> None:
     for concern in ("hooks", "decompositions", "precondition", "checkpoint"):
         siblings = {t for t in edges[f"{pkg}.{concern}"] if t.startswith(pkg)}
         assert siblings == {f"{pkg}.layer"}, f"{pkg}.{concern} imports {sorted(siblings)}"
+
+
+#: What pricing sits above (the data it reads) and what sits above it (what fills in or adds up
+#: its prices): ``distconv.pricing`` reaches nothing of the latter, and none of the former reaches
+#: back up into it, so a layer's price walks down through one layer.
+BELOW_PRICING = ("distconv.conv_geometry", "distconv.distribution", "distconv.grid",
+                 "distconv.redistribute", "distconv.parallel.placement", "distconv.machines.base",
+                 "distconv.machines.lassen")
+ABOVE_PRICING = ("distconv.ops", "distconv.nn", "distconv.parallel", "distconv.planner",
+                 "distconv.machines", "distconv.perfmodel", "distkfac")
+
+
+def _above_pricing(module: str) -> bool:
+    if module in BELOW_PRICING:
+        return False
+    return any(module == top or module.startswith(top + ".") for top in ABOVE_PRICING)
+
+
+def reach(edges: dict[str, dict[str, int]], start: str) -> dict[str, list[str]]:
+    """Every module ``start`` imports, directly or through others: module -> one import path."""
+    paths = {start: [start]}
+    todo = [start]
+    while todo:
+        v = todo.pop()
+        for w in edges[v]:
+            if w not in paths:
+                paths[w] = paths[v] + [w]
+                todo.append(w)
+    del paths[start]
+    return paths
+
+
+def test_reach_follows_imports_through_others() -> None:
+    edges = {"a": {"b": 1}, "b": {"c": 1}, "c": {}, "d": {"a": 1}}
+    assert reach(edges, "a") == {"b": ["a", "b"], "c": ["a", "b", "c"]}
+    assert _above_pricing("distconv.ops.conv") and _above_pricing("distconv.machines")
+    assert not _above_pricing("distconv.parallel.placement")
+    assert not _above_pricing("distconv.pricing.cost")
+
+
+def test_pricing_imports_nothing_above_it() -> None:
+    edges = import_graph()
+    pricing = [m for m in edges if m == "distconv.pricing" or m.startswith("distconv.pricing.")]
+    assert {"distconv.pricing.traffic", "distconv.pricing.cost",
+            "distconv.pricing.timeline"} <= set(pricing)
+    climbs = [" -> ".join(path) for m in pricing for target, path in reach(edges, m).items()
+              if _above_pricing(target)]
+    assert not climbs, "pricing reaches above itself:\n" + "\n".join(climbs)
+
+
+def test_what_pricing_reads_never_reaches_back_into_it() -> None:
+    edges = import_graph()
+    climbs = [" -> ".join(path) for m in BELOW_PRICING for target, path in reach(edges, m).items()
+              if target.startswith("distconv.pricing")]
+    assert not climbs, "below pricing, yet reaching into it:\n" + "\n".join(climbs)
+
+
+def test_a_convolutions_price_walks_down_through_pricing() -> None:
+    """The handler states the problem and asks pricing for its bytes and seconds: it imports the
+    formulas and the reports, and the formulas import no handler or layer."""
+    edges = import_graph()
+    for handler in ("distconv.ops.conv", "distconv.nn.conv"):
+        assert "distconv.pricing.traffic" in edges[handler]
+    assert {"distconv.pricing.cost", "distconv.pricing.timeline"} <= set(edges["distconv.ops.conv"])
+    assert not any(_above_pricing(t) for t in reach(edges, "distconv.pricing.cost"))

@@ -26,9 +26,10 @@ import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from distconv.perfmodel import ConvProblem
+if TYPE_CHECKING:  # only named in annotations: the machines are data below pricing
+    from distconv.pricing.problem import ConvProblem
 
 __all__ = ["Level", "Machine", "ConvTable", "Roofline", "group_of", "latency_steps"]
 

@@ -11,7 +11,9 @@ from typing import Any
 import torch
 
 from distconv.machines.base import ConvTable, Level, Machine
-from distconv.perfmodel import ConvProblem, calibrate as _fit, conv_cost, measure_flop_rate
+from distconv.pricing.calibrate import calibrate as _fit, measure_flop_rate
+from distconv.pricing.cost import conv_cost
+from distconv.pricing.problem import ConvProblem
 
 __all__ = ["calibrate"]
 
@@ -21,7 +23,8 @@ def calibrate(comm: Any, *, problems: Sequence[ConvProblem] = (), memory: float 
               overheads: bool = True) -> Machine:
     """Profile this machine on ``comm`` (collective; every rank gets rank 0's fit).
 
-    * alpha and beta from allgathers, and the local FLOP rate (:func:`perfmodel.calibrate`);
+    * alpha and beta from allgathers, and the local FLOP rate
+      (:func:`distconv.pricing.calibrate.calibrate`);
     * the local forward convolutions in ``problems`` timed into a :class:`ConvTable`;
     * with ``overheads`` (default) and 1 < P <= 16 ranks: the software around each layer and
       each collective call, fitted so that the model reproduces two measured

@@ -25,7 +25,8 @@ from distconv.nn.grad_sync import GradSync
 from distconv.nn.halo_conv import HaloConvSpec, halo_conv
 from distconv.nn.pipeline import pipelined_conv
 from distconv.nn.sharding import ShardSpec, keep_requires_grad
-from distconv.perfmodel import ConvProblem, conv_traffic
+from distconv.pricing.problem import ConvProblem
+from distconv.pricing.traffic import conv_traffic
 from distconv.redistribute import gather, plan_redistribution, redistribute
 
 __all__ = ["ALGORITHMS", "DistConv2d", "UnsupportedConvError", "conv_dists"]
@@ -770,7 +771,7 @@ class DistConv2d(nn.Module):
         )
         lines.append(
             f"  bytes received by rank {self.grid.rank}: forward {traffic.forward_bytes:,}, "
-            f"backward {traffic.backward_bytes:,} (distconv.perfmodel)"
+            f"backward {traffic.backward_bytes:,} (distconv.pricing.traffic)"
         )
         return "\n".join(lines)
 

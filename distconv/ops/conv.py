@@ -4,7 +4,7 @@
 algorithm's input distribution and gives ``y`` in its output distribution; a stationary-w layer
 whose input arrives as ``x[o,o_{F×C},o,o]`` on its own grid swaps its channel/filter roles and
 takes it with no data movement. Bytes and time per rank are the §4 model's
-(:func:`distconv.perfmodel.conv_traffic`), which the communicators' counts equal.
+(:func:`distconv.pricing.traffic.conv_traffic`), which the communicators' counts equal.
 """
 
 from __future__ import annotations
@@ -23,9 +23,11 @@ from distconv.nn.halo_conv import interior_share
 from distconv.ops.base import SAMPLE_GRIDS, Handler, PriceContext, Sample, SampleNet
 from distconv.ops.extents import captured_shape, unit_dims
 from distconv.ops.linear import compute
-from distconv.ops.pricing import CommStep, halo_hidden, largest_block
 from distconv.parallel.placement import Placement, paper_grid, same_blocks
-from distconv.perfmodel import ConvProblem, conv_cost, conv_traffic
+from distconv.pricing.cost import conv_cost
+from distconv.pricing.problem import ConvProblem
+from distconv.pricing.timeline import CommStep, halo_hidden, largest_block
+from distconv.pricing.traffic import conv_traffic
 
 __all__ = ["ConvHandler", "group_blocks", "memory_elements", "moves_data", "row_refusal",
            "split_groups", "whole_rows", "whole_step"]

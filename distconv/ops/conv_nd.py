@@ -34,7 +34,7 @@ from distconv.ops.base import (
 from distconv.ops.linear import LinearHandler, compute
 from distconv.nn.halo_conv import interior_share
 from distconv.ops.conv import group_blocks, halo_overlap, row_refusal, whole_rows, whole_step
-from distconv.ops.pricing import CommStep, LayerReport, halo_hidden, largest_block
+from distconv.pricing.timeline import CommStep, LayerReport, halo_hidden, largest_block
 from distconv.parallel.placement import Placement, paper_grid
 from distconv.redistribute import plan_redistribution
 

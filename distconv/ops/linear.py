@@ -19,7 +19,7 @@ from torch import nn
 from distconv.distribution import Dist
 from distconv.nn.linear import DistLinear
 from distconv.ops.base import SAMPLE_GRIDS, Handler, PriceContext, Sample, SampleNet
-from distconv.ops.pricing import CommStep, largest_block
+from distconv.pricing.timeline import CommStep, largest_block
 from distconv.parallel.config import LayerChoice
 from distconv.parallel.placement import Placement, paper_grid
 from distconv.redistribute import plan_redistribution

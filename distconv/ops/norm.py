@@ -33,7 +33,7 @@ from distconv.ops.base import (
     SAMPLE_GRIDS, SIGNAL_GRIDS, VOLUME_GRIDS, Handler, PriceContext, Sample, SampleNet,
 )
 from distconv.ops.elementwise import is_constant
-from distconv.ops.pricing import CommStep, largest_block, segment_rank
+from distconv.pricing.timeline import CommStep, largest_block, segment_rank
 from distconv.parallel.placement import Placement, paper_grid
 
 __all__ = ["BatchNormHandler", "FunctionalLayerNormHandler", "GroupNormHandler",

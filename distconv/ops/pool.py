@@ -16,7 +16,7 @@ from distconv.distribution import Dist
 from distconv.ops.base import (
     SAMPLE_GRIDS, SIGNAL_GRIDS, VOLUME_GRIDS, Handler, PoolNet, PriceContext, Sample, SampleNet,
 )
-from distconv.ops.pricing import CommStep, block_index
+from distconv.pricing.timeline import CommStep, block_index
 from distconv.parallel.placement import Placement, paper_grid
 
 __all__ = ["AdaptiveAvgPoolHandler", "AdaptivePoolHandler", "MeanHandler", "PoolHandler",

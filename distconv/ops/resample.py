@@ -36,7 +36,7 @@ from distconv.nn.resample import (
 from distconv.ops.base import (
     SAMPLE_GRIDS, SIGNAL_GRIDS, VOLUME_GRIDS, Handler, PoolNet, PriceContext, Sample, SampleNet,
 )
-from distconv.ops.pricing import CommStep
+from distconv.pricing.timeline import CommStep
 from distconv.parallel.placement import Placement, conversion_bytes, paper_grid
 
 __all__ = ["ResampleHandler"]

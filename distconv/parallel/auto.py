@@ -21,7 +21,8 @@ from torch import nn
 from distconv.machines import resolve_machine
 from distconv.parallel.config import LayerChoice, ParallelConfig
 from distconv.parallel.shapes import propagate_shapes
-from distconv.perfmodel import ConvProblem, conv_cost
+from distconv.pricing.cost import conv_cost
+from distconv.pricing.problem import ConvProblem
 
 __all__ = ["AutoChoice", "resolve_auto"]
 

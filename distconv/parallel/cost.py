@@ -1,10 +1,11 @@
 """What a placed graph costs: every node priced by its op handler, the conversions between the
 placements of its values, the running statistics' broadcasts and the gradient buckets, in forward
-order (:class:`~distconv.ops.pricing.LayerReport` per layer), on paper and with no communication.
+order (:class:`~distconv.pricing.timeline.LayerReport` per layer), on paper and with no
+communication.
 
 The one price of a config: :func:`distconv.explain` reports it, and the planner searches it (a
 layer's report under a choice, a conversion's steps between two placements, the timeline of the
-whole, :func:`distconv.ops.pricing.timeline`).
+whole, :func:`distconv.pricing.timeline.timeline`).
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from distconv.distribution import Dist
 from distconv.nn.grad_sync import gradient_groups, plan_buckets
 from distconv.nn.sharding import ShardSpec
 from distconv.ops import PriceContext
-from distconv.ops.pricing import CommStep, LayerReport, Machine, largest_block, segment_rank
+from distconv.pricing.machine import AnyMachine as Machine
+from distconv.pricing.timeline import CommStep, LayerReport, largest_block, segment_rank
 from distconv.parallel.graph import operand_need
 from distconv.parallel.placement import (
     Placement, conversion_bytes, evaluated_ranks, layout_str, one_grid, paper_grid,

@@ -27,12 +27,12 @@ from torch.fx.passes.shape_prop import TensorMetadata
 from distconv import machines
 from distconv.parallel.config import ParallelConfig
 from distconv.ops import Unsupported
-from distconv.ops.pricing import CommStep, LayerReport, Machine, Timeline, timeline
+from distconv.pricing.machine import AnyMachine as Machine, Machine as FlatMachine
+from distconv.pricing.timeline import CommStep, LayerReport, Timeline, timeline
 from distconv.parallel.cost import memory, price_analysis
 from distconv.parallel.graph import analyse, check_shapes, trace
 from distconv.parallel.placement import ALL_RANKS
 from distconv.parallel.shapes import check_input_shape, propagate_shapes
-from distconv.perfmodel import Machine as FlatMachine
 
 __all__ = ["CommStep", "Explanation", "LayerReport", "explain"]
 
@@ -75,7 +75,7 @@ class Explanation:
 
     def timeline(self) -> Timeline | None:
         """The step on :attr:`machine` (None without one): forward, backward, and the gradient
-        allreduces overlapped with backward as the buckets run (:func:`distconv.ops.pricing.
+        allreduces overlapped with backward as the buckets run (:func:`distconv.pricing.timeline.
         timeline`, the planner's pricing too)."""
         return None if self.machine is None else timeline(self.layers, self.machine)
 
@@ -193,7 +193,7 @@ def _described(e: Explanation, what: str) -> str:
 def layer_seconds(lay: LayerReport, machine: Machine) -> float:
     """Predicted seconds of one layer in the step: its compute, forward and backward, and the
     collectives on the critical path, less what pipelining hides (the terms of
-    :func:`~distconv.ops.pricing.timeline`; gradient allreduces, which backward may hide,
+    :func:`~distconv.pricing.timeline.timeline`; gradient allreduces, which backward may hide,
     are the ``(gradients)`` row's)."""
     comm = sum(st.seconds(machine) for st in lay.steps if st.after is None)
     return lay.compute_seconds + comm - sum(lay.overlap.values())
@@ -278,12 +278,12 @@ def explain(model: nn.Module, config: Any, input_shape: Sequence[int], *,
             model's first layer takes (its number of dims and channels).
         world_size: ranks to plan for, an int >= 1. Default: the product of the config's
             default grid.
-        machine: for predicted times: a flat :class:`~distconv.perfmodel.Machine` (e.g. from
-            ``perfmodel.calibrate``), a hierarchical :class:`distconv.machines.Machine` (each
-            collective priced on the level its ranks span), a factory such as
-            ``distconv.machines.lassen`` or a name such as ``"lassen"``
-            (:func:`distconv.machines.resolve_machine`). Default None (bytes and memory only;
-            ``auto`` layers then choose with the default flat ``Machine()``).
+        machine: for predicted times: a flat :class:`~distconv.pricing.machine.Machine` (e.g.
+            from ``distconv.pricing.calibrate.calibrate``), a hierarchical
+            :class:`distconv.machines.Machine` (each collective priced on the level its ranks
+            span), a factory such as ``distconv.machines.lassen`` or a name such as
+            ``"lassen"`` (:func:`distconv.machines.resolve_machine`). Default None (bytes and
+            memory only; ``auto`` layers then choose with the default flat ``Machine()``).
         optimizer_states: optimizer state tensors per parameter, an int >= 0 (SGD 0, SGD with
             momentum 1, Adam 2). Default 1.
         itemsize: bytes per element, an int >= 1. Default: the model's parameter dtype.

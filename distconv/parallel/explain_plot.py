@@ -1,11 +1,11 @@
 """``Explanation.plot``: one training step of an explained config as a picture.
 
-Top: the step's timeline on the machine, as :func:`distconv.ops.pricing.timeline` prices it -- a
-compute stream (each layer's forward, then its backward in reverse order) and a communication
-stream (the collectives the compute waits for, and the gradient allreduces, which run beside the
-backward: the part before the backward ends is hidden, the rest is exposed). Below: per layer,
-the most bytes a rank receives (forward and backward) and the memory a rank holds for it
-(parameters, gradients, optimizer state and kept activations).
+Top: the step's timeline on the machine, as :func:`distconv.pricing.timeline.timeline` prices
+it -- a compute stream (each layer's forward, then its backward in reverse order) and a
+communication stream (the collectives the compute waits for, and the gradient allreduces, which
+run beside the backward: the part before the backward ends is hidden, the rest is exposed).
+Below: per layer, the most bytes a rank receives (forward and backward) and the memory a rank
+holds for it (parameters, gradients, optimizer state and kept activations).
 """
 
 from __future__ import annotations

@@ -183,7 +183,7 @@ class ParallelModel(nn.Module):
     def _resolve_auto(self, gm: fx.GraphModule, cfg: ParallelConfig,
                       input_shape: Sequence[int] | None, machine: Any) -> tuple[Any, Any]:
         from distconv.parallel.auto import resolve_auto
-        from distconv.perfmodel import calibrate
+        from distconv.pricing.calibrate import calibrate
 
         if input_shape is None:
             raise ValueError("algorithm 'auto' chooses from the layers' global problems: pass "

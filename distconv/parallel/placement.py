@@ -13,8 +13,7 @@ from typing import Iterable, Sequence
 import torch
 
 from distconv.distribution import Dist, Entry, balanced_block
-from distconv.grid import ProcessorGrid
-from distconv.perfmodel import corner_coords
+from distconv.grid import ProcessorGrid, corner_coords
 from distconv.redistribute import AllToAll, plan_redistribution, redistribute, repartition
 
 __all__ = ["ALL_RANKS", "Layout", "Placement", "conversion_bytes", "convert", "evaluated_ranks",

@@ -19,10 +19,10 @@ from distconv.nn.conv import conv_dists
 from distconv.nn.conv_nd import conv_nd_dists, spatial_roles
 from distconv.ops.conv import moves_data
 from distconv.ops.conv_nd import layer_report, refusal
-from distconv.ops.pricing import LayerReport, largest_block
+from distconv.pricing.timeline import LayerReport, largest_block
 from distconv.parallel.placement import Placement, conversion_bytes, evaluated_ranks
 from distconv.parallel.steps import LayerSpec, Step
-from distconv.perfmodel import ConvProblem
+from distconv.pricing.problem import ConvProblem
 
 
 ACT = ("N", "C", "H", "W")

@@ -14,7 +14,7 @@ from distconv.machines import resolve_machine
 from distconv.machines.base import Machine
 from distconv.ops import Unsupported
 from distconv.ops.conv_nd import refusal
-from distconv.ops.pricing import LayerReport, timeline
+from distconv.pricing.timeline import LayerReport, timeline
 from distconv.parallel import cost
 from distconv.parallel.config import ParallelConfig
 from distconv.planner.choices import (

@@ -14,7 +14,7 @@ from torch.fx.passes.shape_prop import TensorMetadata
 
 from distconv.machines.base import Machine
 from distconv.ops import Unsupported
-from distconv.ops.pricing import LayerReport, largest_block, timeline
+from distconv.pricing.timeline import LayerReport, largest_block, timeline
 from distconv.parallel import cost
 from distconv.parallel.config import LayerChoice, ParallelConfig
 from distconv.parallel.graph import _Analyser, analyse, trace
