@@ -161,12 +161,13 @@ class _SizedProxy(fx.Proxy):
     def concrete(self) -> Any:
         """The value, guarded, if it is a size (:func:`distconv.ops.sizes.is_size`); else fx's
         refusal of a traced value used as a Python value."""
-        if not (self.known and is_size(self.node)):
-            raise fx.proxy.TraceError(
-                "symbolically traced variables cannot be used as inputs to control flow")
         assert isinstance(self.tracer, _SizedTracer)
-        self.tracer.guard(self.node, self.value)
-        return self.value
+        return self.tracer.concrete(self)
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "ndim" and self.known and isinstance(self.value, torch.Tensor):
+            return self.tracer.create_proxy("call_function", getattr, (self, name), {}).concrete()
+        return super().__getattr__(name)
 
     def __index__(self) -> int:
         return operator.index(self.concrete())
@@ -236,14 +237,24 @@ class _SizedTracer(_Tracer):
             return getattr(args[0], str(node.target))(*args[1:], **kwargs)
         return node.target(*args, **kwargs)
 
+    def concrete(self, obj: fx.Proxy) -> Any:
+        """``obj``'s value, guarded, if it is a size (:func:`distconv.ops.sizes.is_size`);
+        else fx's refusal of a traced value used as a Python value."""
+        node = obj.node  # (an attribute's node is made when asked for)
+        if _VALUE not in node.meta or not is_size(node):
+            raise fx.proxy.TraceError(
+                "symbolically traced variables cannot be used as inputs to control flow")
+        self.guard(node, node.meta[_VALUE])
+        return node.meta[_VALUE]
+
     def to_bool(self, obj: fx.Proxy) -> bool:
-        if isinstance(obj, _SizedProxy):
-            return bool(obj.concrete())
-        return super().to_bool(obj)
+        return bool(self.concrete(obj))
 
     def iter(self, obj: fx.Proxy) -> Iterator[Any]:
-        if isinstance(obj, _SizedProxy) and obj.known and isinstance(obj.value, (tuple, list)):
-            return iter([obj[i] for i in range(len(obj))])
+        value = obj.node.meta.get(_VALUE)
+        if isinstance(value, (tuple, list)) and is_size(obj.node):
+            length = self.create_proxy("call_function", builtins.len, (obj,), {})
+            return iter([obj[i] for i in range(length.concrete())])
         return super().iter(obj)
 
     def guard(self, node: fx.Node, value: Any) -> None:

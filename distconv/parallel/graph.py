@@ -71,7 +71,9 @@ class _Analyser:
 
     # ---------------------------------------------------------------- helpers
     def fail(self, node: fx.Node, what: str, exc: type[Exception] = ops.Unsupported):
-        raise exc(f"parallelize: node {node.name!r} ({node.op} {_target(node)}): {what}")
+        where = module_path(node) if node.op != "call_module" else ""  # (a call names it)
+        at = f" in module {where!r}" if where else ""
+        raise exc(f"parallelize: node {node.name!r} ({node.op} {_target(node)}){at}: {what}")
 
     def placement(self, node: Any) -> Placement:
         if not isinstance(node, fx.Node) or self.out.get(node) is None:

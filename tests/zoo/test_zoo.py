@@ -55,9 +55,10 @@ EXPECTED: dict[tuple[str, str], str | Refused] = {
     ("monai.DynUNet", "channels"): EXACT,
     ("monai.SegResNet", "sample"): EXACT,
     ("monai.SegResNet", "channels"): EXACT,
-    # its ViT's einops rearrangement reads a traced value's attribute in Python
+    # captured on the input shape, its ViT's einops rearrangement ("b h (qkv l d) -> qkv b l
+    # h d") moves the samples behind the q/k/v axis: the layers find the samples in dim 0
     ("monai.UNETR", "sample"): Refused(
-        "UntraceableModelError", ("UNETR", "trace", "vit.blocks.0.attn.input_rearrange")),
+        "Unsupported", ("permute", "vit.blocks.0.attn.input_rearrange", "samples (dim 0)")),
     ("torchvision.resnet18", "sample"): EXACT,
     ("torchvision.vgg11", "channels"): EXACT,
     ("timm.regnetx_002", "sample"): EXACT,
