@@ -41,11 +41,12 @@ from __future__ import annotations
 
 from distconv.planner.choices import (
     ACT, ALGORITHMS, Choice, ConvNode, LayerCost, Value, _memory, _problem, candidates,
-    layer_candidates, layer_cost, nd_layer_cost, sample_choice, transition_bytes,
+    grid_algorithm, layer_candidates, layer_cost, nd_layer_cost, sample_choice, transition_bytes,
 )
 from distconv.planner.plan import LayerPlan, Plan, explain, plan_network, predict
-from distconv.planner.search import Network, _Search, trace_network
+from distconv.planner.search import Network, _Search, graph_network, trace_network
 
 __all__ = ["ACT", "ALGORITHMS", "Choice", "ConvNode", "LayerCost", "LayerPlan", "Network", "Plan",
-           "Value", "candidates", "explain", "layer_candidates", "layer_cost", "nd_layer_cost",
-           "plan_network", "predict", "sample_choice", "trace_network", "transition_bytes"]
+           "Value", "candidates", "explain", "graph_network", "grid_algorithm", "layer_candidates",
+           "layer_cost", "nd_layer_cost", "plan_network", "predict", "sample_choice",
+           "trace_network", "transition_bytes"]
