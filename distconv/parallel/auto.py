@@ -58,7 +58,7 @@ class AutoChoice:
 
 
 def resolve_auto(gm: fx.GraphModule, config: ParallelConfig, input_shape: Sequence[int],
-                 machine: Any, *, itemsize: int | None = None
+                 machine: Any, *, itemsize: int | None = None, strict: bool = True
                  ) -> tuple[ParallelConfig, dict[str, AutoChoice]]:
     """A config in which every ``auto`` convolution has its own exact entry, and the decisions.
 
@@ -68,12 +68,20 @@ def resolve_auto(gm: fx.GraphModule, config: ParallelConfig, input_shape: Sequen
     ``"lassen"``); anything else is a TypeError. ``itemsize``: bytes per element; default the
     model's parameter dtype (as ``explain``). An ``input_shape`` the model cannot take is a
     ValueError naming it (:func:`distconv.parallel.shapes.check_input_shape`); so is an ``auto``
-    entry naming a grid its layer cannot run, or no plan within the machine's memory."""
+    entry naming a grid its layer cannot run, or no plan within the machine's memory. A node no
+    op handler runs raises :class:`~distconv.ops.Unsupported`; with ``strict=False`` (explain's
+    coverage table) the config comes back with its ``auto`` entries sample-parallel instead, and
+    no decisions: the search prices only graphs ``parallelize`` runs."""
     machine = resolve_machine(machine)
     if itemsize is None:
         ref = next((p for p in gm.parameters() if p.is_floating_point()), None)
         itemsize = 4 if ref is None else ref.element_size()
-    net = graph_network(copy.deepcopy(gm).to("meta"), input_shape)
+    try:
+        net = graph_network(copy.deepcopy(gm).to("meta"), input_shape)
+    except Unsupported:
+        if strict:
+            raise
+        return _sample_parallel(config), {}
     planned = [c for c in net.convs if config.choice(c.name).algorithm == "auto"]
     if not planned:
         return config, {}
@@ -81,6 +89,22 @@ def resolve_auto(gm: fx.GraphModule, config: ParallelConfig, input_shape: Sequen
     plan = plan_network(net, world_size=config.world_size, machine=machine,
                         itemsize=itemsize, config=config.to_dict())
     return ParallelConfig(plan.config(), world_size=config.world_size), _decisions(plan)
+
+
+def _sample_parallel(config: ParallelConfig) -> ParallelConfig:
+    """The config with each ``auto`` entry (and default) sample-parallel over every rank."""
+    sample = {"grid": {"N": config.world_size}, "algorithm": "sample"}
+
+    def settled(entry: dict[str, Any]) -> dict[str, Any]:
+        if entry.get("algorithm") != "auto":
+            return entry
+        return {**{k: v for k, v in entry.items() if k not in ("grid", "pipeline")}, **sample}
+
+    raw = config.to_dict()
+    if "default" in raw:
+        raw["default"] = settled(raw["default"])
+    raw["layers"] = [settled(e) for e in raw.get("layers", [])]
+    return ParallelConfig(raw, world_size=config.world_size)
 
 
 def _check_grids(net: Network, config: ParallelConfig) -> None:

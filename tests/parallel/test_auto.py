@@ -134,3 +134,18 @@ def test_the_auto_resolved_model_trains_as_one_process(P: int) -> None:
         assert all(t >= d.chosen[2] * (1 - 1e-9) for _, _, t in d.candidates[1:])
         assert d.describe().startswith(f"auto: {d.chosen[1]} {d.chosen[0]}")
     assert config["layers"][-1]["match"] == "layer1.0.conv1"
+
+
+def test_explain_lists_every_unsupported_node_of_an_auto_config_at_once() -> None:
+    """The search prices only graphs parallelize runs: with ``strict=False`` explain's coverage
+    table is drawn with the auto layers sample-parallel and lists every node it cannot run."""
+    from tests.test_ops import _Unsupported
+
+    config = {"default": {"algorithm": "auto"}}
+    with pytest.raises(Unsupported, match="node 'norm'"):
+        explain(_Unsupported(), config, (2, 3, 8, 8), world_size=2, machine=MACHINE)
+    e = explain(_Unsupported(), config, (2, 3, 8, 8), world_size=2, machine=MACHINE,
+                strict=False)
+    assert [n for n, _, _ in e.unsupported] == ["norm", "up"]
+    conv = next(lay for lay in e.layers if lay.name == "conv")
+    assert conv.grid == "{N: 2}" and not conv.note
