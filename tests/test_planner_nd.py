@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from distconv import models
-from distconv.machines import lassen, resolve_machine
+from distconv.machines import lassen
 from distconv.parallel.explain import explain
 from distconv.planner import plan_network
 from distconv.testing import run_threads

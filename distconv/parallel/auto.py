@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import copy
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import torch
-import torch.fx as fx
+from torch import fx
 
 from distconv.machines import resolve_machine
 from distconv.ops import Unsupported
@@ -151,7 +152,7 @@ def resolve_auto_once(comm: Any, gm: fx.GraphModule, config: ParallelConfig,
             cfg, decisions = resolve_auto(gm, config, input_shape, machine)
             text = json.dumps({"config": cfg.to_dict(), "decisions": [
                 [d.name, d.candidates, d.pipeline] for d in decisions.values()]})
-        except Exception as exc:  # raised here below; the other ranks must not wait for it
+        except Exception as exc:  # noqa: BLE001 -- raised below; the other ranks must not wait
             failure, text = exc, json.dumps({"raised": type(exc).__name__, "message": str(exc)})
     got = json.loads(_broadcast_text(comm, text))
     if failure is not None:

@@ -385,8 +385,8 @@ def _groups(s: _Search) -> list[list[str]]:
 
 
 def _make_plan(s: _Search, chosen: Mapping[str, Choice], priced: _Priced,
-               runners: Mapping[str, list[tuple[Choice, float]]], notes: list[str], base: dict[str, Any] | None,
-               planned: frozenset[str]) -> Plan:
+               runners: Mapping[str, list[tuple[Choice, float]]], notes: list[str],
+               base: dict[str, Any] | None, planned: frozenset[str]) -> Plan:
     """The plan of ``chosen``, its price that of :mod:`distconv.parallel.cost` over the
     analysis of its config (explain's, exactly)."""
     shapes = s.shapes

@@ -66,7 +66,7 @@ def _per_layer_picks(problems: dict[str, ConvProblem], P: int) -> dict[str, Any]
     machine = resolve_machine(MACHINE)
     entries = []
     for name, pb in problems.items():
-        def total(ch: Any) -> float:
+        def total(ch: Any, pb: ConvProblem = pb) -> float:
             run = "stationary-x" if ch.algorithm in ("sample", "spatial") else ch.algorithm
             return conv_cost(pb, dict(ch.grid), run, machine).total
         best = min(candidates(pb, P), key=total)
@@ -88,8 +88,9 @@ def _uniform(problems: dict[str, ConvProblem], P: int) -> list[dict[str, Any]]:
 def test_auto_is_priced_no_dearer_than_per_layer_picks_or_any_uniform_config(P: int) -> None:
     model, x, _ = resnet_case()
     shape = tuple(x.shape)
-    price = lambda cfg: explain(model, cfg, shape, world_size=P,  # noqa: E731
-                                machine=MACHINE).seconds()
+    def price(cfg: dict[str, Any]) -> float:
+        return explain(model, cfg, shape, world_size=P, machine=MACHINE).seconds()
+
     resolved = price(_config(P))
     problems = _auto_convs(model, shape, P)
     assert len(problems) == 12 and "layer1.0.conv1" not in problems
