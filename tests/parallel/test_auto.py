@@ -150,3 +150,31 @@ def test_explain_lists_every_unsupported_node_of_an_auto_config_at_once() -> Non
     assert [n for n, _, _ in e.unsupported] == ["norm", "up"]
     conv = next(lay for lay in e.layers if lay.name == "conv")
     assert conv.grid == "{N: 2}" and not conv.note
+
+
+def auto_on_world(comm: Any) -> dict[str, Any]:
+    """The user's program on a real world, the machine calibrated there (collective): one SGD
+    step's largest errors against one process, and what this rank resolved."""
+    model, x, y = resnet_case()
+    ref = reference_step(model, x, y)
+    pm = parallelize(copy.deepcopy(model), _config(comm.size), comm=comm, input_shape=x.shape)
+    opt = torch.optim.SGD(pm.parameters(), lr=0.1, momentum=0.9)
+    rows = sample_block(x.shape[0], pm.data_grid)
+    out = pm(x[rows])
+    F.cross_entropy(out, y[rows]).backward()
+    opt.step()
+    state = pm.gather_state_dict()
+    return {"out": float((out.detach() - ref["out"][rows]).abs().max()),
+            "state": max(float((state[k].double() - v.double()).abs().max())
+                         for k, v in ref["state"].items()),
+            "config": pm.config.to_dict(),
+            "decisions": {k: d.describe(limit=100) for k, d in pm.auto_decisions.items()}}
+
+
+@pytest.mark.gloo
+def test_auto_on_gloo_is_resolved_once_for_every_rank_and_exact(gloo2) -> None:  # noqa: ANN001
+    got = gloo2.run(auto_on_world)
+    assert got[0]["config"] == got[1]["config"] and got[0]["decisions"] == got[1]["decisions"]
+    assert len(got[0]["decisions"]) == 12
+    for g in got:
+        assert g["out"] < 1e-10 and g["state"] < 1e-10, g
