@@ -178,3 +178,17 @@ def test_auto_on_gloo_is_resolved_once_for_every_rank_and_exact(gloo2) -> None: 
     assert len(got[0]["decisions"]) == 12
     for g in got:
         assert g["out"] < 1e-10 and g["state"] < 1e-10, g
+
+
+def test_what_rank_0_meets_resolving_auto_every_rank_raises() -> None:
+    """Rank 0 searches; a config it refuses is refused on every rank, by the same words."""
+    model = torch.nn.Sequential(torch.nn.Conv3d(1, 2, 3)).double()
+    config = {"layers": [{"match": "0", "grid": {"C": 2}, "algorithm": "auto"}]}
+
+    def build(comm: Any) -> str:
+        with pytest.raises(ValueError) as info:
+            parallelize(model, config, comm=comm, input_shape=(2, 1, 5, 5, 5), machine=MACHINE)
+        return str(info.value)
+
+    said = run_threads(build, 2)
+    assert said[0] == said[1] and "layer '0' (Conv3d) cannot run on {'C': 2}" in said[0]
