@@ -123,12 +123,11 @@ class ConvNdHandler(LinearHandler):
         kind = type(module).__name__
         live = {d for d, e in (choice.layout or ()) if e > 1}
         if choice.algorithm == "auto" and choice.source != "default":
-            an.fail(node, f"{choice.source} asks for algorithm 'auto', which parallelize "
-                    "resolves by itself for Conv2d layers only; resolve it with "
-                    "distconv.planner.plan_network(model, input_shape, config=..., "
-                    "world_size=..., machine=...) and pass the plan's config() (it chooses for "
-                    f"this {kind} too), or give this {kind} sample, spatial or "
-                    "stationary-x/-y/-w", ValueError)
+            an.fail(node, f"{choice.source} asks for algorithm 'auto', which must be resolved "
+                    "before placement: pass input_shape= to parallelize or explain (they plan "
+                    "it), or pass the config() of distconv.planner.plan_network(model, "
+                    "input_shape, config=..., world_size=..., machine=...), or give this "
+                    f"{kind} sample, spatial or stationary-x/-y/-w", ValueError)
         # a stationary default plans the Conv2d layers: these run sample-parallel under it
         split = choice.algorithm == "spatial" or (
             choice.algorithm.startswith("stationary-") and choice.source != "default")

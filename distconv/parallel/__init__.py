@@ -34,9 +34,9 @@ def parallelize(model: nn.Module, config: Any, *, comm: Any = None, loss_reducti
         input_shape: the global input shape, if known; needed only for ``algorithm: auto`` and
             for models whose first layer does not tell the input's number of dims.
         bucket_bytes: fusion size of the gradient allreduces (DDP's default). Default 25 MiB.
-        machine: what ``algorithm: auto`` predicts with: a flat
-            :class:`distconv.pricing.machine.Machine` or a hierarchical
-            :class:`distconv.machines.base.Machine`, a factory of one
+        machine: what ``algorithm: auto`` is planned on (:mod:`distconv.parallel.auto`: rank 0
+            searches, every rank runs its config): a :class:`distconv.pricing.machine.Machine`
+            or a hierarchical :class:`distconv.machines.base.Machine`, a factory of one
             (``distconv.machines.lassen``) or a known name (``"lassen"``); anything else is a
             ``TypeError`` (:func:`distconv.machines.resolve_machine`). Default None:
             :func:`distconv.pricing.calibrate.calibrate` on ``comm`` (collective).

@@ -1,161 +1,175 @@
-"""``algorithm: auto``: each such convolution gets the grid and algorithm the §4 model predicts
-fastest for its own global problem (forward plus backward and its gradient allreduce, slowest
-rank), among the layer's valid candidates (:func:`distconv.planner.layer_candidates`; with a
-grid given, the algorithm that grid runs). A ``Conv2d`` is priced by
-:func:`distconv.perfmodel.conv_cost`; a ``Conv1d``, ``Conv3d`` or transposed convolution by its
-op handler, as ``explain`` prices it (:func:`distconv.planner.nd_layer_cost`); those take
-``auto`` from a layer entry (a default ``auto`` leaves them sample-parallel). The choice is per
-layer: redistributions between layers are not weighed here --
-:func:`distconv.planner.plan_network` plans a whole network with them.
+"""``algorithm: auto``: the layers a config marks ``auto`` are chosen together, by the planner's
+whole-network search (:func:`distconv.planner.plan_network` with ``config=``).
+
+Every convolution (``Conv1d/2d/3d``, ``ConvTranspose1d/2d/3d``) that an ``auto`` default or an
+``auto`` layer entry reaches is a free choice of the search; an ``auto`` entry that names a grid
+chooses the algorithm that grid runs (``C`` and ``F``: stationary-w, ``C``: stationary-x, ``F``:
+stationary-y, a spatial dim: spatial, ``N`` alone: sample). Every other layer keeps its entry.
+The search returns the plan of least price by the very price :func:`distconv.explain` reports
+for its config -- every node's report by its op handler, the conversions between the layers'
+placements, the gradient buckets, on one timeline (:mod:`distconv.parallel.cost`) -- on the
+given machine, within its memory per rank. The resolved config is the given one with an exact
+entry, first, for each chosen layer; an ``auto`` default that then reaches Linear layers only
+runs them sample-parallel on the data grid.
 """
 
 from __future__ import annotations
 
 import copy
+import json
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
-import torch.fx as fx
-from torch import nn
+import torch
+from torch import fx
 
 from distconv.machines import resolve_machine
-from distconv.parallel.config import LayerChoice, ParallelConfig
-from distconv.parallel.shapes import propagate_shapes
-from distconv.pricing.cost import conv_cost
-from distconv.pricing.problem import ConvProblem
+from distconv.ops import Unsupported
+from distconv.ops.conv_nd import refusal
+from distconv.parallel.config import ParallelConfig
+from distconv.planner import Network, Plan, graph_network, grid_algorithm, plan_network
 
-__all__ = ["AutoChoice", "resolve_auto"]
+__all__ = ["AutoChoice", "resolve_auto", "resolve_auto_once"]
 
 
 @dataclass(frozen=True)
 class AutoChoice:
-    """The candidates of one ``auto`` layer with their predicted seconds, fastest first."""
+    """One ``auto`` layer's decision: ``candidates`` are ``(grid, algorithm, seconds)``, the
+    chosen one first, then the other choices the search priced last, cheapest first; ``seconds``
+    is the predicted training step with the layer on that choice and every other layer as
+    planned (``explain``'s price of the resolved config, for the first). ``pipeline``: the chunks
+    of samples the chosen one pipelines its collectives over (1: not; the others are unpipelined)."""
 
     name: str
     candidates: tuple[tuple[dict[str, int], str, float], ...]
+    pipeline: int = 1
 
     @property
     def chosen(self) -> tuple[dict[str, int], str, float]:
         return self.candidates[0]
 
     def describe(self, limit: int = 4) -> str:
-        shown = ", ".join(f"{alg} {grid} {t * 1e3:.3f} ms"
-                          for grid, alg, t in self.candidates[:limit])
+        shown = [f"{alg} {grid} {t * 1e3:.3f} ms" for grid, alg, t in self.candidates[:limit]]
+        if self.pipeline > 1:
+            grid, alg, t = self.chosen
+            shown[0] = f"{alg} {grid} pipeline {self.pipeline} {t * 1e3:.3f} ms"
         more = len(self.candidates) - limit
-        return f"auto: {shown}" + (f" (+{more} more)" if more > 0 else "")
-
-
-def _problem(conv: nn.Conv2d, shape: Sequence[int]) -> ConvProblem:
-    return ConvProblem(shape[0], conv.in_channels, conv.out_channels, shape[2], shape[3],
-                       conv.kernel_size, conv.stride, conv.padding, conv.dilation, conv.groups,
-                       conv.bias is not None, conv.padding_mode)
-
-
-def _options(problem: ConvProblem, choice: LayerChoice, world_size: int) -> list[tuple[Any, str]]:
-    from distconv.planner import candidates
-
-    if choice.layout is None:
-        return [(c.grid, c.algorithm) for c in candidates(problem, world_size)]
-    live = {n for n, e in choice.layout if e > 1}
-    c, f = "C" in live, "F" in live
-    algorithm = ("stationary-w" if c and f else "stationary-x" if c else "stationary-y" if f
-                 else "spatial" if live & {"H", "W"} else "sample")
-    return [(choice.layout, algorithm)]
-
-
-#: the convolutions :class:`~distconv.nn.conv_nd.DistConvNd` runs
-_VOLUME = (nn.Conv1d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
-
-
-def _volume_options(name: str, module: nn.Module, x_shape: tuple[int, ...],
-                    y_shape: tuple[int, ...], choice: LayerChoice, world_size: int,
-                    machine: Any, itemsize: int) -> list[tuple[dict[str, int], str, float]]:
-    """A ``Conv1d``, ``Conv3d`` or transposed layer's candidates, priced, fastest first."""
-    from distconv.ops.conv_nd import refusal
-    from distconv.planner import Choice, ConvNode, layer_candidates, nd_layer_cost
-
-    conv = ConvNode(name, None, y_shape, module, x_shape)
-    if choice.layout is None:
-        options = layer_candidates(conv, world_size)
-    else:
-        live = {d for d, e in choice.layout if e > 1}
-        c, f = "C" in live, "F" in live
-        algorithm = ("stationary-w" if c and f else "stationary-x" if c else "stationary-y"
-                     if f else "spatial" if live - {"N"} else "sample")
-        why = refusal(module, choice.layout, algorithm, x_shape)
-        if why is not None:
-            raise ValueError(f"{choice.source}: layer {name!r} ({type(module).__name__}) cannot "
-                             f"run on {dict(choice.layout)}: {why}")
-        ext = dict(choice.layout)
-        options = [Choice(tuple(choice.layout), algorithm,
-                          groups_aligned=module.groups > 1 and ext.get("C", 1) * ext.get(
-                              "F", 1) > 1, spatial=len(x_shape) - 2,
-                          transposed=conv.transposed)]
-    if not options:
-        raise ValueError(f"{choice.source}: no grid of {world_size} ranks can run layer "
-                         f"{name!r} ({type(module).__name__} on {x_shape})")
-    scored = []
-    for ch in options:
-        cost = nd_layer_cost(conv, ch, machine, itemsize, 0, 0)
-        scored.append((dict(ch.grid), ch.algorithm, cost.forward + cost.backward
-                       + cost.allreduce))
-    scored.sort(key=lambda item: item[2])
-    return scored
+        return f"auto: {', '.join(shown)}" + (f" (+{more} more)" if more > 0 else "")
 
 
 def resolve_auto(gm: fx.GraphModule, config: ParallelConfig, input_shape: Sequence[int],
-                 machine: Any, *, itemsize: int = 4
+                 machine: Any, *, itemsize: int | None = None, strict: bool = True
                  ) -> tuple[ParallelConfig, dict[str, AutoChoice]]:
     """A config in which every ``auto`` convolution has its own exact entry, and the decisions.
 
+    ``gm``: the graph :func:`~distconv.parallel.capture.trace` captured (not traced again).
     ``machine``: any form :func:`distconv.machines.resolve_machine` takes (a flat or a
     hierarchical machine, a factory such as ``distconv.machines.lassen``, a name such as
-    ``"lassen"``); anything else is a TypeError. An ``input_shape`` the model cannot take is a
-    ValueError naming it (:func:`distconv.parallel.shapes.propagate_shapes`)."""
+    ``"lassen"``); anything else is a TypeError. ``itemsize``: bytes per element; default the
+    model's parameter dtype (as ``explain``). An ``input_shape`` the model cannot take is a
+    ValueError naming it (:func:`distconv.parallel.shapes.check_input_shape`); so is an ``auto``
+    entry naming a grid its layer cannot run, or no plan within the machine's memory. A node no
+    op handler runs raises :class:`~distconv.ops.Unsupported`; with ``strict=False`` (explain's
+    coverage table) the config comes back with its ``auto`` entries sample-parallel instead, and
+    no decisions: the search prices only graphs ``parallelize`` runs."""
     machine = resolve_machine(machine)
-    meta = copy.deepcopy(gm).to("meta")
-    shapes: dict[str, tuple[int, ...]] = {}
-    volumes: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {}
-    ref = next((p for p in gm.parameters() if p.is_floating_point()), None)
-    propagate_shapes(meta, input_shape, dtype=None if ref is None else ref.dtype)
-    for node in meta.graph.nodes:
-        if node.op != "call_module":
-            continue
-        module = meta.get_submodule(node.target)
-        if isinstance(module, nn.Conv2d):
-            shapes[str(node.target)] = tuple(node.args[0].meta["tensor_meta"].shape)
-        elif isinstance(module, _VOLUME) and str(node.target) not in volumes:
-            volumes[str(node.target)] = (tuple(node.args[0].meta["tensor_meta"].shape),
-                                         tuple(node.meta["tensor_meta"].shape))
-    decisions: dict[str, AutoChoice] = {}
-    entries = []
-    for name, (x_shape, y_shape) in volumes.items():
-        choice = config.choice(name)
-        if choice.algorithm != "auto" or choice.source == "default":
-            continue
-        scored = _volume_options(name, meta.get_submodule(name), x_shape, y_shape, choice,
-                                 config.world_size, machine, itemsize)
-        decisions[name] = AutoChoice(name, tuple(scored))
-        grid, alg, _ = scored[0]
-        entries.append({"match": name, "grid": grid, "algorithm": alg})
-    for name, shape in shapes.items():
-        choice = config.choice(name)
-        if choice.algorithm != "auto":
-            continue
-        conv = gm.get_submodule(name)
-        problem = _problem(conv, shape)
-        scored = []
-        for layout, alg in _options(problem, choice, config.world_size):
-            run = "stationary-x" if alg in ("sample", "spatial") else alg
-            cost = conv_cost(problem, dict(layout), run, machine, itemsize=itemsize)
-            scored.append((dict(layout), alg, cost.total))
-        if not scored:
-            raise ValueError(f"{choice.source}: no grid of {config.world_size} ranks can run "
-                             f"layer {name!r} ({problem})")
-        scored.sort(key=lambda item: item[2])
-        decisions[name] = AutoChoice(name, tuple(scored))
-        grid, alg, _ = scored[0]
-        entries.append({"match": name, "grid": grid, "algorithm": alg})
+    if itemsize is None:
+        ref = next((p for p in gm.parameters() if p.is_floating_point()), None)
+        itemsize = 4 if ref is None else ref.element_size()
+    try:
+        net = graph_network(copy.deepcopy(gm).to("meta"), input_shape)
+    except Unsupported:
+        if strict:
+            raise
+        return _sample_parallel(config), {}
+    planned = [c for c in net.convs if config.choice(c.name).algorithm == "auto"]
+    if not planned:
+        return config, {}
+    _check_grids(net, config)
+    plan = plan_network(net, world_size=config.world_size, machine=machine,
+                        itemsize=itemsize, config=config.to_dict())
+    return ParallelConfig(plan.config(), world_size=config.world_size), _decisions(plan)
+
+
+def _sample_parallel(config: ParallelConfig) -> ParallelConfig:
+    """The config with each ``auto`` entry (and default) sample-parallel over every rank."""
+    sample = {"grid": {"N": config.world_size}, "algorithm": "sample"}
+
+    def settled(entry: dict[str, Any]) -> dict[str, Any]:
+        if entry.get("algorithm") != "auto":
+            return entry
+        return {**{k: v for k, v in entry.items() if k not in ("grid", "pipeline")}, **sample}
+
     raw = config.to_dict()
-    raw["layers"] = entries + list(raw.get("layers", []))
-    return ParallelConfig(raw, world_size=config.world_size), decisions
+    if "default" in raw:
+        raw["default"] = settled(raw["default"])
+    raw["layers"] = [settled(e) for e in raw.get("layers", [])]
+    return ParallelConfig(raw, world_size=config.world_size)
+
+
+def _check_grids(net: Network, config: ParallelConfig) -> None:
+    """Refuse an ``auto`` entry whose grid its ``Conv1d``, ``Conv3d`` or transposed layer
+    cannot run, naming the layer, the grid and why (the op handler's refusal)."""
+    for c in net.convs:
+        choice = config.choice(c.name)
+        if c.module is None or choice.algorithm != "auto" or choice.layout is None:
+            continue
+        why = refusal(c.module, choice.layout, grid_algorithm(choice.layout), c.in_shape)
+        if why is not None:
+            raise ValueError(f"{choice.source}: layer {c.name!r} ({type(c.module).__name__}) "
+                             f"cannot run on {dict(choice.layout)}: {why}")
+
+
+def _decisions(plan: Plan) -> dict[str, AutoChoice]:
+    """Each planned layer's choice at the plan's price, then its alternatives at theirs."""
+    out = {}
+    for lp in plan.layers:
+        if lp.conv.name not in plan.planned:
+            continue
+        rows = [(dict(lp.choice.grid), lp.choice.algorithm, plan.step_time)]
+        rows += [(dict(ch.grid), ch.algorithm, t) for ch, t in lp.alternatives
+                 if ch.pipeline == 1]
+        out[lp.conv.name] = AutoChoice(lp.conv.name, tuple(rows), lp.choice.pipeline)
+    return out
+
+
+#: the errors a rank other than the one that searched raises as that one raised them
+_ERRORS = {e.__name__: e for e in (ValueError, TypeError, NotImplementedError, Unsupported)}
+
+
+def resolve_auto_once(comm: Any, gm: fx.GraphModule, config: ParallelConfig,
+                      input_shape: Sequence[int], machine: Any
+                      ) -> tuple[ParallelConfig, dict[str, AutoChoice]]:
+    """:func:`resolve_auto` on rank 0 of ``comm`` and its result on every rank (collective): every
+    rank runs the same config, and one search serves them all (thread ranks, sharing one
+    interpreter, would each search in turn). An error rank 0 meets is raised on every rank."""
+    if comm.size == 1:
+        return resolve_auto(gm, config, input_shape, machine)
+    failure, text = None, ""
+    if comm.rank == 0:
+        try:
+            cfg, decisions = resolve_auto(gm, config, input_shape, machine)
+            text = json.dumps({"config": cfg.to_dict(), "decisions": [
+                [d.name, d.candidates, d.pipeline] for d in decisions.values()]})
+        except Exception as exc:  # noqa: BLE001 -- raised below; the other ranks must not wait
+            failure, text = exc, json.dumps({"raised": type(exc).__name__, "message": str(exc)})
+    got = json.loads(_broadcast_text(comm, text))
+    if failure is not None:
+        raise failure
+    if "raised" in got:
+        raise _ERRORS.get(got["raised"], RuntimeError)(got["message"])
+    decisions = {name: AutoChoice(name, tuple((dict(g), a, t) for g, a, t in rows), pipeline)
+                 for name, rows, pipeline in got["decisions"]}
+    return ParallelConfig(got["config"], world_size=config.world_size), decisions
+
+
+def _broadcast_text(comm: Any, text: str) -> str:
+    """Rank 0's ``text`` on every rank: its length, then its UTF-8 bytes."""
+    data = text.encode()
+    n = comm.broadcast(torch.tensor([len(data)], dtype=torch.int64, device=comm.device), root=0,
+                       meta="auto: the resolved config's length")
+    buf = (torch.tensor(list(data), dtype=torch.uint8) if comm.rank == 0
+           else torch.empty(int(n.item()), dtype=torch.uint8))
+    buf = comm.broadcast(buf.to(comm.device), root=0, meta="auto: the resolved config")
+    return bytes(buf.cpu().tolist()).decode()

@@ -45,11 +45,11 @@ Grids name dims among N (samples), C (channels), F (filters), D, H and W (depth,
 a volume's spatial dims are D, H, W, an image's H, W, a signal's W); their extents multiply to the
 world size. Algorithms: ``sample`` (grid ``{N: P}``), ``spatial`` (dims among N, D, H, W),
 ``stationary-x`` (C > 1, F = 1), ``stationary-y`` (F > 1, C = 1), ``stationary-w`` (C and F; each
-with the spatial dims too) and ``auto`` (chosen per layer by the §4 model; needs the input
-shape). Only convolutions and ``Linear`` modules take entries (``Conv1d``, ``Conv3d`` and the
-transposed convolutions take every algorithm, ``auto`` from a layer entry, priced by their op
-handler; a stationary or ``auto`` default leaves them sample-parallel); batch norm, pooling and
-pointwise layers follow their input.
+with the spatial dims too) and ``auto`` (every ``auto`` convolution chosen at once by the
+planner's whole-network search, :mod:`distconv.parallel.auto`; needs the input shape). Only
+convolutions and ``Linear`` modules take entries (``Conv1d``, ``Conv3d`` and the transposed
+convolutions take every algorithm; a stationary default leaves them sample-parallel); batch norm,
+pooling and pointwise layers follow their input.
 ``Linear`` layers run sample-parallel. ``data`` defaults to ``{N: P}``: each rank its own samples.
 """
 

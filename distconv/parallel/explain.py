@@ -364,7 +364,7 @@ def _explain(model: nn.Module, cfg: ParallelConfig, shape: tuple[int, ...],
         from distconv.parallel.auto import resolve_auto
 
         cfg, decisions = resolve_auto(gm, cfg, shape, machine or FlatMachine(),
-                                      itemsize=itemsize)
+                                      itemsize=itemsize, strict=strict)
     analysis = analyse(gm, cfg, input_ndim=len(shape), strict=strict)
     meta = copy.deepcopy(gm).to("meta")
     dtype = next((p.dtype for p in gm.parameters() if p.is_floating_point()), None)

@@ -127,7 +127,7 @@ class ParallelModel(nn.Module):
         ndim = None if input_shape is None else len(tuple(input_shape))
         self.auto_decisions: dict[str, Any] = {}
         if cfg.has_auto():
-            cfg, self.auto_decisions = self._resolve_auto(gm, cfg, input_shape, machine)
+            cfg, self.auto_decisions = self._resolve_auto(comm, gm, cfg, input_shape, machine)
         analysis = analyse(gm, cfg, input_ndim=ndim)
         object.__setattr__(self, "_meta", copy.deepcopy(gm).to("meta"))
         object.__setattr__(self, "_template", copy.deepcopy(model).to("meta"))
@@ -180,17 +180,18 @@ class ParallelModel(nn.Module):
         register_parameter_specs(self, comm)
 
     # ------------------------------------------------------------------ construction
-    def _resolve_auto(self, gm: fx.GraphModule, cfg: ParallelConfig,
+    @staticmethod
+    def _resolve_auto(comm: Any, gm: fx.GraphModule, cfg: ParallelConfig,
                       input_shape: Sequence[int] | None, machine: Any) -> tuple[Any, Any]:
-        from distconv.parallel.auto import resolve_auto
+        from distconv.parallel.auto import resolve_auto_once
         from distconv.pricing.calibrate import calibrate
 
         if input_shape is None:
             raise ValueError("algorithm 'auto' chooses from the layers' global problems: pass "
                              "input_shape= (the global input shape) to parallelize")
         if machine is None:  # the calibrated §4 model of this machine (collective)
-            machine = calibrate(self.comm)
-        return resolve_auto(gm, cfg, input_shape, machine)
+            machine = calibrate(comm)
+        return resolve_auto_once(comm, gm, cfg, input_shape, machine)
 
     def _fuse_gradient_syncs(self, bucket_bytes: int) -> GradSyncGroup | None:
         """Every parameter's gradient completion, fused: the layers' own per-parameter

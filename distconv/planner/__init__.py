@@ -15,7 +15,7 @@ other node is placed by its op handler from where its inputs are, as ``paralleli
 
 The price of a plan is :mod:`distconv.parallel.cost`'s: every node's report by its op handler,
 the conversions between placements, the running statistics and the gradient buckets, on the
-two-stream timeline of :func:`distconv.ops.pricing.timeline`. The search prices it
+two-stream timeline of :func:`distconv.pricing.timeline.timeline`. The search prices it
 incrementally -- a node's report is cached per (node, placements, layer choice), a conversion's
 steps per (value, source, target) -- in two stages over the same reports:
 
@@ -41,11 +41,12 @@ from __future__ import annotations
 
 from distconv.planner.choices import (
     ACT, ALGORITHMS, Choice, ConvNode, LayerCost, Value, _memory, _problem, candidates,
-    layer_candidates, layer_cost, nd_layer_cost, sample_choice, transition_bytes,
+    grid_algorithm, layer_candidates, layer_cost, nd_layer_cost, sample_choice, transition_bytes,
 )
 from distconv.planner.plan import LayerPlan, Plan, explain, plan_network, predict
-from distconv.planner.search import Network, _Search, trace_network
+from distconv.planner.search import Network, _Search, graph_network, trace_network
 
 __all__ = ["ACT", "ALGORITHMS", "Choice", "ConvNode", "LayerCost", "LayerPlan", "Network", "Plan",
-           "Value", "candidates", "explain", "layer_candidates", "layer_cost", "nd_layer_cost",
-           "plan_network", "predict", "sample_choice", "trace_network", "transition_bytes"]
+           "Value", "candidates", "explain", "graph_network", "grid_algorithm", "layer_candidates",
+           "layer_cost", "nd_layer_cost", "plan_network", "predict", "sample_choice",
+           "trace_network", "transition_bytes"]

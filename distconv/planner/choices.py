@@ -159,6 +159,15 @@ class Value:
         return self.output_dist
 
 
+def grid_algorithm(grid: Sequence[tuple[str, int]]) -> str:
+    """The algorithm a layer entry's ``auto`` runs on the grid it names: ``stationary-w`` where
+    it splits C and F, ``stationary-x`` C alone, ``stationary-y`` F alone, ``spatial`` a spatial
+    dim and ``sample`` N alone."""
+    live = {d for d, e in grid if e > 1 and d != "N"}
+    return ("stationary-w" if {"C", "F"} <= live else "stationary-x" if "C" in live
+            else "stationary-y" if "F" in live else "spatial" if live else "sample")
+
+
 def sample_choice(world_size: int) -> Choice:
     return Choice((("N", world_size),), "sample")
 

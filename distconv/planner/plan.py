@@ -18,7 +18,8 @@ from distconv.pricing.timeline import LayerReport, timeline
 from distconv.parallel import cost
 from distconv.parallel.config import ParallelConfig
 from distconv.planner.choices import (
-    ALGORITHMS, Choice, ConvNode, LayerCost, _phases, _valid, layer_candidates, sample_choice,
+    ALGORITHMS, Choice, ConvNode, LayerCost, _phases, _valid, grid_algorithm, layer_candidates,
+    sample_choice,
 )
 from distconv.planner.search import Network, _Priced, _Search, _literal, trace_network
 
@@ -36,6 +37,9 @@ class LayerPlan:
     transition_bytes: int      # the bytes the slowest rank receives in them
     runner_up: Choice | None = None
     runner_up_delta: float = math.inf  # how much dearer the step would be with it
+    #: the layer's other choices the search priced last, each with the step's price with it
+    #: instead (every other layer as planned), cheapest first
+    alternatives: tuple[tuple[Choice, float], ...] = ()
 
 
 @dataclass
@@ -57,7 +61,7 @@ class Plan:
     #: layers whose ``auto`` entries it chose for; None: planned from scratch
     base: dict[str, Any] | None = None
     planned: frozenset[str] = frozenset()
-    #: the priced layers (``explain``'s :class:`~distconv.ops.pricing.LayerReport` list)
+    #: the priced layers (``explain``'s :class:`~distconv.pricing.timeline.LayerReport` list)
     reports: list[LayerReport] = field(default_factory=list, repr=False)
 
     def config(self) -> dict[str, Any]:
@@ -327,12 +331,13 @@ def _alternatives(s: _Search, name: str, current: Choice) -> list[Choice]:
 
 
 def _descend(s: _Search, chosen: dict[str, Choice], priced: _Priced, limit: float,
-             rounds: int = 8) -> tuple[dict[str, Choice], _Priced, dict[str, tuple]]:
+             rounds: int = 8
+             ) -> tuple[dict[str, Choice], _Priced, dict[str, list[tuple[Choice, float]]]]:
     """Coordinate descent on the price, until a round changes nothing: each group of layers
     (:func:`_groups`) given one grid and algorithm at once, then each layer's alternatives with
-    the rest kept, taken where the step is cheaper; the last round's best alternative per layer
-    (the runner-up) with its price."""
-    runners: dict[str, tuple[Choice | None, float]] = {}
+    the rest kept, taken where the step is cheaper; the last round's alternatives per layer with
+    the step's price under each, cheapest (the runner-up) first."""
+    runners: dict[str, list[tuple[Choice, float]]] = {}
     for _ in range(rounds):
         improved = False
         for group in _groups(s):  # a stage at once: what no single layer's change pays for
@@ -350,7 +355,7 @@ def _descend(s: _Search, chosen: dict[str, Choice], priced: _Priced, limit: floa
                     chosen, priced, improved = {**chosen, **moved}, trial, True
         runners = {}
         for name in s.options:
-            best_other: tuple[Choice | None, float] = (None, math.inf)
+            others: list[tuple[Choice, float]] = []
             for ch in _alternatives(s, name, chosen[name]):
                 try:
                     trial = s.price({**chosen, name: ch})
@@ -360,11 +365,11 @@ def _descend(s: _Search, chosen: dict[str, Choice], priced: _Priced, limit: floa
                     s.binding = s.binding or trial.step < priced.step
                     continue
                 if trial.step < priced.step * (1 - 1e-9):
-                    best_other = (chosen[name], priced.step)
+                    others = [(chosen[name], priced.step)]  # those priced so far, against it
                     chosen, priced, improved = {**chosen, name: ch}, trial, True
-                elif trial.step < best_other[1]:
-                    best_other = (ch, trial.step)
-            runners[name] = best_other
+                else:
+                    others.append((ch, trial.step))
+            runners[name] = sorted(others, key=lambda t: t[1])
         if not improved:
             break
     return chosen, priced, runners
@@ -380,8 +385,8 @@ def _groups(s: _Search) -> list[list[str]]:
 
 
 def _make_plan(s: _Search, chosen: Mapping[str, Choice], priced: _Priced,
-               runners: Mapping[str, tuple], notes: list[str], base: dict[str, Any] | None,
-               planned: frozenset[str]) -> Plan:
+               runners: Mapping[str, list[tuple[Choice, float]]], notes: list[str],
+               base: dict[str, Any] | None, planned: frozenset[str]) -> Plan:
     """The plan of ``chosen``, its price that of :mod:`distconv.parallel.cost` over the
     analysis of its config (explain's, exactly)."""
     shapes = s.shapes
@@ -406,10 +411,11 @@ def _make_plan(s: _Search, chosen: Mapping[str, Choice], priced: _Priced,
         into = [st for st in moved if st.phase == "forward"]
         lc = LayerCost(fwd, bwd, s.allreduce(steps[c.name]), mem)
         own += fwd + bwd + sum(st.seconds(s.machine) for st in moved)
-        ru, at = runners.get(c.name, (None, math.inf))
+        others = tuple(runners.get(c.name, ()))
+        ru, at = others[0] if others else (None, math.inf)
         lps.append(LayerPlan(c, chosen[c.name], lc, sum(st.seconds(s.machine) for st in into),
                              max((sum(st.bytes[r] for st in into) for r in every), default=0),
-                             ru, at - t.step))
+                             ru, at - t.step, others))
     plan = Plan(s.P, s.net.input_shape[0], s.machine, lps, t.step - own, t.step, t.forward,
                 memory, notes, priced=s.visited, base=base, planned=planned, reports=layers)
     return plan
@@ -442,9 +448,7 @@ def _config_choices(net: Network, config: Any, world_size: int) -> dict[str, Cho
 def _layout_choice(c: ConvNode, grid: tuple[tuple[str, int], ...]) -> Choice | None:
     """The choice an ``auto`` entry naming ``grid`` gives ``c`` (the algorithm that grid runs, as
     ``parallelize`` resolves it), or None where the layer cannot run it."""
-    live = {d for d, _ in grid if d != "N"}
-    algorithm = ("stationary-w" if {"C", "F"} <= live else "stationary-x" if "C" in live
-                 else "stationary-y" if "F" in live else "spatial" if live else "sample")
+    algorithm = grid_algorithm(grid)
     if c.module is not None:
         if refusal(c.module, grid, algorithm, c.in_shape) is not None:
             return None
@@ -452,7 +456,7 @@ def _layout_choice(c: ConvNode, grid: tuple[tuple[str, int], ...]) -> Choice | N
         return Choice(grid, algorithm,
                       groups_aligned=c.module.groups > 1 and e.get("C", 1) * e.get("F", 1) > 1,
                       spatial=c.spatial, transposed=c.transposed)
-    if live - {"C", "F", "H", "W"}:
+    if {d for d, _ in grid} - {"N", "C", "F", "H", "W"}:
         return None
     return _valid(c.problem, Choice(grid, algorithm))
 

@@ -54,8 +54,14 @@ def trace_network(model: torch.nn.Module, input_shape: Sequence[int]) -> Network
     """
     if any(p.device.type != "meta" for p in model.parameters()):
         model = copy.deepcopy(model).to("meta")
+    return graph_network(trace(model, input_shape), input_shape, model)
+
+
+def graph_network(gm: fx.GraphModule, input_shape: Sequence[int],
+                  model: torch.nn.Module | None = None) -> Network:
+    """The Network of a graph :func:`~distconv.parallel.capture.trace` captured (on the meta
+    device; ``parallelize`` plans the graph it traced), as :func:`trace_network` makes it."""
     input_shape = tuple(int(s) for s in input_shape)
-    gm = trace(model, input_shape)
     check_input_shape(gm, input_shape)
     analyse(gm, ParallelConfig({"default": {"grid": {"N": 1}, "algorithm": "sample"}},
                                world_size=1), input_ndim=len(input_shape))
@@ -74,7 +80,8 @@ def trace_network(model: torch.nn.Module, input_shape: Sequence[int]) -> Network
         name = str(node.target)
         convs[name] = (ConvNode(name, _problem(module, x), y)
                        if isinstance(module, torch.nn.Conv2d) else ConvNode(name, None, y, module, x))
-    return Network(input_shape, tuple(convs.values()), gm, shapes, model)
+    return Network(input_shape, tuple(convs.values()), gm, shapes,
+                   gm if model is None else model)
 
 
 #: the convolutions the planner chooses for
