@@ -488,7 +488,7 @@ def _traced_with_shapes(shape: tuple[int, ...]) -> Any:
     """``trace`` that records every node's global shape, as a capture per input shape does."""
     from distconv.parallel.shapes import propagate_shapes
 
-    def traced(model: nn.Module) -> Any:
+    def traced(model: nn.Module, input_shape: Any = None) -> Any:  # (the shape is given)
         gm = trace(model)
         meta = copy.deepcopy(gm).to("meta")
         propagate_shapes(meta, shape, dtype=torch.float64)
