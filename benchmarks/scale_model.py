@@ -14,10 +14,15 @@ X-bus between sockets, dual-rail EDR between nodes) and ResNet-50, WRN-50-2 and 
   planner's; which wins, the speedup over sample parallelism at the same batch, and the
   planner's choices against the paper's.
 
+* **U-Net 3-D** -- ``unet3d`` on 256³ volumes, one per N row: spatial (D, D×H, D×H×W) and
+  hybrid hand configs against the planner's plan at 8 to 256 GPUs, and whether any hand config
+  is priced below the plan.
+
 Writes ``benchmarks/results/scale_model.{json,md}`` and ``scale_model_fig{4,6,7}.png``.
 
     .venv/bin/python benchmarks/scale_model.py --jobs 14  # full (~4 min on 16 cores)
     .venv/bin/python benchmarks/scale_model.py --quick    # fewer scales
+    .venv/bin/python benchmarks/scale_model.py --unet3d   # the U-Net 3-D rows only (~1 min)
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ if str(ROOT) not in sys.path:
 
 from distconv.comm.base import allreduce_bytes  # noqa: E402
 from distconv.machines import lassen  # noqa: E402
-from distconv.models import ResNet  # noqa: E402
+from distconv.models import ResNet, unet3d  # noqa: E402
 from distconv.perfmodel import ConvProblem, conv_cost  # noqa: E402
 from distconv.planner import plan_network, predict, trace_network  # noqa: E402
 
@@ -249,6 +254,129 @@ def paper_scale(machine: Any, cases: list[tuple[str, int, int, int, int]]
     return out
 
 
+# --------------------------------------------------------------------------- U-Net 3-D
+#: the 3-D U-Net row: distconv.models.unet3d at the widths of Cicek et al.'s 3-D U-Net (32 to
+#: 256 channels over four levels) on one-channel volumes of this side, one volume per N row --
+#: the large-volume regime LBANN's spatial parallelism is for (one volume's activations do not
+#: fit a 16 GiB V100)
+UNET_SIDE, UNET_BASE, UNET_DEPTH = 256, 32, 3
+UNET_CASES = [(2, 4), (8, 4), (8, 8), (32, 8)]  # (rows R, GPUs per row k)
+
+
+def unet3d_net(R: int, side: int = UNET_SIDE) -> Any:
+    with torch.device("meta"):
+        model = unet3d(in_channels=1, num_classes=3, base=UNET_BASE, depth=UNET_DEPTH)
+    return trace_network(model, (R, 1, side, side, side))
+
+
+def unet3d_configs(R: int, k: int) -> dict[str, tuple[dict[str, Any], bool]]:
+    """Hand configs on P = k·R GPUs, each with whether the planner's space holds it (a config
+    of one grid and algorithm per convolution; the data grid and mixed grids such as C×D are
+    outside it): spatial over D, D×H (and D×H×W), a hybrid of spatial levels with a
+    channel-parallel bottom and a filter-parallel first up-convolution, and two as
+    ``docs/volumes.md`` writes them (the batch read onto the spatial grid; a C×D bottom)."""
+    def spatial(grid: dict[str, int]) -> dict[str, Any]:
+        return {"grid": {"N": R, **grid}, "algorithm": "spatial"}
+
+    out = {f"D {k}": ({"default": spatial({"D": k})}, True)}
+    if k >= 4:
+        out[f"D2×H{k // 2}"] = ({"default": spatial({"D": 2, "H": k // 2})}, True)
+    if k == 8:
+        out["D2×H2×W2"] = ({"default": spatial({"D": 2, "H": 2, "W": 2})}, True)
+    deep = [{"match": "bottom.*", "grid": {"N": R, "C": k}, "algorithm": "stationary-x"},
+            {"match": "up.0", "grid": {"N": R, "F": k}, "algorithm": "stationary-y"}]
+    out[f"hybrid D {k} + C/F bottom"] = ({"default": spatial({"D": k}), "layers": deep}, True)
+    out[f"D {k}, batch read on D"] = (
+        {"default": spatial({"D": k}), "data": {"N": R, "D": k}}, False)
+    mixed = [{"match": "bottom.*", "grid": {"N": R, "C": 2, "D": k // 2},
+              "algorithm": "stationary-x"},
+             {"match": "up.*", "grid": {"N": R, "F": 2, "D": k // 2}, "algorithm": "stationary-y"}]
+    out[f"hybrid C2×D{k // 2} bottom"] = ({"default": spatial({"D": k}), "layers": mixed}, False)
+    return out
+
+
+def unet3d_rows(machine: Any, cases: list[tuple[int, int]] = UNET_CASES) -> list[dict[str, Any]]:
+    """Per (rows R, GPUs per row k): every hand config's price and memory, the planner's plan
+    (its price, memory, picks per level and time to plan), sample parallelism on R GPUs (the
+    speedup's base; its memory says whether it could run at all), and the hand configs priced
+    below the plan -- whether the planner's space holds them, and whether they fit the GPU."""
+    rows = []
+    for R, k in cases:
+        P = R * k
+        net = unet3d_net(R)
+        hands = {}
+        for label, (cfg, in_space) in unet3d_configs(R, k).items():
+            p = predict(net, cfg, world_size=P, machine=machine)
+            hands[label] = {"step": p.step_time, "memory": p.memory, "in_space": in_space,
+                            "fits": p.memory <= machine.memory}
+        sample = predict(net, {"default": {"grid": {"N": R}, "algorithm": "sample"}},
+                         world_size=R, machine=machine)
+        t0 = time.perf_counter()
+        plan = plan_network(net, world_size=P, machine=machine, max_model=8, max_sample=R)
+        seconds = time.perf_counter() - t0
+        levels: dict[str, Counter] = {}
+        for lp in plan.layers:
+            levels.setdefault(_level(lp.conv.name), Counter())[str(lp.choice)] += 1
+        behind = [label for label, h in hands.items() if h["step"] < plan.step_time]
+        row = {"R": R, "k": k, "P": P, "B": R, "side": UNET_SIDE, "plan_seconds": seconds,
+               "planner": plan.step_time, "planner_memory": plan.memory, "priced": plan.priced,
+               "configs": hands, "sample_on_R": sample.step_time,
+               "sample_on_R_memory": sample.memory,
+               "sample_on_R_fits": sample.memory <= machine.memory,
+               "speedup_planner": sample.step_time / plan.step_time,
+               "levels": {lv: dict(c) for lv, c in levels.items()}, "plan": plan.config(),
+               "behind": behind,
+               "behind_in_space": [b for b in behind if hands[b]["in_space"] and hands[b]["fits"]]}
+        rows.append(row)
+        print(f"U-Net 3-D R={R} k={k} P={P}: planned in {seconds:.1f} s, "
+              f"{plan.step_time * 1e3:.2f} ms; " + ", ".join(
+                  f"{label} {h['step'] * 1e3:.2f}" for label, h in hands.items())
+              + f"; behind: {behind or 'none'}", flush=True)
+    return rows
+
+
+def _level(name: str) -> str:
+    """A U-Net convolution's level: ``down.1.3`` -> ``down.1``, ``bottom.0`` -> ``bottom``."""
+    parts = name.split(".")
+    return ".".join(parts[:2]) if parts[0] in ("down", "dec", "up") else parts[0]
+
+
+def unet3d_report(rows: list[dict[str, Any]]) -> list[str]:
+    """Markdown: per world size the plan against every hand config, and the check that no hand
+    config in the planner's space that fits the GPU is priced below the plan."""
+    md = [(f"## U-Net 3-D: {UNET_SIDE}³ one-channel volumes, one per N row, "
+           f"`unet3d(base={UNET_BASE}, depth={UNET_DEPTH})` (ms per step; GiB per rank)"), ""]
+    for r in rows:
+        md += [f"### R = {r['R']} rows, k = {r['k']} GPUs per row, P = {r['P']}", ""]
+        table = [["planner", _ms(r["planner"]), f"{r['planner_memory'] / 2**30:.2f}", "yes",
+                  "-", f"{r['speedup_planner']:.2f}x"]]
+        for label, h in r["configs"].items():
+            mark = "**below the plan**" if label in r["behind"] else ""
+            table.append([label, _ms(h["step"]), f"{h['memory'] / 2**30:.2f}",
+                          "yes" if h["in_space"] else "no", mark,
+                          f"{r['sample_on_R'] / h['step']:.2f}x"])
+        table.append([f"sample on {r['R']} GPUs (the base)", _ms(r["sample_on_R"]),
+                      f"{r['sample_on_R_memory'] / 2**30:.2f}", "-", "", "1.00x"])
+        md += _table(["config", "step", "GiB/rank", "in the planner's space", "",
+                      "speedup vs sample on R"], table)
+        if not r["sample_on_R_fits"]:
+            md += [(f"Sample parallelism on {r['R']} GPUs needs "
+                    f"{r['sample_on_R_memory'] / 2**30:.1f} GiB per rank, over the V100's 16 "
+                    "GiB: the speedups are against a step that could not run."), ""]
+        md += [f"Planned in {r['plan_seconds']:.1f} s ({r['priced']} plans priced); picks per "
+               "level: " + "; ".join(f"{lv} " + ", ".join(f"{c} ({n})" for c, n in ch.items())
+                                     for lv, ch in r["levels"].items()), ""]
+    bad = [(r["P"], b) for r in rows for b in r["behind_in_space"]]
+    out_space = [(r["P"], b) for r in rows for b in r["behind"] if b not in r["behind_in_space"]]
+    md.append("**No hand config priced below the planner's plan** (in its space, fitting 16 GiB): "
+              + ("holds at every world size." if not bad else "**fails**: " + "; ".join(
+                  f"P = {p}: {b}" for p, b in bad) + "."))
+    if out_space:
+        md.append(" Priced below it but outside the planner's space or over the GPU's memory: "
+                  + "; ".join(f"P = {p}: {b}" for p, b in out_space) + ".")
+    return md + [""]
+
+
 def crossover(machine: Any, batch: int, worlds: list[int], *, jobs: int = 1
               ) -> list[dict[str, Any]]:
     """ResNet-50 at a fixed global batch on growing P, the planner free to split samples down
@@ -393,6 +521,7 @@ def report(res: dict[str, Any]) -> str:
                    f"{r['model_parallel_share']:.0%}",
                    ", ".join(f"{k} {v}" for k, v in r["stages"].items())]
                   for r in res["crossover"]])
+    md += unet3d_report(res["unet3d"])
     md += comparison(res) + ["## Sources of the machine's numbers", ""]
     md += [f"- {k}: {v}" for k, v in res["sources"].items()] + [""]
     md += [f"Plots: {', '.join(Path(p).name for p in res['plots'])}", ""]
@@ -517,8 +646,22 @@ def main() -> None:
     ap.add_argument("--paper-scale", action="store_true",
                     help="only the paper-scale rows: ResNet-50 on 1024 GPUs, WRN-50-2 on 256 "
                          "and WRN-50-4 on 256, planned, timed and set against the paper's layout")
+    ap.add_argument("--unet3d", action="store_true",
+                    help="only the U-Net 3-D rows: hand configs and the planner's plan at "
+                         f"{len(UNET_CASES)} world sizes (writes scale_model_unet3d.{{json,md}})")
     args = ap.parse_args()
     machine = lassen()
+    if args.unet3d:
+        rows = unet3d_rows(machine)
+        args.out.mkdir(parents=True, exist_ok=True)
+        Path(args.out / "scale_model_unet3d.json").write_text(
+            json.dumps(rows, indent=1, default=str))
+        md = "\n".join([f"# {Path(__file__).name} --unet3d", "",
+                        "Machine: `distconv.machines.lassen()`; prices are `explain`'s.", ""]
+                       + unet3d_report(rows))
+        Path(args.out / "scale_model_unet3d.md").write_text(md)
+        print(md)
+        return
     if args.paper_scale:
         rows = paper_scale(machine, [("ResNet-50", 1, 32, 256, 4), ("WRN-50-2", 2, 16, 64, 4),
                                      ("WRN-50-4", 4, 8, 32, 8)])
@@ -537,6 +680,7 @@ def main() -> None:
     res["y_bigger"] = {n: y_bigger(w) for n, w, _ in nets}
     res["fig78"] = fig78(machine, rows_list, nets[:2] if args.quick else nets, jobs=args.jobs)
     res["crossover"] = crossover(machine, 512, [64, 128, 256, 512, 1024, 2048], jobs=args.jobs)
+    res["unet3d"] = unet3d_rows(machine, UNET_CASES[:2] if args.quick else UNET_CASES)
     args.out.mkdir(parents=True, exist_ok=True)
     prefix = args.out / "scale_model"
     res["plots"] = plots(res, prefix)
