@@ -23,6 +23,7 @@ Writes ``benchmarks/results/scale_model.{json,md}`` and ``scale_model_fig{4,6,7}
     .venv/bin/python benchmarks/scale_model.py --jobs 14  # full (~4 min on 16 cores)
     .venv/bin/python benchmarks/scale_model.py --quick    # fewer scales
     .venv/bin/python benchmarks/scale_model.py --unet3d   # the U-Net 3-D rows only (~1 min)
+    .venv/bin/python benchmarks/scale_model.py --fig78-speedups  # predicted speedups (~2 min)
 """
 
 from __future__ import annotations
@@ -252,6 +253,157 @@ def paper_scale(machine: Any, cases: list[tuple[str, int, int, int, int]]
             print(f"  {st}: planner {r['planner']} {_ms(r['planner_seconds'])} ms | paper "
                   f"{r['paper']} {_ms(r['paper_seconds'])} ms", flush=True)
     return out
+
+
+# --------------------------------------------------------------------------- Figs. 7-8 speedups
+#: what the paper states of Figs. 7-8's end-to-end results, with its source. Its per-point
+#: values (step times and speedups per network, rows and GPUs per row) are in its figures only,
+#: which are not available here; nothing below is read off them or estimated.
+PAPER_STATED = {
+    "up to 4.1x reductions in training time for residual networks": (
+        "the paper's abstract (Dryden et al., SC'19, doi:10.1145/3295500.3356207), as printed at "
+        "https://sc19.supercomputing.org/proceedings/tech_paper/tech_paper_pages/pap446.html"),
+    "4x reductions in allreduce overhead": ("the same abstract"),
+}
+SPEEDUP_ROWS, SPEEDUP_KS = [32, 256], [2, 4, 8]
+NETS = [("ResNet-50", 1, 32), ("WRN-50-2", 2, 16), ("WRN-50-4", 4, 8)]
+
+
+def _anatomy(reports: list[Any], machine: Any) -> dict[str, float]:
+    """A priced step taken apart: local compute, and on the critical path halo exchanges, the
+    norms' statistics collectives and every other collective (channel/filter parallelism's
+    reduce-scatters and allgathers, conversions between layouts); the gradient allreduces (all,
+    and the part not hidden behind backward); and the step with one term changed -- no overlap
+    of the gradient allreduces with backward, or one kind of collective free."""
+    from dataclasses import replace
+
+    from distconv.ops.pricing import timeline
+
+    def kind(st: Any) -> str | None:
+        if st.after is not None:
+            return None
+        if "halo" in st.what:
+            return "halo"
+        return "norms" if "statistics" in st.what or "Σ" in st.what else "collectives"
+
+    def without(drop: str) -> float:
+        return timeline([replace(lay, steps=[st for st in lay.steps if kind(st) != drop])
+                         for lay in reports], machine).step
+
+    t = timeline(reports, machine)
+    out = {"step": t.step, "gradients": t.gradients,
+           "compute": sum(lay.forward_seconds + lay.backward_seconds - sum(lay.overlap.values())
+                          for lay in reports),
+           "exposed": t.step - t.forward - t.backward,
+           "no_overlap": t.forward + t.backward + machine.comm_overlap * t.gradients}
+    for part in ("halo", "norms", "collectives"):
+        out[part] = sum(st.seconds(machine) for lay in reports for st in lay.steps
+                        if kind(st) == part)
+        out[f"{part}_free"] = without(part)
+    return out
+
+
+def fig78_speedups(machine: Any, nets: list[tuple[str, int, int]] = NETS,
+                   rows_list: list[int] = SPEEDUP_ROWS, ks: list[int] = SPEEDUP_KS,
+                   plan_at: tuple[int, int] | None = (32, 4)) -> list[dict[str, Any]]:
+    """The §4 model's speedup of every hand config and the paper's layout on k GPUs per N row
+    over sample parallelism on the R rows alone (same global batch), as priced and with one
+    term changed at a time: no gradient-allreduce overlap, free halos, the V100's plain FLOP
+    rate for every local convolution (no occupancy term), and free activation collectives (the
+    ceiling), or free statistics collectives of the norms; the planner's plan at ``plan_at``
+    (rows, k)."""
+    flat = lassen(occupancy=False)
+    out = []
+    for name, widen, per_row in nets:
+        for R in rows_list:
+            net = trace_network(wrn50(widen), (per_row * R, 3, 224, 224))
+            sample = {"default": {"grid": {"N": R}, "algorithm": "sample"}}
+            base = predict(net, sample, world_size=R, machine=machine)
+            base_flat = predict(net, sample, world_size=R, machine=flat)
+            b = _anatomy(base.reports, machine)
+            for k in ks:
+                configs = {**hand_configs(net, R, k), "paper": paper_config(net, R, k)}
+                if plan_at == (R, k):
+                    plan = plan_network(net, world_size=R * k, machine=machine, max_model=8,
+                                        max_sample=R)
+                    configs["planner"] = plan.config()
+                for label, cfg in configs.items():
+                    p = predict(net, cfg, world_size=R * k, machine=machine)
+                    a = _anatomy(p.reports, machine)
+                    q = predict(net, cfg, world_size=R * k, machine=flat)
+                    out.append({
+                        "net": name, "R": R, "k": k, "P": R * k, "B": per_row * R,
+                        "config": label.replace(f" {k}", ""), "anatomy": a, "base": b,
+                        "speedup": b["step"] / a["step"],
+                        "no_overlap": b["no_overlap"] / a["no_overlap"],
+                        **{f"{part}_free": b[f"{part}_free"] / a[f"{part}_free"]
+                           for part in ("halo", "norms", "collectives")},
+                        "flat_rate": base_flat.step_time / q.step_time})
+                print(f"{name} R={R} k={k}: " + ", ".join(
+                    f"{r['config']} {r['speedup']:.2f}x" for r in out[-len(configs):]), flush=True)
+    return out
+
+
+#: the terms :func:`fig78_speedups` changes, as the report names them
+ASSUMPTIONS = {"no_overlap": "no allreduce overlap",
+               "halo_free": "halos free",
+               "flat_rate": "no occupancy term",
+               "norms_free": "norm statistics free",
+               "collectives_free": "other collectives free"}
+#: the parts of a step the report shows, in its order
+PARTS = ("compute", "halo", "norms", "collectives", "exposed")
+
+
+def fig78_report(rows: list[dict[str, Any]]) -> list[str]:
+    """Markdown: the predicted speedups per configuration, what each term of the model does to
+    them, and the paper's stated figures beside them."""
+    md = ["## Figs. 7-8: predicted speedups over sample parallelism on the R rows' GPUs", "",
+          ("The speedup of each configuration on P = k·R GPUs over sample parallelism on R GPUs "
+           "at the same global batch (R rows of 32 samples for ResNet-50, 16 for WRN-50-2, 8 "
+           "for WRN-50-4), as the §4 model with the op handlers prices it on `lassen()`, and "
+           "with one term of the model changed at a time: gradient allreduces not overlapped "
+           "with backward; halo exchanges free; every local convolution at the V100's plain "
+           "FLOP rate (`lassen(occupancy=False)`); the batch norms' statistics collectives "
+           "free (exact batch norm sums its statistics over every sample of the global batch, "
+           "on the critical path); every other collective on the critical path free -- the "
+           "reduce-scatters and allgathers of stationary-x/-y/-w and the conversions between "
+           "layouts (a ceiling, not an assumption)."), "",
+          ("**The paper's per-point measured speedups are not available here**: its text is "
+           "not in this repository and no public source found states the values of Figs. 7-8; "
+           "the only stated figures are the abstract's:"), ""]
+    md += [f"- \"{text}\" ({src})" for text, src in PAPER_STATED.items()] + [""]
+    best = max(rows, key=lambda r: r["speedup"])
+    md += [(f"The model's largest speedup in this table is {best['speedup']:.2f}x "
+            f"({best['net']}, R = {best['R']}, k = {best['k']}, {best['config']}) against the "
+            "paper's \"up to 4.1x\", whose baseline and scale the abstract does not state."), ""]
+    head = ["net", "R", "k", "GPUs", "config", "speedup", *ASSUMPTIONS.values(),
+            ("step: compute / halo / norm statistics / other collectives / exposed allreduce "
+             "(ms)")]
+    table = [[r["net"], r["R"], r["k"], r["P"], r["config"], f"{r['speedup']:.2f}x",
+              *(f"{r[key]:.2f}x" for key in ASSUMPTIONS),
+              " / ".join(_ms(r["anatomy"][key]) for key in PARTS)]
+             for r in rows]
+    md += _table(head, table)
+    bases = {(r["net"], r["R"]): r["base"] for r in rows}
+    md += ["Sample parallelism on R GPUs (the base), ms: " + "; ".join(
+        f"{net} R = {R}: step {_ms(b['step'])} = " + " / ".join(_ms(b[key]) for key in PARTS)
+        for (net, R), b in bases.items()), ""]
+    md += [(f"What each term does to the speedups (relative change over the {len(rows)} "
+            "configurations, median of the absolute change and the largest):"), ""]
+    size = {}
+    for key, label in ASSUMPTIONS.items():
+        change = [(r[key] - r["speedup"]) / r["speedup"] for r in rows]
+        size[key] = sorted(abs(c) for c in change)[len(change) // 2]
+        top = max(rows, key=lambda r: abs(r[key] - r["speedup"]))
+        md.append(f"- {label}: median {size[key]:.1%}, largest "
+                  f"{(top[key] - top['speedup']) / top['speedup']:+.1%} ({top['net']}, R = "
+                  f"{top['R']}, k = {top['k']}, {top['config']})")
+    order = sorted(ASSUMPTIONS, key=size.__getitem__, reverse=True)
+    md += ["", ("Ordered by their median effect: " + ", ".join(
+        f"{ASSUMPTIONS[k]} ({size[k]:.1%})" for k in order) + ". Where the paper's measured "
+        "values are set beside these predictions, the terms at the head of this order are "
+        "the first to examine for a difference."), ""]
+    return md
 
 
 # --------------------------------------------------------------------------- U-Net 3-D
@@ -649,8 +801,20 @@ def main() -> None:
     ap.add_argument("--unet3d", action="store_true",
                     help="only the U-Net 3-D rows: hand configs and the planner's plan at "
                          f"{len(UNET_CASES)} world sizes (writes scale_model_unet3d.{{json,md}})")
+    ap.add_argument("--fig78-speedups", action="store_true",
+                    help="only Figs. 7-8's predicted speedups per configuration, with what "
+                         "drives them (writes scale_model_fig78.{json,md}; about 2 min)")
     args = ap.parse_args()
     machine = lassen()
+    if args.fig78_speedups:
+        rows = fig78_speedups(machine)
+        args.out.mkdir(parents=True, exist_ok=True)
+        Path(args.out / "scale_model_fig78.json").write_text(
+            json.dumps(rows, indent=1, default=str))
+        md = "\n".join([f"# {Path(__file__).name} --fig78-speedups", ""] + fig78_report(rows))
+        Path(args.out / "scale_model_fig78.md").write_text(md)
+        print(md)
+        return
     if args.unet3d:
         rows = unet3d_rows(machine)
         args.out.mkdir(parents=True, exist_ok=True)
