@@ -14,7 +14,7 @@ X-bus between sockets, dual-rail EDR between nodes) and ResNet-50, WRN-50-2 and 
   planner's; which wins, the speedup over sample parallelism at the same batch, and the
   planner's choices against the paper's.
 
-* **U-Net 3-D** -- ``unet3d`` on 256³ volumes, one per N row: spatial (D, D×H, D×H×W) and
+* **U-Net 3-D** -- ``unet3d`` on 256³ and 128³ volumes, one per N row: spatial (D, D×H, D×H×W) and
   hybrid hand configs against the planner's plan at 8 to 256 GPUs, and whether any hand config
   is priced below the plan.
 
@@ -408,14 +408,14 @@ def fig78_report(rows: list[dict[str, Any]]) -> list[str]:
 
 # --------------------------------------------------------------------------- U-Net 3-D
 #: the 3-D U-Net row: distconv.models.unet3d at the widths of Cicek et al.'s 3-D U-Net (32 to
-#: 256 channels over four levels) on one-channel volumes of this side, one volume per N row --
-#: the large-volume regime LBANN's spatial parallelism is for (one volume's activations do not
-#: fit a 16 GiB V100)
-UNET_SIDE, UNET_BASE, UNET_DEPTH = 256, 32, 3
-UNET_CASES = [(2, 4), (8, 4), (8, 8), (32, 8)]  # (rows R, GPUs per row k)
+#: 256 channels over four levels) on one-channel cubic volumes, one volume per N row -- the
+#: large-volume regime LBANN's spatial parallelism is for (one 256³ volume's activations do not
+#: fit a 16 GiB V100; a 128³ one does)
+UNET_BASE, UNET_DEPTH = 32, 3
+UNET_CASES = [(256, 2, 4), (256, 8, 4), (256, 8, 8), (256, 32, 8), (128, 8, 4)]  # side, R, k
 
 
-def unet3d_net(R: int, side: int = UNET_SIDE) -> Any:
+def unet3d_net(R: int, side: int) -> Any:
     with torch.device("meta"):
         model = unet3d(in_channels=1, num_classes=3, base=UNET_BASE, depth=UNET_DEPTH)
     return trace_network(model, (R, 1, side, side, side))
@@ -447,15 +447,17 @@ def unet3d_configs(R: int, k: int) -> dict[str, tuple[dict[str, Any], bool]]:
     return out
 
 
-def unet3d_rows(machine: Any, cases: list[tuple[int, int]] = UNET_CASES) -> list[dict[str, Any]]:
-    """Per (rows R, GPUs per row k): every hand config's price and memory, the planner's plan
+def unet3d_rows(machine: Any, cases: list[tuple[int, int, int]] = UNET_CASES
+                ) -> list[dict[str, Any]]:
+    """Per (volume side, rows R, GPUs per row k): every hand config's price and memory, the
+    planner's plan
     (its price, memory, picks per level and time to plan), sample parallelism on R GPUs (the
     speedup's base; its memory says whether it could run at all), and the hand configs priced
     below the plan -- whether the planner's space holds them, and whether they fit the GPU."""
     rows = []
-    for R, k in cases:
+    for side, R, k in cases:
         P = R * k
-        net = unet3d_net(R)
+        net = unet3d_net(R, side)
         hands = {}
         for label, (cfg, in_space) in unet3d_configs(R, k).items():
             p = predict(net, cfg, world_size=P, machine=machine)
@@ -470,7 +472,7 @@ def unet3d_rows(machine: Any, cases: list[tuple[int, int]] = UNET_CASES) -> list
         for lp in plan.layers:
             levels.setdefault(_level(lp.conv.name), Counter())[str(lp.choice)] += 1
         behind = [label for label, h in hands.items() if h["step"] < plan.step_time]
-        row = {"R": R, "k": k, "P": P, "B": R, "side": UNET_SIDE, "plan_seconds": seconds,
+        row = {"R": R, "k": k, "P": P, "B": R, "side": side, "plan_seconds": seconds,
                "planner": plan.step_time, "planner_memory": plan.memory, "priced": plan.priced,
                "configs": hands, "sample_on_R": sample.step_time,
                "sample_on_R_memory": sample.memory,
@@ -480,7 +482,7 @@ def unet3d_rows(machine: Any, cases: list[tuple[int, int]] = UNET_CASES) -> list
                "behind": behind,
                "behind_in_space": [b for b in behind if hands[b]["in_space"] and hands[b]["fits"]]}
         rows.append(row)
-        print(f"U-Net 3-D R={R} k={k} P={P}: planned in {seconds:.1f} s, "
+        print(f"U-Net 3-D {side}³ R={R} k={k} P={P}: planned in {seconds:.1f} s, "
               f"{plan.step_time * 1e3:.2f} ms; " + ", ".join(
                   f"{label} {h['step'] * 1e3:.2f}" for label, h in hands.items())
               + f"; behind: {behind or 'none'}", flush=True)
@@ -496,10 +498,10 @@ def _level(name: str) -> str:
 def unet3d_report(rows: list[dict[str, Any]]) -> list[str]:
     """Markdown: per world size the plan against every hand config, and the check that no hand
     config in the planner's space that fits the GPU is priced below the plan."""
-    md = [(f"## U-Net 3-D: {UNET_SIDE}³ one-channel volumes, one per N row, "
+    md = [(f"## U-Net 3-D: one-channel cubic volumes, one per N row, "
            f"`unet3d(base={UNET_BASE}, depth={UNET_DEPTH})` (ms per step; GiB per rank)"), ""]
     for r in rows:
-        md += [f"### R = {r['R']} rows, k = {r['k']} GPUs per row, P = {r['P']}", ""]
+        md += [f"### {_case(r)}", ""]
         table = [["planner", _ms(r["planner"]), f"{r['planner_memory'] / 2**30:.2f}", "yes",
                   "-", f"{r['speedup_planner']:.2f}x"]]
         for label, h in r["configs"].items():
@@ -518,15 +520,26 @@ def unet3d_report(rows: list[dict[str, Any]]) -> list[str]:
         md += [f"Planned in {r['plan_seconds']:.1f} s ({r['priced']} plans priced); picks per "
                "level: " + "; ".join(f"{lv} " + ", ".join(f"{c} ({n})" for c, n in ch.items())
                                      for lv, ch in r["levels"].items()), ""]
-    bad = [(r["P"], b) for r in rows for b in r["behind_in_space"]]
-    out_space = [(r["P"], b) for r in rows for b in r["behind"] if b not in r["behind_in_space"]]
+    bad = [(r, b) for r in rows for b in r["behind_in_space"]]
+    out_space = [(r, b) for r in rows for b in r["behind"] if b not in r["behind_in_space"]]
     md.append("**No hand config priced below the planner's plan** (in its space, fitting 16 GiB): "
-              + ("holds at every world size." if not bad else "**fails**: " + "; ".join(
-                  f"P = {p}: {b}" for p, b in bad) + "."))
+              + ("holds in every case." if not bad else "**fails**: " + "; ".join(
+                  _below(r, b) for r, b in bad) + "."))
     if out_space:
-        md.append(" Priced below it but outside the planner's space or over the GPU's memory: "
-                  + "; ".join(f"P = {p}: {b}" for p, b in out_space) + ".")
+        md.append("\n\n**Priced below the plan but outside the planner's space** (a data grid, "
+                  "a mixed grid) **or over the GPU's memory**: " + "; ".join(
+                      _below(r, b) for r, b in out_space) + ".")
     return md + [""]
+
+
+def _case(r: dict[str, Any]) -> str:
+    return f"{r['side']}³, R = {r['R']} rows, k = {r['k']} GPUs per row, P = {r['P']}"
+
+
+def _below(r: dict[str, Any], label: str) -> str:
+    h = r["configs"][label]
+    return (f"{_case(r)}: {label} {_ms(h['step'])} ms against the plan's {_ms(r['planner'])} "
+            f"({h['step'] / r['planner'] - 1:+.2%})")
 
 
 def crossover(machine: Any, batch: int, worlds: list[int], *, jobs: int = 1
