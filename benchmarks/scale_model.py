@@ -14,10 +14,16 @@ X-bus between sockets, dual-rail EDR between nodes) and ResNet-50, WRN-50-2 and 
   planner's; which wins, the speedup over sample parallelism at the same batch, and the
   planner's choices against the paper's.
 
+* **U-Net 3-D** -- ``unet3d`` on 256³ and 128³ volumes, one per N row: spatial (D, D×H, D×H×W) and
+  hybrid hand configs against the planner's plan at 8 to 256 GPUs, and whether any hand config
+  is priced below the plan.
+
 Writes ``benchmarks/results/scale_model.{json,md}`` and ``scale_model_fig{4,6,7}.png``.
 
     .venv/bin/python benchmarks/scale_model.py --jobs 14  # full (~4 min on 16 cores)
     .venv/bin/python benchmarks/scale_model.py --quick    # fewer scales
+    .venv/bin/python benchmarks/scale_model.py --unet3d   # the U-Net 3-D rows only (~1 min)
+    .venv/bin/python benchmarks/scale_model.py --fig78-speedups  # predicted speedups (~2 min)
 """
 
 from __future__ import annotations
@@ -39,7 +45,7 @@ if str(ROOT) not in sys.path:
 
 from distconv.comm.base import allreduce_bytes  # noqa: E402
 from distconv.machines import lassen  # noqa: E402
-from distconv.models import ResNet  # noqa: E402
+from distconv.models import ResNet, unet3d  # noqa: E402
 from distconv.perfmodel import ConvProblem, conv_cost  # noqa: E402
 from distconv.planner import plan_network, predict, trace_network  # noqa: E402
 
@@ -249,6 +255,293 @@ def paper_scale(machine: Any, cases: list[tuple[str, int, int, int, int]]
     return out
 
 
+# --------------------------------------------------------------------------- Figs. 7-8 speedups
+#: what the paper states of Figs. 7-8's end-to-end results, with its source. Its per-point
+#: values (step times and speedups per network, rows and GPUs per row) are in its figures only,
+#: which are not available here; nothing below is read off them or estimated.
+PAPER_STATED = {
+    "up to 4.1x reductions in training time for residual networks": (
+        "the paper's abstract (Dryden et al., SC'19, doi:10.1145/3295500.3356207), as printed at "
+        "https://sc19.supercomputing.org/proceedings/tech_paper/tech_paper_pages/pap446.html"),
+    "4x reductions in allreduce overhead": ("the same abstract"),
+}
+SPEEDUP_ROWS, SPEEDUP_KS = [32, 256], [2, 4, 8]
+NETS = [("ResNet-50", 1, 32), ("WRN-50-2", 2, 16), ("WRN-50-4", 4, 8)]
+
+
+def _anatomy(reports: list[Any], machine: Any) -> dict[str, float]:
+    """A priced step taken apart: local compute, and on the critical path halo exchanges, the
+    norms' statistics collectives and every other collective (channel/filter parallelism's
+    reduce-scatters and allgathers, conversions between layouts); the gradient allreduces (all,
+    and the part not hidden behind backward); and the step with one term changed -- no overlap
+    of the gradient allreduces with backward, or one kind of collective free."""
+    from dataclasses import replace
+
+    from distconv.ops.pricing import timeline
+
+    def kind(st: Any) -> str | None:
+        if st.after is not None:
+            return None
+        if "halo" in st.what:
+            return "halo"
+        return "norms" if "statistics" in st.what or "Σ" in st.what else "collectives"
+
+    def without(drop: str) -> float:
+        return timeline([replace(lay, steps=[st for st in lay.steps if kind(st) != drop])
+                         for lay in reports], machine).step
+
+    t = timeline(reports, machine)
+    out = {"step": t.step, "gradients": t.gradients,
+           "compute": sum(lay.forward_seconds + lay.backward_seconds - sum(lay.overlap.values())
+                          for lay in reports),
+           "exposed": t.step - t.forward - t.backward,
+           "no_overlap": t.forward + t.backward + machine.comm_overlap * t.gradients}
+    for part in ("halo", "norms", "collectives"):
+        out[part] = sum(st.seconds(machine) for lay in reports for st in lay.steps
+                        if kind(st) == part)
+        out[f"{part}_free"] = without(part)
+    return out
+
+
+def fig78_speedups(machine: Any, nets: list[tuple[str, int, int]] = NETS,
+                   rows_list: list[int] = SPEEDUP_ROWS, ks: list[int] = SPEEDUP_KS,
+                   plan_at: tuple[int, int] | None = (32, 4)) -> list[dict[str, Any]]:
+    """The §4 model's speedup of every hand config and the paper's layout on k GPUs per N row
+    over sample parallelism on the R rows alone (same global batch), as priced and with one
+    term changed at a time: no gradient-allreduce overlap, free halos, the V100's plain FLOP
+    rate for every local convolution (no occupancy term), and free activation collectives (the
+    ceiling), or free statistics collectives of the norms; the planner's plan at ``plan_at``
+    (rows, k)."""
+    flat = lassen(occupancy=False)
+    out = []
+    for name, widen, per_row in nets:
+        for R in rows_list:
+            net = trace_network(wrn50(widen), (per_row * R, 3, 224, 224))
+            sample = {"default": {"grid": {"N": R}, "algorithm": "sample"}}
+            base = predict(net, sample, world_size=R, machine=machine)
+            base_flat = predict(net, sample, world_size=R, machine=flat)
+            b = _anatomy(base.reports, machine)
+            for k in ks:
+                configs = {**hand_configs(net, R, k), "paper": paper_config(net, R, k)}
+                if plan_at == (R, k):
+                    plan = plan_network(net, world_size=R * k, machine=machine, max_model=8,
+                                        max_sample=R)
+                    configs["planner"] = plan.config()
+                for label, cfg in configs.items():
+                    p = predict(net, cfg, world_size=R * k, machine=machine)
+                    a = _anatomy(p.reports, machine)
+                    q = predict(net, cfg, world_size=R * k, machine=flat)
+                    out.append({
+                        "net": name, "R": R, "k": k, "P": R * k, "B": per_row * R,
+                        "config": label.replace(f" {k}", ""), "anatomy": a, "base": b,
+                        "speedup": b["step"] / a["step"],
+                        "no_overlap": b["no_overlap"] / a["no_overlap"],
+                        **{f"{part}_free": b[f"{part}_free"] / a[f"{part}_free"]
+                           for part in ("halo", "norms", "collectives")},
+                        "flat_rate": base_flat.step_time / q.step_time})
+                print(f"{name} R={R} k={k}: " + ", ".join(
+                    f"{r['config']} {r['speedup']:.2f}x" for r in out[-len(configs):]), flush=True)
+    return out
+
+
+#: the terms :func:`fig78_speedups` changes, as the report names them
+ASSUMPTIONS = {"no_overlap": "no allreduce overlap",
+               "halo_free": "halos free",
+               "flat_rate": "no occupancy term",
+               "norms_free": "norm statistics free",
+               "collectives_free": "other collectives free"}
+#: the parts of a step the report shows, in its order
+PARTS = ("compute", "halo", "norms", "collectives", "exposed")
+
+
+def fig78_report(rows: list[dict[str, Any]]) -> list[str]:
+    """Markdown: the predicted speedups per configuration, what each term of the model does to
+    them, and the paper's stated figures beside them."""
+    md = ["## Figs. 7-8: predicted speedups over sample parallelism on the R rows' GPUs", "",
+          ("The speedup of each configuration on P = k·R GPUs over sample parallelism on R GPUs "
+           "at the same global batch (R rows of 32 samples for ResNet-50, 16 for WRN-50-2, 8 "
+           "for WRN-50-4), as the §4 model with the op handlers prices it on `lassen()`, and "
+           "with one term of the model changed at a time: gradient allreduces not overlapped "
+           "with backward; halo exchanges free; every local convolution at the V100's plain "
+           "FLOP rate (`lassen(occupancy=False)`); the batch norms' statistics collectives "
+           "free (exact batch norm sums its statistics over every sample of the global batch, "
+           "on the critical path); every other collective on the critical path free -- the "
+           "reduce-scatters and allgathers of stationary-x/-y/-w and the conversions between "
+           "layouts (a ceiling, not an assumption)."), "",
+          ("**The paper's per-point measured speedups are not available here**: its text is "
+           "not in this repository and no public source found states the values of Figs. 7-8; "
+           "the only stated figures are the abstract's:"), ""]
+    md += [f"- \"{text}\" ({src})" for text, src in PAPER_STATED.items()] + [""]
+    best = max(rows, key=lambda r: r["speedup"])
+    md += [(f"The model's largest speedup in this table is {best['speedup']:.2f}x "
+            f"({best['net']}, R = {best['R']}, k = {best['k']}, {best['config']}) against the "
+            "paper's \"up to 4.1x\", whose baseline and scale the abstract does not state."), ""]
+    head = ["net", "R", "k", "GPUs", "config", "speedup", *ASSUMPTIONS.values(),
+            ("step: compute / halo / norm statistics / other collectives / exposed allreduce "
+             "(ms)")]
+    table = [[r["net"], r["R"], r["k"], r["P"], r["config"], f"{r['speedup']:.2f}x",
+              *(f"{r[key]:.2f}x" for key in ASSUMPTIONS),
+              " / ".join(_ms(r["anatomy"][key]) for key in PARTS)]
+             for r in rows]
+    md += _table(head, table)
+    bases = {(r["net"], r["R"]): r["base"] for r in rows}
+    md += ["Sample parallelism on R GPUs (the base), ms: " + "; ".join(
+        f"{net} R = {R}: step {_ms(b['step'])} = " + " / ".join(_ms(b[key]) for key in PARTS)
+        for (net, R), b in bases.items()), ""]
+    md += [(f"What each term does to the speedups (relative change over the {len(rows)} "
+            "configurations, median of the absolute change and the largest):"), ""]
+    size = {}
+    for key, label in ASSUMPTIONS.items():
+        change = [(r[key] - r["speedup"]) / r["speedup"] for r in rows]
+        size[key] = sorted(abs(c) for c in change)[len(change) // 2]
+        top = max(rows, key=lambda r: abs(r[key] - r["speedup"]))
+        md.append(f"- {label}: median {size[key]:.1%}, largest "
+                  f"{(top[key] - top['speedup']) / top['speedup']:+.1%} ({top['net']}, R = "
+                  f"{top['R']}, k = {top['k']}, {top['config']})")
+    order = sorted(ASSUMPTIONS, key=size.__getitem__, reverse=True)
+    md += ["", ("Ordered by their median effect: " + ", ".join(
+        f"{ASSUMPTIONS[k]} ({size[k]:.1%})" for k in order) + ". Where the paper's measured "
+        "values are set beside these predictions, the terms at the head of this order are "
+        "the first to examine for a difference."), ""]
+    return md
+
+
+# --------------------------------------------------------------------------- U-Net 3-D
+#: the 3-D U-Net row: distconv.models.unet3d at the widths of Cicek et al.'s 3-D U-Net (32 to
+#: 256 channels over four levels) on one-channel cubic volumes, one volume per N row -- the
+#: large-volume regime LBANN's spatial parallelism is for (one 256³ volume's activations do not
+#: fit a 16 GiB V100; a 128³ one does)
+UNET_BASE, UNET_DEPTH = 32, 3
+UNET_CASES = [(256, 2, 4), (256, 8, 4), (256, 8, 8), (256, 32, 8), (128, 8, 4)]  # side, R, k
+
+
+def unet3d_net(R: int, side: int) -> Any:
+    with torch.device("meta"):
+        model = unet3d(in_channels=1, num_classes=3, base=UNET_BASE, depth=UNET_DEPTH)
+    return trace_network(model, (R, 1, side, side, side))
+
+
+def unet3d_configs(R: int, k: int) -> dict[str, tuple[dict[str, Any], bool]]:
+    """Hand configs on P = k·R GPUs, each with whether the planner's space holds it (a config
+    of one grid and algorithm per convolution; the data grid and mixed grids such as C×D are
+    outside it): spatial over D, D×H (and D×H×W), a hybrid of spatial levels with a
+    channel-parallel bottom and a filter-parallel first up-convolution, and two as
+    ``docs/volumes.md`` writes them (the batch read onto the spatial grid; a C×D bottom)."""
+    def spatial(grid: dict[str, int]) -> dict[str, Any]:
+        return {"grid": {"N": R, **grid}, "algorithm": "spatial"}
+
+    out = {f"D {k}": ({"default": spatial({"D": k})}, True)}
+    if k >= 4:
+        out[f"D2×H{k // 2}"] = ({"default": spatial({"D": 2, "H": k // 2})}, True)
+    if k == 8:
+        out["D2×H2×W2"] = ({"default": spatial({"D": 2, "H": 2, "W": 2})}, True)
+    deep = [{"match": "bottom.*", "grid": {"N": R, "C": k}, "algorithm": "stationary-x"},
+            {"match": "up.0", "grid": {"N": R, "F": k}, "algorithm": "stationary-y"}]
+    out[f"hybrid D {k} + C/F bottom"] = ({"default": spatial({"D": k}), "layers": deep}, True)
+    out[f"D {k}, batch read on D"] = (
+        {"default": spatial({"D": k}), "data": {"N": R, "D": k}}, False)
+    mixed = [{"match": "bottom.*", "grid": {"N": R, "C": 2, "D": k // 2},
+              "algorithm": "stationary-x"},
+             {"match": "up.*", "grid": {"N": R, "F": 2, "D": k // 2}, "algorithm": "stationary-y"}]
+    out[f"hybrid C2×D{k // 2} bottom"] = ({"default": spatial({"D": k}), "layers": mixed}, False)
+    return out
+
+
+def unet3d_rows(machine: Any, cases: list[tuple[int, int, int]] = UNET_CASES
+                ) -> list[dict[str, Any]]:
+    """Per (volume side, rows R, GPUs per row k): every hand config's price and memory, the
+    planner's plan
+    (its price, memory, picks per level and time to plan), sample parallelism on R GPUs (the
+    speedup's base; its memory says whether it could run at all), and the hand configs priced
+    below the plan -- whether the planner's space holds them, and whether they fit the GPU."""
+    rows = []
+    for side, R, k in cases:
+        P = R * k
+        net = unet3d_net(R, side)
+        hands = {}
+        for label, (cfg, in_space) in unet3d_configs(R, k).items():
+            p = predict(net, cfg, world_size=P, machine=machine)
+            hands[label] = {"step": p.step_time, "memory": p.memory, "in_space": in_space,
+                            "fits": p.memory <= machine.memory}
+        sample = predict(net, {"default": {"grid": {"N": R}, "algorithm": "sample"}},
+                         world_size=R, machine=machine)
+        t0 = time.perf_counter()
+        plan = plan_network(net, world_size=P, machine=machine, max_model=8, max_sample=R)
+        seconds = time.perf_counter() - t0
+        levels: dict[str, Counter] = {}
+        for lp in plan.layers:
+            levels.setdefault(_level(lp.conv.name), Counter())[str(lp.choice)] += 1
+        behind = [label for label, h in hands.items() if h["step"] < plan.step_time]
+        row = {"R": R, "k": k, "P": P, "B": R, "side": side, "plan_seconds": seconds,
+               "planner": plan.step_time, "planner_memory": plan.memory, "priced": plan.priced,
+               "configs": hands, "sample_on_R": sample.step_time,
+               "sample_on_R_memory": sample.memory,
+               "sample_on_R_fits": sample.memory <= machine.memory,
+               "speedup_planner": sample.step_time / plan.step_time,
+               "levels": {lv: dict(c) for lv, c in levels.items()}, "plan": plan.config(),
+               "behind": behind,
+               "behind_in_space": [b for b in behind if hands[b]["in_space"] and hands[b]["fits"]]}
+        rows.append(row)
+        print(f"U-Net 3-D {side}³ R={R} k={k} P={P}: planned in {seconds:.1f} s, "
+              f"{plan.step_time * 1e3:.2f} ms; " + ", ".join(
+                  f"{label} {h['step'] * 1e3:.2f}" for label, h in hands.items())
+              + f"; behind: {behind or 'none'}", flush=True)
+    return rows
+
+
+def _level(name: str) -> str:
+    """A U-Net convolution's level: ``down.1.3`` -> ``down.1``, ``bottom.0`` -> ``bottom``."""
+    parts = name.split(".")
+    return ".".join(parts[:2]) if parts[0] in ("down", "dec", "up") else parts[0]
+
+
+def unet3d_report(rows: list[dict[str, Any]]) -> list[str]:
+    """Markdown: per world size the plan against every hand config, and the check that no hand
+    config in the planner's space that fits the GPU is priced below the plan."""
+    md = [(f"## U-Net 3-D: one-channel cubic volumes, one per N row, "
+           f"`unet3d(base={UNET_BASE}, depth={UNET_DEPTH})` (ms per step; GiB per rank)"), ""]
+    for r in rows:
+        md += [f"### {_case(r)}", ""]
+        table = [["planner", _ms(r["planner"]), f"{r['planner_memory'] / 2**30:.2f}", "yes",
+                  "-", f"{r['speedup_planner']:.2f}x"]]
+        for label, h in r["configs"].items():
+            mark = "**below the plan**" if label in r["behind"] else ""
+            table.append([label, _ms(h["step"]), f"{h['memory'] / 2**30:.2f}",
+                          "yes" if h["in_space"] else "no", mark,
+                          f"{r['sample_on_R'] / h['step']:.2f}x"])
+        table.append([f"sample on {r['R']} GPUs (the base)", _ms(r["sample_on_R"]),
+                      f"{r['sample_on_R_memory'] / 2**30:.2f}", "-", "", "1.00x"])
+        md += _table(["config", "step", "GiB/rank", "in the planner's space", "",
+                      "speedup vs sample on R"], table)
+        if not r["sample_on_R_fits"]:
+            md += [(f"Sample parallelism on {r['R']} GPUs needs "
+                    f"{r['sample_on_R_memory'] / 2**30:.1f} GiB per rank, over the V100's 16 "
+                    "GiB: the speedups are against a step that could not run."), ""]
+        md += [f"Planned in {r['plan_seconds']:.1f} s ({r['priced']} plans priced); picks per "
+               "level: " + "; ".join(f"{lv} " + ", ".join(f"{c} ({n})" for c, n in ch.items())
+                                     for lv, ch in r["levels"].items()), ""]
+    bad = [(r, b) for r in rows for b in r["behind_in_space"]]
+    out_space = [(r, b) for r in rows for b in r["behind"] if b not in r["behind_in_space"]]
+    md.append("**No hand config priced below the planner's plan** (in its space, fitting 16 GiB): "
+              + ("holds in every case." if not bad else "**fails**: " + "; ".join(
+                  _below(r, b) for r, b in bad) + "."))
+    if out_space:
+        md.append("\n\n**Priced below the plan but outside the planner's space** (a data grid, "
+                  "a mixed grid) **or over the GPU's memory**: " + "; ".join(
+                      _below(r, b) for r, b in out_space) + ".")
+    return md + [""]
+
+
+def _case(r: dict[str, Any]) -> str:
+    return f"{r['side']}³, R = {r['R']} rows, k = {r['k']} GPUs per row, P = {r['P']}"
+
+
+def _below(r: dict[str, Any], label: str) -> str:
+    h = r["configs"][label]
+    return (f"{_case(r)}: {label} {_ms(h['step'])} ms against the plan's {_ms(r['planner'])} "
+            f"({h['step'] / r['planner'] - 1:+.2%})")
+
+
 def crossover(machine: Any, batch: int, worlds: list[int], *, jobs: int = 1
               ) -> list[dict[str, Any]]:
     """ResNet-50 at a fixed global batch on growing P, the planner free to split samples down
@@ -393,6 +686,7 @@ def report(res: dict[str, Any]) -> str:
                    f"{r['model_parallel_share']:.0%}",
                    ", ".join(f"{k} {v}" for k, v in r["stages"].items())]
                   for r in res["crossover"]])
+    md += unet3d_report(res["unet3d"])
     md += comparison(res) + ["## Sources of the machine's numbers", ""]
     md += [f"- {k}: {v}" for k, v in res["sources"].items()] + [""]
     md += [f"Plots: {', '.join(Path(p).name for p in res['plots'])}", ""]
@@ -517,8 +811,34 @@ def main() -> None:
     ap.add_argument("--paper-scale", action="store_true",
                     help="only the paper-scale rows: ResNet-50 on 1024 GPUs, WRN-50-2 on 256 "
                          "and WRN-50-4 on 256, planned, timed and set against the paper's layout")
+    ap.add_argument("--unet3d", action="store_true",
+                    help="only the U-Net 3-D rows: hand configs and the planner's plan at "
+                         f"{len(UNET_CASES)} world sizes (writes scale_model_unet3d.{{json,md}})")
+    ap.add_argument("--fig78-speedups", action="store_true",
+                    help="only Figs. 7-8's predicted speedups per configuration, with what "
+                         "drives them (writes scale_model_fig78.{json,md}; about 2 min)")
     args = ap.parse_args()
     machine = lassen()
+    if args.fig78_speedups:
+        rows = fig78_speedups(machine)
+        args.out.mkdir(parents=True, exist_ok=True)
+        Path(args.out / "scale_model_fig78.json").write_text(
+            json.dumps(rows, indent=1, default=str))
+        md = "\n".join([f"# {Path(__file__).name} --fig78-speedups", ""] + fig78_report(rows))
+        Path(args.out / "scale_model_fig78.md").write_text(md)
+        print(md)
+        return
+    if args.unet3d:
+        rows = unet3d_rows(machine)
+        args.out.mkdir(parents=True, exist_ok=True)
+        Path(args.out / "scale_model_unet3d.json").write_text(
+            json.dumps(rows, indent=1, default=str))
+        md = "\n".join([f"# {Path(__file__).name} --unet3d", "",
+                        "Machine: `distconv.machines.lassen()`; prices are `explain`'s.", ""]
+                       + unet3d_report(rows))
+        Path(args.out / "scale_model_unet3d.md").write_text(md)
+        print(md)
+        return
     if args.paper_scale:
         rows = paper_scale(machine, [("ResNet-50", 1, 32, 256, 4), ("WRN-50-2", 2, 16, 64, 4),
                                      ("WRN-50-4", 4, 8, 32, 8)])
@@ -537,6 +857,7 @@ def main() -> None:
     res["y_bigger"] = {n: y_bigger(w) for n, w, _ in nets}
     res["fig78"] = fig78(machine, rows_list, nets[:2] if args.quick else nets, jobs=args.jobs)
     res["crossover"] = crossover(machine, 512, [64, 128, 256, 512, 1024, 2048], jobs=args.jobs)
+    res["unet3d"] = unet3d_rows(machine, UNET_CASES[:2] if args.quick else UNET_CASES)
     args.out.mkdir(parents=True, exist_ok=True)
     prefix = args.out / "scale_model"
     res["plots"] = plots(res, prefix)

@@ -127,11 +127,12 @@ def redundant_sync(grid: Any, dist: Any, where: str, params: Sequence[Any] = ()
 
 def plan_buckets(sizes: list[int], bucket_bytes: int) -> list[list[int]]:
     """Indices of the tensors of ``sizes`` (bytes, in registration order) per bucket: filled in
-    reverse order, a new bucket whenever the next tensor would take one past ``bucket_bytes``."""
+    reverse order, a new bucket whenever the next tensor would take one past ``bucket_bytes``
+    (an empty tensor -- a rank's empty block -- joins the bucket it meets, the first one too)."""
     buckets: list[list[int]] = []
-    size = bucket_bytes
+    size = 0
     for i in reversed(range(len(sizes))):
-        if size + sizes[i] > bucket_bytes and (not buckets or buckets[-1]):
+        if not buckets or (size + sizes[i] > bucket_bytes and buckets[-1]):
             buckets.append([])
             size = 0
         buckets[-1].append(i)

@@ -155,6 +155,12 @@ def test_plan_buckets_fills_in_reverse_order() -> None:
     assert plan_buckets([4, 20, 4], 8) == [[2], [1], [0]]
 
 
+def test_plan_buckets_takes_an_empty_block_first() -> None:
+    # a rank's empty shard (3 filters over 4 ranks) is the last parameter registered
+    assert plan_buckets([4, 0], 8) == [[1, 0]]
+    assert plan_buckets([4, 4, 0], 4) == [[2, 1], [0]]
+
+
 def test_bucketed_sync_sums_every_pass_and_unused_parameters() -> None:
     def run(comm):
         torch.manual_seed(0)
