@@ -432,8 +432,13 @@ def test_a_default_spatial_entry_keeps_maps_too_small_to_split_whole() -> None:
     for got in run_threads(_sized_step, 2, model, SPATIAL, x, y):
         err = max_errors(ref, got)
         assert max(err.values()) < TOL, err
-    text = str(explain(model, SPATIAL, (4, 2, 8, 8), world_size=2, verbose=True))
-    assert "convs.2" in text and "last" in text, text
+    text = str(explain(model, SPATIAL, (4, 2, 8, 8), world_size=2, verbose=True)).splitlines()
+    starts = [i for i, line in enumerate(text) if line and not line[0].isspace()] + [len(text)]
+    under = {text[i].split()[0]: [t.strip() for t in text[i + 1:j]]
+             for i, j in zip(starts, starts[1:])}
+    for layer, whole in (("convs.1", False), ("convs.2", True), ("last", True)):
+        said = "H whole: maps too small to split" in under[layer]
+        assert said == whole, (layer, under[layer])
 
 
 def decoder_on_world(comm) -> dict[str, float]:  # noqa: ANN001
