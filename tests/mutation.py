@@ -721,6 +721,32 @@ MUTANTS += [
            "        for t in waiting.pop(lay.name, ()):\n            comm = comm + t",
            ("tests/test_planner.py", "tests/parallel/test_config.py"),
            "a gradient allreduce is priced as starting before its layer's backward is done"),
+    # capture on the input shape
+    Mutant("capture-guards-dropped", "distconv/parallel/capture.py",
+           "    if isinstance(tracer, _SizedTracer):\n        tracer.add_guards(graph)",
+           "    if False:\n        tracer.add_guards(graph)",
+           ("tests/parallel/test_capture.py::"
+            "test_a_shape_taking_another_path_is_refused_naming_the_guard",),
+           "the sizes the model's Python decided on are not checked on another input shape"),
+    Mutant("capture-jit-isinstance-false", "distconv/parallel/capture.py",
+           "            return real_isinstance(obj.value, target_type)",
+           "            return False",
+           ("tests/parallel/test_capture.py::"
+            "test_python_deciding_on_sizes_is_captured_on_the_input_shape",),
+           "torch.jit.isinstance of a traced tensor answered False, as fx alone does"),
+    Mutant("capture-guard-after-its-consumers", "distconv/parallel/capture.py",
+           "            with graph.inserting_after(node):\n                same =",
+           "            with graph.inserting_before(list(graph.nodes)[-1]):\n                same =",
+           ("tests/parallel/test_capture.py::"
+            "test_a_shape_taking_another_path_is_refused_naming_the_guard",),
+           "guards checked after the ops their decision shaped (another shape fails there, "
+           "blamed on the capture)"),
+    Mutant("whole-rows-ignores-the-captured-shape", "distconv/ops/conv.py",
+           "    if hint is not None and row_refusal(module, choice.layout, hint) is not None:",
+           "    if False:",
+           ("tests/parallel/test_capture.py::"
+            "test_a_default_spatial_entry_keeps_maps_too_small_to_split_whole",),
+           "a default spatial entry splits maps too small to split on the captured shape"),
 ]
 
 
