@@ -354,7 +354,10 @@ class ParallelModel(nn.Module):
             return step.handler.run(node, args, kwargs, shapes[node.args[0].name])
         if node.name in self._function_modules:  # this call's own layer (a function, or a
             # module without state called in another layout than its first call)
-            return _eager(self._function_modules[node.name], args[0], shapes[node.args[0].name])
+            rest = step.handler.operands(args, kwargs) if step.handler is not None and (
+                step.handler.layer_operands) else ()
+            return _eager(self._function_modules[node.name], args[0], shapes[node.args[0].name],
+                          *rest)
         distributed = node.target in self._layers if node.op == "call_module" else False
         if node.op == "call_module" and _call_name(node) in self._modules:
             return self._modules[_call_name(node)](*args, **kwargs)
