@@ -7,7 +7,8 @@ A config is a dict (or a YAML file holding one)::
       algorithm: sample
     data: {N: 4}                  # optional: the grid of the model's input and output samples
     layers:                       # checked in order; the first entry whose pattern matches wins
-      - match: "layer1.*"         # fnmatch on qualified module names (model.named_modules())
+      - match: "layer1.*"         # fnmatch on qualified module names; a module registered
+                                  # under several paths matches by any (AliasedConfig)
         grid: {N: 2, H: 2}
         algorithm: spatial
       - match: "layer3.*.conv2"
@@ -418,6 +419,19 @@ class AliasedConfig:
             self.statistics(n)
         for n in modules:
             self.checkpointed(n)
+
+    def check_planned(self, names: Sequence[str]) -> None:
+        """In a config with ``auto`` entries, refuse an entry that sets one of ``names`` (the
+        convolutions) only by a path other than its first: the planner reads each module by its
+        first path, and would plan it otherwise."""
+        if not self.config.has_auto():
+            return
+        for name in names:
+            if name in self.paths and self.choice(name).source != self.config.choice(name).source:
+                raise ValueError(
+                    f"{self.choice(name).source} sets {name!r} by its other path (of "
+                    f"{list(self.paths[name])}) in a config with 'auto' entries: the planner "
+                    f"plans each module under its first path; match {name!r} in that entry")
 
     def _every(self, names: Sequence[str]) -> list[str]:
         return [p for n in names for p in self.paths.get(n, (n,))]

@@ -32,7 +32,7 @@ from distconv.parallel.placement import Placement, layout_str
 from distconv.parallel.steps import Analysis, LayerSpec, Step, sample_dist
 
 __all__ = ["Analysis", "LayerSpec", "Step", "UntraceableModelError", "aliased", "analyse",
-           "operand_need", "sample_dist", "trace"]
+           "check_planned", "operand_need", "sample_dist", "trace"]
 
 
 def check_shapes(analysis: Analysis, modules: dict[str, nn.Module],
@@ -230,6 +230,14 @@ def aliased(config: ParallelConfig, gm: fx.GraphModule) -> ParallelConfig:
     if not paths or isinstance(config, AliasedConfig):
         return config
     return AliasedConfig(config, paths)  # type: ignore[return-value]
+
+
+def check_planned(gm: fx.GraphModule, config: ParallelConfig) -> None:
+    """Before ``auto`` entries are planned: refuse an entry that sets a convolution only by
+    another of its paths (:meth:`~distconv.parallel.config.AliasedConfig.check_planned`)."""
+    aliases = aliased(config, gm)
+    if isinstance(aliases, AliasedConfig):
+        aliases.check_planned([n for n, m in gm.named_modules() if isinstance(m, ops.CONFIGURABLE)])
 
 
 def module_path(node: fx.Node) -> str:

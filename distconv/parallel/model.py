@@ -184,11 +184,13 @@ class ParallelModel(nn.Module):
     def _resolve_auto(comm: Any, gm: fx.GraphModule, cfg: ParallelConfig,
                       input_shape: Sequence[int] | None, machine: Any) -> tuple[Any, Any]:
         from distconv.parallel.auto import resolve_auto_once
+        from distconv.parallel.graph import check_planned
         from distconv.pricing.calibrate import calibrate
 
         if input_shape is None:
             raise ValueError("algorithm 'auto' chooses from the layers' global problems: pass "
                              "input_shape= (the global input shape) to parallelize")
+        check_planned(gm, cfg)
         if machine is None:  # the calibrated §4 model of this machine (collective)
             machine = calibrate(comm)
         return resolve_auto_once(comm, gm, cfg, input_shape, machine)

@@ -202,3 +202,15 @@ def test_entries_that_set_one_module_differently_by_its_paths_are_refused_naming
         explain(model, config, tuple(x.shape), world_size=4)
     msg = str(info.value)
     assert first in msg and second in msg and "several paths" in msg, msg
+
+
+def test_an_auto_config_refuses_an_entry_by_a_path_the_planner_does_not_read() -> None:
+    """The planner plans ``downsamples.1.0`` by its first path: an entry naming it only as
+    ``skip_layers.0.0`` next to an ``auto`` default would be planned over; it is refused before
+    the search, naming the entry and the path to match."""
+    model, x, _ = skip_blocks_case()
+    config = {"default": {"algorithm": "auto"}, "layers": [
+        {"match": "skip_layers.0.0", "grid": {"N": 2, "C": 2}, "algorithm": "stationary-x"}]}
+    with pytest.raises(ValueError, match=r"layers\[0\] \('skip_layers.0.0'\) sets "
+                       r"'downsamples.1.0' by its other path .* match 'downsamples.1.0'"):
+        explain(model, config, tuple(x.shape), world_size=4)
