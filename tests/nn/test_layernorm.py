@@ -112,7 +112,7 @@ class _ChannelsLast(nn.Module):
     ({"default": {"grid": {"N": 2, "C": 2}, "algorithm": "stationary-x"},
       "layers": [{"match": "norm", "checkpoint": True}]},
      ["recompute: statistics allgather over C"])], ids=["CxW", "NxC-checkpointed"])
-def test_functional_layer_norm_over_split_channels_is_in_place_and_one_process(  # noqa: ANN001
+def test_functional_layer_norm_over_split_channels_is_in_place_and_one_process(
         config, recomputed) -> None:
     """The channels stay split (``[o,*,*,o_C]``): the only collectives of the call are the
     statistics' allgather and their backward allreduce over C (weight and bias are sliced to

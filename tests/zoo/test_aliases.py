@@ -156,7 +156,7 @@ BY_ALIAS = {"default": {"grid": {"N": 4}, "algorithm": "sample"},
                        {"match": "skip_layers.0", "checkpoint": True}]}
 
 
-def _train_by_alias(comm, model, x, y):  # noqa: ANN001, ANN202
+def _train_by_alias(comm, model, x, y):
     pmodel = parallelize(copy.deepcopy(model), BY_ALIAS, comm=comm)
     opt = torch.optim.SGD(pmodel.parameters(), lr=LR, momentum=MOMENTUM)
     rows = sample_block(x.shape[0], pmodel.data_grid)
@@ -195,7 +195,7 @@ def test_a_config_naming_the_alias_path_places_the_module_and_trains_exactly() -
      "layers[1] ('downsamples.1')", "layers[0] ('skip_layers.0')")],
     ids=["grid", "checkpoint"])
 def test_entries_that_set_one_module_differently_by_its_paths_are_refused_naming_both(
-        entries, first, second) -> None:  # noqa: ANN001
+        entries, first, second) -> None:
     model, x, _ = skip_blocks_case()
     config = {"default": {"grid": {"N": 4}, "algorithm": "sample"}, "layers": entries}
     with pytest.raises(ValueError) as info:
