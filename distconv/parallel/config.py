@@ -437,6 +437,8 @@ class AliasedConfig:
         return [p for n in names for p in self.paths.get(n, (n,))]
 
     def __getattr__(self, attr: str) -> Any:
+        if attr == "config":  # (not set yet: a copy being made)
+            raise AttributeError(attr)
         return getattr(self.config, attr)
 
     def __repr__(self) -> str:

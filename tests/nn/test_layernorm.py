@@ -134,3 +134,18 @@ def test_functional_layer_norm_over_split_channels_is_in_place_and_one_process(
     for r in run_threads(_run, 4, model, config, x, y, explained):
         assert r["grads"] < TOL, r
         assert tuple(r["counted"]) == tuple(r["explained"]), r
+
+
+@pytest.mark.gloo
+def test_functional_layer_norm_over_split_channels_on_gloo(gloo4) -> None:  # noqa: ANN001
+    torch.manual_seed(0)
+    model = _ChannelsLast().double()
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn((3, 3, 7, 6), generator=gen, dtype=torch.float64)
+    y = torch.randint(0, 3, (3,), generator=gen)
+    config = {"default": {"grid": {"N": 2, "C": 2}, "algorithm": "stationary-x"}}
+    plan = explain(model, config, tuple(x.shape), world_size=4)
+    explained = [tuple(plan.rank_bytes(r).values()) for r in range(4)]
+    for r in gloo4.run(_run, model, config, x, y, explained):
+        assert r["grads"] < TOL, r
+        assert tuple(r["counted"]) == tuple(r["explained"]), r
