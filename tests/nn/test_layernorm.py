@@ -137,7 +137,7 @@ def test_functional_layer_norm_over_split_channels_is_in_place_and_one_process(
 
 
 @pytest.mark.gloo
-def test_functional_layer_norm_over_split_channels_on_gloo(gloo4) -> None:  # noqa: ANN001
+def test_functional_layer_norm_over_split_channels_on_gloo(gloo4) -> None:
     torch.manual_seed(0)
     model = _ChannelsLast().double()
     gen = torch.Generator().manual_seed(1)
