@@ -179,8 +179,8 @@ def test_channels_last_values_keep_the_channel_split_in_their_last_dim() -> None
                  "stage2_mlp_fc2"):
         assert got[name] == CL, name
     assert got["permute_1"] == got["add"] == got["permute_5"] == got["add_1"] == CF
-    # timm's LayerNorm2d normalises with the full weight: its channels are made whole
-    assert got["layer_norm"] == ("N", None, None, None, ())
+    # timm's LayerNorm2d (F.layer_norm) normalises its split channels in place, as nn.LayerNorm
+    assert got["layer_norm"] == CL
     plan = explain(model, CONFIGS[2][1], SHAPE, world_size=4, itemsize=8)
     moves = {lay.name: [s.what for s in lay.steps] for lay in plan.layers}
     assert moves["stage1.block.3"] == ["y reduce-scatter over C", "dL/dy allgather over C"]

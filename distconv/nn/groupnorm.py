@@ -352,14 +352,11 @@ class DistLayerNorm(nn.LayerNorm):
         self.param_dist = Dist(self.input_dist.entries[self.input_dist.ndim - k:])
         kw = {"device": device, "dtype": dtype}
         local = self.param_dist.local_shape(self.normalized_shape, grid)
-        self.weight: nn.Parameter | None = (nn.Parameter(torch.ones(local, **kw))
-                                            if elementwise_affine else None)
-        self.bias: nn.Parameter | None = (nn.Parameter(torch.zeros(local, **kw))
-                                          if elementwise_affine and bias else None)
-        if self.weight is None:
-            self.register_parameter("weight", None)
-        if self.bias is None:
-            self.register_parameter("bias", None)
+        # (registered, None included: an attribute set to None first could not be)
+        self.register_parameter("weight", nn.Parameter(torch.ones(local, **kw))
+                                if elementwise_affine else None)
+        self.register_parameter("bias", nn.Parameter(torch.zeros(local, **kw))
+                                if elementwise_affine and bias else None)
         # created collectively, in the same order on every rank
         segment = [g for d in range(self.input_dist.ndim - k, self.input_dist.ndim)
                    for g in split_dims(grid, self.input_dist, d)]

@@ -175,6 +175,15 @@ class Handler:
 
     #: whether :meth:`run` computes the node's local block (else the traced call runs as is)
     runs_locally = False
+    #: whether a function node's layer (:meth:`build`) takes the call's other operands, each
+    #: converted to its need, after its input and global shape: ``layer(x, shape,
+    #: *handler.operands(args, kwargs))``
+    layer_operands = False
+
+    def operands(self, args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+        """The operands a function node's layer takes after its input, from the call's
+        arguments (:attr:`layer_operands`)."""
+        return ()
 
     def runs_as_traced(self, step: Step) -> bool:
         """Whether the traced call computes ``step``'s local block (else :meth:`run` does)."""

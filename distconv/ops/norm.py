@@ -362,22 +362,23 @@ class FunctionalLayerNormHandler(Handler):
     (timm's ``LayerNorm2d``: ``F.layer_norm`` between two permutes, with the module's own
     ``weight`` and ``bias`` read as model tensors). Where ``x`` keeps the normalised (trailing)
     dims whole -- sample or row splits -- the call runs on each rank's rows as written; where
-    they are split (a channels-last value with its channels split), they are made whole first:
-    the full ``weight`` and ``bias`` are applied on every rank, which is exact only with whole
-    rows, and the allgather over the grid dims that split them is priced as the conversion it
-    is. (``nn.LayerNorm`` modules normalise split dims in place: :class:`LayerNormHandler`.)"""
+    some are split (a channels-last value ``x[o,*,*,o_C]``), in place, as ``nn.LayerNorm``
+    (:class:`LayerNormHandler`): the statistics of each row reduced over the grid dims that split
+    the normalised dims (:class:`~distconv.nn.groupnorm.DistLayerNorm`), ``weight`` and ``bias``
+    sliced to the blocks (``w[o_C]``; their gradients pending sums that the replicated
+    parameters' all-rank sum completes, as a layer scale's)."""
 
     functions = frozenset({F.layer_norm, torch.layer_norm})
+    layer_operands = True
 
     def place(self, an: Any, node: Any, module: Any) -> Any:
-        from distconv.parallel.steps import Step
+        from distconv.parallel.steps import LayerSpec, Step
 
         args = [a for a in an.tensor_args(node) if not is_constant(a)]
         if len(args) != 1 or node.args[0] is not args[0]:
             an.fail(node, "layer_norm's weight and bias must be model tensors (parameters, "
                     "buffers) or None, not values computed from the input")
-        shape = node.kwargs.get("normalized_shape", node.args[1] if len(node.args) > 1
-                                else None)
+        shape = _normalized_shape(node)
         found: list[fx.Node] = []
         fx.node.map_arg(shape, found.append)
         if shape is None or found:
@@ -388,15 +389,64 @@ class FunctionalLayerNormHandler(Handler):
         if not 1 <= k < p.ndim:
             an.fail(node, f"normalized_shape {shape!r} must name 1 to {p.ndim - 1} trailing dims "
                     f"of the {p.ndim}-dim value", ValueError)
-        entries = p.dist.entries[:p.ndim - k] + (None,) * k
-        whole = Placement(p.layout, Dist(entries, frozenset(), p.dist.tensor_dims))
-        return Step(node, "norm", whole, {args[0]: whole})
+        ext = dict(p.layout)
+        if not any(ext.get(g, 1) > 1 for d in range(p.ndim - k, p.ndim)
+                   for g in p.dist.grid_dims_of(d)):
+            return Step(node, "norm", p, {args[0]: p})  # whole rows: as written
+        needs = {args[0]: p}
+        for operand in self.operands(node.args, node.kwargs):
+            if isinstance(operand, fx.Node):  # sliced like the normalised dims it scales
+                needs[operand] = Placement(p.layout, Dist(p.dist.entries[p.ndim - k:]))
+        return Step(node, "norm", p, needs, LayerSpec("layernorm", node.name, p.layout, input=p))
+
+    def operands(self, args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+        """``weight`` and ``bias`` of the call, positional or by keyword (None where absent)."""
+        return tuple(kwargs.get(name, args[i] if len(args) > i else None)
+                     for i, name in ((2, "weight"), (3, "bias")))
+
+    def build(self, module: Any, node: Any, step: Any, grid: Any) -> Any:
+        if step.layer is None:
+            return None
+        shape = _normalized_shape(node)
+        eps = node.kwargs.get("eps", node.args[4] if len(node.args) > 4 else 1e-5)
+        return _DistLayerNormCall(DistLayerNorm(
+            (shape,) if isinstance(shape, int) else shape, eps, elementwise_affine=False,
+            grid=grid, input_dist=step.layer.input.dist))
+
+    def price(self, report: Any, step: Any, module: Any, ctx: PriceContext) -> None:
+        if step.layer is not None:
+            shape = _normalized_shape(step.node)
+            first = step.out.dist.ndim - (1 if isinstance(shape, int) else len(shape))
+            _sample_statistics(report, step.out, ctx, first, 1, first)  # one set per row
 
     def samples(self) -> Sequence[Sample]:
         return (Sample("layernorm2d", lambda: SampleNet(_LayerNorm2d(4), 4), (5, 4, 7, 6),
                        SAMPLE_GRIDS),
                 Sample("F.layer_norm-channels-first", lambda: SampleNet(_ChannelsFirstNorm(4), 4),
                        (5, 4, 7, 6), SAMPLE_GRIDS[:3]))
+
+
+def _normalized_shape(node: fx.Node) -> Any:
+    return node.kwargs.get("normalized_shape", node.args[1] if len(node.args) > 1 else None)
+
+
+class _DistLayerNormCall(nn.Module):
+    """One ``F.layer_norm`` call on a value whose normalised dims are split: the normalisation
+    of :class:`~distconv.nn.groupnorm.DistLayerNorm` (no parameters of its own), then the
+    call's ``weight`` and ``bias``, given as their blocks."""
+
+    def __init__(self, norm: DistLayerNorm) -> None:
+        super().__init__()
+        self.norm = norm
+
+    def forward(self, x: torch.Tensor, global_shape: Sequence[int], weight: Any = None,
+                bias: Any = None) -> torch.Tensor:
+        y = self.norm(x, global_shape)
+        if weight is not None:
+            y = y * weight.to(y.dtype)
+        if bias is not None:
+            y = y + bias.to(y.dtype)
+        return y
 
 
 class _LayerNorm2d(nn.LayerNorm):

@@ -38,7 +38,12 @@ from distconv import ops
 from distconv.ops.extents import CAPTURED_SHAPE
 from distconv.ops.sizes import is_size
 
-__all__ = ["TRACING", "UntraceableModelError", "check_capture", "trace"]
+__all__ = ["MODULE_PATHS", "TRACING", "UntraceableModelError", "check_capture", "module_paths",
+           "trace"]
+
+#: the graph module's meta key: :func:`module_paths` of the model it was captured from (the
+#: graph names each module by its first path only; config patterns match any)
+MODULE_PATHS = "distconv_module_paths"
 
 #: a guard of the sized capture (a ``torch._assert`` node's meta key: the size it decided on)
 GUARD = "capture_guard"
@@ -97,7 +102,17 @@ def _trace(model: nn.Module, tracer: _Tracer) -> fx.GraphModule:
         tracer.add_guards(graph)
     gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
     _order_like(gm, model)  # fx registers modules in call order; users expect theirs
+    gm.meta[MODULE_PATHS] = module_paths(model)
     return gm
+
+
+def module_paths(model: nn.Module) -> dict[str, tuple[str, ...]]:
+    """Each module ``model`` registers under several paths: its first path (the one
+    ``named_modules()`` and the traced graph name it by) to all its paths, first first."""
+    paths: dict[int, list[str]] = {}
+    for path, m in model.named_modules(remove_duplicate=False):
+        paths.setdefault(id(m), []).append(path)
+    return {every[0]: tuple(every) for every in paths.values() if len(every) > 1}
 
 
 def _where(exc: BaseException, model: nn.Module) -> str:

@@ -7,7 +7,8 @@ A config is a dict (or a YAML file holding one)::
       algorithm: sample
     data: {N: 4}                  # optional: the grid of the model's input and output samples
     layers:                       # checked in order; the first entry whose pattern matches wins
-      - match: "layer1.*"         # fnmatch on qualified module names (model.named_modules())
+      - match: "layer1.*"         # fnmatch on qualified module names; a module registered
+                                  # under several paths matches by any (AliasedConfig)
         grid: {N: 2, H: 2}
         algorithm: spatial
       - match: "layer3.*.conv2"
@@ -63,8 +64,8 @@ from typing import Any, Mapping, Sequence
 
 from distconv.nn._statistics import STATISTICS, check_statistics
 
-__all__ = ["ALGORITHMS", "GRID_DIMS", "STATISTICS", "LayerChoice", "ParallelConfig",
-           "load_config"]
+__all__ = ["ALGORITHMS", "GRID_DIMS", "STATISTICS", "AliasedConfig", "LayerChoice",
+           "ParallelConfig", "load_config"]
 
 GRID_DIMS = ("N", "C", "F", "D", "H", "W")
 ALGORITHMS = ("sample", "spatial", "stationary-x", "stationary-y", "stationary-w", "auto")
@@ -279,22 +280,30 @@ class ParallelConfig:
     def statistics(self, name: str) -> str | int:
         """The BatchNorm statistics for the module named ``name``: those of the first matching
         entry that states them, else the default's, else ``'global'``."""
+        return self.statistics_entry(name)[0]
+
+    def statistics_entry(self, name: str) -> tuple[str | int, str]:
+        """:meth:`statistics` and the entry that states it (``default`` where none does)."""
         for pattern, choice in self.layers:
             if choice.statistics is not None and fnmatch.fnmatchcase(name, pattern):
-                return choice.statistics
-        return self.default[1].statistics or "global"
+                return choice.statistics, choice.source
+        return self.default[1].statistics or "global", "default"
 
     def checkpointed(self, path: str) -> bool:
         """Whether the module at ``path`` (a qualified name; "" for the model itself) runs under
         activation checkpointing: the first entry that states ``checkpoint`` and matches the
         module or one of its parents decides, else the default's, else False."""
+        return self.checkpoint_entry(path)[0]
+
+    def checkpoint_entry(self, path: str) -> tuple[bool, str]:
+        """:meth:`checkpointed` and the entry that decides it (``default`` where none does)."""
         parts = path.split(".") if path else []
         scopes = [".".join(parts[:i]) for i in range(len(parts), 0, -1)]
         for pattern, choice in self.layers:
             if choice.checkpoint is not None and any(
                     fnmatch.fnmatchcase(s, pattern) for s in scopes):
-                return choice.checkpoint
-        return bool(self.default[1].checkpoint)
+                return choice.checkpoint, choice.source
+        return bool(self.default[1].checkpoint), "default"
 
     def check_matches(self, names: Sequence[str], norms: Sequence[str] = (),
                       modules: Sequence[str] = ()) -> None:
@@ -335,3 +344,123 @@ class ParallelConfig:
                             for p, c in self.layers)
         return (f"ParallelConfig(world_size={self.world_size}, default={self.default[1].grid} "
                 f"{self.default[1].algorithm}, data={dict(self.data)}, layers=[{entries}])")
+
+
+class AliasedConfig:
+    """``config`` read on a model that registers some modules under several paths
+    (``self.skips = nn.ModuleList([self.enc[1]])``, MONAI DynUNet's ``skip_layers``).
+
+    ``paths``: each such module's first path to all its paths, first first, as torch's
+    ``named_modules(remove_duplicate=False)`` lists them. An entry matches a module when its
+    pattern matches any of the module's paths: each path takes its first matching entry, as in a
+    model without aliases, and the module takes the entry its paths take (an entry over the
+    default). Entries that reach one module by different paths and set it differently are
+    refused, naming both. The module keeps its first path as its name (``explain``'s rows, the
+    parameters' names). Everything else is ``config``'s.
+    """
+
+    def __init__(self, config: Any, paths: Mapping[str, Sequence[str]]) -> None:
+        self.config = config
+        self.paths = {first: tuple(every) for first, every in paths.items()}
+
+    def choice(self, name: str) -> LayerChoice:
+        found = [(p, self.config.choice(p)) for p in self.paths.get(name, (name,))]
+        taken = [(p, c) for p, c in found if c.source != "default"]
+        if not taken:
+            return found[0][1]
+        path, chosen = taken[0]
+        for other, c in taken[1:]:
+            if not _agree(chosen, c):
+                self._refuse(name, (path, chosen.source, _show(chosen)),
+                             (other, c.source, _show(c)))
+            if chosen.algorithm == "auto":
+                path, chosen = other, c  # the resolved choice, where one is
+        if chosen.algorithm == "auto" and path != name and found[0][1].source == "default":
+            raise ValueError(
+                f"{chosen.source} reaches {name!r} only by its path {path!r}: algorithm 'auto' "
+                f"plans a module under its first path; match {name!r} as well")
+        return chosen
+
+    def statistics(self, name: str) -> str | int:
+        return self._agreed(name, self.config.statistics_entry, "statistics")
+
+    def checkpointed(self, path: str) -> bool:
+        return bool(self._agreed(path, self.config.checkpoint_entry, "checkpoint"))
+
+    def _agreed(self, name: str, entry: Any, key: str) -> Any:
+        """The value of ``key`` the entries reaching ``name`` by any of its paths agree on."""
+        found = [(p, *entry(p)) for p in self.paths.get(name, (name,))]
+        taken = [f for f in found if f[2] != "default"] or found[:1]
+        for other in taken[1:]:
+            if other[1] != taken[0][1]:
+                self._refuse(name, (taken[0][0], taken[0][2], f"{key}: {taken[0][1]}"),
+                             (other[0], other[2], f"{key}: {other[1]}"))
+        return taken[0][1]
+
+    def _refuse(self, name: str, a: tuple[str, str, str], b: tuple[str, str, str]) -> None:
+        hint = (f"; an 'auto' config plans a module under its first path: give {name!r} its "
+                "entry by that path" if self.config.has_auto() else "")
+        raise ValueError(
+            f"{a[1]} matches {name!r} as {a[0]!r} ({a[2]}) and {b[1]} matches it as {b[0]!r} "
+            f"({b[2]}): one module registered under several paths runs one way; make the "
+            f"entries agree or match one path only{hint}")
+
+    def check_matches(self, names: Sequence[str], norms: Sequence[str] = (),
+                      modules: Sequence[str] = ()) -> None:
+        """:meth:`ParallelConfig.check_matches` on every path of the modules (a checkpoint
+        entry: and the containers holding them), then the refusal of entries that disagree on
+        a module of ``names``, ``norms`` or ``modules``."""
+        every = [p for n in modules for p in self.paths.get(n, (n,))]
+        scopes = list(dict.fromkeys(s for p in every for s in _scopes(p)))
+        self.config.check_matches(self._every(names), self._every(norms), scopes)
+        for n in names:
+            self.choice(n)
+        for n in norms:
+            self.statistics(n)
+        for n in modules:
+            self.checkpointed(n)
+
+    def check_planned(self, names: Sequence[str]) -> None:
+        """In a config with ``auto`` entries, refuse an entry that sets one of ``names`` (the
+        convolutions) only by a path other than its first: the planner reads each module by its
+        first path, and would plan it otherwise."""
+        if not self.config.has_auto():
+            return
+        for name in names:
+            if name in self.paths and self.choice(name).source != self.config.choice(name).source:
+                raise ValueError(
+                    f"{self.choice(name).source} sets {name!r} by its other path (of "
+                    f"{list(self.paths[name])}) in a config with 'auto' entries: the planner "
+                    f"plans each module under its first path; match {name!r} in that entry")
+
+    def _every(self, names: Sequence[str]) -> list[str]:
+        return [p for n in names for p in self.paths.get(n, (n,))]
+
+    def __getattr__(self, attr: str) -> Any:
+        if attr == "config":  # (not set yet: a copy being made)
+            raise AttributeError(attr)
+        return getattr(self.config, attr)
+
+    def __repr__(self) -> str:
+        return f"AliasedConfig({self.config!r}, paths={self.paths!r})"
+
+
+def _agree(a: LayerChoice, b: LayerChoice) -> bool:
+    """Whether two entries run a module alike: the same layout, algorithm, pipeline and overlap,
+    or one of them ``auto`` (the planner's to choose) on the other's grid or any grid."""
+    if a.algorithm == "auto" or b.algorithm == "auto":
+        auto, other = (a, b) if a.algorithm == "auto" else (b, a)
+        return auto.layout is None or auto.layout == other.layout
+    return (a.layout, a.algorithm, a.pipeline, a.overlap) == (
+        b.layout, b.algorithm, b.pipeline, b.overlap)
+
+
+def _show(c: LayerChoice) -> str:
+    grid = "any grid" if c.layout is None else str(dict(c.layout))
+    return f"{c.algorithm} on {grid}" + (f", pipeline {c.pipeline}" if c.pipeline > 1 else "")
+
+
+def _scopes(path: str) -> list[str]:
+    """``a.b.c`` -> ``a``, ``a.b``, ``a.b.c``."""
+    parts = path.split(".")
+    return [".".join(parts[:i]) for i in range(1, len(parts) + 1)]

@@ -30,7 +30,7 @@ from distconv.ops import Unsupported
 from distconv.pricing.machine import AnyMachine as Machine, Machine as FlatMachine
 from distconv.pricing.timeline import CommStep, LayerReport, Timeline, timeline
 from distconv.parallel.cost import memory, price_analysis
-from distconv.parallel.graph import analyse, check_shapes, trace
+from distconv.parallel.graph import aliased, analyse, check_planned, check_shapes, trace
 from distconv.parallel.placement import ALL_RANKS
 from distconv.parallel.shapes import check_input_shape, propagate_shapes
 
@@ -363,9 +363,11 @@ def _explain(model: nn.Module, cfg: ParallelConfig, shape: tuple[int, ...],
     if cfg.has_auto():
         from distconv.parallel.auto import resolve_auto
 
+        check_planned(gm, cfg)
         cfg, decisions = resolve_auto(gm, cfg, shape, machine or FlatMachine(),
                                       itemsize=itemsize, strict=strict)
     analysis = analyse(gm, cfg, input_ndim=len(shape), strict=strict)
+    cfg = aliased(cfg, gm)  # as the analysis read it: an entry may name a module's other path
     meta = copy.deepcopy(gm).to("meta")
     dtype = next((p.dtype for p in gm.parameters() if p.is_floating_point()), None)
     # in the model's own dtype (a .double() model); a capture that is not the model's forward

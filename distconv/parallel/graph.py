@@ -26,13 +26,13 @@ from torch import nn
 
 from distconv import ops
 from distconv.distribution import Dist
-from distconv.parallel.capture import UntraceableModelError, trace
-from distconv.parallel.config import ParallelConfig
+from distconv.parallel.capture import MODULE_PATHS, UntraceableModelError, trace
+from distconv.parallel.config import AliasedConfig, ParallelConfig
 from distconv.parallel.placement import Placement, layout_str
 from distconv.parallel.steps import Analysis, LayerSpec, Step, sample_dist
 
-__all__ = ["Analysis", "LayerSpec", "Step", "UntraceableModelError", "analyse", "operand_need",
-           "sample_dist", "trace"]
+__all__ = ["Analysis", "LayerSpec", "Step", "UntraceableModelError", "aliased", "analyse",
+           "check_planned", "operand_need", "sample_dist", "trace"]
 
 
 def check_shapes(analysis: Analysis, modules: dict[str, nn.Module],
@@ -210,7 +210,10 @@ def analyse(gm: fx.GraphModule, config: ParallelConfig, *, input_ndim: int | Non
     """Placements and layer specs for every node of the traced model (pure; no communication).
 
     ``strict`` (default): the first node no handler runs raises :class:`distconv.ops.Unsupported`
-    naming it; ``strict=False`` records every such node in ``Analysis.unsupported`` instead."""
+    naming it; ``strict=False`` records every such node in ``Analysis.unsupported`` instead.
+    A module the model registers under several paths takes the entries matching any of them
+    (:func:`aliased`)."""
+    config = aliased(config, gm)
     configurable = [n for n, m in gm.named_modules() if isinstance(m, ops.CONFIGURABLE)]
     norms = [n for n, m in gm.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
     config.check_matches(configurable, norms, [n for n, _ in gm.named_modules() if n])
@@ -218,6 +221,23 @@ def analyse(gm: fx.GraphModule, config: ParallelConfig, *, input_ndim: int | Non
     steps = walker.run()
     _segments(steps, config)
     return Analysis(gm, steps, config.data, walker.unsupported)
+
+
+def aliased(config: ParallelConfig, gm: fx.GraphModule) -> ParallelConfig:
+    """``config`` matching every path of the modules ``gm``'s model registers under several
+    (:class:`~distconv.parallel.config.AliasedConfig`); ``config`` itself where there are none."""
+    paths = gm.meta.get(MODULE_PATHS) if hasattr(gm, "meta") else None
+    if not paths or isinstance(config, AliasedConfig):
+        return config
+    return AliasedConfig(config, paths)  # type: ignore[return-value]
+
+
+def check_planned(gm: fx.GraphModule, config: ParallelConfig) -> None:
+    """Before ``auto`` entries are planned: refuse an entry that sets a convolution only by
+    another of its paths (:meth:`~distconv.parallel.config.AliasedConfig.check_planned`)."""
+    aliases = aliased(config, gm)
+    if isinstance(aliases, AliasedConfig):
+        aliases.check_planned([n for n, m in gm.named_modules() if isinstance(m, ops.CONFIGURABLE)])
 
 
 def module_path(node: fx.Node) -> str:

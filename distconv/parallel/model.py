@@ -184,11 +184,13 @@ class ParallelModel(nn.Module):
     def _resolve_auto(comm: Any, gm: fx.GraphModule, cfg: ParallelConfig,
                       input_shape: Sequence[int] | None, machine: Any) -> tuple[Any, Any]:
         from distconv.parallel.auto import resolve_auto_once
+        from distconv.parallel.graph import check_planned
         from distconv.pricing.calibrate import calibrate
 
         if input_shape is None:
             raise ValueError("algorithm 'auto' chooses from the layers' global problems: pass "
                              "input_shape= (the global input shape) to parallelize")
+        check_planned(gm, cfg)
         if machine is None:  # the calibrated §4 model of this machine (collective)
             machine = calibrate(comm)
         return resolve_auto_once(comm, gm, cfg, input_shape, machine)
@@ -354,7 +356,10 @@ class ParallelModel(nn.Module):
             return step.handler.run(node, args, kwargs, shapes[node.args[0].name])
         if node.name in self._function_modules:  # this call's own layer (a function, or a
             # module without state called in another layout than its first call)
-            return _eager(self._function_modules[node.name], args[0], shapes[node.args[0].name])
+            rest = step.handler.operands(args, kwargs) if step.handler is not None and (
+                step.handler.layer_operands) else ()
+            return _eager(self._function_modules[node.name], args[0], shapes[node.args[0].name],
+                          *rest)
         distributed = node.target in self._layers if node.op == "call_module" else False
         if node.op == "call_module" and _call_name(node) in self._modules:
             return self._modules[_call_name(node)](*args, **kwargs)

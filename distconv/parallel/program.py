@@ -224,6 +224,10 @@ class _Writer:
             # called in another layout than its first call
             args = (f"{self.expr(node, node.args[0])}, "
                     f"{self.const(self.shapes[node.args[0].name], 'S')}")
+            if step.handler is not None and step.handler.layer_operands:
+                args += (f", *{self.const(step.handler, 'H')}.operands("
+                         f"{self.expr(node, tuple(node.args))}, "
+                         f"{self.expr(node, dict(node.kwargs))})")
             self.emit(f"{out} = {self.call(self.const(layer, 'L'), args)}")
         elif node.op == "call_module" and f"_call_{node.name}" in model._modules:
             # this call's own plain module (the module at its name is another call's layer)

@@ -293,3 +293,24 @@ def test_eval_mode_under_no_grad_equals_one_process() -> None:
             return (pm(x[rows]) - want[rows]).abs().max().item()
 
     assert max(run_threads(run, 4)) < 1e-10
+
+
+def test_an_entry_matches_a_module_by_any_of_its_paths() -> None:
+    """``enc.1`` is also ``skips.0``: an entry by either path sets it (over the default), an
+    ``auto`` entry agrees with the choice made for it, and the module keeps its first path."""
+    from distconv.parallel.config import AliasedConfig
+
+    cfg = ParallelConfig({"default": {"grid": {"N": 4}, "algorithm": "sample"}, "layers": [
+        {"match": "enc.1", "grid": {"N": 2, "C": 2}, "algorithm": "stationary-x"},
+        {"match": "skips.*", "algorithm": "auto"},
+        {"match": "skips.0.bn", "statistics": "local"},
+        {"match": "skips", "checkpoint": True}]}, world_size=4)
+    paths = {"enc.1": ("enc.1", "skips.0"), "enc.1.bn": ("enc.1.bn", "skips.0.bn")}
+    aliased = AliasedConfig(cfg, paths)
+    assert aliased.choice("enc.1").source == "layers[0] ('enc.1')"
+    assert aliased.choice("enc.0").source == "default"
+    assert (aliased.statistics("enc.1.bn"), cfg.statistics("enc.1.bn")) == ("local", "global")
+    assert aliased.checkpointed("enc.1.bn") and not cfg.checkpointed("enc.1.bn")
+    aliased.check_matches(["enc.0", "enc.1"], ["enc.1.bn"], ["enc", "enc.1", "enc.1.bn"])
+    with pytest.raises(ValueError, match="matches no Conv2d or Linear module"):
+        cfg.check_matches(["enc.0", "enc.1"], ["enc.1.bn"], ["enc", "enc.1", "enc.1.bn"])

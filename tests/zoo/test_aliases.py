@@ -14,6 +14,7 @@ import distconv
 import distkfac
 from distconv.data import sample_block
 from distconv.parallel import parallelize
+from distconv.parallel.explain import explain
 from distconv.testing import run_threads
 from tests.parallel.cases import LR, MOMENTUM, TOL, reference_step, seeded
 
@@ -119,3 +120,97 @@ def test_kfac_names_an_aliased_module_by_any_of_its_paths(  # noqa: ANN001
     model, x, y = skips_case()
     for names, got in run_threads(_kfac_naming_an_alias, 4, model, x, y, options):
         assert names == layers and got == sharding
+
+
+def _block(c_in: int, c_out: int) -> nn.Sequential:
+    return nn.Sequential(nn.Conv2d(c_in, c_out, 3, padding=1), nn.BatchNorm2d(c_out), nn.ReLU())
+
+
+class SkipBlocks(nn.Module):
+    """DynUNet in miniature: ``skip_layers`` holds the encoder's second block, and the forward
+    calls it by that path, the one a user reads in their code."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.downsamples = nn.ModuleList([_block(3, 4), _block(4, 4)])
+        self.skip_layers = nn.ModuleList([self.downsamples[1]])
+        self.head = nn.Conv2d(8, 2, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.downsamples[0](x)
+        return self.head(torch.cat([h, self.skip_layers[0](h)], 1)).mean((2, 3))
+
+
+def skip_blocks_case() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(7)
+    model = seeded(SkipBlocks().double(), gen)
+    return (model, torch.randn(4, 3, 8, 8, generator=gen, dtype=torch.float64),
+            torch.randint(0, 2, (4,), generator=gen))
+
+
+#: configured by the alias paths only: the aliased convolution channel-parallel, its block
+#: checkpointed
+BY_ALIAS = {"default": {"grid": {"N": 4}, "algorithm": "sample"},
+            "layers": [{"match": "skip_layers.0.0", "grid": {"N": 2, "C": 2},
+                        "algorithm": "stationary-x"},
+                       {"match": "skip_layers.0", "checkpoint": True}]}
+
+
+def _train_by_alias(comm, model, x, y):
+    pmodel = parallelize(copy.deepcopy(model), BY_ALIAS, comm=comm)
+    opt = torch.optim.SGD(pmodel.parameters(), lr=LR, momentum=MOMENTUM)
+    rows = sample_block(x.shape[0], pmodel.data_grid)
+    F.cross_entropy(pmodel(x[rows]), y[rows]).backward()
+    opt.step()
+    layers = {str(s.node.target): (dict(s.layer.layout), s.layer.algorithm, s.layer.source)
+              for s in pmodel._analysis.steps if s.layer is not None and s.layer.algorithm}
+    checkpointed = sorted(str(s.node.target) for s in pmodel._analysis.steps
+                          if s.segment is not None)
+    return pmodel.gather_state_dict(), layers, checkpointed
+
+
+def test_a_config_naming_the_alias_path_places_the_module_and_trains_exactly() -> None:
+    model, x, y = skip_blocks_case()
+    ref = reference_step(model, x, y)["state"]
+    for state, layers, checkpointed in run_threads(_train_by_alias, 4, model, x, y):
+        assert set(state) == set(ref)
+        for k, v in ref.items():
+            torch.testing.assert_close(state[k], v, rtol=TOL, atol=TOL, msg=k)
+        assert layers["downsamples.1.0"] == ({"N": 2, "C": 2}, "stationary-x",
+                                             "layers[0] ('skip_layers.0.0')")
+        assert layers["downsamples.0.0"][::2] == ({"N": 4}, "default")
+        assert checkpointed == ["downsamples.1.0", "downsamples.1.1", "downsamples.1.2"]
+    rows = {lay.name: lay for lay in explain(model, BY_ALIAS, tuple(x.shape),
+                                             world_size=4).layers}
+    assert rows["downsamples.1.0"].algorithm == "stationary-x"  # named by its first path
+    assert not any(name.startswith("skip_layers") for name in rows)
+
+
+@pytest.mark.parametrize("entries, first, second", [
+    ([{"match": "downsamples.*", "grid": {"N": 4}, "algorithm": "sample"},
+      {"match": "skip_layers.0.0", "grid": {"N": 2, "C": 2}, "algorithm": "stationary-x"}],
+     "layers[0] ('downsamples.*')", "layers[1] ('skip_layers.0.0')"),
+    ([{"match": "skip_layers.0", "checkpoint": True},
+      {"match": "downsamples.1", "checkpoint": False}],
+     "layers[1] ('downsamples.1')", "layers[0] ('skip_layers.0')")],
+    ids=["grid", "checkpoint"])
+def test_entries_that_set_one_module_differently_by_its_paths_are_refused_naming_both(
+        entries, first, second) -> None:
+    model, x, _ = skip_blocks_case()
+    config = {"default": {"grid": {"N": 4}, "algorithm": "sample"}, "layers": entries}
+    with pytest.raises(ValueError) as info:
+        explain(model, config, tuple(x.shape), world_size=4)
+    msg = str(info.value)
+    assert first in msg and second in msg and "several paths" in msg, msg
+
+
+def test_an_auto_config_refuses_an_entry_by_a_path_the_planner_does_not_read() -> None:
+    """The planner plans ``downsamples.1.0`` by its first path: an entry naming it only as
+    ``skip_layers.0.0`` next to an ``auto`` default would be planned over; it is refused before
+    the search, naming the entry and the path to match."""
+    model, x, _ = skip_blocks_case()
+    config = {"default": {"algorithm": "auto"}, "layers": [
+        {"match": "skip_layers.0.0", "grid": {"N": 2, "C": 2}, "algorithm": "stationary-x"}]}
+    with pytest.raises(ValueError, match=r"layers\[0\] \('skip_layers.0.0'\) sets "
+                       r"'downsamples.1.0' by its other path .* match 'downsamples.1.0'"):
+        explain(model, config, tuple(x.shape), world_size=4)
