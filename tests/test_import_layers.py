@@ -142,6 +142,52 @@ def test_the_preconditioner_concerns_import_only_the_layer_state() -> None:
         assert siblings == {f"{pkg}.layer"}, f"{pkg}.{concern} imports {sorted(siblings)}"
 
 
+#: Modules split by concern, each with the siblings it may import: a concern sits below the
+#: module that composes it (the layer, the class, the package's facade) and below the concerns
+#: listed after it, never the other way round.
+CONCERNS = {
+    "distconv.nn.conv": {
+        "distconv.nn.conv_layout": set(),
+        "distconv.nn.conv_forward": set(),
+    },
+    "distconv.redistribute": {
+        "distconv.redistribute.steps": set(),
+        "distconv.redistribute.planning": {"distconv.redistribute.steps"},
+        "distconv.redistribute.execution": {"distconv.redistribute.steps",
+                                            "distconv.redistribute.planning"},
+        "distconv.redistribute.between_grids": {"distconv.redistribute.steps",
+                                                "distconv.redistribute.execution"},
+    },
+    "distconv.parallel.model": {
+        "distconv.parallel.module_tree": set(),
+        "distconv.parallel.gradient_sync": set(),
+    },
+    "distkfac.sharded": {
+        "distkfac.sharded.geometry": set(),
+        "distkfac.sharded.statistics": {"distkfac.sharded.geometry"},
+        "distkfac.sharded.exact": {"distkfac.sharded.geometry", "distkfac.sharded.statistics"},
+    },
+    "distconv.comm.base": {
+        "distconv.comm.debug": set(),
+        "distconv.comm.stats": set(),
+        "distconv.comm.work": set(),
+    },
+}
+
+
+def test_split_concerns_import_only_the_concerns_below_them() -> None:
+    edges = import_graph()
+    for top, concerns in CONCERNS.items():
+        family = {top, *concerns}
+        for concern, allowed in concerns.items():
+            assert concern in edges, f"{concern} is not a module"
+            siblings = {t for t in edges[concern] if t in family}
+            may = ", ".join(sorted(allowed)) or "none of them"
+            assert siblings <= allowed, (
+                f"{concern} imports {sorted(siblings - allowed)} of {sorted(family)}; it may "
+                f"import {may}")
+
+
 #: What pricing sits above (the data it reads) and what sits above it (what fills in or adds up
 #: its prices): ``distconv.pricing`` reaches nothing of the latter, and none of the former reaches
 #: back up into it, so a layer's price walks down through one layer.

@@ -10,15 +10,17 @@ Public operations are template methods. Each one
 5. hands the buffers to the backend's ``_op`` method, which returns a :class:`Work`.
 
 Backends implement only the ``_op`` methods; they never validate or count.
+
+Beside it: :mod:`~distconv.comm.work` (the handles of asynchronous operations and their
+timeouts), :mod:`~distconv.comm.stats` (what is counted), :mod:`~distconv.comm.debug` (whether
+the agreement check runs), :mod:`~distconv.comm.signature` (what it compares) and
+:mod:`~distconv.comm.buffers` (the packing helpers); their names stay importable from here.
 """
 
 from __future__ import annotations
 
 import abc
 import math
-import os
-import threading
-from collections import defaultdict
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -28,11 +30,14 @@ from distconv.comm.buffers import (  # noqa: F401 (re-exported: the communicator
     _REDUCERS, AlltoallBuffers, allreduce_bytes, concat_parts, flat_concat, flat_span,
     packed, reduce_in_order, split_chunks,
 )
+from distconv.comm.debug import get_debug, set_debug
 from distconv.comm.errors import CollectiveMismatchError
 from distconv.comm.signature import (  # noqa: F401 (re-exported)
     CallSignature, agree_on_value, decode_signature, encode_signature, find_mismatch,
     signature_nbytes,
 )
+from distconv.comm.stats import CommStats
+from distconv.comm.work import Work, check_timeout, compiling, eager  # noqa: F401 (re-exported)
 
 __all__ = [
     "REDUCE_OPS",
@@ -53,162 +58,6 @@ __all__ = [
 
 Shape = tuple[int, ...]
 REDUCE_OPS = ("sum", "prod", "max", "min", "avg")
-
-_debug = os.environ.get("DISTCONV_DEBUG", "").strip().lower() not in ("", "0", "false", "no", "off")
-
-
-def set_debug(flag: bool) -> None:
-    """Turn the collective agreement check on or off for every communicator of this process.
-
-    In debug mode every collective first exchanges a digest of (op, meta, dtype, shapes) among
-    the ranks of its communicator and raises :class:`CollectiveMismatchError` on every rank when
-    they differ. The environment variable ``DISTCONV_DEBUG=1`` sets the initial value.
-    The exchange is not counted in :attr:`Communicator.stats`.
-    """
-    global _debug
-    if not isinstance(flag, bool):
-        raise TypeError(f"set_debug: flag must be a bool, got {flag!r}")
-    _debug = flag
-
-
-def get_debug() -> bool:
-    """Whether debug mode (the collective agreement check) is on."""
-    return _debug
-
-
-def check_timeout(value: Any, name: str = "timeout", *, allow_none: bool = False) -> float | None:
-    """``value`` as a positive, finite number of seconds, else TypeError/ValueError naming it."""
-    if value is None and allow_none:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        allowed = "None or " if allow_none else ""
-        raise TypeError(
-            f"{name} must be {allowed}a positive number of seconds, got {value!r} "
-            f"({type(value).__name__})"
-        )
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{name} must be a positive, finite number of seconds, got {value!r}")
-    return float(value)
-
-
-_IS_COMPILING = getattr(getattr(torch, "compiler", None), "is_compiling", None)
-
-
-def compiling() -> bool:
-    """Whether ``torch.compile`` is tracing the calling code."""
-    return _IS_COMPILING is not None and bool(_IS_COMPILING())
-
-
-def eager(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn`` run eagerly under ``torch.compile``, as a graph break: communicators talk to
-    process groups, MPI and threads that dynamo cannot trace. Costs one check otherwise."""
-    import functools
-
-    @functools.wraps(fn)
-    def call(*args: Any, **kwargs: Any) -> Any:
-        if compiling():
-            return torch.compiler.disable(fn)(*args, **kwargs)
-        return fn(*args, **kwargs)
-
-    return call
-
-
-class CommStats:
-    """Calls and logical bytes received, per operation name.
-
-    ``calls[op]`` counts every public call (``isend``/``irecv`` count as ``send``/``recv``; a
-    ``split`` that creates a sub-communicator counts as ``split`` with 0 bytes). ``bytes[op]`` is
-    what rank r receives from other ranks, never padding (itemsize ``i``, size ``P``):
-
-    - allgather: sum over s != r of numel(shapes[s]) * i
-    - reduce_scatter: (P - 1) * numel(chunks[r]) * i
-    - allreduce of n elements: ((P - 1) * b_r + (n - b_r)) * i, b_r = n // P + (r < n % P)
-      (ring reduce-scatter + allgather)
-    - alltoall: sum over s != r of numel(recv_shapes[s]) * i
-    - broadcast: n * i on non-roots, 0 on the root; recv: n * i; send and barrier: 0
-
-    The debug agreement check is not counted. A sub-communicator's traffic is also added to its
-    parent's stats, so the world's stats are this process's totals.
-    """
-
-    def __init__(self, *, parent: CommStats | None = None) -> None:
-        self.calls: defaultdict[str, int] = defaultdict(int)
-        self.bytes: defaultdict[str, int] = defaultdict(int)
-        self._parent = parent
-        self._lock = threading.Lock()
-
-    def add(self, op: str, nbytes: int) -> None:
-        with self._lock:
-            self.calls[op] += 1
-            self.bytes[op] += nbytes
-        if self._parent is not None:
-            self._parent.add(op, nbytes)
-
-    def reset(self) -> None:
-        with self._lock:
-            self.calls.clear()
-            self.bytes.clear()
-
-    def snapshot(self) -> dict[str, dict[str, int]]:
-        """A copy: ``{"calls": {op: n}, "bytes": {op: n}}``."""
-        with self._lock:
-            return {"calls": dict(self.calls), "bytes": dict(self.bytes)}
-
-    def total_bytes(self) -> int:
-        with self._lock:
-            return sum(self.bytes.values())
-
-    def __repr__(self) -> str:
-        snap = self.snapshot()
-        return f"CommStats(calls={snap['calls']}, bytes={snap['bytes']})"
-
-
-_UNSET: Any = object()
-
-
-class Work:
-    """Handle of an asynchronous operation; :meth:`wait` returns its result (idempotent)."""
-
-    def __init__(
-        self,
-        wait_fn: Callable[[], Any] | None = None,
-        *,
-        test_fn: Callable[[], bool] | None = None,
-        result: Any = _UNSET,
-        keep: Any = None,
-    ) -> None:
-        self._wait_fn = wait_fn
-        self._test_fn = test_fn
-        self._result = result
-        self._error: BaseException | None = None
-        #: what must outlive the operation (its buffers), released once it has completed
-        self._keep = keep
-
-    @classmethod
-    def completed(cls, result: Any) -> Work:
-        return cls(result=result)
-
-    @eager
-    def wait(self) -> Any:
-        if self._error is not None:
-            raise self._error
-        if self._result is _UNSET:
-            assert self._wait_fn is not None
-            try:
-                self._result = self._wait_fn()
-            except BaseException as exc:
-                self._error = exc
-                raise
-            self._wait_fn = self._keep = None
-        return self._result
-
-    def is_completed(self) -> bool:
-        if self._result is not _UNSET or self._error is not None:
-            return True
-        return bool(self._test_fn()) if self._test_fn is not None else False
-
-    def __repr__(self) -> str:
-        return f"Work(completed={self.is_completed()})"
 
 
 def _shape_of(shape: Any, name: str) -> Shape:
@@ -376,7 +225,7 @@ class Communicator(abc.ABC):
         ``sends`` and ``recvs`` describe the call and are only formatted in debug mode."""
         if not isinstance(meta, str):
             raise TypeError(f"meta must be a str, got {type(meta).__name__}")
-        if _debug:
+        if get_debug():
             common = common()
             sends = sends() if sends is not None else None
             recvs = recvs() if recvs is not None else None
@@ -479,7 +328,7 @@ class Communicator(abc.ABC):
                          meta: str) -> torch.Tensor:
         """Every rank's block ``t`` (``shapes[r]``, ``t`` contiguous) concatenated along
         ``dim``."""
-        if _debug:
+        if get_debug():
             return concat_parts(self.allgather(t, shapes=shapes, meta=meta), dim)
         isz = t.element_size()
         self.stats.add("allgather", sum(_numel(s) for i, s in enumerate(shapes)
@@ -496,7 +345,7 @@ class Communicator(abc.ABC):
                               meta: str) -> torch.Tensor:
         """The sum over the ranks of this rank's slice of ``x`` (split along ``dim`` into
         ``sizes``, ``x`` contiguous)."""
-        if _debug:
+        if get_debug():
             return self.reduce_scatter(split_chunks(x, sizes, dim), meta=meta)
         self.stats.add("reduce_scatter",
                        (self.size - 1) * math.prod(x.shape[:dim]) * sizes[self.rank]

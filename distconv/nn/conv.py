@@ -3,58 +3,27 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from distconv.conv_geometry import (
-    PADDING_MODES, HaloPlan, check_padding_mode, conv_dims, normalize_padding, pair,
-)
+from distconv.conv_geometry import PADDING_MODES, normalize_padding, pair
 from distconv.comm.base import agree_on_value, get_debug
-from distconv.distribution import Dist, Entry, as_shape
+from distconv.distribution import as_shape
 from distconv.grid import ProcessorGrid
-from distconv.nn._amp import autocast_dtype
 from distconv.nn._factory import check_factory_kwargs
-from distconv.halo import haloed
-from distconv.nn._activation import local_shape
 from distconv.nn.clip import register_parameter_specs
+from distconv.nn.conv_forward import ConvGeometry, conv_forward, layer_geometry
+from distconv.nn.conv_layout import ALGORITHMS, UnsupportedConvError, conv_dists
 from distconv.nn.grad_sync import GradSync
-from distconv.nn.halo_conv import HaloConvSpec, halo_conv
-from distconv.nn.pipeline import pipelined_conv
+from distconv.nn.halo_conv import HaloConvSpec
 from distconv.nn.sharding import ShardSpec, keep_requires_grad
 from distconv.pricing.problem import ConvProblem
 from distconv.pricing.traffic import conv_traffic
-from distconv.redistribute import gather, plan_redistribution, redistribute
+from distconv.redistribute import gather, plan_redistribution
 
 __all__ = ["ALGORITHMS", "DistConv2d", "UnsupportedConvError", "conv_dists"]
-
-ALGORITHMS = ("stationary-x", "stationary-y", "stationary-w")
-
-# Tensor-dim names used only to print distributions the way the paper does (x[o,o_C,o,o]).
-_ACT_DIMS = ("N", "channels", "H", "W")
-_W_DIMS = ("filters", "channels", "kh", "kw")
-
-
-class UnsupportedConvError(NotImplementedError, ValueError):
-    """A valid ``nn.Conv2d`` configuration that this grid and algorithm do not implement.
-
-    Both a ``NotImplementedError`` (the computation exists, this layer does not provide it on
-    this grid) and a ``ValueError`` (it is refused at construction, like any bad argument).
-    """
-
-
-@dataclass(frozen=True)
-class _Geometry:
-    """Everything a forward pass derives from the global input shape (cached per shape)."""
-
-    x_shape: tuple[int, int, int, int]
-    y_shape: tuple[int, int, int, int]
-    halo: tuple[HaloPlan | None, HaloPlan | None]
-    conv_padding: tuple[int, int]
-    explicit_pad: tuple[int, int, int, int] | None
 
 
 class DistConv2d(nn.Module):
@@ -326,12 +295,12 @@ class DistConv2d(nn.Module):
         #: does not know it). distkfac reads its factors here. Default None.
         self.work_hook: Any = None
         self.input_shape = None if input_shape is None else self._check_input_shape(input_shape)
-        self._geometries: dict[tuple[int, ...], _Geometry] = {}
+        self._geometries: dict[tuple[int, ...], ConvGeometry] = {}
         self._specs: dict[tuple[int, ...], HaloConvSpec] = {}  # per global input shape
         #: (input block shape, given global shape) -> the global shape, once checked
         self._checked: dict[tuple[Any, tuple[int, ...]], tuple[int, ...]] = {}
         if self.input_shape is not None:
-            self._geometry(self.input_shape)
+            layer_geometry(self, self.input_shape)
         # Sub-communicators are created collectively, in the same order on every rank.
         self._shape_comm = self._subcomm(sample_dim, *spatial_dims)
         self._halo_comms = tuple(self._subcomm(d) for d in spatial_dims)
@@ -420,44 +389,6 @@ class DistConv2d(nn.Module):
             )
         return shape  # type: ignore[return-value]
 
-    def _geometry(self, x_shape: tuple[int, ...]) -> _Geometry:
-        geo = self._geometries.get(x_shape)
-        if geo is not None:
-            return geo
-        self._check_input_shape(x_shape)
-        dims = conv_dims(x_shape[2:], self.kernel_size, self.stride, self.dilation, self._pads)
-        halo: list[HaloPlan | None] = []
-        conv_padding, explicit = [0, 0], [0, 0, 0, 0]
-        for i, (d, role) in enumerate(zip(dims, ("H", "W"))):
-            if d.out_length == 0:
-                raise ValueError(
-                    f"the kernel does not fit the input {x_shape} (kernel {self.kernel_size}, "
-                    f"dilation {self.dilation}, padding {self.padding})"
-                )
-            parts = self._ext(self.roles[role])
-            if parts > 1:
-                plan = HaloPlan(d, parts, self.padding_mode)
-                plan.check(self.roles[role])
-                halo.append(plan)
-                continue
-            check_padding_mode(d, self.padding_mode, role)
-            halo.append(None)
-            lo, hi = self._pads[i]
-            if lo == hi:
-                conv_padding[i] = lo
-            explicit[2 - 2 * i], explicit[3 - 2 * i] = lo, hi
-        need_explicit = any(explicit) and (self.padding_mode != "zeros" or any(
-            halo[i] is None and self._pads[i][0] != self._pads[i][1] for i in range(2)
-        ))
-        if need_explicit:
-            conv_padding = [0, 0]
-        y_shape = (x_shape[0], self.out_channels, dims[0].out_length, dims[1].out_length)
-        geo = _Geometry(
-            tuple(x_shape), y_shape, (halo[0], halo[1]), (conv_padding[0], conv_padding[1]),
-            tuple(explicit) if need_explicit else None,  # type: ignore[arg-type]
-        )
-        self._geometries[tuple(x_shape)] = geo
-        return geo
 
     def _make_parameters(
         self, bias: bool, device: Any, dtype: torch.dtype | None, seed: int | None
@@ -592,161 +523,28 @@ class DistConv2d(nn.Module):
     # ------------------------------------------------------------------ shapes
     def output_shape(self, input_shape: Sequence[int]) -> tuple[int, int, int, int]:
         """Global output shape for the global input shape ``(N, C, H, W)``."""
-        return self._geometry(tuple(int(s) for s in input_shape)).y_shape
+        return layer_geometry(self, tuple(int(s) for s in input_shape)).y_shape
 
     def local_input_shape(self, input_shape: Sequence[int]) -> tuple[int, ...]:
         """This rank's input block for the global input shape."""
         return self.input_dist.local_shape(tuple(input_shape), self.grid)
 
-    def _global_shape(self, x: torch.Tensor, given: Sequence[int] | None) -> tuple[int, ...]:
-        if given is not None:
-            return as_shape(given, "DistConv2d.forward: global_shape")
-        if self.input_shape is not None:
-            return self.input_shape
-        if self._shape_comm is None:
-            return (x.shape[0], self.in_channels, x.shape[2], x.shape[3])
-        return self._agree_shape(x)
-
-    def _agree_shape(self, x: torch.Tensor) -> tuple[int, ...]:
-        """Global (N, C, H, W) from one allgather of the local (N, H, W) over the N×H×W segment:
-        each global size is the sum of the blocks along its own grid dim."""
-        roles = [self.roles[r] for r in ("sample_dim", "H", "W")]
-        split = [d for d in roles if self._ext(d) > 1]
-        segment = next(g for g in self.grid.segments(split) if self.grid.rank in g)
-        local = torch.tensor([x.shape[0], x.shape[2], x.shape[3]], dtype=torch.int64,
-                             device=self._shape_comm.device)
-        sizes = self._shape_comm.allgather(local, meta="DistConv2d global shape agreement")
-        total = [0, 0, 0]
-        for rank, s in zip(segment, sizes):
-            coords = self.grid.coords_of(rank)
-            for k, role in enumerate(roles):
-                if all(coords.get(o, 0) == 0 for o in roles if o != role):
-                    total[k] += int(s[k])
-        return (total[0], self.in_channels, total[1], total[2])
 
     # ------------------------------------------------------------------ forward
     def forward(self, x: torch.Tensor, global_shape: Sequence[int] | None = None) -> torch.Tensor:
         """Convolve this rank's block ``x`` (distributed as :attr:`input_dist`).
 
         Returns this rank's block of y, distributed as :attr:`output_dist`. ``global_shape`` is
-        the global input shape ``(N, C, H, W)`` (see the class docstring).
+        the global input shape ``(N, C, H, W)`` (see the class docstring). The steps are
+        :func:`distconv.nn.conv_forward.conv_forward`.
         """
-        self._check_input(x)
-        if self._local and global_shape is None and self.input_shape is None:
-            if x.dim() not in (3, 4) or x.shape[-3] != self.in_channels:
-                raise ValueError(
-                    f"DistConv2d(in_channels={self.in_channels}, out_channels="
-                    f"{self.out_channels}, kernel_size={self.kernel_size}).forward: x has shape "
-                    f"{tuple(x.shape)}, but the layer takes (N, {self.in_channels}, H, W) or "
-                    f"({self.in_channels}, H, W)")
-            return self._local_conv(x)
-        key = (x.shape, global_shape) if type(global_shape) is tuple else None
-        shape = self._checked.get(key) if key is not None else None
-        if shape is None:  # a block and global shape not seen yet: checked once
-            shape = self._check_block(x, global_shape, key)
-        if self._local:  # no communication: torch's convolution of the block, as nn.Conv2d
-            return self._local_conv(x)
-        geo = self._geometry(shape)
-        if (self.pipeline > 1 and x.shape[0] > 1 and self.work_hook is None
-                and autocast_dtype(x.device.type) is None):
-            y = pipelined_conv(self, x, geo, shape, None if self._reduce_y else self.bias)
-            if self._reduce_y and self.bias is not None:
-                y = y + self.bias.to(y.dtype).view(1, -1, 1, 1)
-            return y
-        if self._gather_x:
-            x = redistribute(x, self.grid, self.input_dist, self.work_dist, shape)
-        fused_bias = None if self._reduce_y else self.bias
-        if (self.padding_mode == "zeros" and self.work_hook is None and any(geo.halo)
-                and autocast_dtype(x.device.type) is None):
-            # the exchanges and the convolution as one step: no haloed copy kept for backward
-            y = halo_conv(x, self.weight, fused_bias, self._halo_spec(geo))
-        else:
-            x = haloed(x, self._halo_comms, geo.halo, geo.explicit_pad, self.padding_mode)
-            y = F.conv2d(
-                x, self.weight, fused_bias, self.stride, geo.conv_padding, self.dilation,
-                self._local_groups,
-            )
-            if self.work_hook is not None:
-                (ph, pw) = geo.conv_padding
-                self.work_hook(self, x, (pw, pw, ph, ph), y, geo.y_shape)
-        if self._reduce_y:
-            y = redistribute(y, self.grid, self.partial_dist, self.output_dist, geo.y_shape)
-            if self.bias is not None:  # in y's dtype, as autocast's conv adds it
-                y = y + self.bias.to(y.dtype).view(1, -1, 1, 1)
-        return y
-
-    def _check_block(self, x: torch.Tensor, global_shape: Sequence[int] | None,
-                     key: tuple[Any, tuple[int, ...]] | None) -> tuple[int, ...]:
-        """The global input shape of block ``x``, checked against the layer's geometry and
-        input distribution; remembered under ``key`` (None: not remembered)."""
-        if x.dim() != 4:
-            raise ValueError(
-                f"DistConv2d on a distributed grid (or given a global shape) takes a 4-d input, "
-                f"got {tuple(x.shape)}"
-            )
-        shape = self._global_shape(x, global_shape)
-        self._geometry(shape)
-        expected = local_shape(self.grid, self.input_dist, tuple(shape))
-        if tuple(x.shape) != expected:
-            raise ValueError(
-                f"rank {self.grid.rank} (coords {self.grid.coords}) got an input block of "
-                f"shape {tuple(x.shape)}, but {self.input_dist.format('x')} of the global "
-                f"shape {shape} gives it {expected}"
-            )
-        if key is not None:
-            if len(self._checked) > 64:
-                self._checked.clear()
-            self._checked[key] = shape
-        return shape
-
-    def _halo_spec(self, geo: _Geometry) -> HaloConvSpec:
-        spec = self._specs.get(geo.x_shape)
-        if spec is None:
-            spec = self._specs[geo.x_shape] = HaloConvSpec(
-                self._halo_comms, geo.halo, geo.explicit_pad, self.stride, geo.conv_padding,
-                self.dilation, self._local_groups, overlap=self.overlap)
-        return spec
-
-    def _check_input(self, x: object) -> None:
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(
-                f"DistConv2d.forward: x must be a torch.Tensor (this rank's block of the input), "
-                f"got {type(x).__name__}"
-            )
-        weight = self.weight
-        if x.dtype == weight.dtype and x.device == weight.device:
-            return
-        if x.dtype != weight.dtype and x.dtype != autocast_dtype(x.device.type):
-            raise TypeError(
-                f"DistConv2d.forward: x has dtype {x.dtype} but the layer's weight is "
-                f"{weight.dtype}; convert one of them (e.g. x.to({weight.dtype}))"
-            )
-        if x.device != weight.device:
-            raise ValueError(
-                f"DistConv2d.forward: x is on {x.device} but the layer's weight is on "
-                f"{self.weight.device}"
-            )
-
-    def _local_conv(self, x: torch.Tensor) -> torch.Tensor:
-        """The convolution of a layer that splits no channel, filter or spatial dim: the calls
-        ``nn.Conv2d`` makes."""
-        if self.padding_mode == "zeros":
-            y = F.conv2d(
-                x, self.weight, self.bias, self.stride, self.padding, self.dilation, self.groups
-            )
-            padding = self._reversed_padding
-        else:
-            x, padding = F.pad(x, self._reversed_padding, mode=self.padding_mode), (0, 0, 0, 0)
-            y = F.conv2d(x, self.weight, self.bias, self.stride, 0, self.dilation, self.groups)
-        if self.work_hook is not None:
-            self.work_hook(self, x, padding, y, (-1, *y.shape[1:]))
-        return y
+        return conv_forward(self, x, global_shape)
 
     # ------------------------------------------------------------------ description
     def describe(self, input_shape: Sequence[int]) -> str:
         """The forward steps with distributions and plans for the global ``input_shape``."""
         shape = tuple(int(s) for s in input_shape)
-        geo = self._geometry(shape)
+        geo = layer_geometry(self, shape)
         lines = [f"{self.algorithm} on {dict(self.grid.layout)}"]
         move = plan_redistribution(self.grid.layout, self.input_dist, self.work_dist, shape)
         lines.append(f"  {move.describe()}")
@@ -805,39 +603,6 @@ class DistConv2d(nn.Module):
         dists = (self.input_dist.format("x"), self.weight_dist.format("w"),
                  self.output_dist.format("y"))
         return s + ", x={}, w={}, y={}".format(*dists)
-
-
-def conv_dists(algorithm: str, roles: dict[str, str | None], grouped: bool = False
-               ) -> dict[str, Dist]:
-    """The distributions of a :class:`DistConv2d` in the paper's notation, from its algorithm and
-    grid-dim roles (``roles["N"|"C"|"F"|"H"|"W"]``: the grid dim playing that role, or None):
-    ``input`` (x), ``work`` (x after forward step 1), ``partial`` (the local convolution's y,
-    pending over C), ``output`` (y), ``weight`` and ``bias``. ``grouped``: a grouped convolution
-    whose channel blocks hold whole groups (a local grouped convolution, no communication)."""
-    n, c, f, h, w = (roles[k] for k in ("N", "C", "F", "H", "W"))
-
-    def both(major: str | None, minor: str | None) -> Entry:
-        names = tuple(g for g in (major, minor) if g is not None)
-        return names if len(names) > 1 else (names[0] if names else None)
-
-    x_in = {"stationary-x": c, "stationary-y": f, "stationary-w": both(c, f)}[algorithm]
-    x_work = {"stationary-x": c, "stationary-y": None, "stationary-w": c}[algorithm]
-    w_rows = {"stationary-x": None, "stationary-y": f, "stationary-w": f}[algorithm]
-    w_cols = {"stationary-x": c, "stationary-y": None, "stationary-w": c}[algorithm]
-    y_part = {"stationary-x": None, "stationary-y": f, "stationary-w": f}[algorithm]
-    y_out = {"stationary-x": c, "stationary-y": f, "stationary-w": both(f, c)}[algorithm]
-    pending = frozenset({c}) if c is not None and algorithm != "stationary-y" else frozenset()
-    if grouped:
-        role = {"stationary-x": c, "stationary-y": f, "stationary-w": both(c, f)}[algorithm]
-        x_in = x_work = y_part = y_out = role
-        w_rows, w_cols, pending = role, None, frozenset()
-
-    def act(entry: Entry, pend: frozenset[str] = frozenset()) -> Dist:
-        return Dist((n, entry, h, w), pend, _ACT_DIMS)
-
-    return {"input": act(x_in), "work": act(x_work), "partial": act(y_part, pending),
-            "output": act(y_out), "weight": Dist((w_rows, w_cols, None, None), frozenset(), _W_DIMS),
-            "bias": Dist((y_out,), frozenset(), ("filters",))}
 
 
 def _positive(value: int, name: str) -> int:

@@ -20,15 +20,17 @@ The contract (what makes a user's ordinary data-parallel loop exact)::
   segmented allreduce over the grid dims its distribution leaves unused. When
   ``loss.backward()`` returns, each shard's ``.grad`` equals the single-process gradient on the
   global batch -- also for uneven sample blocks.
+
+The model's module tree (layers in place, shared parameters, aliases) is kept by
+:mod:`distconv.parallel.module_tree`, its fused gradient completion by
+:mod:`distconv.parallel.gradient_sync`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
-import dataclasses
 import hashlib
-import operator
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
@@ -41,16 +43,20 @@ from distconv.comm.base import compiling, eager
 from distconv.distribution import as_shape, balanced_block
 from distconv.grid import ProcessorGrid
 from distconv.nn import clip as _clip
-from distconv.nn.grad_sync import BucketedGradSync, GradSync, GradSyncGroup, gradient_groups
 from distconv.nn.batchnorm import DistBatchNorm, broadcast_running
 from distconv.nn.clip import register_parameter_specs
 from distconv.nn.sharding import shard_specs
 from distconv.nn.recompute import recompute_context
 from distconv.parallel.config import ParallelConfig
 from distconv.parallel.graph import (
-    Analysis, LayerSpec, Step, analyse, check_shapes, operand_need, trace,
+    Analysis, Step, analyse, check_shapes, operand_need, trace,
 )
-from distconv.parallel.program import _eager, _get_attr, _replaced, generate
+from distconv.parallel.gradient_sync import Trainable, fuse_gradient_syncs
+from distconv.parallel.module_tree import (
+    LayersInPlace, call_name, check_split, realias, retie, same_layer, set_submodule,
+    tied_parameters,
+)
+from distconv.parallel.program import _eager, _get_attr, generate
 from distconv.parallel.shapes import propagate_shapes
 from distconv.parallel.placement import Layout, Placement, convert, layout_str
 from distconv.redistribute import gather
@@ -142,15 +148,15 @@ class ParallelModel(nn.Module):
         #: dims all at 0): its output's cotangent is the one kept
         self._root = all(self.data_grid.coords[d] == 0 for d, e in self.data_grid.layout
                          if d != "N" and e > 1)
-        ties = _tied_parameters(gm)
+        ties = tied_parameters(gm)
         calls: dict[str, list[Step]] = {}  # module -> the steps that call it, in graph order
         for step in analysis.steps:
             if step.node.op == "call_module":
                 calls.setdefault(str(step.node.target), []).append(step)
         split = {t: ss for t, ss in calls.items() if len(ss) > 1 and any(
-            not _same_layer(ss[0].layer, s.layer) for s in ss[1:])}
+            not same_layer(ss[0].layer, s.layer) for s in ss[1:])}
         for target, steps in split.items():
-            _check_split(target, steps, self._template.get_submodule(target))
+            check_split(target, steps, self._template.get_submodule(target))
         for step in analysis.steps:  # every layout a value lives on, in graph order
             for placement in [step.out, *step.needs.values()]:
                 if placement is not None:
@@ -159,8 +165,8 @@ class ParallelModel(nn.Module):
                 self._build_call(step)
             elif step.layer is not None:
                 self._build(gm, step)
-        _retie(gm, ties)
-        _realias(gm, self._template)
+        retie(gm, ties)
+        realias(gm, self._template)
         for name, child in gm.named_children():
             self.add_module(name, child)
         for name, value in list(gm.named_parameters(recurse=False)):
@@ -174,9 +180,9 @@ class ParallelModel(nn.Module):
         self.bucket_bytes = bucket_bytes
         self._local_norms = [m for m in self.modules() if isinstance(m, DistBatchNorm)
                              and m._block_comm is not None]
-        self._trainable = _Trainable(self)
-        self._placed = _Placed(self, self._layers)
-        self.grad_sync = self._fuse_gradient_syncs(bucket_bytes)
+        self._trainable = Trainable(self)
+        self._placed = LayersInPlace(self, self._layers)
+        self.grad_sync = fuse_gradient_syncs(self, bucket_bytes)
         register_parameter_specs(self, comm)
 
     # ------------------------------------------------------------------ construction
@@ -195,27 +201,6 @@ class ParallelModel(nn.Module):
             machine = calibrate(comm)
         return resolve_auto_once(comm, gm, cfg, input_shape, machine)
 
-    def _fuse_gradient_syncs(self, bucket_bytes: int) -> GradSyncGroup | None:
-        """Every parameter's gradient completion, fused: the layers' own per-parameter
-        allreduces are detached, and the parameters that reduce over the same ranks share
-        bucketed asynchronous allreduces (:func:`gradient_groups` says which)."""
-        for m in self.modules():
-            if isinstance(getattr(m, "grad_sync", None), GradSync):
-                m.grad_sync.detach()
-                m.grad_sync = None
-        groups = gradient_groups(shard_specs(self), dict(self.named_parameters()))
-        syncs = []
-        for (layout, dims), names in groups.items():
-            if layout is None and self.comm.size == 1:
-                continue
-            comm = self.comm if layout is None else self.grid(layout).subcomm(dims)
-            members = set(names)
-            params = [p for n, p in self.named_parameters() if n in members]
-            where = "over every rank" if layout is None else (
-                f"over {'×'.join(dims)} of {layout_str(layout)}")
-            syncs.append(BucketedGradSync(comm, params, bucket_bytes=bucket_bytes, where=where))
-        return GradSyncGroup(syncs) if syncs else None
-
     def _rebuild_gradient_syncs(self) -> None:
         """Parameters were frozen, unfrozen or replaced (``load_state_dict(assign=True)``) since
         the buckets were made: rebuild them, so a frozen parameter gets no gradient and no
@@ -223,8 +208,8 @@ class ParallelModel(nn.Module):
         rank rebuilds the same buckets)."""
         if self.grad_sync is not None:
             self.grad_sync.detach()
-        self._trainable = _Trainable(self)
-        self.grad_sync = self._fuse_gradient_syncs(self.bucket_bytes)
+        self._trainable = Trainable(self)
+        self.grad_sync = fuse_gradient_syncs(self, self.bucket_bytes)
         register_parameter_specs(self, self.comm)
 
     def grid(self, layout: Layout) -> ProcessorGrid:
@@ -248,7 +233,7 @@ class ParallelModel(nn.Module):
             return  # runs as traced, on local blocks
         if node.op == "call_module":  # every name the module is registered under
             for path in [n for n, m in gm.named_modules(remove_duplicate=False) if m is module]:
-                _set_submodule(gm, path, new)
+                set_submodule(gm, path, new)
             self._layers[str(node.target)] = new
         else:
             self._function_modules[node.name] = new
@@ -262,7 +247,7 @@ class ParallelModel(nn.Module):
         new = self._make(step, plain) if step.layer is not None else None
         if new is not None:
             self._function_modules[node.name] = new
-        self.add_module(_call_name(node), new if new is not None else plain)
+        self.add_module(call_name(node), new if new is not None else plain)
 
     def _make(self, step: Step, module: nn.Module | None) -> nn.Module | None:
         spec = step.layer
@@ -361,8 +346,8 @@ class ParallelModel(nn.Module):
             return _eager(self._function_modules[node.name], args[0], shapes[node.args[0].name],
                           *rest)
         distributed = node.target in self._layers if node.op == "call_module" else False
-        if node.op == "call_module" and _call_name(node) in self._modules:
-            return self._modules[_call_name(node)](*args, **kwargs)
+        if node.op == "call_module" and call_name(node) in self._modules:
+            return self._modules[call_name(node)](*args, **kwargs)
         if node.op == "call_module":
             module = self.get_submodule(str(node.target))
             if distributed:
@@ -629,194 +614,3 @@ class ParallelModel(nn.Module):
         return (f"world_size={self.comm.size}, data={layout_str(self.config.data)}, "
                 f"loss_reduction={self.loss_reduction!r}, layers={len(self.config.layers)} "
                 f"config entries")
-
-
-def _set_submodule(root: nn.Module, target: str, module: nn.Module) -> None:
-    parent, _, name = target.rpartition(".")
-    setattr(root.get_submodule(parent) if parent else root, name, module)
-
-
-#: bumped whenever any module anywhere registers a parameter or a submodule (assignment,
-#: ``register_parameter``, ``load_state_dict(assign=True)``): a model whose tree is unchanged
-#: since it last looked need only read its parameters' ``requires_grad``
-_TREE_VERSION = [0]
-
-
-def _tree_changed(*_: Any) -> None:
-    _TREE_VERSION[0] += 1
-
-
-nn.modules.module.register_module_parameter_registration_hook(_tree_changed)
-nn.modules.module.register_module_module_registration_hook(_tree_changed)
-
-
-class _Trainable:
-    """Which parameter objects a model holds and which of them train, compared cheaply every
-    forward: the tree is walked again only after some module registered a parameter or module;
-    otherwise only the flags of the parameters it holds are read."""
-
-    def __init__(self, model: nn.Module) -> None:
-        self.version = _TREE_VERSION[0]
-        params: list[nn.Parameter] = []
-        stack = [model]
-        while stack:
-            m = stack.pop()
-            params.extend(p for p in m._parameters.values() if p is not None)
-            stack.extend(c for c in m._modules.values() if c is not None)
-        self.params = params
-        self.ids = tuple(map(id, params))
-        self.flags = tuple(map(_REQUIRES_GRAD, params))
-
-    def changed(self, model: nn.Module) -> bool:
-        if self.version != _TREE_VERSION[0]:
-            now = _Trainable(model)
-            if now.ids != self.ids:
-                return True
-            self.version = now.version
-        return tuple(map(_REQUIRES_GRAD, self.params)) != self.flags
-
-
-_REQUIRES_GRAD = operator.attrgetter("requires_grad")
-
-
-class _Placed:
-    """The distributed layers at their module names, checked cheaply every forward: every
-    (parent, name) edge on the paths from the model to its layers is compared, in one pass in C,
-    with the module it held last time; only where one differs are the layers looked up by name
-    (a replaced layer is refused, naming it) and the edges taken again."""
-
-    def __init__(self, model: nn.Module, layers: dict[str, nn.Module]) -> None:
-        self.model, self.layers = model, layers
-        self._take()
-
-    def _take(self) -> None:
-        edges: dict[tuple[int, str], tuple[dict[str, Any], str, Any]] = {}
-        for target in self.layers:
-            module: Any = self.model
-            for part in target.split("."):
-                children = module._modules
-                module = children[part]
-                edges[(id(children), part)] = (children, part, module)
-        self.dicts = [e[0] for e in edges.values()]
-        self.names = [e[1] for e in edges.values()]
-        self.held = [e[2] for e in edges.values()]
-
-    def check(self) -> None:
-        """Raise TypeError, naming it, when a layer was replaced after parallelize."""
-        if not any(map(operator.is_not, map(dict.get, self.dicts, self.names), self.held)):
-            return
-        for target, layer in self.layers.items():
-            module: Any = self.model
-            for part in target.split("."):
-                module = module._modules[part]
-            if module is not layer:
-                _replaced(target, module)
-        self._take()  # containers on the way were replaced, the layers are the same
-
-
-def _check_split(target: str, steps: list[Step], plain: nn.Module) -> None:
-    """A module called in several layouts must hold no state: its parameters and buffers live
-    in one layout."""
-    if not any(True for _ in plain.parameters()) and not any(True for _ in plain.buffers()):
-        return
-    first = steps[0]
-    other = next(s for s in steps[1:] if not _same_layer(first.layer, s.layer))
-    raise ValueError(
-        f"parallelize: module {target!r} is called twice (nodes {first.node.name!r} and "
-        f"{other.node.name!r}) with its input in different layouts "
-        f"({_show_input(first.layer)} and {_show_input(other.layer)}), and its parameters and "
-        "buffers live in one layout. Give the second call its own module (copy.deepcopy, "
-        "untied) or make both inputs arrive in the same distribution")
-
-
-def _call_name(node: fx.Node) -> str:
-    """The child name of a node's own plain module (a module without state called in another
-    layout than its first call, running as traced)."""
-    return f"_call_{node.name}"
-
-
-def _same_layer(a: LayerSpec | None, b: LayerSpec | None) -> bool:
-    """Whether two calls of one module can share its one layer: the same spec once grid dims of
-    extent 1 are dropped (``{N: 2}`` and ``{H: 1, W: 1, N: 2}`` put every rank at the same
-    coordinates, so the same blocks on the same ranks)."""
-    def canonical(spec: LayerSpec | None) -> Any:
-        if spec is None:
-            return None
-        live = tuple((n, e) for n, e in spec.layout if e > 1)
-        given = None if spec.input is None else Placement(live, spec.input.dist)
-        return dataclasses.replace(spec, layout=live, input=given, source="")
-
-    return canonical(a) == canonical(b)
-
-
-def _show_input(spec: LayerSpec | None) -> str:
-    return "-" if spec is None or spec.input is None else spec.input.format("x")
-
-
-def _tied_parameters(gm: nn.Module) -> list[list[tuple[str, str]]]:
-    """(module, attribute) pairs of every parameter object that more than one module holds."""
-    owners: dict[int, list[tuple[str, str]]] = {}
-    for mname, m in gm.named_modules(remove_duplicate=False):
-        for pname, p in m._parameters.items():
-            if p is not None and (mname, pname) not in owners.get(id(p), []):
-                owners.setdefault(id(p), []).append((mname, pname))
-    return [group for group in owners.values() if len(group) > 1]
-
-
-def _retie(gm: nn.Module, ties: list[list[tuple[str, str]]]) -> None:
-    """Make each parameter the original model shared one parameter again: its holders' shards
-    are one ``Parameter`` (gradients of every use add up in it) when they lie alike, else the
-    model is refused by name."""
-    for group in ties:
-        held = []
-        for mname, pname in group:
-            module = gm.get_submodule(mname)
-            spec = shard_specs(module)[pname]
-            where = (None if spec.grid is None else spec.grid.layout, spec.dist,
-                     spec.global_shape)
-            held.append((f"{mname}.{pname}" if mname else pname, module, pname, where))
-        name0, module0, pname0, where0 = held[0]
-        shared = getattr(module0, pname0)
-        for name, module, pname, where in held[1:]:
-            if getattr(module, pname) is shared:
-                continue
-            if where != where0:
-                raise ValueError(
-                    f"parallelize: {name0!r} and {name!r} are one shared parameter, but their "
-                    f"layers shard it differently ({_show_where(where0)} and "
-                    f"{_show_where(where)}). Give both layers the same grid and algorithm in the "
-                    "config (one entry matching both), or untie the parameter")
-            setattr(module, pname, shared)
-
-
-def _realias(gm: nn.Module, template: nn.Module) -> None:
-    """Register each module the model holds under several paths (``self.skips = [self.enc[1]]``)
-    under every one of them again: the traced module keeps only the path the graph names it by, and
-    torch's state dict lists the module's tensors under each path. The other paths point at the
-    traced (and perhaps distributed) module itself, so every key is the same tensor; parents the
-    traced module lacks are plain containers. Modules the forward never calls stay absent."""
-    paths: dict[int, list[str]] = {}
-    owns: dict[int, bool] = {}
-    for name, m in template.named_modules(remove_duplicate=False):
-        paths.setdefault(id(m), []).append(name)
-        owns[id(m)] = any(t is not None for t in [*m._parameters.values(), *m._buffers.values()])
-    held = dict(gm.named_modules())
-    aliases = []
-    for key, group in paths.items():
-        there = [p for p in group if p in held]
-        if owns[key] and there:
-            aliases.extend((p, there[0]) for p in group if p not in held)
-    for alias, path in sorted(aliases, key=lambda a: a[0].count(".")):
-        parent: nn.Module = gm
-        *dirs, leaf = alias.split(".")
-        for part in dirs:
-            if part not in parent._modules:
-                parent.add_module(part, nn.Module())
-            parent = parent._modules[part]
-        parent.add_module(leaf, gm.get_submodule(path))
-
-
-def _show_where(where: tuple[Any, Any, Any]) -> str:
-    layout, dist, shape = where
-    on = "every rank" if layout is None else layout_str(layout)
-    return f"{dist.format('w')} of {tuple(shape)} on {on}"
