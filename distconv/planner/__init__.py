@@ -41,12 +41,13 @@ from __future__ import annotations
 
 from distconv.planner.choices import (
     ACT, ALGORITHMS, Choice, ConvNode, LayerCost, Value, _memory, _problem, candidates,
-    grid_algorithm, layer_candidates, layer_cost, nd_layer_cost, sample_choice, transition_bytes,
+    data_grids, grid_algorithm, layer_candidates, layer_cost, nd_layer_cost, sample_choice,
+    transition_bytes,
 )
 from distconv.planner.plan import LayerPlan, Plan, explain, plan_network, predict
 from distconv.planner.search import Network, _Search, graph_network, trace_network
 
 __all__ = ["ACT", "ALGORITHMS", "Choice", "ConvNode", "LayerCost", "LayerPlan", "Network", "Plan",
-           "Value", "candidates", "explain", "graph_network", "grid_algorithm", "layer_candidates",
-           "layer_cost", "nd_layer_cost", "plan_network", "predict", "sample_choice",
-           "trace_network", "transition_bytes"]
+           "Value", "candidates", "data_grids", "explain", "graph_network", "grid_algorithm",
+           "layer_candidates", "layer_cost", "nd_layer_cost", "plan_network", "predict",
+           "sample_choice", "trace_network", "transition_bytes"]
