@@ -872,8 +872,8 @@ def main() -> None:
         Path(args.out / "scale_model_paper.json").write_text(
             json.dumps(rows, indent=1, default=str))
         md = "\n".join([f"# {Path(__file__).name} --paper-scale", "",
-                        "Machine: `distconv.machines.lassen()`; prices are `explain`'s; planned "
-                        "with `max_model=8`, `max_sample=R`.", ""] + paper_scale_report(rows))
+                        ("Machine: `distconv.machines.lassen()`; prices are `explain`'s; planned "
+                         "with `max_model=8`, `max_sample=R`."), ""] + paper_scale_report(rows))
         Path(args.out / "scale_model_paper.md").write_text(md)
         print(md)
         return
