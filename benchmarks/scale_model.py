@@ -22,7 +22,8 @@ Writes ``benchmarks/results/scale_model.{json,md}`` and ``scale_model_fig{4,6,7}
 
     .venv/bin/python benchmarks/scale_model.py --jobs 14  # full (~4 min on 16 cores)
     .venv/bin/python benchmarks/scale_model.py --quick    # fewer scales
-    .venv/bin/python benchmarks/scale_model.py --unet3d   # the U-Net 3-D rows only (~1 min)
+    .venv/bin/python benchmarks/scale_model.py --unet3d   # the U-Net 3-D rows only (~2 min)
+    .venv/bin/python benchmarks/scale_model.py --paper-scale  # scale_model_paper.{json,md} (~4 min)
     .venv/bin/python benchmarks/scale_model.py --fig78-speedups  # predicted speedups (~2 min)
 """
 
