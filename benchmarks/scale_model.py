@@ -22,7 +22,8 @@ Writes ``benchmarks/results/scale_model.{json,md}`` and ``scale_model_fig{4,6,7}
 
     .venv/bin/python benchmarks/scale_model.py --jobs 14  # full (~4 min on 16 cores)
     .venv/bin/python benchmarks/scale_model.py --quick    # fewer scales
-    .venv/bin/python benchmarks/scale_model.py --unet3d   # the U-Net 3-D rows only (~1 min)
+    .venv/bin/python benchmarks/scale_model.py --unet3d   # the U-Net 3-D rows only (~2 min)
+    .venv/bin/python benchmarks/scale_model.py --paper-scale  # scale_model_paper.{json,md} (~4 min)
     .venv/bin/python benchmarks/scale_model.py --fig78-speedups  # predicted speedups (~2 min)
 """
 
@@ -213,9 +214,9 @@ def paper_scale(machine: Any, cases: list[tuple[str, int, int, int, int]]
     for name, widen, per_row, R, k in cases:
         B, P = per_row * R, R * k
         net = trace_network(wrn50(widen), (B, 3, 224, 224))
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         plan = plan_network(net, world_size=P, machine=machine, max_model=8, max_sample=R)
-        seconds = time.perf_counter() - t0
+        seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
         paper = paper_config(net, R, k)
         hands = {**hand_configs(net, R, k), "paper": paper}
         priced = {label: predict(net, cfg, world_size=P, machine=machine)
@@ -236,13 +237,15 @@ def paper_scale(machine: Any, cases: list[tuple[str, int, int, int, int]]
             row["planner"], row["paper"] = dict(row["planner"]), dict(row["paper"])
             row["planner_seconds"], row["paper_seconds"] = p_stage.get(st), q_stage.get(st)
         row = {"net": name, "R": R, "k": k, "P": P, "B": B, "plan_seconds": seconds,
-               "planner": plan.step_time, "priced": plan.priced,
+               "plan_cpu_seconds": cpu, "planner": plan.step_time, "priced": plan.priced,
                "configs": {label: p.step_time for label, p in priced.items()},
                "sample_on_R": sample.step_time,
                "speedup_planner": sample.step_time / plan.step_time,
                "speedup_paper_layout": sample.step_time / priced["paper"].step_time,
                "stages": stages, "plan": plan.config()}
         row["behind"] = [label for label, t in row["configs"].items() if t < plan.step_time]
+        hand = {label: t for label, t in row["configs"].items() if label != "paper"}
+        row["best_hand"] = min(hand, key=hand.__getitem__)
         out.append(row)
         print(f"{name} R={R} k={k} P={P}: planned in {seconds:.1f} s, {plan.step_time * 1e3:.2f} "
               f"ms; " + ", ".join(f"{label} {t * 1e3:.2f}" for label, t in
@@ -253,6 +256,28 @@ def paper_scale(machine: Any, cases: list[tuple[str, int, int, int, int]]
             print(f"  {st}: planner {r['planner']} {_ms(r['planner_seconds'])} ms | paper "
                   f"{r['paper']} {_ms(r['paper_seconds'])} ms", flush=True)
     return out
+
+
+def paper_scale_report(rows: list[dict[str, Any]]) -> list[str]:
+    """Markdown: per paper-scale row the time to plan, the plan's price against the best hand
+    config's and the paper's layout's, and the picks per stage next to the paper's."""
+    md = ["## Paper scale: time to plan and the plan against the hand configs (ms per step)", "",
+          "Wall seconds depend on the machine's other load; CPU seconds are the planner's own.",
+          ""]
+    md += _table(
+        ["net", "GPUs (R × k)", "batch", "planned in (s: wall, CPU)", "plans priced", "plan",
+         "best hand config", "paper's layout", "hand configs below the plan"],
+        [[r["net"], f"{r['P']} ({r['R']} × {r['k']})", r["B"],
+          f"{r['plan_seconds']:.1f}, {r['plan_cpu_seconds']:.1f}", r["priced"], _ms(r["planner"]),
+          f"{_ms(r['configs'][r['best_hand']])} ({r['best_hand']})",
+          _ms(r["configs"]["paper"]), ", ".join(r["behind"]) or "none"] for r in rows])
+    for r in rows:
+        md += [f"### {r['net']}, {r['P']} GPUs: picks per stage (ms of the stage's layers)", ""]
+        md += _table(["stage", "planner", "ms", "paper's layout", "ms"], [
+            [st, ", ".join(f"{c} ({n})" for c, n in v["planner"].items()),
+             _ms(v["planner_seconds"]), ", ".join(f"{c} ({n})" for c, n in v["paper"].items()),
+             _ms(v["paper_seconds"])] for st, v in r["stages"].items()])
+    return md
 
 
 # --------------------------------------------------------------------------- Figs. 7-8 speedups
@@ -422,11 +447,12 @@ def unet3d_net(R: int, side: int) -> Any:
 
 
 def unet3d_configs(R: int, k: int) -> dict[str, tuple[dict[str, Any], bool]]:
-    """Hand configs on P = k·R GPUs, each with whether the planner's space holds it (a config
-    of one grid and algorithm per convolution; the data grid and mixed grids such as C×D are
-    outside it): spatial over D, D×H (and D×H×W), a hybrid of spatial levels with a
-    channel-parallel bottom and a filter-parallel first up-convolution, and two as
-    ``docs/volumes.md`` writes them (the batch read onto the spatial grid; a C×D bottom)."""
+    """Hand configs on P = k·R GPUs, each with whether the planner's space holds it (one grid
+    and algorithm per convolution, the batch read on the sample grid or on the first layer's
+    spatial grid; mixed grids such as C×D are outside it): spatial over D, D×H (and D×H×W), a
+    hybrid of spatial levels with a channel-parallel bottom and a filter-parallel first
+    up-convolution, and two as ``docs/volumes.md`` writes them (the batch read onto the
+    spatial grid; a C×D bottom)."""
     def spatial(grid: dict[str, int]) -> dict[str, Any]:
         return {"grid": {"N": R, **grid}, "algorithm": "spatial"}
 
@@ -439,7 +465,7 @@ def unet3d_configs(R: int, k: int) -> dict[str, tuple[dict[str, Any], bool]]:
             {"match": "up.0", "grid": {"N": R, "F": k}, "algorithm": "stationary-y"}]
     out[f"hybrid D {k} + C/F bottom"] = ({"default": spatial({"D": k}), "layers": deep}, True)
     out[f"D {k}, batch read on D"] = (
-        {"default": spatial({"D": k}), "data": {"N": R, "D": k}}, False)
+        {"default": spatial({"D": k}), "data": {"N": R, "D": k}}, True)
     mixed = [{"match": "bottom.*", "grid": {"N": R, "C": 2, "D": k // 2},
               "algorithm": "stationary-x"},
              {"match": "up.*", "grid": {"N": R, "F": 2, "D": k // 2}, "algorithm": "stationary-y"}]
@@ -517,18 +543,19 @@ def unet3d_report(rows: list[dict[str, Any]]) -> list[str]:
             md += [(f"Sample parallelism on {r['R']} GPUs needs "
                     f"{r['sample_on_R_memory'] / 2**30:.1f} GiB per rank, over the V100's 16 "
                     "GiB: the speedups are against a step that could not run."), ""]
-        md += [f"Planned in {r['plan_seconds']:.1f} s ({r['priced']} plans priced); picks per "
-               "level: " + "; ".join(f"{lv} " + ", ".join(f"{c} ({n})" for c, n in ch.items())
-                                     for lv, ch in r["levels"].items()), ""]
+        data = r["plan"].get("data", {"N": r["P"]})
+        md += [f"Planned in {r['plan_seconds']:.1f} s ({r['priced']} plans priced); data grid "
+               f"{'×'.join(f'{d}{e}' for d, e in data.items())}; picks per level: "
+               + "; ".join(f"{lv} " + ", ".join(f"{c} ({n})" for c, n in ch.items())
+                           for lv, ch in r["levels"].items()), ""]
     bad = [(r, b) for r in rows for b in r["behind_in_space"]]
     out_space = [(r, b) for r in rows for b in r["behind"] if b not in r["behind_in_space"]]
     md.append("**No hand config priced below the planner's plan** (in its space, fitting 16 GiB): "
               + ("holds in every case." if not bad else "**fails**: " + "; ".join(
                   _below(r, b) for r, b in bad) + "."))
-    if out_space:
-        md.append("\n\n**Priced below the plan but outside the planner's space** (a data grid, "
-                  "a mixed grid) **or over the GPU's memory**: " + "; ".join(
-                      _below(r, b) for r, b in out_space) + ".")
+    md.append("\n\n**Priced below the plan but outside the planner's space** (a mixed grid) "
+              "**or over the GPU's memory**: " + ("; ".join(_below(r, b) for r, b in out_space)
+                                                   + "." if out_space else "none."))
     return md + [""]
 
 
@@ -845,6 +872,11 @@ def main() -> None:
         args.out.mkdir(parents=True, exist_ok=True)
         Path(args.out / "scale_model_paper.json").write_text(
             json.dumps(rows, indent=1, default=str))
+        md = "\n".join([f"# {Path(__file__).name} --paper-scale", "",
+                        ("Machine: `distconv.machines.lassen()`; prices are `explain`'s; planned "
+                         "with `max_model=8`, `max_sample=R`."), ""] + paper_scale_report(rows))
+        Path(args.out / "scale_model_paper.md").write_text(md)
+        print(md)
         return
     worlds = [8, 32, 128, 512, 2048] if args.quick else [8, 16, 32, 64, 128, 256, 512, 1024, 2048]
     rows_list = [4, 64] if args.quick else [4, 32, 256]

@@ -231,6 +231,26 @@ def test_planner_takes_a_flat_machine_a_factory_or_a_name(tiny) -> None:  # noqa
         plan_network(tiny, world_size=4, machine=None)
 
 
+@pytest.mark.parametrize("machine", ["lassen", "slow links"])
+def test_the_plan_is_priced_no_dearer_than_each_layers_own_cheapest_choice(
+        tiny, machine: str) -> None:
+    """Each convolution's cheapest candidate priced alone (its own report and gradient
+    allreduce, conversions between layers ignored: how ``auto`` once chose), made one config and
+    priced by explain: the plan is no dearer (the search starts from it)."""
+    from distconv.machines import lassen
+    from distconv.parallel.explain import explain
+    from distconv.planner import layer_candidates, layer_cost
+
+    m = lassen() if machine == "lassen" else _flat(1e-5, 1e7, 1e12)
+    plan = plan_network(tiny, world_size=4, machine=m)
+    picks = {c.name: min(layer_candidates(c, 4), key=lambda ch, c=c: layer_cost(c, ch, m).total)
+             for c in tiny.convs}
+    config = {"default": {"grid": {"N": 4}, "algorithm": "sample"},
+              "layers": [{"match": n, **ch.config()} for n, ch in picks.items()]}
+    own = explain(TinyResNet(), config, (8, 4, 8, 8), world_size=4, machine=m).seconds()
+    assert plan.step_time <= own * (1 + 1e-12), (plan.config(), plan.step_time, own)
+
+
 def test_planner_refuses_what_parallelize_refuses() -> None:
     from torch import nn
 

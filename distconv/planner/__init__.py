@@ -12,6 +12,10 @@ convolution chooses a :class:`Choice` (grid layout and algorithm):
 
 with the model-parallel dims **last**, so channel groups sit inside a socket or node; every
 other node is placed by its op handler from where its inputs are, as ``parallelize`` places it.
+Planned from scratch, the plan also chooses its data grid (the config's ``data``: the input
+``x[o_N,*,...]``): the sample grid ``{N: P}``, or where the first convolution is spatial its
+own grid, the batch read onto the spatial ranks of its row (:func:`data_grids`); a given
+config's data grid is kept.
 
 The price of a plan is :mod:`distconv.parallel.cost`'s: every node's report by its op handler,
 the conversions between placements, the running statistics and the gradient buckets, on the
@@ -28,25 +32,28 @@ steps per (value, source, target) -- in two stages over the same reports:
    large: a DenseNet block's many-way concatenations). The additive score is the price except
    for how much of the gradient allreduces hides behind backward and how the buckets fuse;
 2. **coordinate descent on the price itself** (:meth:`_Search.price`): from the cheapest of the
-   beam's plans and the uniform plans (one grid and algorithm for every convolution), each
+   beam's plans, the uniform plans (one grid and algorithm for every convolution) and the plan
+   of each layer's own cheapest choice priced alone (how ``auto`` once chose per layer), each
    stage (a top-level module's layers) given one grid and algorithm at once, then each layer's
    alternatives (what the priced plans near the best give it, pipelined or not) with the rest
-   kept, until no change lowers the price.
+   kept, then the data grid's, until no change lowers the price.
 
 So the plan returned is the least-priced plan the search visits, by the very price ``explain``
-gives its config on the same machine (``Plan.step_time`` is that price).
+gives its config on the same machine (``Plan.step_time`` is that price), never priced above
+the per-layer picks or a uniform plan that fits the memory.
 """
 
 from __future__ import annotations
 
 from distconv.planner.choices import (
     ACT, ALGORITHMS, Choice, ConvNode, LayerCost, Value, _memory, _problem, candidates,
-    grid_algorithm, layer_candidates, layer_cost, nd_layer_cost, sample_choice, transition_bytes,
+    data_grids, grid_algorithm, layer_candidates, layer_cost, nd_layer_cost, sample_choice,
+    transition_bytes,
 )
 from distconv.planner.plan import LayerPlan, Plan, explain, plan_network, predict
 from distconv.planner.search import Network, _Search, graph_network, trace_network
 
 __all__ = ["ACT", "ALGORITHMS", "Choice", "ConvNode", "LayerCost", "LayerPlan", "Network", "Plan",
-           "Value", "candidates", "explain", "graph_network", "grid_algorithm", "layer_candidates",
-           "layer_cost", "nd_layer_cost", "plan_network", "predict", "sample_choice",
-           "trace_network", "transition_bytes"]
+           "Value", "candidates", "data_grids", "explain", "graph_network", "grid_algorithm",
+           "layer_candidates", "layer_cost", "nd_layer_cost", "plan_network", "predict",
+           "sample_choice", "trace_network", "transition_bytes"]

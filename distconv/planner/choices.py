@@ -252,6 +252,21 @@ def layer_candidates(conv: ConvNode, world_size: int, *, max_model: int = 16,
     return out
 
 
+def data_grids(first: Choice, world_size: int) -> list[tuple[tuple[str, int], ...]]:
+    """The data grids (a config's ``data``: where the model's input and output samples live,
+    ``x[o_N,*,...]``) of a plan whose first convolution takes ``first``: the sample grid
+    ``{N: P}``, and where ``first`` is spatial its own grid -- the batch read whole onto the
+    spatial ranks of its N row, as ``docs/volumes.md`` reads volumes, so that layer takes its
+    block by a local slice. No other: the price does not charge for reading the input onto
+    more ranks, and any other layer on a data grid that replicates the input (a
+    channel/filter-parallel one, or a later one) would get its blocks free of the conversion
+    it pays from the sample grid."""
+    out = [(("N", world_size),)]
+    if first.algorithm == "spatial":
+        out.append(first.grid)
+    return list(dict.fromkeys(out))
+
+
 def _splits(m: int, rows: Sequence[str]) -> list[tuple[tuple[str, int], ...]]:
     """Every way to split ``m`` ranks over some of ``rows`` (in their order), each by more than
     1."""

@@ -16,10 +16,10 @@ from distconv.ops import Unsupported
 from distconv.ops.conv_nd import refusal
 from distconv.pricing.timeline import LayerReport, timeline
 from distconv.parallel import cost
-from distconv.parallel.config import ParallelConfig
+from distconv.parallel.config import Layout, ParallelConfig
 from distconv.planner.choices import (
-    ALGORITHMS, Choice, ConvNode, LayerCost, _phases, _valid, grid_algorithm, layer_candidates,
-    sample_choice,
+    ALGORITHMS, Choice, ConvNode, LayerCost, _phases, _valid, data_grids, grid_algorithm,
+    layer_candidates, sample_choice,
 )
 from distconv.planner.search import Network, _Priced, _Search, _literal, trace_network
 
@@ -63,10 +63,14 @@ class Plan:
     planned: frozenset[str] = frozenset()
     #: the priced layers (``explain``'s :class:`~distconv.pricing.timeline.LayerReport` list)
     reports: list[LayerReport] = field(default_factory=list, repr=False)
+    #: the data grid (the config's ``data``: the input's ``x[o_N,*,...]`` and the output's
+    #: grid); None: ``{N: world_size}``
+    data: tuple[tuple[str, int], ...] | None = None
 
     def config(self) -> dict[str, Any]:
-        """The plan in the format of ``distconv.parallelize``: sample-parallel default and one
-        entry per convolution that differs from it (exact names, in model order). Planned from a
+        """The plan in the format of ``distconv.parallelize``: sample-parallel default, one
+        entry per convolution that differs from it (exact names, in model order) and the data
+        grid where it is not the sample grid ``{N: P}``. Planned from a
         config: that config with an exact entry, first, for every layer its ``auto`` chose; an
         ``auto`` entry or default, which then reaches Linear layers only, says what ``auto``
         means for those where it can -- sample parallelism on a data grid of samples only -- so
@@ -78,11 +82,14 @@ class Plan:
                     "layers": chosen + [_settled_entry(e, self.base, self.world_size)
                                         for e in self.base.get("layers", [])]}
         default = sample_choice(self.world_size).config()
-        return {
+        out: dict[str, Any] = {
             "default": default,
             "layers": [{"match": _literal(lp.conv.name), **lp.choice.config()}
                        for lp in self.layers if lp.choice.config() != default],
         }
+        if self.data is not None and dict(self.data) != default["grid"]:
+            out["data"] = dict(self.data)
+        return out
 
     def explain(self) -> str:
         return explain(self)
@@ -114,8 +121,9 @@ def explain(plan: Plan) -> str:
     """Why: per layer the chosen option, its predicted milliseconds (forward, backward on the
     critical path, gradient allreduce alone, conversion into it), the bytes the slowest rank
     receives in that conversion, and the runner-up with how much dearer the step would be."""
-    rows = [f"{plan.machine.name}, {plan.world_size} ranks, batch {plan.batch}: predicted step "
-            f"{plan.step_time * 1e3:.2f} ms (forward {plan.forward_time * 1e3:.2f} ms), "
+    data = "" if plan.data is None else f", data grid {dict(plan.data)}"
+    rows = [f"{plan.machine.name}, {plan.world_size} ranks, batch {plan.batch}{data}: predicted "
+            f"step {plan.step_time * 1e3:.2f} ms (forward {plan.forward_time * 1e3:.2f} ms), "
             f"{plan.memory / 2**30:.2f} GiB per rank; {plan.priced} plans priced",
             "per layer (its own report; runner-up: the step's price with it instead):",
             f"{'layer':28s} {'choice':26s} {'fwd':>7s} {'bwd':>7s} {'allred':>7s} "
@@ -224,13 +232,16 @@ def plan_network(
                 f"plan_network: no candidate for {c.name} ({what}){grid} on world_size="
                 f"{world_size} with algorithms={tuple(algorithms)}, max_model={max_model}; "
                 "allow more algorithms or a larger max_model, or a batch >= world_size")
-    search = _Search(net, world_size, machine, options, base, itemsize, optimizer_slots)
+    # planned from scratch, the data grid is chosen too (a given config's is kept: its user
+    # feeds the input that way)
+    first = net.convs[0].name if config is None and net.convs else None
+    search = _Search(net, world_size, machine, options, base, itemsize, optimizer_slots, first)
     notes: list[str] = []
     best = _search(search, 0.0, limit, beam_width)
-    if best[1].memory > limit:
+    if best[2].memory > limit:
         best = _fit_memory(search, limit, beam_width)
-    chosen, priced = best
-    chosen, priced, runners = _descend(search, chosen, priced, limit)
+    chosen, grid, priced = best
+    chosen, priced, runners = _descend(search, chosen, grid, priced, limit)
     if search.binding:
         notes.append(f"memory limit {limit / 2**30:.2f} GiB per rank is binding")
     return _make_plan(search, chosen, priced, runners, notes,
@@ -250,33 +261,50 @@ def _without_auto(raw: dict[str, Any], P: int) -> dict[str, Any]:
     return _settled(raw, P)
 
 
-def _search(s: _Search, mu: float, limit: float, width: int
-            ) -> tuple[dict[str, Choice], _Priced]:
-    """The cheapest of the beam's plans (allreduces weighted 0 and 1) and the uniform plans,
-    by the price; the memory multiplier ``mu`` steers the beam."""
-    plans: dict[tuple, dict[str, Choice]] = {}
+Found = tuple[dict[str, Choice], Layout, _Priced]
+
+
+def _search(s: _Search, mu: float, limit: float, width: int) -> Found:
+    """The cheapest, by the price, of the beam's plans (allreduces weighted 0 and 1), each
+    layer's own cheapest choice (:func:`_own_picks`) and the uniform plans; the memory
+    multiplier ``mu`` steers the beam."""
+    plans: dict[tuple, tuple[dict[str, Choice], Layout]] = {}
+
+    def add(p: dict[str, Choice], data: Layout) -> None:
+        plans.setdefault((tuple(sorted(p.items(), key=lambda kv: kv[0])), data), (p, data))
+
     for lam in (0.0, 1.0):
-        for p in s.beam(lam, mu, width)[:BEAM_PLANS]:
-            plans.setdefault(tuple(sorted(p.items(), key=lambda kv: kv[0])), p)
+        for p, data in s.beam(lam, mu, width)[:BEAM_PLANS]:
+            add(p, data)
+    add(_own_picks(s), s.base.data)
     for p in _uniform(s):
-        plans.setdefault(tuple(sorted(p.items(), key=lambda kv: kv[0])), p)
+        add(p, s.base.data)
     scored = []
-    for p in plans.values():
+    for p, data in plans.values():
         try:
-            priced = s.price(p)
+            priced = s.price(p, data)
         except (Unsupported, ValueError):
             continue  # e.g. a uniform plan a layer's placement refuses
         fits = priced.memory <= limit
         scored.append(((not fits, priced.step + mu * priced.memory if fits else priced.memory),
-                       p, priced))
+                       p, data, priced))
     if not scored:
         raise ValueError("plan_network: the search found no plan parallelize can run")
-    _, p, priced = min(scored, key=lambda t: t[0])
+    _, p, data, priced = min(scored, key=lambda t: t[0])
     # the plans the descent draws each layer's alternatives from: those near the best
-    s.seeds.extend(q for (infeasible, _), q, qp in scored
+    s.seeds.extend((q, d) for (infeasible, _), q, d, qp in scored
                    if not infeasible and qp.step <= SEED_SLACK * priced.step)
-    s.binding = s.binding or min(scored, key=lambda t: t[2].step)[2].memory > limit
-    return p, priced
+    s.binding = s.binding or min(scored, key=lambda t: t[3].step)[3].memory > limit
+    return p, data, priced
+
+
+def _own_picks(s: _Search) -> dict[str, Choice]:
+    """Each layer's cheapest choice priced alone (its own report and gradient allreduce,
+    :meth:`_Search.own`; the conversions between layers ignored): how ``auto`` once chose, per
+    layer. A starting plan, so the plan is never priced above it."""
+    convs = {c.name: c for c in s.net.convs}
+    return {name: min(opts, key=lambda ch, c=convs[name]: s.own(c, ch))
+            for name, opts in s.options.items()}
 
 
 def _uniform(s: _Search) -> list[dict[str, Choice]]:
@@ -289,12 +317,12 @@ def _uniform(s: _Search) -> list[dict[str, Choice]]:
             for key in sorted(every, key=lambda g: (g[1], g[0]))]
 
 
-def _fit_memory(s: _Search, limit: float, width: int) -> tuple[dict[str, Choice], _Priced]:
+def _fit_memory(s: _Search, limit: float, width: int) -> Found:
     """Raise the beam's price of memory (seconds per byte) until its plan fits ``limit``, then
     bisect it down to the cheapest multiplier that still fits."""
     lo, hi = 0.0, 1e-12
     while True:
-        p, priced = _search(s, hi, limit, width)
+        p, data, priced = _search(s, hi, limit, width)
         if priced.memory <= limit:
             break
         if hi > 1e3:
@@ -303,14 +331,14 @@ def _fit_memory(s: _Search, limit: float, width: int) -> tuple[dict[str, Choice]
                 f"smallest found needs {priced.memory:.4g} (more ranks, a larger max_model or a "
                 "smaller batch)")
         lo, hi = hi, hi * 8
-    fit = (p, priced)
+    fit = (p, data, priced)
     for _ in range(8):
         mid = math.sqrt(lo * hi) if lo else hi / 8
-        p, priced = _search(s, mid, limit, width)
+        p, data, priced = _search(s, mid, limit, width)
         if priced.memory <= limit:
             hi = mid
-            if priced.step < fit[1].step:
-                fit = (p, priced)
+            if priced.step < fit[2].step:
+                fit = (p, data, priced)
         else:
             lo = mid
     return fit
@@ -320,7 +348,7 @@ def _alternatives(s: _Search, name: str, current: Choice) -> list[Choice]:
     """A layer's other choices the descent tries: what the beam's plans and the uniform plans
     give it (each also pipelined as the current one is, where it moves data), and its current
     one pipelined where that layer moves data pipelining can overlap."""
-    out = [p[name] for p in s.seeds if p[name] != current]
+    out = [p[name] for p, _ in s.seeds if p[name] != current]
     if current.pipeline > 1:
         out += [replace(ch, pipeline=current.pipeline) for ch in out if ch.communicates]
     if current.communicates:
@@ -330,14 +358,17 @@ def _alternatives(s: _Search, name: str, current: Choice) -> list[Choice]:
     return list(dict.fromkeys(out))
 
 
-def _descend(s: _Search, chosen: dict[str, Choice], priced: _Priced, limit: float,
-             rounds: int = 8
+def _descend(s: _Search, chosen: dict[str, Choice], data: Layout, priced: _Priced,
+             limit: float, rounds: int = 8
              ) -> tuple[dict[str, Choice], _Priced, dict[str, list[tuple[Choice, float]]]]:
     """Coordinate descent on the price, until a round changes nothing: each group of layers
     (:func:`_groups`) given one grid and algorithm at once, then each layer's alternatives with
-    the rest kept, taken where the step is cheaper; the last round's alternatives per layer with
-    the step's price under each, cheapest (the runner-up) first."""
+    the rest kept (the first layer's also with the data grid moved onto it), then the data
+    grid's, taken where the step is cheaper; the last round's alternatives per layer with the
+    step's price under each, cheapest (the runner-up) first. The data grid is the returned
+    price's (``_Priced.analysis.data``)."""
     runners: dict[str, list[tuple[Choice, float]]] = {}
+    first = s.first
     for _ in range(rounds):
         improved = False
         for group in _groups(s):  # a stage at once: what no single layer's change pays for
@@ -348,7 +379,7 @@ def _descend(s: _Search, chosen: dict[str, Choice], priced: _Priced, limit: floa
                 if all(moved[n] == chosen[n] for n in group):
                     continue
                 try:
-                    trial = s.price({**chosen, **moved})
+                    trial = s.price({**chosen, **moved}, data)
                 except (Unsupported, ValueError):
                     continue
                 if trial.memory <= limit and trial.step < priced.step * (1 - 1e-9):
@@ -357,22 +388,50 @@ def _descend(s: _Search, chosen: dict[str, Choice], priced: _Priced, limit: floa
         for name in s.options:
             others: list[tuple[Choice, float]] = []
             for ch in _alternatives(s, name, chosen[name]):
-                try:
-                    trial = s.price({**chosen, name: ch})
-                except (Unsupported, ValueError):
-                    continue
-                if trial.memory > limit:
-                    s.binding = s.binding or trial.step < priced.step
-                    continue
-                if trial.step < priced.step * (1 - 1e-9):
-                    others = [(chosen[name], priced.step)]  # those priced so far, against it
-                    chosen, priced, improved = {**chosen, name: ch}, trial, True
-                else:
+                # the first layer's choice with each data grid it admits (the batch read onto
+                # its grid: a move no single change makes where the input's conversion is what
+                # it costs)
+                grids = [data] + (data_grids(ch, s.P) if name == first else [])
+                for grid in dict.fromkeys(grids):
+                    try:
+                        trial = s.price({**chosen, name: ch}, grid)
+                    except (Unsupported, ValueError):
+                        continue
+                    if trial.memory > limit:
+                        s.binding = s.binding or trial.step < priced.step
+                        continue
+                    if trial.step < priced.step * (1 - 1e-9):
+                        others = [(chosen[name], priced.step)]  # those priced so far, against it
+                        chosen, data, priced, improved = {**chosen, name: ch}, grid, trial, True
+                        break
                     others.append((ch, trial.step))
-            runners[name] = sorted(others, key=lambda t: t[1])
+            runners[name] = _cheapest_each(others)
+        for grid in _data_alternatives(s, chosen, data, first):
+            try:
+                trial = s.price(chosen, grid)
+            except (Unsupported, ValueError):
+                continue
+            if trial.memory <= limit and trial.step < priced.step * (1 - 1e-9):
+                data, priced, improved = grid, trial, True
         if not improved:
             break
     return chosen, priced, runners
+
+
+def _cheapest_each(priced: list[tuple[Choice, float]]) -> list[tuple[Choice, float]]:
+    """Each choice once, at the least price it was priced at, cheapest first."""
+    best: dict[Choice, float] = {}
+    for ch, t in priced:
+        best[ch] = min(t, best.get(ch, math.inf))
+    return sorted(best.items(), key=lambda t: t[1])
+
+
+def _data_alternatives(s: _Search, chosen: Mapping[str, Choice], data: Layout,
+                       first: str | None) -> list[Layout]:
+    """The data grids the descent tries besides ``data``: those the first layer's choice admits
+    (:func:`~distconv.planner.choices.data_grids`)."""
+    grids = data_grids(chosen[first], s.P) if first in chosen else []
+    return [g for g in grids if g != data]
 
 
 def _groups(s: _Search) -> list[list[str]]:
@@ -417,7 +476,8 @@ def _make_plan(s: _Search, chosen: Mapping[str, Choice], priced: _Priced,
                              max((sum(st.bytes[r] for st in into) for r in every), default=0),
                              ru, at - t.step, others))
     plan = Plan(s.P, s.net.input_shape[0], s.machine, lps, t.step - own, t.step, t.forward,
-                memory, notes, priced=s.visited, base=base, planned=planned, reports=layers)
+                memory, notes, priced=s.visited, base=base, planned=planned, reports=layers,
+                data=priced.analysis.data)
     return plan
 
 

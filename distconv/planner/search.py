@@ -16,12 +16,14 @@ from distconv.machines.base import Machine
 from distconv.ops import Unsupported
 from distconv.pricing.timeline import LayerReport, largest_block, timeline
 from distconv.parallel import cost
-from distconv.parallel.config import LayerChoice, ParallelConfig
+from distconv.parallel.config import LayerChoice, Layout, ParallelConfig
 from distconv.parallel.graph import _Analyser, analyse, trace
 from distconv.parallel.placement import Placement, evaluated_ranks
 from distconv.parallel.shapes import check_input_shape, propagate_shapes
 from distconv.parallel.steps import Step
-from distconv.planner.choices import Choice, ConvNode, _allreduce, _phases, _problem
+from distconv.planner.choices import (
+    Choice, ConvNode, _allreduce, _phases, _problem, data_grids, layer_cost,
+)
 
 
 @dataclass(frozen=True, eq=False)
@@ -93,11 +95,13 @@ _CONVS = (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d, torch.nn.ConvTransp
 class _View:
     """A config as the search sees it: the layers it has chosen for take their choice; the
     others their entry in the config planned from (a convolution still to be chosen, the first
-    of its candidates). Everything else is the config's."""
+    of its candidates); the data grid the plan's. Everything else is the config's."""
 
     def __init__(self, base: ParallelConfig, entry: Any, first: Mapping[str, Choice]) -> None:
         self.base, self.entry, self.first = base, entry, first
         self.chosen: Mapping[str, Choice] = {}
+        #: the grid the model's input and output samples live on: the plan's (a choice too)
+        self.data: Layout = base.data
 
     def choice(self, name: str) -> LayerChoice:
         ch = self.chosen.get(name) or self.first.get(name)
@@ -120,14 +124,21 @@ class _Priced:
 
 class _Search:
     """The price of plans on one network, world size and machine, cached per node and placement:
-    a beam over the topological order and the exact price of a whole plan."""
+    a beam over the topological order and the exact price of a whole plan. A plan is each
+    chosen layer's :class:`Choice` and the data grid (the input's distribution): the config's,
+    or with ``first`` (the first convolution, one the search chooses for) any of
+    :func:`~distconv.planner.choices.data_grids` of that layer's choice."""
 
     def __init__(self, net: Network, P: int, machine: Machine, options: Mapping[str, list[Choice]],
-                 base: Mapping[str, Any], itemsize: int, optimizer_states: int) -> None:
+                 base: Mapping[str, Any], itemsize: int, optimizer_states: int,
+                 first: str | None = None) -> None:
         self.net, self.P, self.machine, self.options = net, P, machine, options
         self.itemsize, self.optimizer_states = itemsize, optimizer_states
         self.raw = dict(base)
         self.base = ParallelConfig(self.raw, world_size=P)
+        self.first = first if first in options else None
+        self.data = list(dict.fromkeys([self.base.data] + [
+            g for ch in options.get(first, []) for g in data_grids(ch, P)]))
 
         self._layers = list(self.raw.get("layers", []))
         self._entries: dict[tuple[str, Choice], LayerChoice] = {}
@@ -155,9 +166,11 @@ class _Search:
         self._buckets: dict[tuple, LayerReport | None] = {}
         self._seconds: dict[int, tuple[LayerReport, float, float, float]] = {}
         self._grads: dict[tuple, float] = {}
+        self._own: dict[tuple, float] = {}
         self.visited = 0  # plans priced exactly
         self.binding = False  # whether a cheaper plan did not fit the memory limit
-        self.seeds: list[dict[str, Choice]] = []  # the plans the descent starts among
+        #: the plans the descent draws its alternatives from (choices and data grid)
+        self.seeds: list[tuple[dict[str, Choice], Layout]] = []
 
     def entry(self, name: str, ch: Choice) -> LayerChoice:
         """The config entry ``ch`` makes for the layer ``name``, as ``parallelize`` reads it."""
@@ -243,7 +256,7 @@ class _Search:
         """The step's parameters' gradient allreduces alone (the beam's share of the buckets)."""
         if step.layer is None or step.handler is None or step.node.op != "call_module":
             return 0.0
-        key = (step.node.target, step.layer, step.out)
+        key = (step.node.target, step.layer, step.out, self.view.data)
         if key not in self._grads:
             module = self.modules[step.node.target]
             dists = step.handler.param_dists(step, module)
@@ -252,30 +265,54 @@ class _Search:
             for leaf, p in module.named_parameters(recurse=False):
                 dist = None if dists is None else dists.get(leaf)
                 if dist is None:  # replicated everywhere: summed over every rank
-                    params.append((p.numel(), tuple(d for d, _ in self.base.data)))
+                    params.append((p.numel(), tuple(d for d, _ in self.view.data)))
                     continue
                 placed = Placement(layout, dist)
                 dims = tuple(d for d, e in layout if e > 1 and d not in placed.dist.used())
                 params.append((largest_block(placed, tuple(p.shape)), dims))
-            grid = layout if dists is not None else self.base.data
+            grid = layout if dists is not None else self.view.data
             self._grads[key] = _allreduce(params, grid, self.machine, self.itemsize)
         return self._grads[key]
 
+    def admits(self, chosen: Mapping[str, Choice], data: Layout) -> bool:
+        """Whether a plan may read its input on ``data`` (the config's data grid, or one of
+        :func:`~distconv.planner.choices.data_grids` of the first layer's choice)."""
+        return data == self.base.data or (
+            self.first in chosen and data in data_grids(chosen[self.first], self.P))
+
+    def own(self, conv: ConvNode, ch: Choice) -> float:
+        """Seconds of ``conv`` alone under ``ch``: its report's forward and backward and its
+        gradient allreduce (:func:`~distconv.planner.choices.layer_cost`), cached per layer
+        shape (a ResNet's blocks repeat theirs)."""
+        shape = (conv.problem, conv.in_shape, conv.out_shape,
+                 None if conv.module is None else (type(conv.module), repr(conv.module)), ch)
+        if shape not in self._own:
+            self._own[shape] = layer_cost(conv, ch, self.machine, itemsize=self.itemsize,
+                                          optimizer_slots=self.optimizer_states).total
+        return self._own[shape]
+
     # ---------------------------------------------------------------- the beam
-    def beam(self, lam: float, mu: float, width: int) -> list[dict[str, Choice]]:
-        """The plans of the ``width`` cheapest frontiers after the last node, cheapest first."""
+    def beam(self, lam: float, mu: float, width: int
+             ) -> list[tuple[dict[str, Choice], Layout]]:
+        """The plans of the ``width`` cheapest frontiers after the last node, cheapest first.
+        Every data grid starts a state; none is dropped before the first chosen layer has
+        priced the conversion from it."""
         walker = _Analyser(self.gm, self.view, len(self.net.input_shape))  # type: ignore[arg-type]
         walker.ndim = self.ndim
-        # (score, frontier: value -> its step, chosen, conversions made)
-        states: list[tuple[float, dict[Any, Step], dict[str, Choice], frozenset]] = [
-            (0.0, {}, {}, frozenset())]
+        # (score, frontier: value -> its step, chosen, conversions made, data grid)
+        State = tuple[float, dict[Any, Step], dict[str, Choice], frozenset, Layout]
+        states: list[State] = [(0.0, {}, {}, frozenset(), d) for d in self.data]
+        keep: int | None = None  # all of them until a layer has chosen
         for i, node in enumerate(self.order):
             name = self.decides.get(node)
-            merged: dict[tuple, tuple[float, dict[Any, Step], dict[str, Choice], frozenset]] = {}
-            for score, live, chosen, done in states:
+            merged: dict[tuple, State] = {}
+            for score, live, chosen, done, data in states:
+                self.view.data = data
                 opts = ([chosen[name]] if name in chosen else self.options[name]) if name else [None]
                 for ch in opts:
                     picked = chosen if ch is None or name in chosen else {**chosen, name: ch}
+                    if name is not None and name == self.first and not self.admits(picked, data):
+                        continue
                     step = self._visit(walker, node, live, picked, ch)
                     if step is None:
                         continue  # a choice the layer cannot take where its input is
@@ -293,21 +330,23 @@ class _Search:
                         after[node] = step
                     names = {n.name for n in after}
                     kept = frozenset(k for k in made if k[0] in names)
-                    key = (tuple((n, s.out) for n, s in after.items()), kept)
+                    key = (tuple((n, s.out) for n, s in after.items()), kept, data)
                     if key not in merged or score + add < merged[key][0]:
-                        merged[key] = (score + add, after, picked, kept)
+                        merged[key] = (score + add, after, picked, kept, data)
             if not merged:
                 raise ValueError(f"plan_network: no candidate of {name!r} can take its input "
                                  "in any plan the search kept")
-            states = sorted(merged.values(), key=lambda s: s[0])[:width]
-        return [s[2] for s in states]
+            if name is not None:
+                keep = width
+            states = sorted(merged.values(), key=lambda s: s[0])[:keep]
+        return [(s[2], s[4]) for s in states]
 
     def _visit(self, walker: Any, node: Any, live: Mapping[Any, Step],
                picked: Mapping[str, Choice], ch: Choice | None) -> Step | None:
         """The node's step by its handler where its inputs are (the one walk's), cached per
         node, input placements and choice; None where the handler refuses the choice there."""
         args = tuple((a, live[a].out) for a in node.all_input_nodes if a in live)
-        key = (node, args, ch)
+        key = (node, args, ch, self.view.data)
         if key not in self._steps:
             self.view.chosen = picked
             walker.out = {n: s.out for n, s in live.items()}
@@ -318,10 +357,16 @@ class _Search:
         return self._steps[key]
 
     # ---------------------------------------------------------------- the price
-    def price(self, chosen: Mapping[str, Choice]) -> _Priced:
-        """The plan's price: ``explain``'s layers of its config, priced incrementally."""
+    def price(self, chosen: Mapping[str, Choice], data: Layout | None = None) -> _Priced:
+        """The plan's price: ``explain``'s layers of its config (with ``data``, default the
+        config's data grid), priced incrementally."""
+        data = self.base.data if data is None else data
+        if not self.admits(chosen, data):
+            raise ValueError(f"plan_network: no plan reads its input on {dict(data)} with its "
+                             "first layer's choice")
         self.visited += 1
         self.view.chosen = chosen
+        self.view.data = data
         analysis = analyse(self.gm, self.view, input_ndim=len(self.net.input_shape))  # type: ignore[arg-type]
         layers = [cost.entry_report(analysis, self.net.input_shape, self.P, [0])]
         done: set = set()
@@ -334,7 +379,8 @@ class _Search:
         running = cost.coalesced_running(layers)
         if running is not None:
             layers.append(running)
-        placed = tuple((st.node, st.layer) for st in analysis.steps if st.layer is not None)
+        placed = (tuple((st.node, st.layer) for st in analysis.steps if st.layer is not None),
+                  analysis.data)
         if placed not in self._buckets:
             corners = self.ranks(sorted({lay for lay in _layouts_of(analysis)}))
             self._buckets[placed] = cost.gradient_buckets(self.gm, analysis, self.P, corners,
