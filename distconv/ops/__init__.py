@@ -18,6 +18,7 @@ from distconv.ops.base import Handler, PriceContext, Sample, Unsupported
 from distconv.ops.conv import ConvHandler
 from distconv.ops.conv_nd import ConvNdHandler
 from distconv.ops.elementwise import BinaryHandler, CatHandler, DropoutHandler, PointwiseHandler
+from distconv.ops.index import IndexHandler
 from distconv.ops.linear import LinearHandler
 from distconv.ops.norm import (
     BatchNormHandler, FunctionalLayerNormHandler, GroupNormHandler, InstanceNormHandler,
@@ -43,7 +44,7 @@ REGISTRY: tuple[Handler, ...] = (
     GroupNormHandler(), LayerNormHandler(), InstanceNormHandler(), PoolHandler(),
     AdaptiveAvgPoolHandler(), AdaptivePoolHandler(), MeanHandler(), ReduceHandler(),
     ResampleHandler(), DropoutHandler(), StochasticDepthHandler(), FunctionalLayerNormHandler(),
-    PadHandler(), FlattenHandler(), ReshapeHandler(), NewAxisHandler(), PermuteHandler(), PointwiseHandler(),
+    PadHandler(), FlattenHandler(), ReshapeHandler(), IndexHandler(), NewAxisHandler(), PermuteHandler(), PointwiseHandler(),
     BinaryHandler(), CatHandler(),
 )
 

@@ -134,6 +134,11 @@ class Handler:
     #: leaves of the trace (their forward runs as one call).
     module_names: frozenset[str] = frozenset()
     function_names: frozenset[str] = frozenset()
+    #: whether the op takes its inputs' samples in any dim (its rule reads every Dist by
+    #: position, and :meth:`place` sets ``Step.samples``, where the output holds them); else
+    #: an input that holds them elsewhere than dim 0 is refused before :meth:`place`, naming
+    #: the node that moved them
+    samples_anywhere = False
 
     def binds(self, node: fx.Node, module: nn.Module | None) -> bool:
         if node.op == "call_module":
