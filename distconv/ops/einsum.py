@@ -119,7 +119,7 @@ class EinsumHandler(Handler):
         home = placed[values[0] if values else 0].layout
         on = [p if p.layout == home else on_layout(p, home) for p in placed]
         samples = self._samples_letter(an, node, args, terms, values, out)
-        entry = self._letters(args, terms, on, out, samples, loose)
+        entry = _agreeing(args, terms, self._letters(args, terms, on, out, samples, loose))
         needs = {a: Placement(home, Dist(tuple(entry[c] if t.count(c) == 1 else None
                                                 for c in t)))
                  for a, t in zip(args, terms)}
@@ -172,6 +172,22 @@ class EinsumHandler(Handler):
                        (5, 4, 8, 6), SAMPLE_GRIDS),
                 Sample("attention-matmul", lambda: SampleNet(_Attention(True), 4),
                        (5, 4, 8, 6), SAMPLE_GRIDS))
+
+
+def _agreeing(args: list[Any], terms: list[str], entry: dict[str, Entry]) -> dict[str, Entry]:
+    """``entry`` with the letters whole where one value is several operands and its terms
+    would split it differently (``einsum("nci,ncj->nij", a, a)`` with ``i`` split): a value
+    is converted once per node, so its occurrences must ask for the same blocks."""
+    while True:
+        changed = False
+        for a in set(args):
+            mine = [t for b, t in zip(args, terms) if b is a]
+            for dims in zip(*mine):
+                if len({entry[c] for c in dims}) > 1:
+                    changed = True
+                    entry.update({c: None for c in dims})
+        if not changed:
+            return entry
 
 
 def _names(e: Entry) -> tuple[str, ...]:
