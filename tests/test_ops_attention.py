@@ -6,6 +6,8 @@ exact refused by name."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -20,7 +22,7 @@ from distconv.parallel.explain import explain
 from distconv.parallel.graph import analyse, trace
 from distconv.testing import run_threads
 from tests.parallel.cases import (
-    OPTIONS, check_rows, seeded, square_mean_reference, square_mean_step,
+    OPTIONS, _gathered_grads, check_rows, seeded, square_mean_reference, square_mean_step,
 )
 
 SHAPE = (5, 4, 6, 5)
@@ -142,10 +144,13 @@ def test_any_contraction_equals_one_process(case: tuple[str, tuple[int, ...]], n
 def test_equations_are_read_as_torch_reads_them() -> None:
     """The ellipsis written out in fresh letters (aligned to the right), the implicit output in
     torch's order: the ellipsis, then the letters written once, sorted."""
-    terms, out, ell = equation("...ij,...jk", [4, 3])
-    assert len(ell) == 2 and terms[1][0] == terms[0][1] and out == terms[0][:2] + "ik"
-    assert equation("bij,bjk->bik", [3, 3])[:2] == (["bij", "bjk"], "bik")
+    terms, out = equation("...ij,...jk", [4, 3])
+    assert terms[1][0] == terms[0][1] and out == terms[0][:2] + "ik"
+    assert len(set(terms[0][:2]) - set("ijk")) == 2
+    assert equation("bij,bjk->bik", [3, 3]) == (["bij", "bjk"], "bik")
     assert equation("ba,ca", [2, 2])[1] == "bc"
+    with pytest.raises(ValueError, match="does not fit"):
+        equation("bij,bjk->bik", [3, 2])
 
 
 class _SumsSamples(nn.Module):
@@ -195,3 +200,43 @@ def test_what_would_mix_or_misplace_the_samples_is_refused_naming_the_node(
         model: nn.Module, words: str) -> None:
     with pytest.raises(ops.Unsupported, match=words):
         explain(model, OPTIONS["sample"], (4, 3, 5, 6), world_size=4)
+
+
+class _Broadcast(nn.Module):
+    """An einsum whose letter ``h`` is 1 in one operand (a row mean) and the rows in the other:
+    torch broadcasts it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(4, 4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = self.stem(x)
+        return torch.einsum("nchw,nchw->nchw", a, a.mean(2, keepdim=True))
+
+
+def _sized_step(comm, model: nn.Module, config: dict, x: torch.Tensor) -> dict:  # noqa: ANN001
+    """``square_mean_step`` of the model captured on the input's shape."""
+    from distconv.data import sample_block
+    from distconv.parallel import parallelize
+
+    pmodel = parallelize(copy.deepcopy(model), config, comm=comm, input_shape=x.shape)
+    rows = sample_block(x.shape[0], pmodel.data_grid)
+    out = pmodel(x[rows])
+    out.square().mean().backward()
+    return {"rows": rows, "out": out.detach(), "grads": _gathered_grads(pmodel)}
+
+
+def test_a_letter_that_broadcasts_is_whole_and_equals_one_process() -> None:
+    """Captured on the input shape, ``h`` is seen broadcast (1 against 6): it is whole, the
+    rows gathered, exact. Without the shape it is split as the operands' rows are, and the
+    shape that broadcasts it is refused by name before a step runs."""
+    got = _placed(_Broadcast(), OPTIONS["spatial"], 4, SHAPE)
+    assert got["einsum"][0] == "[o_N,*,*,*]"
+    gen = torch.Generator().manual_seed(2)
+    model = seeded(_Broadcast().double(), gen)
+    x = torch.randn(SHAPE, generator=gen, dtype=torch.float64)
+    check_rows(square_mean_reference(model, x),
+               run_threads(_sized_step, 4, model, OPTIONS["spatial"], x))
+    with pytest.raises(ValueError, match=r"node 'einsum'.*letter 'h'.*sizes \[1, 6\]"):
+        run_threads(square_mean_step, 4, model, OPTIONS["spatial"], x)

@@ -178,6 +178,12 @@ class Handler:
         the parallel model for each input shape, before any step runs."""
         return None
 
+    def refuse_operands(self, step: Step, shapes: dict[str, tuple[int, ...]]) -> str | None:
+        """Why ``step`` cannot run on these global shapes of the graph's values (by node
+        name; an operand that broadcasts against a split it was placed to share, say), or
+        None. Asked with :meth:`refuse`, of every step."""
+        return None
+
     #: whether :meth:`run` computes the node's local block (else the traced call runs as is)
     runs_locally = False
 

@@ -14,8 +14,9 @@ gathered (an allgather, priced as the conversion it is). Under sample or head sp
 moves nothing; with the tokens split over space, ``q kᵀ`` keeps the queries' split and gathers
 the keys, ``softmax(·) v`` gathers the values: exact, its price stated by ``explain``.
 
-A dim that may broadcast (a batch dim of ``matmul``, an ellipsis dim) keeps a split only where
-it holds the samples of both operands or the captured shapes show it the same size in each.
+torch broadcasts a letter of size 1 against a larger one (as ``matmul`` broadcasts batch dims):
+such a letter, where the captured shapes show one, is whole; on any input shape where a split
+letter's sizes differ between operands the step is refused by name before it runs.
 """
 
 from __future__ import annotations
@@ -44,9 +45,9 @@ def _fresh(used: str) -> Any:
     return iter(c for c in string.ascii_letters if c not in used)
 
 
-def equation(eq: str, ndims: Sequence[int]) -> tuple[list[str], str, frozenset[str]]:
-    """``eq`` with every ``...`` written out in letters for operands of ``ndims`` dims: each
-    operand's letters, the output's, and the letters written for ``...`` (they may broadcast).
+def equation(eq: str, ndims: Sequence[int]) -> tuple[list[str], str]:
+    """``eq`` with every ``...`` written out in fresh letters for operands of ``ndims`` dims
+    (aligned to the right, as torch broadcasts them): each operand's letters and the output's.
     Raises ``ValueError`` where the equation does not fit the operands."""
     eq = eq.replace(" ", "")
     lhs, arrow, rhs = eq.partition("->")
@@ -70,18 +71,25 @@ def equation(eq: str, ndims: Sequence[int]) -> tuple[list[str], str, frozenset[s
         letters = "".join(out_terms)
         out = ell + "".join(sorted(c for c in set(letters) if letters.count(c) == 1
                                    and c not in ell))
-    return out_terms, out, frozenset(ell)
+    return out_terms, out
 
 
-def _matmul_equation(na: int, nb: int) -> tuple[str, frozenset[str]]:
-    """``a @ b`` as an einsum equation, and its batch letters (they may broadcast)."""
+def _matmul_equation(na: int, nb: int) -> str:
+    """``a @ b`` as an einsum equation."""
     if na < 1 or nb < 1:
         raise ValueError("matmul of a 0-d operand")
     batch = "".join(c for c in string.ascii_uppercase[:max(na, nb) - 2])
     a = batch[len(batch) - (na - 2):] + "ij" if na > 1 else "j"
     b = batch[len(batch) - (nb - 2):] + "jk" if nb > 1 else "j"
     out = batch + ("i" if na > 1 else "") + ("k" if nb > 1 else "")
-    return f"{a},{b}->{out}", frozenset(batch)
+    return f"{a},{b}->{out}"
+
+
+def letters_of(node: fx.Node, eq: str | None, ndims: Sequence[int]) -> tuple[list[str], str]:
+    """Each operand's letters and the output's, of an einsum (``eq``) or a matmul (None)."""
+    if eq is None:
+        eq = _matmul_equation(*ndims)
+    return equation(eq, ndims)
 
 
 def operands(node: fx.Node) -> tuple[str | None, list[Any]]:
@@ -109,19 +117,15 @@ class EinsumHandler(Handler):
         placed = [an.placement(a).settled() for a in args]
         ndims = [p.ndim for p in placed]
         try:
-            if eq is None:
-                eq, loose = _matmul_equation(*ndims)
-            terms, out, ell = equation(eq, ndims)
-            loose = ell if node.target is torch.einsum else loose
+            terms, out = letters_of(node, eq, ndims)
         except ValueError as exc:
             an.fail(node, f"{eq!r}: {exc}", ValueError)
         values = [i for i, a in enumerate(args) if not is_constant(a)]
         home = placed[values[0] if values else 0].layout
         on = [p if p.layout == home else on_layout(p, home) for p in placed]
         samples = self._samples_letter(an, node, args, terms, values, out)
-        entry = _agreeing(args, terms, self._letters(args, terms, on, out, samples, loose))
-        needs = {a: Placement(home, Dist(tuple(entry[c] if t.count(c) == 1 else None
-                                                for c in t)))
+        entry = _agreeing(args, terms, self._letters(args, terms, on, out, samples))
+        needs = {a: Placement(home, Dist(tuple(entry[c] for c in t)))
                  for a, t in zip(args, terms)}
         pending = frozenset(g for c, e in entry.items() if c not in out
                             for g in _names(e))
@@ -145,7 +149,7 @@ class EinsumHandler(Handler):
 
     @staticmethod
     def _letters(args: list[Any], terms: list[str], on: list[Placement | None],
-                 out: str, samples: str | None, loose: frozenset[str]) -> dict[str, Entry]:
+                 out: str, samples: str | None) -> dict[str, Entry]:
         """Each letter's split (see the module docstring)."""
         letters = list(dict.fromkeys("".join(terms)))
         order = sorted(letters, key=lambda c: (c != samples, c not in out))
@@ -156,7 +160,7 @@ class EinsumHandler(Handler):
             held = [(p.dist.entries[t.index(c)], shapes[i][t.index(c)] if shapes[i] else None)
                     for i, (p, t) in enumerate(zip(on, terms)) if p is not None and c in t]
             sizes = {n for _, n in held}
-            same = c == samples or (c not in loose) or (None not in sizes and len(sizes) == 1)
+            same = None in sizes or len(sizes) == 1  # (as far as the capture shows)
             split = [e for e, _ in held if e is not None]
             diagonal = any(t.count(c) > 1 for t in terms)  # ("ii->i"): whole
             pick = split[0] if split and same and not diagonal else None
@@ -166,6 +170,24 @@ class EinsumHandler(Handler):
             else:
                 entry[c] = None
         return entry
+
+    def refuse_operands(self, step: Any, shapes: dict[str, tuple[int, ...]]) -> str | None:
+        """A split letter whose sizes differ between operands on these shapes (torch would
+        broadcast a size 1 against the others' blocks)."""
+        node = step.node
+        eq, args = operands(node)
+        if any(a.name not in shapes for a in args):
+            return None
+        terms, _ = letters_of(node, eq, [len(shapes[a.name]) for a in args])
+        for c in set("".join(terms)):
+            held = [(step.needs[a].dist.entries[t.index(c)], shapes[a.name][t.index(c)])
+                    for a, t in zip(args, terms) if c in t]
+            sizes = sorted({n for _, n in held})
+            if len(sizes) > 1 and any(e is not None for e, _ in held):
+                return (f"letter {c!r} of {eq or 'the matmul'!r} has sizes {sizes} (torch "
+                        "broadcasts them) but is split as placed for the input shape the model "
+                        "was captured on; parallelize it with input_shape= this shape")
+        return None
 
     def samples(self) -> Sequence[Sample]:
         return (Sample("attention-einsum", lambda: SampleNet(_Attention(False), 4),

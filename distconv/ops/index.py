@@ -17,7 +17,6 @@ import operator
 from typing import Any, Sequence
 
 import torch
-import torch.fx as fx
 from torch import nn
 
 from distconv.distribution import Dist

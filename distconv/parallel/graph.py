@@ -42,6 +42,10 @@ def check_shapes(analysis: Analysis, modules: dict[str, nn.Module],
     check ``explain`` and the parallel model's plan for an input shape make, before any step."""
     for step in analysis.steps:
         node = step.node
+        why = step.handler.refuse_operands(step, shapes) if step.handler is not None else None
+        if why:
+            raise ValueError(f"parallelize: node {node.name!r} ({node.op} {_target(node)}) on "
+                             f"{dict(step.out.layout)}: {why}")
         if step.handler is None or step.layer is None or not node.args:
             continue
         first = node.args[0]

@@ -465,7 +465,8 @@ def _unused_step(comm, model: nn.Module, config: dict, x: torch.Tensor,  # noqa:
 
 
 @SPLITS
-def test_modules_the_forward_never_calls_are_kept_as_one_process_keeps_them(config) -> None:  # noqa: ANN001
+def test_modules_the_forward_never_calls_are_kept_as_one_process_keeps_them(
+        config: dict) -> None:
     """Their tensors are listed where one process lists them (``parameters()`` in its order,
     ``state_dict()``), whole, with no gradient and unchanged by a step, as in one process."""
     model, x, y = _case(_Unused, (4, 2, 6, 6))
