@@ -21,6 +21,8 @@ from torch import nn
 
 from distconv.distribution import Dist
 from distconv.ops.base import SAMPLE_GRIDS, Handler, Sample, SampleNet
+from distconv.ops.elementwise import is_constant
+from distconv.ops.shape import model_tensor
 from distconv.parallel.placement import Placement
 from distconv.parallel.steps import samples_of
 
@@ -75,6 +77,8 @@ class IndexHandler(Handler):
         if not args or node.args[0] is not args[0]:
             return Step(node, "meta", None)  # an index into a shape or a tuple of values
         arg, index = args[0], node.args[1]
+        if is_constant(arg):
+            return model_tensor(an, node)  # a parameter's or buffer's element or dims
         p = an.placement(arg)
         try:
             kept, dropped = indexed_dims(index, p.ndim)
@@ -109,16 +113,17 @@ class IndexHandler(Handler):
 class _Stacked(nn.Module):
     """Three maps stacked on a leading axis, the samples moved behind it (as an attention
     block stacks query, key and value), taken apart by integers and combined; then an integer
-    on the channels (split under stationary-x: made whole first) and one on the rows of a
-    new-axis view."""
+    on the channels (split under stationary-x: made whole first), one on the rows of a
+    new-axis view, and a parameter's row (a model tensor, whole on every rank)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.conv = nn.Conv2d(4, 12, 1)
+        self.scale = nn.Parameter(torch.rand(2, 4, 1, 1))
 
     def forward(self, x: Any) -> Any:
         n, _, h, w = x.shape
         s = self.conv(x).reshape(n, 3, 4, h, w).permute(1, 0, 2, 3, 4)  # [3, N, C, H, W]
-        y = s[0] * s[1] + s[-1]
+        y = s[0] * s[1] + s[-1] * self.scale[1]
         g = y[:, 1][:, None, ..., None]  # [N, 1, H, W, 1]
         return y + torch.sigmoid(g[..., 0] + y[:, :, 2, None])
