@@ -17,7 +17,9 @@ from torch import nn
 from distconv.ops.base import Handler, PriceContext, Sample, Unsupported
 from distconv.ops.conv import ConvHandler
 from distconv.ops.conv_nd import ConvNdHandler
+from distconv.ops.einsum import EinsumHandler
 from distconv.ops.elementwise import BinaryHandler, CatHandler, DropoutHandler, PointwiseHandler
+from distconv.ops.index import IndexHandler
 from distconv.ops.linear import LinearHandler
 from distconv.ops.norm import (
     BatchNormHandler, FunctionalLayerNormHandler, GroupNormHandler, InstanceNormHandler,
@@ -31,6 +33,7 @@ from distconv.ops.pool import (
 from distconv.ops.resample import ResampleHandler
 from distconv.ops.shape import FlattenHandler, NewAxisHandler, ReshapeHandler
 from distconv.ops.sizes import SizeHandler
+from distconv.ops.softmax import SoftmaxHandler
 from distconv.ops.stochastic import StochasticDepthHandler
 
 __all__ = ["CONFIGURABLE", "REGISTRY", "Handler", "PriceContext", "Sample", "Unsupported",
@@ -43,8 +46,9 @@ REGISTRY: tuple[Handler, ...] = (
     GroupNormHandler(), LayerNormHandler(), InstanceNormHandler(), PoolHandler(),
     AdaptiveAvgPoolHandler(), AdaptivePoolHandler(), MeanHandler(), ReduceHandler(),
     ResampleHandler(), DropoutHandler(), StochasticDepthHandler(), FunctionalLayerNormHandler(),
-    PadHandler(), FlattenHandler(), ReshapeHandler(), NewAxisHandler(), PermuteHandler(), PointwiseHandler(),
-    BinaryHandler(), CatHandler(),
+    PadHandler(), FlattenHandler(), ReshapeHandler(), IndexHandler(), NewAxisHandler(),
+    PermuteHandler(), PointwiseHandler(), BinaryHandler(), CatHandler(), SoftmaxHandler(),
+    EinsumHandler(),
 )
 
 

@@ -134,6 +134,11 @@ class Handler:
     #: leaves of the trace (their forward runs as one call).
     module_names: frozenset[str] = frozenset()
     function_names: frozenset[str] = frozenset()
+    #: whether the op takes its inputs' samples in any dim (its rule reads every Dist by
+    #: position, and :meth:`place` sets ``Step.samples``, where the output holds them); else
+    #: an input that holds them elsewhere than dim 0 is refused before :meth:`place`, naming
+    #: the node that moved them
+    samples_anywhere = False
 
     def binds(self, node: fx.Node, module: nn.Module | None) -> bool:
         if node.op == "call_module":
@@ -171,6 +176,12 @@ class Handler:
         """Why ``step`` cannot run on its first input's global shape ``in_shape`` (a layout
         that leaves some rank no rows, say), or None where it can. Asked by ``explain`` and by
         the parallel model for each input shape, before any step runs."""
+        return None
+
+    def refuse_operands(self, step: Step, shapes: dict[str, tuple[int, ...]]) -> str | None:
+        """Why ``step`` cannot run on these global shapes of the graph's values (by node
+        name; an operand that broadcasts against a split it was placed to share, say), or
+        None. Asked with :meth:`refuse`, of every step."""
         return None
 
     #: whether :meth:`run` computes the node's local block (else the traced call runs as is)

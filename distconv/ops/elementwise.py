@@ -17,6 +17,7 @@ from torch import nn
 from distconv.distribution import Dist
 from distconv.ops.base import SAMPLE_GRIDS, Handler, Sample, SampleNet
 from distconv.parallel.placement import Placement, conversion_bytes, evaluated_ranks
+from distconv.parallel.steps import samples_of
 
 __all__ = ["BinaryHandler", "CatHandler", "DropoutHandler", "PointwiseHandler",
            "broadcast_need", "is_constant", "meeting", "with_constants"]
@@ -48,6 +49,7 @@ class PointwiseHandler(Handler):
         "square", "reciprocal", "sign", "sin", "cos", "floor", "ceil", "round"})
     #: activations of packages that need not be installed (their forward is one pointwise map)
     module_names = frozenset({"monai.networks.blocks.activation.MemoryEfficientSwish"})
+    samples_anywhere = True
 
     def place(self, an: Any, node: Any, module: Any) -> Any:
         args = an.tensor_args(node)
@@ -149,6 +151,7 @@ class BinaryHandler(Handler):
                            torch.maximum, torch.minimum})
     methods = frozenset({"add", "add_", "sub", "sub_", "mul", "mul_", "div", "div_", "pow",
                          "pow_", "maximum", "minimum"})
+    samples_anywhere = True
 
     def place(self, an: Any, node: Any, module: Any) -> Any:
         from distconv.parallel.steps import Step
@@ -164,8 +167,13 @@ class BinaryHandler(Handler):
         if a.ndim != b.ndim:
             an.fail(node, "operands with different numbers of dims (broadcasting across "
                     "distributed dims) are not supported")
+        samples = {samples_of(x)[0] for x in args}
+        if len(samples) > 1:
+            an.fail(node, f"its operands hold the samples in different dims {sorted(samples)}; "
+                    "move them to the same dim first")
         target = meeting(a, b)
-        return Step(node, "pointwise", target, {args[0]: target, args[1]: target})
+        return Step(node, "pointwise", target, {args[0]: target, args[1]: target},
+                    samples=samples.pop())
 
     def samples(self) -> Sequence[Sample]:
         return (Sample("residual-add", lambda: SampleNet(_Residual(), 4), (5, 4, 7, 6),
@@ -229,7 +237,7 @@ def with_constants(an: Any, node: fx.Node, args: list[fx.Node]) -> Any:
                     f"{act.ndim}: the activation would gain dims")
         needs[a] = act if a is values[0] else Placement(
             act.layout, Dist(act.dist.entries[act.ndim - k:]))
-    return Step(node, "pointwise", act, needs)
+    return Step(node, "pointwise", act, needs, samples=samples_of(values[0])[0])
 
 
 def is_constant(node: fx.Node) -> bool:

@@ -86,7 +86,7 @@ def _unit_dims_of(an: Any, node: fx.Node, memo: dict) -> frozenset[int]:
         sizes = rest[0] if len(rest) == 1 and isinstance(rest[0], (tuple, list)) else rest
         return frozenset(d for d, n in enumerate(sizes) if isinstance(n, int) and n == 1)
     if target in (operator.getitem, torch.unsqueeze, "unsqueeze"):
-        return _new_axes(node, first, ndim)
+        return _new_axes(node, first, ndim, an.out[args[0]].ndim)
     if step.kind in _ELEMENTWISE:  # broadcast: 1 where every operand is 1 (trailing dims)
         dims = set(range(ndim))
         if target is torch.cat:  # the joined dim grows
@@ -109,25 +109,13 @@ def _one_row(conv: Any, i: int) -> bool:
     return 0 <= reach < conv.stride[i]
 
 
-def _new_axes(node: fx.Node, first: frozenset[int], ndim: int) -> frozenset[int]:
-    """The unit dims after ``s[:, :, None, None]``, ``s[..., None]`` or ``s.unsqueeze(d)``
-    (``ndim``: the result's)."""
+def _new_axes(node: fx.Node, first: frozenset[int], ndim: int, in_ndim: int) -> frozenset[int]:
+    """The unit dims after ``s[:, :, None, None]``, ``s[0, ..., None]`` or ``s.unsqueeze(d)``
+    (``ndim``: the result's, ``in_ndim``: the input's)."""
     if node.target != operator.getitem:
         d = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else 0) % ndim
         return frozenset({d} | {e + (e >= d) for e in first})
-    index = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
-    src_ndim = ndim - sum(i is None for i in index)
-    taken = sum(1 for i in index if i is not None and i is not Ellipsis)
-    dims: set[int] = set()
-    pos = src = 0
-    for i in index:
-        if i is None:
-            dims.add(pos)
-            pos += 1
-            continue
-        for _ in range(src_ndim - taken if i is Ellipsis else 1):
-            if src in first:
-                dims.add(pos)
-            pos, src = pos + 1, src + 1
-    dims |= {pos + k for k in range(src_ndim - src) if src + k in first}
-    return frozenset(dims)
+    from distconv.ops.index import indexed_dims
+
+    kept, _ = indexed_dims(node.args[1], in_ndim)
+    return frozenset(i for i, k in enumerate(kept) if k is None or k in first)

@@ -8,7 +8,12 @@ with its dims moved (``H``/``mH`` also conjugated, elementwise), so no data move
 
 Every consumer reads the Dist by position, as torch reads the tensor: a ``LayerNorm(C)`` or a
 ``Linear`` on the last dim of a channels-last value meets its channels split where the
-channel-first value had them split (:mod:`distconv.ops.norm`, :mod:`distconv.ops.linear`)."""
+channel-first value had them split (:mod:`distconv.ops.norm`, :mod:`distconv.ops.linear`).
+
+The samples move like any dim: an attention block's ``"b h (qkv l d) -> qkv b l h d"`` (einops)
+permutes ``[o_N,*,*,*,*]`` to ``[*,o_N,*,*,*]``, and ``qkv[0]`` takes them back to dim 0
+(:mod:`distconv.ops.index`). The ops between find them where the value's step says
+(``Step.samples``); every other op, and the model's output, is refused there by name."""
 
 from __future__ import annotations
 
@@ -23,6 +28,7 @@ from distconv.ops.base import SAMPLE_GRIDS, Handler, Sample, SampleNet
 from distconv.ops.elementwise import is_constant
 from distconv.ops.shape import model_tensor
 from distconv.parallel.placement import Placement
+from distconv.parallel.steps import samples_of
 
 __all__ = ["PermuteHandler", "moved_dims"]
 
@@ -61,14 +67,14 @@ def permuted(p: Placement, perm: Sequence[int]) -> Placement:
 class PermuteHandler(Handler):
     """Every form that moves dims, and ``contiguous`` (no dims moved): the output's Dist is the
     input's with its entries moved alike, its pending sums kept; nothing is communicated and the
-    traced call runs on each rank's block. The samples stay in dim 0 (where the model's exit and
-    the layers that treat samples apart -- statistics, dropout masks -- find them): a move of
-    dim 0 is refused by name."""
+    traced call runs on each rank's block. The samples move with their dim (``Step.samples``)."""
 
     functions = frozenset({torch.permute, torch.transpose, torch.swapaxes, torch.swapdims,
                            torch.movedim, torch.moveaxis, torch.t, torch.adjoint})
     methods = frozenset({"permute", "transpose", "swapaxes", "swapdims", "movedim", "moveaxis",
                          "t", "adjoint", "contiguous"})
+
+    samples_anywhere = True
 
     def binds(self, node: fx.Node, module: nn.Module | None) -> bool:
         if node.op == "call_function" and node.target is getattr:
@@ -88,12 +94,8 @@ class PermuteHandler(Handler):
             an.fail(node, str(exc), TypeError)
         except (RuntimeError, IndexError) as exc:  # dims that do not fit the value
             an.fail(node, f"{exc} (the value has {p.ndim} dims)", ValueError)
-        if perm[0] != 0:
-            an.fail(node, f"it moves the samples (dim 0) to dim {perm.index(0)}; the parallel "
-                    "model's output rows are its samples and its layers find them in dim 0, so "
-                    "dims move only behind it (permute(0, 2, 3, 1), transpose(1, 2), x.mT on "
-                    "3 or more dims)")
-        return Step(node, "reshape", permuted(p, perm), {arg: p})
+        return Step(node, "reshape", permuted(p, perm), {arg: p},
+                    samples=perm.index(samples_of(arg)[0]))
 
     def samples(self) -> Sequence[Sample]:
         return (Sample("convnext-block", lambda: SampleNet(ConvNeXtBlock(4), 4), (5, 4, 8, 6),

@@ -331,61 +331,33 @@ class ReshapeHandler(Handler):
 
 
 class NewAxisHandler(Handler):
-    """Size-1 dims added to a value: ``s[:, :, None, None]``, ``s[..., None]``,
-    ``s.unsqueeze(d)`` (e.g. a squeeze-and-excitation gate made broadcastable). No data moves:
-    every rank's block gains the same size-1 dims, which no grid dim splits; a dim added before
-    the samples (``x[None]``, ``unsqueeze(0)``) is refused by name. Indexing that picks
-    elements (integers, ranges, tensors) is refused by name; an index into something that is not
-    a placed tensor (a tuple, a shape) carries no value to place."""
+    """A size-1 dim added to a value: ``s.unsqueeze(d)`` (e.g. a spatial gate made
+    broadcastable; ``s[:, :, None, None]`` is :class:`~distconv.ops.index.IndexHandler`'s). No
+    data moves: every rank's block gains the same size-1 dim, which no grid dim splits; a dim
+    added before the samples (``unsqueeze(0)``) is refused by name."""
 
-    functions = frozenset({operator.getitem, torch.unsqueeze})
+    functions = frozenset({torch.unsqueeze})
     methods = frozenset({"unsqueeze"})
+    samples_anywhere = True
 
     def place(self, an: Any, node: Any, module: Any) -> Any:
-        from distconv.parallel.steps import Step
+        from distconv.parallel.steps import Step, samples_of
 
         args = an.tensor_args(node)
-        if not args or node.args[0] is not args[0]:
-            return Step(node, "meta", None)  # an index into a shape or a tuple of values
         p = an.placement(args[0])
-        entries = list(p.dist.entries)
-        if node.target == operator.getitem:
-            index = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
-            whole = slice(None, None, None)
-            if any(i is not None and i is not Ellipsis and i != whole for i in index) or (
-                    sum(i is Ellipsis for i in index) > 1):
-                an.fail(node, f"indexing with {node.args[1]!r} picks elements; only adding "
-                        "size-1 dims (None with ':' and '...') is supported. Slice the plain "
-                        "model's input, or reduce (mean, sum) instead")
-            taken = sum(i == whole for i in index if i is not None and i is not Ellipsis)
-            if taken > len(entries):
-                an.fail(node, f"index {node.args[1]!r} has more dims than the value's "
-                        f"{len(entries)}")
-            front = index[0] is None or (index[0] is Ellipsis and len(entries) == taken
-                                         and len(index) > 1 and index[1] is None)
-            out: list[Any] = []
-            rest = iter(entries)
-            for i in index:
-                if i is None:
-                    out.append(None)
-                elif i is Ellipsis:
-                    out.extend(next(rest) for _ in range(len(entries) - taken))
-                else:
-                    out.append(next(rest))
-            out.extend(rest)
-        else:
-            dim = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else None)
-            if not isinstance(dim, int):
-                an.fail(node, f"unsqueeze needs an int dim, got {dim!r}")
-            out = entries[:]
-            front = dim % (len(entries) + 1) == 0
-            out.insert(dim % (len(entries) + 1), None)
-        if front:
-            an.fail(node, "it adds a dim before the samples (dim 0); the parallel model's "
-                    "output rows are its samples and its layers find them in dim 0, so new "
-                    "dims go behind it")
+        out = list(p.dist.entries)
+        dim = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else None)
+        if not isinstance(dim, int):
+            an.fail(node, f"unsqueeze needs an int dim, got {dim!r}")
+        dim %= len(out) + 1
+        out.insert(dim, None)
+        samples = samples_of(args[0])[0]
+        if dim <= samples:
+            an.fail(node, f"it adds a dim before the samples (dim {samples}); the parallel "
+                    "model's output rows are its samples and its layers find them there, so "
+                    "new dims go behind it")
         placed = Placement(p.layout, Dist(tuple(out), p.dist.pending))
-        return Step(node, "pointwise", placed, {args[0]: p})
+        return Step(node, "pointwise", placed, {args[0]: p}, samples=samples)
 
     def samples(self) -> Sequence[Sample]:
         return (Sample("excite-new-axes", lambda: _Gate(), (5, 4, 7, 6), SAMPLE_GRIDS),)

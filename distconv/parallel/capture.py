@@ -101,6 +101,7 @@ def _trace(model: nn.Module, tracer: _Tracer) -> fx.GraphModule:
     if isinstance(tracer, _SizedTracer):
         tracer.add_guards(graph)
     gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
+    _keep_uncalled(gm, model)
     _order_like(gm, model)  # fx registers modules in call order; users expect theirs
     gm.meta[MODULE_PATHS] = module_paths(model)
     return gm
@@ -374,6 +375,27 @@ def _capture_patches(tracer: fx.Tracer, model: str) -> Iterator[None]:
     finally:
         torch.jit.isinstance, builtins.len, torch.as_tensor = (real_isinstance, real_len,
                                                                 real_as_tensor)
+
+
+def _keep_uncalled(gm: nn.Module, model: nn.Module) -> None:
+    """Hold, at their paths, the modules with parameters or buffers that the forward never calls
+    (MONAI's ``TransformerBlock`` builds a cross-attention it runs only when asked): the
+    single-process model's ``parameters()`` and ``state_dict()`` list their tensors, so the
+    parallel model's do too (whole on every rank; no gradient reaches them, as in one process).
+    A module the graph calls under another path is an alias, registered by the parallel model."""
+    held = {id(m) for m in gm.modules()}
+    paths = dict(gm.named_modules())
+    kept: list[str] = []
+    for path, m in model.named_modules():
+        if (not path or path in paths or id(m) in held
+                or any(path.startswith(k + ".") for k in kept)):
+            continue
+        if next(m.parameters(), None) is None and next(m.buffers(), None) is None:
+            continue
+        parent, _, leaf = path.rpartition(".")
+        if parent in paths or not parent:
+            paths[parent].add_module(leaf, m)
+            kept.append(path)
 
 
 def _order_like(module: nn.Module, original: nn.Module) -> None:

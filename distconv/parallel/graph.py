@@ -29,7 +29,7 @@ from distconv.distribution import Dist
 from distconv.parallel.capture import MODULE_PATHS, UntraceableModelError, trace
 from distconv.parallel.config import AliasedConfig, ParallelConfig
 from distconv.parallel.placement import Placement, layout_str
-from distconv.parallel.steps import Analysis, LayerSpec, Step, sample_dist
+from distconv.parallel.steps import SAMPLES, Analysis, LayerSpec, Step, sample_dist, samples_of
 
 __all__ = ["Analysis", "LayerSpec", "Step", "UntraceableModelError", "aliased", "analyse",
            "check_planned", "operand_need", "sample_dist", "trace"]
@@ -42,6 +42,10 @@ def check_shapes(analysis: Analysis, modules: dict[str, nn.Module],
     check ``explain`` and the parallel model's plan for an input shape make, before any step."""
     for step in analysis.steps:
         node = step.node
+        why = step.handler.refuse_operands(step, shapes) if step.handler is not None else None
+        if why:
+            raise ValueError(f"parallelize: node {node.name!r} ({node.op} {_target(node)}) on "
+                             f"{dict(step.out.layout)}: {why}")
         if step.handler is None or step.layer is None or not node.args:
             continue
         first = node.args[0]
@@ -95,6 +99,15 @@ class _Analyser:
         return self.steps
 
     def visit(self, node: fx.Node) -> Step:
+        """The node's step; its samples' dim recorded in ``node.meta`` (:data:`SAMPLES`) for
+        the nodes that read it (this walk's or the planner's, which visits node by node)."""
+        step = self._visit(node)
+        dims = [samples_of(a) for a in self.tensor_args(node)]
+        mover = next((m for d, m in dims if d == step.samples), node.name)
+        node.meta[SAMPLES] = (step.samples, mover if step.samples else "")
+        return step
+
+    def _visit(self, node: fx.Node) -> Step:
         if node.op == "placeholder":
             ndim = self.input_ndim or self._ndim_from_users(node)
             return Step(node, "input", Placement(self.config.data, sample_dist(ndim)))
@@ -135,6 +148,12 @@ class _Analyser:
     def visit_output(self, node: fx.Node) -> Step:
         needs = {}
         for arg in self.tensor_args(node):
+            dim, mover = samples_of(arg)
+            if dim:
+                self.fail(node, f"the model returns {arg.name!r} with the samples in dim {dim} "
+                          f"(node {mover!r} moves them there); the parallel model's output rows "
+                          "are its samples: return them in dim 0 (e.g. move them back with "
+                          "permute or movedim)")
             needs[arg] = Placement(self.config.data, sample_dist(self.placement(arg).ndim))
         if not needs:
             self.fail(node, "the model returns no tensor")
@@ -146,7 +165,7 @@ class _Analyser:
         if len(args) != 1:
             self.fail(node, f"expected one tensor input, got {len(args)}")
         p = self.placement(args[0]).settled()
-        return Step(node, kind, p, {args[0]: p})
+        return Step(node, kind, p, {args[0]: p}, samples=samples_of(args[0])[0])
 
     def visit_call(self, node: fx.Node) -> Step:
         """A module, function or method call: its handler's placement (the registry's)."""
@@ -162,9 +181,24 @@ class _Analyser:
                     "call_method": f"tensor method .{node.target}()"}[node.op]
             self.fail(node, f"{what} is not supported by parallelize; supported: "
                       f"{ops.supported(node.op)}")
+        if not handler.samples_anywhere:
+            self.samples_in_dim0(node)
         step = handler.place(self, node, module)
         step.handler = handler
         return step
+
+    def samples_in_dim0(self, node: fx.Node) -> None:
+        """Refuse ``node`` where an input holds the samples elsewhere than dim 0, which its
+        handler reads as the samples (statistics, masks, sample-parallel layers, the output)."""
+        for arg in self.tensor_args(node):
+            dim, mover = samples_of(arg)
+            if dim:
+                anywhere = ", ".join(type(h).__name__.removesuffix("Handler").lower()
+                                     for h in ops.REGISTRY if h.samples_anywhere)
+                self.fail(node, f"its input {arg.name!r} holds the samples in dim {dim} (node "
+                          f"{mover!r} moves the samples (dim 0) there), and this op finds them "
+                          "in dim 0: move them back first (permute, movedim), or keep to the ops "
+                          f"that take the samples in any dim ({anywhere})")
 
     def visit_or_record(self, node: fx.Node) -> Step:
         """``visit``; with ``strict=False`` an unsupported node is recorded and its value is
@@ -179,7 +213,8 @@ class _Analyser:
             if not args:
                 return Step(node, "unsupported", None)
             p = self.placement(args[0]).settled()
-            return Step(node, "unsupported", p, {args[0]: p})
+            node.meta[SAMPLES] = samples_of(args[0])
+            return Step(node, "unsupported", p, {args[0]: p}, samples=samples_of(args[0])[0])
 
     def to_samples(self, node: fx.Node, arg: fx.Node, out_ndim: int) -> Step:
         from distconv.ops.shape import to_samples

@@ -13,7 +13,12 @@ import torch.fx as fx
 from distconv.distribution import Dist
 from distconv.parallel.placement import Layout, Placement
 
-__all__ = ["Analysis", "LayerSpec", "Step", "sample_dist"]
+__all__ = ["SAMPLES", "Analysis", "LayerSpec", "Step", "sample_dist", "samples_of"]
+
+#: node.meta key: ``(dim, mover)``, the dim of a node's value that holds the samples and the node
+#: that moved them there ("" where they never left dim 0). A function of the graph's ops alone
+#: (permutes, indexing, contractions), the same under every config; the walk records it
+SAMPLES = "distconv_samples"
 
 
 @dataclass(frozen=True)
@@ -48,6 +53,9 @@ class Step:
     #: activation checkpointing: the index of the run of consecutive checkpointed steps this one
     #: belongs to (recomputed together in backward); None: its activations are kept
     segment: int | None = None
+    #: the dim of the value that holds the samples (0 unless the op moves them:
+    #: :attr:`~distconv.ops.base.Handler.samples_anywhere`)
+    samples: int = 0
 
 
 @dataclass
@@ -67,3 +75,11 @@ class Analysis:
 
 def sample_dist(ndim: int) -> Dist:
     return Dist(("N",) + (None,) * (ndim - 1))
+
+
+def samples_of(node: Any) -> tuple[int, str]:
+    """``(dim, mover)``: the dim of ``node``'s value that holds the samples, and the node that
+    moved them there ("": dim 0, where the input has them), as the walk recorded it."""
+    if not isinstance(node, fx.Node):
+        return 0, ""
+    return node.meta.get(SAMPLES, (0, ""))

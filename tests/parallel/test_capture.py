@@ -441,6 +441,53 @@ def test_a_default_spatial_entry_keeps_maps_too_small_to_split_whole() -> None:
         assert said == whole, (layer, under[layer])
 
 
+class _Unused(nn.Module):
+    """A block that builds a norm and a projection its forward never calls (as MONAI's
+    ``TransformerBlock`` builds its cross-attention), between two it calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(2, 4, 3, padding=1)
+        self.spare = nn.Sequential(nn.BatchNorm2d(4), nn.Linear(4, 4))
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.conv(x).mean((2, 3)))
+
+
+def _unused_step(comm, model: nn.Module, config: dict, x: torch.Tensor,  # noqa: ANN001
+                 y: torch.Tensor) -> dict:
+    from distconv.data import sample_block
+
+    pmodel = parallelize(copy.deepcopy(model), config, comm=comm)
+    opt = torch.optim.SGD(pmodel.parameters(), lr=0.1)
+    rows = sample_block(x.shape[0], pmodel.data_grid)
+    F.cross_entropy(pmodel(x[rows]), y[rows]).backward()
+    opt.step()
+    return {"names": [n for n, _ in pmodel.named_parameters()],
+            "no_grad": [n for n, p in pmodel.named_parameters() if p.grad is None],
+            "state": pmodel.gather_state_dict()}
+
+
+@SPLITS
+def test_modules_the_forward_never_calls_are_kept_as_one_process_keeps_them(
+        config: dict) -> None:
+    """Their tensors are listed where one process lists them (``parameters()`` in its order,
+    ``state_dict()``), whole, with no gradient and unchanged by a step, as in one process."""
+    model, x, y = _case(_Unused, (4, 2, 6, 6))
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    F.cross_entropy(ref(x), y).backward()
+    opt.step()
+    for got in run_threads(_unused_step, 2, model, config, x, y):
+        assert got["names"] == [n for n, _ in ref.named_parameters()]
+        assert got["no_grad"] == ["spare.0.weight", "spare.0.bias", "spare.1.weight",
+                                  "spare.1.bias"]
+        assert list(got["state"]) == list(ref.state_dict())
+        for k, v in ref.state_dict().items():
+            assert (got["state"][k].double() - v.double()).abs().max() < TOL, k
+
+
 def decoder_on_world(comm) -> dict[str, float]:  # noqa: ANN001
     """The decoder idiom under a spatial split, after one SGD step, against one process."""
     model, x, y = _case(Decoder, (4, 2, 8, 6))

@@ -56,9 +56,10 @@ EXPECTED: dict[tuple[str, str], str | Refused] = {
     ("monai.SegResNet", "sample"): EXACT,
     ("monai.SegResNet", "channels"): EXACT,
     # captured on the input shape, its ViT's einops rearrangement ("b h (qkv l d) -> qkv b l
-    # h d") moves the samples behind the q/k/v axis: the layers find the samples in dim 0
-    ("monai.UNETR", "sample"): Refused(
-        "Unsupported", ("permute", "vit.blocks.0.attn.input_rearrange", "samples (dim 0)")),
+    # h d") moves the samples behind the q/k/v axis, qkv[0] takes them back, the attention is
+    # two einsums around a softmax; its blocks hold a cross-attention norm they never call
+    ("monai.UNETR", "sample"): EXACT,
+    ("monai.UNETR", "channels"): EXACT,
     ("torchvision.resnet18", "sample"): EXACT,
     ("torchvision.vgg11", "channels"): EXACT,
     ("timm.regnetx_002", "sample"): EXACT,
