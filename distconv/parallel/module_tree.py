@@ -142,7 +142,8 @@ def realias(gm: nn.Module, template: nn.Module) -> None:
     under every one of them again: the traced module keeps only the path the graph names it by, and
     torch's state dict lists the module's tensors under each path. The other paths point at the
     traced (and perhaps distributed) module itself, so every key is the same tensor; parents the
-    traced module lacks are plain containers. Modules the forward never calls stay absent."""
+    traced module lacks are plain containers. Modules the forward never calls are the capture's
+    to hold (:func:`distconv.parallel.capture.trace` keeps them at their paths)."""
     paths: dict[int, list[str]] = {}
     owns: dict[int, bool] = {}
     for name, m in template.named_modules(remove_duplicate=False):
