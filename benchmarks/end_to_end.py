@@ -207,7 +207,7 @@ def _interleaved(comm: Any, variants: dict[str, torch.nn.Module], per_rank: int,
 # ---------------------------------------------------------------------------- --profile
 #: where a sample-parallel step's time goes: (category, object, attribute) wrapped by a timer
 def _probes() -> list[tuple[str, Any, str]]:
-    from distconv.nn import batchnorm
+    from distconv.nn import batchnorm, batchnorm_statistics
     from distconv.nn.conv import DistConv2d
     from distconv.nn.grad_sync import BucketedGradSync
     from distconv.parallel import model as pm
@@ -218,8 +218,8 @@ def _probes() -> list[tuple[str, Any, str]]:
         ("conversions (redistribute)", program, "convert"),
         ("DistConv2d forward", DistConv2d, "forward"),
         ("DistBatchNorm forward (with its statistics)", batchnorm.DistBatchNorm, "forward"),
-        ("BN statistics forward (moments + allgather)", batchnorm, "_moments"),
-        ("BN backward (sums + allreduce)", batchnorm._BatchNorm, "backward"),
+        ("BN statistics forward (moments + allgather)", batchnorm_statistics, "_moments"),
+        ("BN backward (sums + allreduce)", batchnorm_statistics._BatchNorm, "backward"),
         ("gradient buckets: launch", BucketedGradSync, "_launch"),
         ("gradient buckets: wait and write", BucketedGradSync, "finish"),
         ("exit", pm.ParallelModel, "_exit"),

@@ -205,7 +205,7 @@ MUTANTS = [
            ("tests/test_validation.py",),
            "process groups are left to interpreter finalization (it aborts only sometimes; "
            "benchmarks/soak.py measures how often)"),
-    Mutant("bn-chan-drops-between-term", "distconv/nn/batchnorm.py",
+    Mutant("bn-chan-drops-between-term", "distconv/nn/batchnorm_statistics.py",
            "m2 = torch.add(m2, part[1 + c:]).addcmul_(delta, delta, value=total * nb / both)",
            "m2 = torch.add(m2, part[1 + c:])",
            ("tests/nn/test_batchnorm.py",),

@@ -146,6 +146,9 @@ def test_the_preconditioner_concerns_import_only_the_layer_state() -> None:
 #: module that composes it (the layer, the class, the package's facade) and below the concerns
 #: listed after it, never the other way round.
 CONCERNS = {
+    "distconv.nn.batchnorm": {
+        "distconv.nn.batchnorm_statistics": set(),
+    },
     "distconv.nn.conv": {
         "distconv.nn.conv_layout": set(),
         "distconv.nn.conv_forward": set(),

@@ -39,7 +39,7 @@ from distconv.nn._amp import autocast_dtype
 from distconv.nn.clip import register_parameter_specs
 from distconv.nn.grad_sync import redundant_sync
 from distconv.nn.sharding import ShardSpec, keep_requires_grad
-from distconv.nn.batchnorm import _moments
+from distconv.nn.batchnorm_statistics import _moments
 from distconv.nn.recompute import is_recomputing
 
 __all__ = ["DistGroupNorm", "DistInstanceNorm1d", "DistInstanceNorm2d", "DistInstanceNorm3d",
