@@ -652,8 +652,8 @@ MUTANTS += [
            "        x = x.unfold(2 + i, k, s)  # windows as a trailing dim",
            (PINS_KFAC,),
            "the im2col windows of a dilated N-d convolution read adjacent rows"),
-    # ---- the shared-memory ring (distconv/comm/host_channel.py)
-    Mutant("ring-reduce-skips-third-rank", "distconv/comm/host_channel.py",
+    # ---- the shared-memory ring (distconv/comm/host_channel.py, host_framing.py)
+    Mutant("ring-reduce-skips-third-rank", "distconv/comm/host_framing.py",
            "    for r in range(2, rows.shape[0]):\n        acc = fn(acc, rows[r], out=acc)",
            "    for r in range(3, rows.shape[0]):\n        acc = fn(acc, rows[r], out=acc)",
            ("tests/comm/test_host_channel.py::"

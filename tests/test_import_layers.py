@@ -175,6 +175,9 @@ CONCERNS = {
         "distconv.comm.stats": set(),
         "distconv.comm.work": set(),
     },
+    "distconv.comm.host_channel": {
+        "distconv.comm.host_framing": set(),
+    },
 }
 
 

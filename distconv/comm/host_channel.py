@@ -64,7 +64,6 @@ import os
 import platform
 import time
 import uuid
-import zlib
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -72,8 +71,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from distconv.comm.base import _REDUCERS, Shape, Work
+from distconv.comm.base import Shape, Work
 from distconv.comm.errors import CollectiveMismatchError, CommError, CommTimeoutError
+# the framing's public names stay importable from here, where the backends take them
+from distconv.comm.host_framing import (  # noqa: F401
+    NAME_BYTES, _reduce_rows, _signature, alltoall_bytes, name_buffer, name_of,
+)
 
 __all__ = ["BULK_BYTES", "BULK_SLOTS", "HostChannel", "SLOTS", "SLOT_BYTES", "alltoall_bytes",
            "enabled", "name_buffer", "name_of", "open_ring"]
@@ -99,25 +102,6 @@ def enabled() -> bool:
     return platform.machine().lower() in ("x86_64", "amd64")
 
 
-#: bytes of the buffer that carries the shared file's path from rank 0 at opening
-NAME_BYTES = 512
-
-
-def name_buffer(name: str, rank: int) -> torch.Tensor:
-    """The byte buffer a backend broadcasts from rank 0 to open a channel: rank 0's ``name``
-    (empty where it is too long to be worth a channel), zeros on the others."""
-    buf = torch.zeros(NAME_BYTES, dtype=torch.uint8)
-    data = name.encode() if rank == 0 else b""
-    if data and len(data) <= NAME_BYTES:
-        buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    return buf
-
-
-def name_of(buf: torch.Tensor) -> str:
-    """The name a broadcast :func:`name_buffer` carries."""
-    return bytes(buf.numpy()).rstrip(b"\0").decode()
-
-
 def open_ring(comm: Any, *, slots: int = SLOTS, slot_bytes: int = SLOT_BYTES
               ) -> HostChannel | None:
     """:meth:`HostChannel.open` for the communicator ``comm`` (collective over its ranks),
@@ -128,12 +112,6 @@ def open_ring(comm: Any, *, slots: int = SLOTS, slot_bytes: int = SLOT_BYTES
         describe=f"rank {comm.rank}, backend {comm.backend!r}",
         broadcast_name=comm._broadcast_name, all_ok=comm._all_ok, slots=slots,
         slot_bytes=slot_bytes)
-
-
-def alltoall_bytes(size: int, sent: int) -> int:
-    """A rank's payload for an all-to-all over ``size`` ranks in which it sends ``sent`` bytes
-    in all: its byte offsets per destination (one int64 each), then its chunks."""
-    return 8 * size + sent
 
 
 def _start_time(pid: int) -> int | None:
@@ -167,36 +145,6 @@ def _local_ranks(size: int) -> int:
         return max(size, int(os.environ.get("LOCAL_WORLD_SIZE", "0")))
     except ValueError:
         return size
-
-
-@functools.lru_cache(maxsize=4096)
-def _signature(*what: Any) -> int:
-    """A number naming one kind of collective (op, dtype, shapes): equal on every rank that
-    calls the same thing (a CRC of its text: Python's own hash differs between processes)."""
-    return zlib.crc32("|".join(map(str, what)).encode())
-
-
-def _reduce_rows(rows: torch.Tensor, op: str, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Rank 0's row reduced with rank 1's, then rank 2's, ... (into ``out``, or a new tensor):
-    the order every rank of a communicator uses, so all get the same bits; bf16 and fp16 in
-    fp32, rounded once (as :func:`~distconv.comm.base.reduce_in_order`)."""
-    dtype = rows.dtype
-    wide = dtype in (torch.bfloat16, torch.float16)
-    if wide:
-        rows = rows.float()
-    fn = _REDUCERS[op]
-    into = out if out is not None and not wide else None
-    if rows.shape[0] == 1:
-        acc = rows[0].clone() if into is None else into.copy_(rows[0])
-    else:
-        acc = fn(rows[0], rows[1]) if into is None else fn(rows[0], rows[1], out=into)
-    for r in range(2, rows.shape[0]):
-        acc = fn(acc, rows[r], out=acc)
-    if op == "avg":
-        acc = acc.div_(rows.shape[0])
-    if out is None:
-        return acc.to(dtype)
-    return acc if acc is out else out.copy_(acc)
 
 
 class _Op:
