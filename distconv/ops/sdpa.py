@@ -1,0 +1,135 @@
+"""``F.scaled_dot_product_attention(q, k, v)``, as timm's ``Attention`` calls it: queries
+``q[..., L, E]``, keys ``k[..., S, E]``, values ``v[..., S, Ev]``, the result ``[..., L, Ev]``.
+
+Each query row needs every key and value row, all of its head dim: the leading (batch-like) dims
+-- the samples, the heads -- keep ``q``'s split and ``k``, ``v`` are converted to it (nothing
+moves under sample or head splits); the queries' token dim ``L`` keeps its split (each rank
+attends its rows); the keys' and values' token dim ``S`` is made whole (an allgather, priced as
+the conversion it is), exact. ``is_causal=True`` masks by global positions: there ``L`` is made
+whole too, as where the query is also the key or value. Refused by name: a split head dim ``E`` (each score sums over all of it), a tensor
+``attn_mask``, ``dropout_p`` other than 0 (its draws are no one process's), ``enable_gqa``, and
+samples in the token or head dim.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch.fx as fx
+import torch.nn.functional as F
+from torch import nn
+
+from distconv.distribution import Dist
+from distconv.ops.base import Handler, Sample, SampleNet
+from distconv.ops.extents import captured_shape
+from distconv.parallel.placement import Placement, on_layout
+from distconv.parallel.steps import samples_of
+
+__all__ = ["SdpaHandler"]
+
+_WORKS = ("what works: splits of the samples, the heads or the queries' tokens, with "
+          "attn_mask=None, dropout_p=0 and the head dim whole")
+_NAMES = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+_DEFAULTS = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None,
+             "enable_gqa": False}
+
+
+def _arguments(node: fx.Node) -> dict[str, Any]:
+    """The call's arguments by name (defaults filled in)."""
+    named = dict(_DEFAULTS)
+    named.update(zip(_NAMES, node.args))
+    named.update(node.kwargs)
+    return named
+
+
+class SdpaHandler(Handler):
+    functions = frozenset({F.scaled_dot_product_attention})
+    samples_anywhere = True
+
+    def place(self, an: Any, node: Any, module: Any) -> Any:
+        from distconv.parallel.steps import Step
+
+        named = _arguments(node)
+        q, k, v = (named.get(n) for n in _NAMES[:3])
+        if not all(isinstance(t, fx.Node) and an.out.get(t) is not None for t in (q, k, v)):
+            an.fail(node, "query, key and value must be tensors of the graph", TypeError)
+        self._check_options(an, node, named)
+        placed = [an.placement(t).settled() for t in (q, k, v)]
+        if len({p.ndim for p in placed}) > 1 or placed[0].ndim < 3:
+            an.fail(node, f"query, key and value have {[p.ndim for p in placed]} dims; "
+                    "supported: the same number of dims, at least 3 (batch-like dims, tokens, "
+                    f"head dim); {_WORKS}")
+        home = placed[0].layout
+        qp, kp, vp = (p if p.layout == home else on_layout(p, home) for p in placed)
+        nd = qp.ndim
+        for t, p in zip((q, k, v), (qp, kp, vp)):
+            if p.dist.entries[-1] is not None:
+                an.fail(node, f"the head dim (the last) of {t.name!r} is split over "
+                        f"{p.dist.entries[-1]}; each score sums over all of it. Keep it whole: "
+                        f"{_WORKS}")
+            dim = samples_of(t)[0]
+            if dim >= nd - 2:
+                an.fail(node, f"{t.name!r} holds the samples in dim {dim}, its tokens or head "
+                        "dim; attention pairs tokens within each sample. Keep the samples in a "
+                        f"leading dim; {_WORKS}")
+        shapes = [captured_shape(t) for t in (q, k, v)]
+        batch = tuple(e if _same(shapes, d) else None
+                      for d, e in enumerate(qp.dist.entries[:nd - 2]))
+        # causal masks by global positions; a query that is also the key needs its tokens whole
+        rows = None if named["is_causal"] or q in (k, v) else qp.dist.entries[nd - 2]
+        qn = Placement(home, Dist(batch + (rows, None)))
+        kv = Placement(home, Dist(batch + (None, None)))
+        out = Placement(home, Dist(batch + (rows, None)))
+        needs = {q: qn, k: kv, v: kv}
+        return Step(node, "contract", out, needs, samples=samples_of(q)[0])
+
+    @staticmethod
+    def _check_options(an: Any, node: Any, named: dict[str, Any]) -> None:
+        if named["attn_mask"] is not None:
+            an.fail(node, "a tensor attn_mask is not supported (its blocks would have to follow "
+                    f"the queries' and keys' splits); mask the scores explicitly: {_WORKS}")
+        p = named["dropout_p"]
+        if isinstance(p, fx.Node) or p != 0:
+            an.fail(node, f"dropout_p={p!r}: its draws inside the fused call are no one "
+                    "process's; use dropout_p=0 (timm passes 0 in eval) or an explicit "
+                    f"nn.Dropout on the attention weights; {_WORKS}")
+        for name in ("is_causal", "enable_gqa", "scale"):
+            if isinstance(named[name], fx.Node):
+                an.fail(node, f"{name} is a value of the graph; give it as a constant", TypeError)
+        if named["enable_gqa"]:
+            an.fail(node, f"enable_gqa=True broadcasts the keys' heads; repeat them explicitly "
+                    f"(repeat_interleave) instead; {_WORKS}")
+
+    def samples(self) -> Sequence[Sample]:
+        from distconv.ops.base import SAMPLE_GRIDS
+
+        return (Sample("sdpa-heads", lambda: SampleNet(_Sdpa(), 4), (5, 4, 8, 6),
+                       SAMPLE_GRIDS),)
+
+
+def _same(shapes: list[tuple[int, ...] | None], d: int) -> bool:
+    """Whether dim ``d`` has one size in every operand (as far as the capture shows); torch
+    broadcasts a 1 against the others, which a split would break."""
+    sizes = {s[d] for s in shapes if s is not None}
+    return len(sizes) <= 1
+
+
+class _Sdpa(nn.Module):
+    """timm's ``Attention`` over a map's positions (tokens split under spatial, channels under
+    the stationary options), back to a map; causal and scaled forms too."""
+
+    def __init__(self, dim: int = 4, heads: int = 2) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x: Any) -> Any:
+        n, c, h, w = x.shape
+        t = x.flatten(2).transpose(1, 2)  # [N, L, C]
+        qkv = self.qkv(t).reshape(n, h * w, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv.unbind(0)
+        o = F.scaled_dot_product_attention(q, k, v, dropout_p=0.0)
+        o = o + F.scaled_dot_product_attention(q, k, v, attn_mask=None, is_causal=True, scale=0.3)
+        o = self.proj(o.transpose(1, 2).reshape(n, h * w, c))
+        return o.transpose(1, 2).reshape(n, c, h, w) + x
