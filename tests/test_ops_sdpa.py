@@ -16,7 +16,9 @@ from torch import nn
 from distconv import ops
 from distconv.parallel.explain import explain
 from distconv.testing import run_threads
-from tests.parallel.cases import OPTIONS, check_rows, seeded, square_mean_reference, square_mean_step
+from tests.parallel.cases import (
+    OPTIONS, check_rows, seeded, square_mean_reference, square_mean_step,
+)
 from tests.test_ops_attention import _placed
 
 SHAPE = (4, 3, 8, 4)  # 4 samples, 3 colours, 8 x 4 pixels: 4 x 2 patches of 2 x 2
@@ -84,7 +86,8 @@ def test_vit_attention_moves_nothing_under_the_samples_split() -> None:
 class Rows(nn.Module):
     """Attention between a map's rows or columns: ``q, k, v`` three convolutions of a stem's map
     permuted by ``perm`` to ``[N, batch, tokens, channels]``; under a spatial config the rows
-    (split over H) are the tokens (``perm = (0, 3, 2, 1)``) or a batch-like dim (``(0, 2, 3, 1)``)."""
+    (split over H) are the tokens (``perm = (0, 3, 2, 1)``) or a batch-like dim
+    (``(0, 2, 3, 1)``)."""
 
     def __init__(self, perm: tuple[int, ...], **sdpa: Any) -> None:
         super().__init__()
@@ -128,7 +131,8 @@ class _Masked(Rows):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         a = self.stem(x)
         q, k, v = (c(a).permute(*self.perm) for c in self.qkv)
-        return a + F.scaled_dot_product_attention(q, k, v, attn_mask=q.sigmoid()).permute(*self.back)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=q.sigmoid())
+        return a + o.permute(*self.back)
 
 
 class _UnbindsSamples(nn.Module):
