@@ -3,13 +3,12 @@
 
 Each query row needs every key and value row, all of its head dim: the leading (batch-like) dims
 -- the samples, the heads -- keep ``q``'s split and ``k``, ``v`` are converted to it (nothing
-moves under sample or head splits); the queries' token dim ``L`` keeps its split (each
-rank attends its rows); the keys' and values' token dim ``S`` is made whole (an allgather, priced as
+moves under sample or head splits); the queries' token dim ``L`` keeps its split (each rank
+attends its rows); the keys' and values' token dim ``S`` is made whole (an allgather, priced as
 the conversion it is), exact. ``is_causal=True`` masks by global positions: there ``L`` is made
-whole too, as where the query is also the key or value. Refused by name: a split head dim
-``E`` (each score sums over all of it), a tensor
-``attn_mask``, ``dropout_p`` other than 0 (its draws are no one process's), ``enable_gqa``, and
-samples in the token or head dim.
+whole too, as where the query is also the key or value. Refused by name: a split head dim ``E``
+(each score sums over all of it), a tensor ``attn_mask``, ``dropout_p`` other than 0 (its draws
+are no one process's), ``enable_gqa``, and samples in the token or head dim.
 """
 
 from __future__ import annotations
