@@ -144,6 +144,15 @@ class _UnbindsSamples(nn.Module):
         return torch.stack(self.stem(x).unbind(0)).mean()
 
 
+class _PairsSamples(Rows):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = self.stem(x)
+        q, v = (c(a).permute(0, 3, 2, 1) for c in (self.qkv[0], self.qkv[2]))  # [N, W, H, C]
+        k = self.qkv[1](a).permute(3, 0, 2, 1)  # [W, N, H, C]: sized as q (W = N = C)
+        o = F.scaled_dot_product_attention(q, k, v)
+        return a + o.permute(0, 3, 2, 1)
+
+
 @pytest.mark.parametrize("model, config, words", [
     (ViT(dropout_p=0.1), "sample", r"node 'scaled_dot_product_attention' .*'attn'.*dropout_p=0.1"),
     (Rows((0, 2, 3, 1), enable_gqa=True), "sample", r"node 'scaled_dot_product_attention'.*"
@@ -153,7 +162,9 @@ class _UnbindsSamples(nn.Module):
     (Rows((0, 2, 3, 1)), "stationary-y", r"node 'scaled_dot_product_attention'.*head dim.*"
      "split over F.*what works"),
     (_UnbindsSamples(), "sample", r"node 'unbind'.*unbinds the samples"),
-], ids=["dropout", "gqa", "mask", "head-dim", "unbind-samples"])
+    (_PairsSamples((0, 3, 2, 1)), "sample", r"node 'scaled_dot_product_attention'.*samples in "
+     r"dims \[0, 1\]"),
+], ids=["dropout", "gqa", "mask", "head-dim", "unbind-samples", "pairs-samples"])
 def test_what_cannot_be_exact_is_refused_naming_the_node(model: nn.Module, config: str,
                                                           words: str) -> None:
     with pytest.raises(ops.Unsupported, match=words):

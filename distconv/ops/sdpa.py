@@ -21,6 +21,7 @@ from torch import nn
 
 from distconv.distribution import Dist
 from distconv.ops.base import Handler, Sample, SampleNet
+from distconv.ops.elementwise import is_constant
 from distconv.ops.extents import captured_shape
 from distconv.parallel.placement import Placement, on_layout
 from distconv.parallel.steps import samples_of
@@ -72,6 +73,10 @@ class SdpaHandler(Handler):
                 an.fail(node, f"{t.name!r} holds the samples in dim {dim}, its tokens or head "
                         "dim; attention pairs tokens within each sample. Keep the samples in a "
                         f"leading dim; {_WORKS}")
+        dims = {samples_of(t)[0] for t in (q, k, v) if not is_constant(t)}
+        if len(dims) > 1:
+            an.fail(node, f"query, key and value hold the samples in dims {sorted(dims)}; it "
+                    f"would pair one sample's queries with another's keys; {_WORKS}")
         shapes = [captured_shape(t) for t in (q, k, v)]
         batch = tuple(e if _same(shapes, d) else None
                       for d, e in enumerate(qp.dist.entries[:nd - 2]))
@@ -104,7 +109,9 @@ class SdpaHandler(Handler):
         from distconv.ops.base import SAMPLE_GRIDS
 
         return (Sample("sdpa-heads", lambda: SampleNet(_Sdpa(), 4), (5, 4, 8, 6),
-                       SAMPLE_GRIDS),)
+                       SAMPLE_GRIDS),
+                Sample("sdpa-rows", lambda: SampleNet(_RowAttention(), 4), (5, 4, 8, 6),
+                       SAMPLE_GRIDS[:2]))
 
 
 def _same(shapes: list[tuple[int, ...] | None], d: int) -> bool:
@@ -133,3 +140,16 @@ class _Sdpa(nn.Module):
         o = o + F.scaled_dot_product_attention(q, k, v, attn_mask=None, is_causal=True, scale=0.3)
         o = self.proj(o.transpose(1, 2).reshape(n, h * w, c))
         return o.transpose(1, 2).reshape(n, c, h, w) + x
+
+
+class _RowAttention(nn.Module):
+    """Attention between a map's rows (split under spatial: the queries keep them, the keys and
+    values are gathered), each column a batch-like dim, the channels the head dim (whole)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.key, self.value = nn.Conv2d(4, 4, 1), nn.Conv2d(4, 4, 1)
+
+    def forward(self, x: Any) -> Any:
+        q, k, v = (t.permute(0, 3, 2, 1) for t in (x, self.key(x), self.value(x)))  # [N,W,H,C]
+        return x + F.scaled_dot_product_attention(q, k, v, scale=0.5).permute(0, 3, 2, 1)
