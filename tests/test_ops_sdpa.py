@@ -1,8 +1,8 @@
 """timm-style attention (``qkv.unbind(0)``, ``F.scaled_dot_product_attention``) in a small
 ViT-ish model, exact against one process in fp64 on thread ranks under sample, spatial and
 stationary configs; the placements written down from the rule (batch-like splits kept, the
-queries' tokens kept, keys and values whole over their tokens); and what cannot be exact
-refused by name."""
+queries' tokens kept, keys and values whole over their tokens, head dims whole); and what
+cannot be exact refused by name."""
 
 from __future__ import annotations
 
@@ -117,14 +117,26 @@ def test_split_tokens_keep_the_queries_split_and_gather_keys_and_values() -> Non
     assert causal["scaled_dot_product_attention"][0] == "[o_N,*,*,*]"
 
 
-@pytest.mark.parametrize("perm", [(0, 3, 2, 1), (0, 2, 3, 1)], ids=["tokens", "batch"])
+def test_a_split_head_dim_is_gathered() -> None:
+    """Channels split over F (stationary-y) are the head dim: each score sums over all of it and
+    goes through the softmax, so query, key and value are gathered over it."""
+    got = _placed(Rows((0, 2, 3, 1)), OPTIONS["stationary-y"], 4, SHAPE)
+    assert got["permute"][0] == "[o,*,*,o_F]"
+    sdpa = got["scaled_dot_product_attention"]
+    assert sdpa[0] == "[o_N,*,*,*]"
+    assert set(sdpa[2].values()) == {"[o_N,*,*,*]"}
+
+
+@pytest.mark.parametrize("perm, name", [
+    ((0, 3, 2, 1), "spatial"), ((0, 2, 3, 1), "spatial"), ((0, 2, 3, 1), "stationary-y")],
+    ids=["tokens", "batch", "head-dim"])
 @pytest.mark.parametrize("sdpa", [{}, {"is_causal": True, "scale": 0.7}], ids=["plain", "causal"])
-def test_row_attention_equals_one_process(perm: tuple[int, ...], sdpa: dict) -> None:
+def test_row_attention_equals_one_process(perm: tuple[int, ...], name: str, sdpa: dict) -> None:
     gen = torch.Generator().manual_seed(5)
     model = seeded(Rows(perm, **sdpa).double(), gen)
     x = torch.randn(SHAPE, generator=gen, dtype=torch.float64)
     check_rows(square_mean_reference(model, x),
-               run_threads(square_mean_step, 4, model, OPTIONS["spatial"], x))
+               run_threads(square_mean_step, 4, model, OPTIONS[name], x))
 
 
 class _Masked(Rows):
@@ -159,12 +171,10 @@ class _PairsSamples(Rows):
      "enable_gqa=True"),
     (_Masked((0, 2, 3, 1)), "sample", r"node 'scaled_dot_product_attention'.*attn_mask.*"
      "what works"),
-    (Rows((0, 2, 3, 1)), "stationary-y", r"node 'scaled_dot_product_attention'.*head dim.*"
-     "split over F.*what works"),
     (_UnbindsSamples(), "sample", r"node 'unbind'.*unbinds the samples"),
     (_PairsSamples((0, 3, 2, 1)), "sample", r"node 'scaled_dot_product_attention'.*samples in "
      r"dims \[0, 1\]"),
-], ids=["dropout", "gqa", "mask", "head-dim", "unbind-samples", "pairs-samples"])
+], ids=["dropout", "gqa", "mask", "unbind-samples", "pairs-samples"])
 def test_what_cannot_be_exact_is_refused_naming_the_node(model: nn.Module, config: str,
                                                           words: str) -> None:
     with pytest.raises(ops.Unsupported, match=words):

@@ -4,11 +4,13 @@
 Each query row needs every key and value row, all of its head dim: the leading (batch-like) dims
 -- the samples, the heads -- keep ``q``'s split and ``k``, ``v`` are converted to it (nothing
 moves under sample or head splits); the queries' token dim ``L`` keeps its split (each rank
-attends its rows); the keys' and values' token dim ``S`` is made whole (an allgather, priced as
-the conversion it is), exact. ``is_causal=True`` masks by global positions: there ``L`` is made
-whole too, as where the query is also the key or value. Refused by name: a split head dim ``E``
-(each score sums over all of it), a tensor ``attn_mask``, ``dropout_p`` other than 0 (its draws
-are no one process's), ``enable_gqa``, and samples in the token or head dim.
+attends its rows); the keys' and values' token dim ``S`` and every head dim (``E``, ``Ev``) are
+made whole (an allgather over the grid dims that split them, priced as the conversion it is:
+each score sums over all of ``E`` and goes through the softmax before any sum over its blocks
+could be completed), exact. ``is_causal=True`` masks by global positions: there ``L`` is made
+whole too, as where the query is also the key or value. Refused by name: a tensor ``attn_mask``,
+``dropout_p`` other than 0 (its draws are no one process's), ``enable_gqa``, and samples in the
+token or head dim.
 """
 
 from __future__ import annotations
@@ -23,13 +25,13 @@ from distconv.distribution import Dist
 from distconv.ops.base import Handler, Sample, SampleNet
 from distconv.ops.elementwise import is_constant
 from distconv.ops.extents import captured_shape
-from distconv.parallel.placement import Placement, on_layout
+from distconv.parallel.placement import Placement
 from distconv.parallel.steps import samples_of
 
 __all__ = ["SdpaHandler"]
 
-_WORKS = ("what works: splits of the samples, the heads or the queries' tokens, with "
-          "attn_mask=None, dropout_p=0 and the head dim whole")
+_WORKS = ("what works: any split of query, key and value (the samples' and heads' kept, the "
+          "queries' tokens' kept, the rest gathered) with attn_mask=None and dropout_p=0")
 _NAMES = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 _DEFAULTS = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None,
              "enable_gqa": False}
@@ -60,14 +62,9 @@ class SdpaHandler(Handler):
             an.fail(node, f"query, key and value have {[p.ndim for p in placed]} dims; "
                     "supported: the same number of dims, at least 3 (batch-like dims, tokens, "
                     f"head dim); {_WORKS}")
-        home = placed[0].layout
-        qp, kp, vp = (p if p.layout == home else on_layout(p, home) for p in placed)
-        nd = qp.ndim
-        for t, p in zip((q, k, v), (qp, kp, vp)):
-            if p.dist.entries[-1] is not None:
-                an.fail(node, f"the head dim (the last) of {t.name!r} is split over "
-                        f"{p.dist.entries[-1]}; each score sums over all of it. Keep it whole: "
-                        f"{_WORKS}")
+        qp = placed[0]  # k and v are converted to its layout
+        home, nd = qp.layout, qp.ndim
+        for t in (q, k, v):
             dim = samples_of(t)[0]
             if dim >= nd - 2:
                 an.fail(node, f"{t.name!r} holds the samples in dim {dim}, its tokens or head "
@@ -111,7 +108,7 @@ class SdpaHandler(Handler):
         return (Sample("sdpa-heads", lambda: SampleNet(_Sdpa(), 4), (5, 4, 8, 6),
                        SAMPLE_GRIDS),
                 Sample("sdpa-rows", lambda: SampleNet(_RowAttention(), 4), (5, 4, 8, 6),
-                       SAMPLE_GRIDS[:2]))
+                       SAMPLE_GRIDS))
 
 
 def _same(shapes: list[tuple[int, ...] | None], d: int) -> bool:
@@ -144,7 +141,8 @@ class _Sdpa(nn.Module):
 
 class _RowAttention(nn.Module):
     """Attention between a map's rows (split under spatial: the queries keep them, the keys and
-    values are gathered), each column a batch-like dim, the channels the head dim (whole)."""
+    values are gathered), each column a batch-like dim, the channels the head dim (split under
+    the stationary options: gathered)."""
 
     def __init__(self) -> None:
         super().__init__()
