@@ -179,3 +179,17 @@ def test_what_cannot_be_exact_is_refused_naming_the_node(model: nn.Module, confi
                                                           words: str) -> None:
     with pytest.raises(ops.Unsupported, match=words):
         explain(model, OPTIONS[config], SHAPE, world_size=4)
+
+
+@pytest.mark.parametrize("model", [ViT(), Rows((0, 2, 3, 1))], ids=["vit", "rows"])
+def test_the_planners_plan_runs_attention_exactly(model: nn.Module) -> None:
+    """``plan_network`` plans through unbind and the attention (its choices may split the head
+    dim: gathered), and its config equals one process."""
+    from tests.zoo.catalogue import planned
+
+    gen = torch.Generator().manual_seed(6)
+    model = seeded(model.double(), gen)
+    x = torch.randn(SHAPE, generator=gen, dtype=torch.float64)
+    config = planned(model, SHAPE)
+    check_rows(square_mean_reference(model, x),
+               run_threads(square_mean_step, 4, model, config, x))
