@@ -193,3 +193,13 @@ def test_the_planners_plan_runs_attention_exactly(model: nn.Module) -> None:
     config = planned(model, SHAPE)
     check_rows(square_mean_reference(model, x),
                run_threads(square_mean_step, 4, model, config, x))
+
+
+@pytest.mark.gloo
+def test_split_tokens_on_gloo(gloo4) -> None:  # noqa: ANN001
+    """Rows split over H as the tokens (keys and values gathered by a real allgather)."""
+    gen = torch.Generator().manual_seed(5)
+    model = seeded(Rows((0, 3, 2, 1)).double(), gen)  # (a type pickle finds by its name)
+    x = torch.randn(SHAPE, generator=gen, dtype=torch.float64)
+    check_rows(square_mean_reference(model, x),
+               gloo4.run(square_mean_step, model, OPTIONS["spatial"], x))
