@@ -203,3 +203,31 @@ def test_split_tokens_on_gloo(gloo4) -> None:  # noqa: ANN001
     x = torch.randn(SHAPE, generator=gen, dtype=torch.float64)
     check_rows(square_mean_reference(model, x),
                gloo4.run(square_mean_step, model, OPTIONS["spatial"], x))
+
+
+class _Broadcast(Rows):
+    """Keys and values of one row (a row mean) broadcast against every query row: the rows,
+    split over H, are a batch-like dim of size 1 in the keys."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = self.stem(x)
+        q, k, v = (c(a).permute(*self.perm) for c in self.qkv)
+        o = F.scaled_dot_product_attention(q, k.mean(1, keepdim=True), v.mean(1, keepdim=True))
+        return a + o.permute(*self.back)
+
+
+def test_a_dim_that_broadcasts_is_whole_and_equals_one_process() -> None:
+    """Captured on the input shape, the rows are seen broadcast (1 against 8): whole, exact.
+    Without the shape they are split as the queries' rows are, and the shape that broadcasts
+    them is refused by name before a step runs."""
+    from tests.test_ops_attention import _sized_step
+
+    got = _placed(_Broadcast((0, 2, 3, 1)), OPTIONS["spatial"], 4, SHAPE)
+    assert got["scaled_dot_product_attention"][0] == "[o_N,*,*,*]"
+    gen = torch.Generator().manual_seed(2)
+    model = seeded(_Broadcast((0, 2, 3, 1)).double(), gen)
+    x = torch.randn(SHAPE, generator=gen, dtype=torch.float64)
+    check_rows(square_mean_reference(model, x),
+               run_threads(_sized_step, 4, model, OPTIONS["spatial"], x))
+    with pytest.raises(ValueError, match=r"node 'scaled_dot_product_attention'.*dim 1 of.*sizes"):
+        run_threads(square_mean_step, 4, model, OPTIONS["spatial"], x)

@@ -85,6 +85,21 @@ class SdpaHandler(Handler):
         needs = {q: qn, k: kv, v: kv}
         return Step(node, "contract", out, needs, samples=samples_of(q)[0])
 
+    def refuse_operands(self, step: Any, shapes: dict[str, tuple[int, ...]]) -> str | None:
+        """A split batch-like dim whose sizes differ between query, key and value on these
+        shapes (torch would broadcast a 1 against the others' blocks)."""
+        for a, need in step.needs.items():
+            for b in step.needs:
+                if a.name not in shapes or b.name not in shapes:
+                    continue
+                for d, e in enumerate(need.dist.entries[:-2]):
+                    if e is not None and shapes[a.name][d] != shapes[b.name][d]:
+                        return (f"dim {d} of {a.name!r} and {b.name!r} has sizes "
+                                f"{shapes[a.name][d]} and {shapes[b.name][d]} (torch broadcasts "
+                                "them) but is split as placed for the input shape the model was "
+                                "captured on; parallelize it with input_shape= this shape")
+        return None
+
     @staticmethod
     def _check_options(an: Any, node: Any, named: dict[str, Any]) -> None:
         if named["attn_mask"] is not None:
