@@ -7,9 +7,10 @@ Each kept dim keeps its entry and each new dim is whole, so no data moves where 
 index whole dims: every rank takes the same element of its block. An integer on a split dim
 makes that dim whole first (an allgather over the grid dims that split it, priced as the
 conversion it is), then each rank takes the element. The samples' dim (``Step.samples``) moves
-to where the kept dims put it. An integer into the tuple ``x.unbind(d)`` returns
-(:mod:`distconv.ops.unbind`) is placed as ``x[:, ..., i]`` at dim ``d``. Refused by name: an integer that picks one sample, a new dim
-before the samples, a slice that picks part of a dim, and tensors or lists as indices.
+to where the kept dims put it. An integer ``i`` into the tuple ``x.unbind(d)`` returns
+(:mod:`distconv.ops.unbind`) is placed as ``x`` indexed by ``i`` at dim ``d``. Refused by name:
+an integer that picks one sample, a new dim before the samples, a slice that picks part of a
+dim, and tensors or lists as indices.
 """
 
 from __future__ import annotations
