@@ -153,7 +153,12 @@ class _UnbindsSamples(nn.Module):
         self.stem = nn.Conv2d(3, 4, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.stack(self.stem(x).unbind(0)).mean()
+        return self.stem(x).unbind(0)[0][None]
+
+
+class _CatsUnbound(_UnbindsSamples):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat(self.stem(x).unbind(1), dim=2)
 
 
 class _PairsSamples(Rows):
@@ -172,9 +177,10 @@ class _PairsSamples(Rows):
     (_Masked((0, 2, 3, 1)), "sample", r"node 'scaled_dot_product_attention'.*attn_mask.*"
      "what works"),
     (_UnbindsSamples(), "sample", r"node 'unbind'.*unbinds the samples"),
+    (_CatsUnbound(), "spatial", r"node 'unbind'.*tuple is used whole by node 'cat'"),
     (_PairsSamples((0, 3, 2, 1)), "sample", r"node 'scaled_dot_product_attention'.*samples in "
      r"dims \[0, 1\]"),
-], ids=["dropout", "gqa", "mask", "unbind-samples", "pairs-samples"])
+], ids=["dropout", "gqa", "mask", "unbind-samples", "unbind-whole", "pairs-samples"])
 def test_what_cannot_be_exact_is_refused_naming_the_node(model: nn.Module, config: str,
                                                           words: str) -> None:
     with pytest.raises(ops.Unsupported, match=words):

@@ -5,11 +5,13 @@ The node's value is the tuple of slices; the walk places it as its input, the un
 whole (an allgather over the grid dims that split it, priced as the conversion it is; nothing
 moves where it is whole, as the stacked axis is). Each slice, taken from the tuple by
 ``operator.getitem`` (:mod:`distconv.ops.index`), keeps the other dims' splits, the samples
-included, wherever they are (``Step.samples``). Refused by name: unbinding the samples' dim.
+included, wherever they are (``Step.samples``). Refused by name: unbinding the samples' dim,
+and the tuple used other than by taking its items (``torch.stack(x.unbind(1))``).
 """
 
 from __future__ import annotations
 
+import operator
 from typing import Any, Sequence
 
 import torch
@@ -51,6 +53,11 @@ class UnbindHandler(Handler):
         if dim is None:
             an.fail(node, f"it unbinds dim {node.kwargs.get('dim', node.args[1:])!r}; give the "
                     "dim as an int", TypeError)
+        for user in node.users:  # the tuple is placed as its input: only its items are values
+            if user.target is not operator.getitem or not isinstance(user.args[1], int):
+                an.fail(node, f"its tuple is used whole by node {user.name!r}; supported: "
+                        "taking its items (q, k, v = x.unbind(0), or x.unbind(0)[i]), each a "
+                        "value of its own")
         samples = samples_of(args[0])[0]
         if dim == samples:
             an.fail(node, f"it unbinds the samples (dim {dim}), giving one value per sample; "
