@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from distconv.distribution import Dist
-from distconv.ops.base import Handler, Sample, SampleNet
+from distconv.ops.base import SAMPLE_GRIDS, Handler, Sample, SampleNet
 from distconv.ops.elementwise import is_constant
 from distconv.ops.extents import captured_shape
 from distconv.parallel.placement import Placement
@@ -104,7 +104,9 @@ class SdpaHandler(Handler):
     def _check_options(an: Any, node: Any, named: dict[str, Any]) -> None:
         if named["attn_mask"] is not None:
             an.fail(node, "a tensor attn_mask is not supported (its blocks would have to follow "
-                    f"the queries' and keys' splits); mask the scores explicitly: {_WORKS}")
+                    "the queries' and keys' splits); write the attention out instead, "
+                    "(q @ k.transpose(-2, -1) * scale + mask).softmax(-1) @ v, each op of which "
+                    f"runs distributed; {_WORKS}")
         p = named["dropout_p"]
         if isinstance(p, fx.Node) or p != 0:
             an.fail(node, f"dropout_p={p!r}: its draws inside the fused call are no one "
@@ -118,8 +120,6 @@ class SdpaHandler(Handler):
                     f"(repeat_interleave) instead; {_WORKS}")
 
     def samples(self) -> Sequence[Sample]:
-        from distconv.ops.base import SAMPLE_GRIDS
-
         return (Sample("sdpa-heads", lambda: SampleNet(_Sdpa(), 4), (5, 4, 8, 6),
                        SAMPLE_GRIDS),
                 Sample("sdpa-rows", lambda: SampleNet(_RowAttention(), 4), (5, 4, 8, 6),
