@@ -33,8 +33,10 @@ from distconv.ops.pool import (
 from distconv.ops.resample import ResampleHandler
 from distconv.ops.shape import FlattenHandler, NewAxisHandler, ReshapeHandler
 from distconv.ops.sizes import SizeHandler
+from distconv.ops.sdpa import SdpaHandler
 from distconv.ops.softmax import SoftmaxHandler
 from distconv.ops.stochastic import StochasticDepthHandler
+from distconv.ops.unbind import UnbindHandler
 
 __all__ = ["CONFIGURABLE", "REGISTRY", "Handler", "PriceContext", "Sample", "Unsupported",
            "handler_for", "is_leaf", "loaded_functions", "supported"]
@@ -48,7 +50,7 @@ REGISTRY: tuple[Handler, ...] = (
     ResampleHandler(), DropoutHandler(), StochasticDepthHandler(), FunctionalLayerNormHandler(),
     PadHandler(), FlattenHandler(), ReshapeHandler(), IndexHandler(), NewAxisHandler(),
     PermuteHandler(), PointwiseHandler(), BinaryHandler(), CatHandler(), SoftmaxHandler(),
-    EinsumHandler(),
+    EinsumHandler(), UnbindHandler(), SdpaHandler(),
 )
 
 

@@ -116,6 +116,8 @@ def _new_axes(node: fx.Node, first: frozenset[int], ndim: int, in_ndim: int) -> 
         d = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else 0) % ndim
         return frozenset({d} | {e + (e >= d) for e in first})
     from distconv.ops.index import indexed_dims
+    from distconv.ops.unbind import unbound_dim
 
-    kept, _ = indexed_dims(node.args[1], in_ndim)
+    index, d = node.args[1], unbound_dim(node.args[0], in_ndim)
+    kept, _ = indexed_dims(index if d is None else (slice(None),) * d + (index,), in_ndim)
     return frozenset(i for i, k in enumerate(kept) if k is None or k in first)

@@ -7,8 +7,10 @@ Each kept dim keeps its entry and each new dim is whole, so no data moves where 
 index whole dims: every rank takes the same element of its block. An integer on a split dim
 makes that dim whole first (an allgather over the grid dims that split it, priced as the
 conversion it is), then each rank takes the element. The samples' dim (``Step.samples``) moves
-to where the kept dims put it. Refused by name: an integer that picks one sample, a new dim
-before the samples, a slice that picks part of a dim, and tensors or lists as indices.
+to where the kept dims put it. An integer ``i`` into the tuple ``x.unbind(d)`` returns
+(:mod:`distconv.ops.unbind`) is placed as ``x`` indexed by ``i`` at dim ``d``. Refused by name:
+an integer that picks one sample, a new dim before the samples, a slice that picks part of a
+dim, and tensors or lists as indices.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from distconv.distribution import Dist
 from distconv.ops.base import SAMPLE_GRIDS, Handler, Sample, SampleNet
 from distconv.ops.elementwise import is_constant
 from distconv.ops.shape import model_tensor
+from distconv.ops.unbind import unbound_dim
 from distconv.parallel.placement import Placement
 from distconv.parallel.steps import samples_of
 
@@ -80,6 +83,8 @@ class IndexHandler(Handler):
         if is_constant(arg):
             return model_tensor(an, node)  # a parameter's or buffer's element or dims
         p = an.placement(arg)
+        if unbound_dim(arg, p.ndim) is not None:  # a slice of an unbind's tuple
+            index = (slice(None),) * unbound_dim(arg, p.ndim) + (index,)
         try:
             kept, dropped = indexed_dims(index, p.ndim)
         except TypeError as exc:

@@ -131,6 +131,8 @@ class _ShapeRecorder(fx.Interpreter):
             return obj
 
         meta = map_aggregate(result, extract)
+        if n.target in (torch.unbind, "unbind"):  # placed as the value it takes apart
+            meta = n.args[0].meta["tensor_meta"]  # (distconv.ops.unbind)
         if found:
             n.meta["tensor_meta"] = meta
         else:  # a value of the global shape (a size, a comparison of sizes): the program's
