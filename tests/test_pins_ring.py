@@ -5,13 +5,13 @@ and a local sum) still sums in rank order."""
 
 from __future__ import annotations
 
-import os
 import threading
 from typing import Any
 
 import pytest
 import torch
 
+from tests.comm.programs import split_without_host_channel
 from tests.comm.test_host_channel import _on_threads
 
 
@@ -38,15 +38,7 @@ ORDERED = (1e16, 1.0, -1e16, 1.0)
 
 
 def reduce_scatter_without_the_ring(comm: Any) -> torch.Tensor:
-    old = os.environ.get("DISTCONV_HOST_CHANNEL")
-    os.environ["DISTCONV_HOST_CHANNEL"] = "0"
-    try:
-        c = comm.split([list(range(comm.size))], timeout=28.0)
-    finally:
-        if old is None:
-            del os.environ["DISTCONV_HOST_CHANNEL"]
-        else:
-            os.environ["DISTCONV_HOST_CHANNEL"] = old
+    c = split_without_host_channel(comm)
     value = ORDERED[c.rank]
     return c.reduce_scatter([torch.full((2,), value, dtype=torch.float64)] * c.size)
 

@@ -452,18 +452,24 @@ def bulk_ring_routes(comm):
                                                 + (r < 97 % P)))}
 
 
-def without_host_channel(comm):
-    """With DISTCONV_HOST_CHANNEL=0 a new communicator opens no channel and passes every check
-    on gloo alone."""
+def split_without_host_channel(comm):
+    """A communicator over every rank of ``comm`` split with DISTCONV_HOST_CHANNEL=0: it opens no
+    shared-memory channel, so its collectives run on the backend alone."""
     old = os.environ.get("DISTCONV_HOST_CHANNEL")
     os.environ["DISTCONV_HOST_CHANNEL"] = "0"
     try:
-        c = comm.split([list(range(comm.size))], timeout=28.0)
+        return comm.split([list(range(comm.size))], timeout=28.0)
     finally:
         if old is None:
             del os.environ["DISTCONV_HOST_CHANNEL"]
         else:
             os.environ["DISTCONV_HOST_CHANNEL"] = old
+
+
+def without_host_channel(comm):
+    """With DISTCONV_HOST_CHANNEL=0 a new communicator opens no channel and passes every check
+    on gloo alone."""
+    c = split_without_host_channel(comm)
     for dtype in ("float32", "bfloat16", "int16"):
         programs_snap, backend = check_all_ops(c, dtype, 3)
     from distconv.comm.host_channel import SLOT_BYTES
