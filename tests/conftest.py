@@ -20,6 +20,10 @@ settings.register_profile("distconv", deadline=None, print_blob=True)
 settings.load_profile("distconv")
 
 from distconv.testing import WorkerPool, find_mpiexec
+from tests.vision_ops import install as install_vision_ops
+
+# torchvision's models load here even where its compiled extension cannot (tests/vision_ops.py)
+install_vision_ops()
 
 # Communicator timeout in the workers: a hung collective fails in 120 s. Generous, so a slow rank
 # on a loaded machine (compiling, importing) is never taken for a hung one; a run's own limit is
