@@ -8,20 +8,22 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from distconv.memo import BoundedMemo
+
 __all__ = ["pack", "unpack", "packed_numel", "RunningFactor"]
 
-_TRIU_CACHE: dict[tuple[int, str], tuple[Tensor, Tensor]] = {}
+_TRIU_CACHE: BoundedMemo[tuple[Tensor, Tensor]] = BoundedMemo(256)  # thread ranks share it
 
 
 def _triu(d: int, device: torch.device) -> tuple[Tensor, Tensor]:
     """Flat indices into a ``d x d`` block of its upper triangle, row by row, and of the
     mirrored entries: one-dimensional gathers and scatters, several times faster than
     two-dimensional advanced indexing."""
-    key = (d, str(device))
-    if key not in _TRIU_CACHE:
+    def make() -> tuple[Tensor, Tensor]:
         r, c = torch.triu_indices(d, d, device=device)
-        _TRIU_CACHE[key] = (r * d + c, c * d + r)
-    return _TRIU_CACHE[key]
+        return r * d + c, c * d + r
+
+    return _TRIU_CACHE.get((d, str(device)), make)
 
 
 def packed_numel(groups: int, d: int, *, symmetric: bool = True) -> int:

@@ -26,6 +26,7 @@ from distconv.checkpoint._shardfile import _DTYPES, write_shard_file
 from distconv.checkpoint._tree import flatten
 from distconv.comm import Communicator
 from distconv.distribution import Dist
+from distconv.memo import BoundedMemo
 from distconv.nn.sharding import ShardSpec
 
 __all__ = ["SaveHandle", "save"]
@@ -296,19 +297,14 @@ def _collect(sections: list[Section]) -> tuple[dict[str, Any], Items]:
 
 
 #: the local shape of each layout saved (working it out costs most of collecting the state)
-_LOCAL_SHAPES: dict[Any, tuple[int, ...]] = {}
+_LOCAL_SHAPES: BoundedMemo[tuple[int, ...]] = BoundedMemo(4096)
 
 
 def _local_shape(spec: ShardSpec) -> tuple[int, ...]:
     if spec.grid is None:
         return spec.global_shape
     key = (spec.dist, spec.global_shape, spec.grid.layout, spec.grid.rank)
-    shape = _LOCAL_SHAPES.get(key)
-    if shape is None:
-        if len(_LOCAL_SHAPES) >= 4096:
-            _LOCAL_SHAPES.clear()
-        shape = _LOCAL_SHAPES[key] = spec.local_shape
-    return shape
+    return _LOCAL_SHAPES.get(key, lambda: spec.local_shape)
 
 
 def _rank_extra(value: Any, rank: int) -> tuple[Any, dict[str, torch.Tensor]]:
@@ -382,22 +378,17 @@ def _remove_stale(path: Path, keep: set[str]) -> None:
             f.unlink(missing_ok=True)
 
 
-_PLANS: dict[Any, list[Piece]] = {}  # the plans of the last layouts saved (a step's saves repeat)
+#: the plans of the last layouts saved (a step's saves repeat); thread ranks share it
+_PLANS: BoundedMemo[list[Piece]] = BoundedMemo(8)
 
 
 def _plan(items: Items, size: int) -> list[Piece]:
     """Who writes which block: a pure function of the layouts, cached by them."""
     key = (size, tuple((k, spec.global_shape, spec.dist, None if spec.grid is None else
                         spec.grid.layout, t.element_size()) for k, (t, spec) in items.items()))
-    plan = _PLANS.get(key)
-    if plan is None:
-        blocks = [b for k, (t, spec) in items.items()
-                  for b in blocks_of(k, spec, t.element_size(), size)]
-        plan = assign(blocks, size)
-        if len(_PLANS) >= 8:
-            _PLANS.pop(next(iter(_PLANS)))
-        _PLANS[key] = plan
-    return plan
+    return _PLANS.get(key, lambda: assign([b for k, (t, spec) in items.items()
+                                          for b in blocks_of(k, spec, t.element_size(), size)],
+                                         size))
 
 
 def _own(pieces: list[Piece], items: Items, rank: int, *,
@@ -418,17 +409,16 @@ def _own(pieces: list[Piece], items: Items, rank: int, *,
     return out
 
 
-_DIST_TEXT: dict[Dist, str] = {}  # the index's text of each Dist saved (a few per model)
+_DIST_TEXT: BoundedMemo[str] = BoundedMemo(4096)  # the index's text of each Dist saved
 
 
 def _metadata(items: Items) -> dict[str, Any]:
     """Key, dtype, global shape, Dist and grid of each tensor."""
     out = {}
     for key, (t, spec) in items.items():
-        text = _DIST_TEXT.get(spec.dist)
-        if text is None:
-            # explicit grid dim names (o_C, never a bare o): the text parses without tensor_dims
-            text = _DIST_TEXT[spec.dist] = Dist(spec.dist.entries, spec.dist.pending).format()
+        # explicit grid dim names (o_C, never a bare o): the text parses without tensor_dims
+        text = _DIST_TEXT.get(spec.dist, lambda: Dist(spec.dist.entries,
+                                                      spec.dist.pending).format())
         out[key] = {"dtype": dtype_name(t.dtype), "shape": list(spec.global_shape), "dist": text,
                     "grid": None if spec.grid is None else [list(p) for p in spec.grid.layout]}
     return out

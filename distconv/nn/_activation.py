@@ -10,6 +10,7 @@ import torch
 
 from distconv.distribution import Dist
 from distconv.grid import ProcessorGrid
+from distconv.memo import BoundedMemo
 
 if TYPE_CHECKING:
     from distconv.comm import Communicator
@@ -90,18 +91,12 @@ def entry_comm(grid: ProcessorGrid, dims: Sequence[str]) -> Communicator | None:
 
 
 # (grid, dist, global shape) -> this rank's block shape: a layer checks its input every step
-_LOCAL_SHAPES: dict[tuple[Any, Any, tuple[int, ...]], tuple[int, ...]] = {}
+_LOCAL_SHAPES: BoundedMemo[tuple[int, ...]] = BoundedMemo(4096)
 
 
 def local_shape(grid: ProcessorGrid, dist: Dist, shape: tuple[int, ...]) -> tuple[int, ...]:
     """``dist.local_shape(shape, grid)``, remembered (layers check their input every step)."""
-    key = (grid, dist, shape)
-    found = _LOCAL_SHAPES.get(key)
-    if found is None:
-        if len(_LOCAL_SHAPES) > 4096:
-            _LOCAL_SHAPES.clear()
-        found = _LOCAL_SHAPES[key] = dist.local_shape(shape, grid)
-    return found
+    return _LOCAL_SHAPES.get((grid, dist, shape), lambda: dist.local_shape(shape, grid))
 
 
 def resolve_shape(
