@@ -749,6 +749,42 @@ MUTANTS += [
            "a default spatial entry splits maps too small to split on the captured shape"),
 ]
 
+# The wave of the zoo beyond MONAI, segments and the first day: shared memos, the newest
+# handlers' unpinned behaviours, recomputation, the capture's checks.
+PINS_WAVE = "tests/test_pins_capture_ops.py"
+MUTANTS += [
+    Mutant("memo-evict-unlocked", "distconv/memo.py",
+           "        with self._lock:\n            while len(self._items) >= self._bound:",
+           "        if True:\n            while len(self._items) >= self._bound:",
+           ("tests/test_memo.py",),
+           "two thread ranks past the bound evict the same oldest key (KeyError mid-save)"),
+    Mutant("memo-bound-ignored", "distconv/memo.py",
+           "while len(self._items) >= self._bound:", "while len(self._items) > 1 << 30:",
+           ("tests/test_memo.py",), "a bounded memo grows without bound"),
+    Mutant("softmax-negative-dim", "distconv/ops/softmax.py", "        dim %= p.ndim\n", "",
+           (f"{PINS_WAVE}::test_a_split_dim_is_made_whole_where_the_op_reads_it_whole",),
+           "a softmax over a negative dim that is split normalises each rank's block alone"),
+    Mutant("index-split-dim-kept", "distconv/ops/index.py",
+           "        if any(entries[d] is not None for d in dropped):", "        if False:",
+           (f"{PINS_WAVE}::test_a_split_dim_is_made_whole_where_the_op_reads_it_whole",),
+           "an integer index into a split dim takes each rank's own block's element"),
+    Mutant("recompute-replay-last-first", "distconv/nn/recompute.py",
+           "copy.set_state(replaying[-1].pop(0))", "copy.set_state(replaying[-1].pop())",
+           (f"{PINS_WAVE}::test_two_dropouts_in_one_recomputed_segment_replay_their_own_masks",),
+           "a recomputed segment replays its generator states last-first: two dropouts swap "
+           "masks"),
+    Mutant("capture-output-shapes-unchecked", "distconv/parallel/capture.py",
+           "    if mine != theirs:", "    if False:",
+           (f"{PINS_WAVE}::test_a_capture_that_returns_other_shapes_than_the_module_is_refused",),
+           "a captured graph that returns other shapes than the module runs as the model"),
+    Mutant("capture-uncalled-buffers-dropped", "distconv/parallel/capture.py",
+           "        if next(m.parameters(), None) is None and next(m.buffers(), None) is None:"
+           "\n            continue",
+           "        if next(m.parameters(), None) is None:\n            continue",
+           (f"{PINS_WAVE}::test_a_never_called_module_with_only_buffers_keeps_them_in_the_state",),
+           "a never-called module holding only buffers drops out of the parallel model's state"),
+]
+
 
 def _copy_tree(dest: Path) -> None:
     ignore = shutil.ignore_patterns("__pycache__", ".hypothesis", ".pytest_cache", "output")
