@@ -22,8 +22,8 @@ from distconv.ops.elementwise import BinaryHandler, CatHandler, DropoutHandler, 
 from distconv.ops.index import IndexHandler
 from distconv.ops.linear import LinearHandler
 from distconv.ops.norm import (
-    BatchNormHandler, FunctionalLayerNormHandler, GroupNormHandler, InstanceNormHandler,
-    LayerNormHandler,
+    BatchNormHandler, FunctionalBatchNormHandler, FunctionalLayerNormHandler, GroupNormHandler,
+    InstanceNormHandler, LayerNormHandler,
 )
 from distconv.ops.pad import PadHandler
 from distconv.ops.permute import PermuteHandler
@@ -48,6 +48,7 @@ REGISTRY: tuple[Handler, ...] = (
     GroupNormHandler(), LayerNormHandler(), InstanceNormHandler(), PoolHandler(),
     AdaptiveAvgPoolHandler(), AdaptivePoolHandler(), MeanHandler(), ReduceHandler(),
     ResampleHandler(), DropoutHandler(), StochasticDepthHandler(), FunctionalLayerNormHandler(),
+    FunctionalBatchNormHandler(),
     PadHandler(), FlattenHandler(), ReshapeHandler(), IndexHandler(), NewAxisHandler(),
     PermuteHandler(), PointwiseHandler(), BinaryHandler(), CatHandler(), SoftmaxHandler(),
     EinsumHandler(), UnbindHandler(), SdpaHandler(),
