@@ -18,7 +18,9 @@ from distconv.ops.base import Handler, PriceContext, Sample, Unsupported
 from distconv.ops.conv import ConvHandler
 from distconv.ops.conv_nd import ConvNdHandler
 from distconv.ops.einsum import EinsumHandler
-from distconv.ops.elementwise import BinaryHandler, CatHandler, DropoutHandler, PointwiseHandler
+from distconv.ops.elementwise import (
+    BinaryHandler, CatHandler, DropoutHandler, PointwiseHandler, StackHandler,
+)
 from distconv.ops.index import IndexHandler
 from distconv.ops.linear import LinearHandler
 from distconv.ops.norm import (
@@ -50,7 +52,8 @@ REGISTRY: tuple[Handler, ...] = (
     ResampleHandler(), DropoutHandler(), StochasticDepthHandler(), FunctionalLayerNormHandler(),
     FunctionalBatchNormHandler(),
     PadHandler(), FlattenHandler(), ReshapeHandler(), IndexHandler(), NewAxisHandler(),
-    PermuteHandler(), PointwiseHandler(), BinaryHandler(), CatHandler(), SoftmaxHandler(),
+    PermuteHandler(), PointwiseHandler(), BinaryHandler(), CatHandler(), StackHandler(),
+    SoftmaxHandler(),
     EinsumHandler(), UnbindHandler(), SdpaHandler(),
 )
 
