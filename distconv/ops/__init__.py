@@ -37,6 +37,7 @@ from distconv.ops.shape import FlattenHandler, NewAxisHandler, ReshapeHandler
 from distconv.ops.sizes import SizeHandler
 from distconv.ops.sdpa import SdpaHandler
 from distconv.ops.softmax import SoftmaxHandler
+from distconv.ops.split import SplitHandler
 from distconv.ops.stochastic import StochasticDepthHandler
 from distconv.ops.unbind import UnbindHandler
 
@@ -51,7 +52,8 @@ REGISTRY: tuple[Handler, ...] = (
     AdaptiveAvgPoolHandler(), AdaptivePoolHandler(), MeanHandler(), ReduceHandler(),
     ResampleHandler(), DropoutHandler(), StochasticDepthHandler(), FunctionalLayerNormHandler(),
     FunctionalBatchNormHandler(),
-    PadHandler(), FlattenHandler(), ReshapeHandler(), IndexHandler(), NewAxisHandler(),
+    PadHandler(), FlattenHandler(), ReshapeHandler(), SplitHandler(), IndexHandler(),
+    NewAxisHandler(),
     PermuteHandler(), PointwiseHandler(), BinaryHandler(), CatHandler(), StackHandler(),
     SoftmaxHandler(),
     EinsumHandler(), UnbindHandler(), SdpaHandler(),
