@@ -24,7 +24,8 @@ from distconv.ops.elementwise import (
 from distconv.ops.index import IndexHandler
 from distconv.ops.linear import LinearHandler
 from distconv.ops.norm import (
-    BatchNormHandler, FunctionalBatchNormHandler, FunctionalLayerNormHandler, GroupNormHandler,
+    BatchNormHandler, FunctionalBatchNormHandler, FunctionalGroupNormHandler,
+    FunctionalInstanceNormHandler, FunctionalLayerNormHandler, GroupNormHandler,
     InstanceNormHandler, LayerNormHandler,
 )
 from distconv.ops.pad import PadHandler
@@ -51,7 +52,7 @@ REGISTRY: tuple[Handler, ...] = (
     GroupNormHandler(), LayerNormHandler(), InstanceNormHandler(), PoolHandler(),
     AdaptiveAvgPoolHandler(), AdaptivePoolHandler(), MeanHandler(), ReduceHandler(),
     ResampleHandler(), DropoutHandler(), StochasticDepthHandler(), FunctionalLayerNormHandler(),
-    FunctionalBatchNormHandler(),
+    FunctionalBatchNormHandler(), FunctionalGroupNormHandler(), FunctionalInstanceNormHandler(),
     PadHandler(), FlattenHandler(), ReshapeHandler(), SplitHandler(), IndexHandler(),
     NewAxisHandler(),
     PermuteHandler(), PointwiseHandler(), BinaryHandler(), CatHandler(), StackHandler(),

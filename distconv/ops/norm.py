@@ -7,6 +7,9 @@ each sample's group reduced over the spatial grid dims, the channels made whole 
 instance norm's running statistics reduced over the grid dims that split the samples, with the
 spatial dims split or not); LayerNorm over any trailing dims on any split in place
 (``DistLayerNorm``); otherwise these on local blocks with the dims they reduce over whole.
+The functional forms a module's forward writes: ``F.batch_norm`` on the module's own buffers
+(timm's ``BatchNormAct2d``: :class:`~distconv.nn.batchnorm_call.DistBatchNormCall`),
+``F.layer_norm``, ``F.group_norm`` and ``F.instance_norm``.
 
 Per rank: forward, an allgather of (count, mean, M2) per local channel (per local sample and
 group) over the statistics segment (the grid dims of the N and spatial entries; of the spatial
@@ -38,9 +41,9 @@ from distconv.ops.elementwise import is_constant
 from distconv.pricing.timeline import CommStep, largest_block, segment_rank
 from distconv.parallel.placement import Placement, paper_grid
 
-__all__ = ["BatchNormHandler", "FunctionalBatchNormHandler", "FunctionalLayerNormHandler",
-           "GroupNormHandler", "InstanceNormHandler", "LayerNormHandler", "batch_norm_call",
-           "batch_norm_owner"]
+__all__ = ["BatchNormHandler", "FunctionalBatchNormHandler", "FunctionalGroupNormHandler",
+           "FunctionalInstanceNormHandler", "FunctionalLayerNormHandler", "GroupNormHandler",
+           "InstanceNormHandler", "LayerNormHandler", "batch_norm_call", "batch_norm_owner"]
 
 
 #: torch's batch norm forwards: a subclass that keeps one is the layer (fx would trace into it)
@@ -540,6 +543,11 @@ def _running_statistics(report: Any, p: Placement, ctx: PriceContext, channels: 
 class GroupNormHandler(_LocalNorm):
     modules = (nn.GroupNorm,)
 
+    def binds_by_name(self, module: nn.Module | None) -> bool:
+        """A subclass keeping torch's forward is one call of the trace (as
+        :meth:`BatchNormHandler.binds_by_name`)."""
+        return isinstance(module, self.modules) and type(module).forward is nn.GroupNorm.forward
+
     def in_place(self, module: Any) -> bool:
         return True
 
@@ -740,6 +748,12 @@ class _ChannelsFirstNorm(nn.Module):
 class InstanceNormHandler(_LocalNorm):
     modules = (nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)
 
+    def binds_by_name(self, module: nn.Module | None) -> bool:
+        """A subclass keeping torch's forward is one call of the trace (as
+        :meth:`BatchNormHandler.binds_by_name`)."""
+        return isinstance(module, self.modules) and (
+            type(module).forward is nn.modules.instancenorm._InstanceNorm.forward)
+
     def in_place(self, module: Any) -> bool:
         return True
 
@@ -769,3 +783,159 @@ class InstanceNormHandler(_LocalNorm):
                 Sample("instancenorm3d",
                        lambda: _VolumeNorm(nn.InstanceNorm3d(4, affine=True)), (5, 2, 3, 4, 3),
                        VOLUME_GRIDS))
+
+
+class FunctionalGroupNormHandler(Handler):
+    """``F.group_norm(x, num_groups, weight, bias, eps)`` as a module's forward writes it (timm's
+    ``GroupNorm``), ``weight`` and ``bias`` model tensors or None: as ``nn.GroupNorm``
+    (:class:`GroupNormHandler`): each group's channels made whole first (an allgather over the
+    grid dims that split them, priced as the conversion it is); on a spatially split value, in
+    place (:class:`~distconv.nn.groupnorm.DistGroupNorm`: the statistics of each sample's group
+    reduced over the spatial grid dims), ``weight`` and ``bias`` applied whole after it (their
+    gradients' local sums completed by the replicated parameters' all-rank sum); otherwise the
+    call as written on each rank's samples."""
+
+    functions = frozenset({F.group_norm})
+    layer_operands = True
+    #: the call's arguments in order, and the defaults of those that have one
+    order: tuple[str, ...] = ("input", "num_groups", "weight", "bias", "eps")
+    defaults: dict[str, Any] = {"weight": None, "bias": None, "eps": 1e-5}
+
+    def call(self, args: Sequence[Any], kwargs: dict[str, Any]) -> dict[str, Any]:
+        found = dict(self.defaults)
+        found.update(zip(self.order, args))
+        found.update(kwargs)
+        return found
+
+    def groups(self, an: Any, node: Any, call: dict[str, Any]) -> int | None:
+        """The number of groups (None: one per channel)."""
+        groups = call.get("num_groups")
+        if not isinstance(groups, int) or isinstance(groups, bool):
+            an.fail(node, f"give group_norm's num_groups as an int, got {groups!r}", TypeError)
+        return groups
+
+    def place(self, an: Any, node: Any, module: Any) -> Any:
+        from distconv.parallel.steps import LayerSpec, Step
+
+        call = self.call(node.args, node.kwargs)
+        x = call["input"]
+        name = getattr(node.target, "__name__", "norm")
+        if not isinstance(x, fx.Node) or an.out.get(x) is None or is_constant(x):
+            an.fail(node, f"{name} normalises an activation; its input here is no value computed "
+                    "from the model's input")
+        for k in ("weight", "bias"):
+            v = call[k]
+            if v is not None and not (isinstance(v, fx.Node) and is_constant(v)):
+                an.fail(node, f"pass {name}'s {k} as a model tensor (a parameter or buffer) or "
+                        f"None; here it is {getattr(v, 'name', v)!r}, computed from the input")
+        if isinstance(call["eps"], fx.Node):
+            an.fail(node, f"give {name}'s eps as a number", TypeError)
+        self.groups(an, node, call)
+        p = an.placement(x).settled()
+        if p.ndim < 2:
+            an.fail(node, f"{name} takes (N, C, ...) inputs, got {p.ndim} dims", ValueError)
+        need = Placement(p.layout, Dist((p.dist.entries[0], None, *p.dist.entries[2:])))
+        needs = {x: need}
+        for k in ("weight", "bias"):
+            if call[k] is not None:
+                needs[call[k]] = Placement(p.layout, Dist((None,)))
+        ext = dict(p.layout)
+        spatial = any(ext.get(g, 1) > 1 for d in range(2, p.ndim) for g in p.dist.grid_dims_of(d))
+        layer = LayerSpec("groupnorm-call", node.name, p.layout, input=need) if spatial else None
+        return Step(node, "norm", need, needs, layer)
+
+    def operands(self, args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+        """``weight`` and ``bias`` of the call (None where absent)."""
+        call = self.call(args, kwargs)
+        return call["weight"], call["bias"]
+
+    def build(self, module: Any, node: Any, step: Any, grid: Any) -> Any:
+        call = self.call(node.args, node.kwargs)
+        return _DistGroupNormCall(call.get("num_groups"), float(call["eps"]), grid=grid,
+                                  input_dist=step.layer.input.dist)
+
+    def price(self, report: Any, step: Any, module: Any, ctx: PriceContext) -> None:
+        if step.layer is not None:
+            call = self.call(step.node.args, step.node.kwargs)
+            _sample_statistics(report, step.out, ctx, 2, call.get("num_groups")
+                               or ctx.in_shape[1])  # per (sample, group)
+
+    def samples(self) -> Sequence[Sample]:
+        return (Sample("F.group_norm", lambda: SampleNet(_GroupNormCall(2, 4), 4), (5, 4, 7, 6),
+                       SAMPLE_GRIDS),
+                Sample("F.group_norm-3d", lambda: _VolumeNorm(_GroupNormCall(4, 4, affine=False)),
+                       (5, 2, 3, 4, 3), VOLUME_GRIDS))
+
+
+class FunctionalInstanceNormHandler(FunctionalGroupNormHandler):
+    """``F.instance_norm(x, None, None, weight, bias, use_input_stats=True, momentum, eps)``:
+    a group norm of one group per channel (:class:`FunctionalGroupNormHandler`). Refused by
+    name: running statistics (use ``nn.InstanceNorm`` modules, which track them exactly)."""
+
+    functions = frozenset({F.instance_norm})
+    order = ("input", "running_mean", "running_var", "weight", "bias", "use_input_stats",
+             "momentum", "eps")
+    defaults = {"running_mean": None, "running_var": None, "weight": None, "bias": None,
+                "use_input_stats": True, "momentum": 0.1, "eps": 1e-5}
+
+    def groups(self, an: Any, node: Any, call: dict[str, Any]) -> int | None:
+        if call["running_mean"] is not None or call["running_var"] is not None or (
+                call["use_input_stats"] is not True):
+            an.fail(node, "use an nn.InstanceNorm module (track_running_stats=True) for running "
+                    "statistics: this instance_norm call passes its own, which no layer keeps")
+        return None
+
+    def samples(self) -> Sequence[Sample]:
+        return (Sample("F.instance_norm", lambda: SampleNet(_InstanceNormCall(4), 4),
+                       (5, 4, 7, 6), SAMPLE_GRIDS),)
+
+
+class _DistGroupNormCall(nn.Module):
+    """One ``F.group_norm`` / ``F.instance_norm`` call on a spatially split value: the
+    normalisation of :class:`~distconv.nn.groupnorm.DistGroupNorm` (made for the channels of the
+    first input; no parameters of its own), then the call's ``weight`` and ``bias``, whole."""
+
+    def __init__(self, groups: int | None, eps: float, *, grid: Any, input_dist: Dist) -> None:
+        super().__init__()
+        self.groups, self.eps, self.grid, self.input_dist = groups, eps, grid, input_dist
+        segment = [g for d in range(2, input_dist.ndim) for g in input_dist.grid_dims_of(d)
+                   if grid.extent(g) > 1]
+        grid.subcomm(segment)  # collective: now, in the same order on every rank
+        self._norms: dict[int, nn.Module] = {}
+
+    def forward(self, x: torch.Tensor, global_shape: Sequence[int], weight: Any = None,
+                bias: Any = None) -> torch.Tensor:
+        from distconv.nn.groupnorm import DistGroupNorm
+
+        channels = int(global_shape[1])
+        norm = self._norms.get(channels)
+        if norm is None:
+            norm = self._norms[channels] = DistGroupNorm(
+                self.groups or channels, channels, self.eps, affine=False, grid=self.grid,
+                input_dist=self.input_dist)
+        y = norm(x, global_shape)
+        view = (1, -1) + (1,) * (y.dim() - 2)
+        if weight is not None:
+            y = y * weight.to(y.dtype).view(view)
+        if bias is not None:
+            y = y + bias.to(y.dtype).view(view)
+        return y
+
+
+class _GroupNormCall(nn.GroupNorm):
+    """timm's ``GroupNorm``: ``F.group_norm`` in the module's forward."""
+
+    def forward(self, x: Any) -> Any:
+        return F.group_norm(x, self.num_groups, self.weight, self.bias, self.eps)
+
+
+class _InstanceNormCall(nn.Module):
+    """An instance norm written as ``F.instance_norm`` with the module's own weight and bias."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(channels))
+        self.bias = nn.Parameter(torch.zeros(channels))
+
+    def forward(self, x: Any) -> Any:
+        return F.instance_norm(x, weight=self.weight, bias=self.bias, eps=1e-3)
