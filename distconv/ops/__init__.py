@@ -18,12 +18,15 @@ from distconv.ops.base import Handler, PriceContext, Sample, Unsupported
 from distconv.ops.conv import ConvHandler
 from distconv.ops.conv_nd import ConvNdHandler
 from distconv.ops.einsum import EinsumHandler
-from distconv.ops.elementwise import BinaryHandler, CatHandler, DropoutHandler, PointwiseHandler
+from distconv.ops.elementwise import (
+    BinaryHandler, CatHandler, DropoutHandler, PointwiseHandler, StackHandler,
+)
 from distconv.ops.index import IndexHandler
 from distconv.ops.linear import LinearHandler
 from distconv.ops.norm import (
-    BatchNormHandler, FunctionalLayerNormHandler, GroupNormHandler, InstanceNormHandler,
-    LayerNormHandler,
+    BatchNormHandler, FunctionalBatchNormHandler, FunctionalGroupNormHandler,
+    FunctionalInstanceNormHandler, FunctionalLayerNormHandler, GroupNormHandler,
+    InstanceNormHandler, LayerNormHandler,
 )
 from distconv.ops.pad import PadHandler
 from distconv.ops.permute import PermuteHandler
@@ -35,6 +38,7 @@ from distconv.ops.shape import FlattenHandler, NewAxisHandler, ReshapeHandler
 from distconv.ops.sizes import SizeHandler
 from distconv.ops.sdpa import SdpaHandler
 from distconv.ops.softmax import SoftmaxHandler
+from distconv.ops.split import SplitHandler
 from distconv.ops.stochastic import StochasticDepthHandler
 from distconv.ops.unbind import UnbindHandler
 
@@ -48,8 +52,11 @@ REGISTRY: tuple[Handler, ...] = (
     GroupNormHandler(), LayerNormHandler(), InstanceNormHandler(), PoolHandler(),
     AdaptiveAvgPoolHandler(), AdaptivePoolHandler(), MeanHandler(), ReduceHandler(),
     ResampleHandler(), DropoutHandler(), StochasticDepthHandler(), FunctionalLayerNormHandler(),
-    PadHandler(), FlattenHandler(), ReshapeHandler(), IndexHandler(), NewAxisHandler(),
-    PermuteHandler(), PointwiseHandler(), BinaryHandler(), CatHandler(), SoftmaxHandler(),
+    FunctionalBatchNormHandler(), FunctionalGroupNormHandler(), FunctionalInstanceNormHandler(),
+    PadHandler(), FlattenHandler(), ReshapeHandler(), SplitHandler(), IndexHandler(),
+    NewAxisHandler(),
+    PermuteHandler(), PointwiseHandler(), BinaryHandler(), CatHandler(), StackHandler(),
+    SoftmaxHandler(),
     EinsumHandler(), UnbindHandler(), SdpaHandler(),
 )
 

@@ -19,7 +19,7 @@ from distconv.ops.base import SAMPLE_GRIDS, Handler, Sample, SampleNet
 from distconv.parallel.placement import Placement, conversion_bytes, evaluated_ranks
 from distconv.parallel.steps import samples_of
 
-__all__ = ["BinaryHandler", "CatHandler", "DropoutHandler", "PointwiseHandler",
+__all__ = ["BinaryHandler", "CatHandler", "DropoutHandler", "PointwiseHandler", "StackHandler",
            "broadcast_need", "is_constant", "meeting", "with_constants"]
 
 
@@ -213,6 +213,55 @@ class CatHandler(Handler):
                        SAMPLE_GRIDS),)
 
 
+class StackHandler(Handler):
+    """``torch.stack(values, dim)``: the values meet in one placement (as at a residual add:
+    where the others reach with fewer bytes) and each rank stacks its blocks; the new dim is
+    whole on every rank, the others keep their entries, so nothing else moves. A new dim at or
+    before the samples' dim moves them behind it (an FPN decoder's ``torch.stack(fs).sum(0)``,
+    whose sum then takes them back). Refused by name: values holding their samples in different
+    dims, a tuple of values stacked whole (``torch.stack(x.unbind(1))``)."""
+
+    functions = frozenset({torch.stack})
+    samples_anywhere = True
+
+    def place(self, an: Any, node: Any, module: Any) -> Any:
+        from distconv.parallel.steps import Step
+
+        values = node.kwargs.get("tensors", node.args[0] if node.args else None)
+        dim = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else 0)
+        if not isinstance(values, (list, tuple)) or not values or not all(
+                isinstance(v, fx.Node) and an.out.get(v) is not None for v in values):
+            what = values.name if isinstance(values, fx.Node) else repr(values)
+            an.fail(node, f"stack a list of values (torch.stack([a, b], dim)); this call stacks "
+                    f"{what}, a tuple taken whole: take its items first ([*x] is not traced)")
+        if not isinstance(dim, int) or isinstance(dim, bool):
+            an.fail(node, f"give stack's dim as an int, got {dim!r}", TypeError)
+        args = list(dict.fromkeys(values))
+        if any(is_constant(a) for a in args):
+            an.fail(node, "stack activations only; a parameter or buffer among them is whole "
+                    "on every rank while the activations are split (add it to each instead)")
+        placed = [an.placement(a).settled() for a in args]
+        if len({p.ndim for p in placed}) > 1:
+            an.fail(node, "stack values of one number of dims (torch requires one shape)",
+                    ValueError)
+        samples = {samples_of(a)[0] for a in args}
+        if len(samples) > 1:
+            an.fail(node, f"its values hold the samples in different dims {sorted(samples)}; "
+                    "move them to the same dim first")
+        s = samples.pop()
+        target = placed[0]
+        for p in placed[1:]:
+            target = meeting(target, p)
+        dim %= target.ndim + 1
+        entries = list(target.dist.entries)
+        entries.insert(dim, None)
+        out = Placement(target.layout, Dist(tuple(entries)))
+        return Step(node, "stack", out, {a: target for a in args}, samples=s + (dim <= s))
+
+    def samples(self) -> Sequence[Sample]:
+        return (Sample("stack-sum", lambda: SampleNet(_Stack(), 4), (5, 4, 7, 6), SAMPLE_GRIDS),)
+
+
 def with_constants(an: Any, node: fx.Node, args: list[fx.Node]) -> Any:
     """An elementwise op of one activation and parameters or buffers (a layer scale, a
     positional term, a bound): the value stays where the activation is, and each parameter is
@@ -327,3 +376,18 @@ class _Cat(nn.Module):
 
     def forward(self, x: Any) -> Any:
         return torch.cat([x, self.conv(x)], 1)
+
+
+class _Stack(nn.Module):
+    """An FPN decoder's merge, ``torch.stack(features).sum(0)`` (the samples behind the new
+    dim, then back), and a stack behind the channels reduced by a maximum."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Conv2d(4, 4, 3, padding=1)
+        self.b = nn.Conv2d(4, 4, 1)
+        self.c = nn.Conv2d(4, 4, 1)
+
+    def forward(self, x: Any) -> Any:
+        y = torch.stack([x, self.a(x), self.b(x)]).sum(dim=0)
+        return torch.stack((y, self.c(y).relu()), dim=2).amax(2) * 0.5

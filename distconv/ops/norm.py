@@ -7,6 +7,9 @@ each sample's group reduced over the spatial grid dims, the channels made whole 
 instance norm's running statistics reduced over the grid dims that split the samples, with the
 spatial dims split or not); LayerNorm over any trailing dims on any split in place
 (``DistLayerNorm``); otherwise these on local blocks with the dims they reduce over whole.
+The functional forms a module's forward writes: ``F.batch_norm`` on the module's own buffers
+(timm's ``BatchNormAct2d``: :class:`~distconv.nn.batchnorm_call.DistBatchNormCall`),
+``F.layer_norm``, ``F.group_norm`` and ``F.instance_norm``.
 
 Per rank: forward, an allgather of (count, mean, M2) per local channel (per local sample and
 group) over the statistics segment (the grid dims of the N and spatial entries; of the spatial
@@ -15,7 +18,9 @@ entries); backward, an allreduce of the two sums the gradient needs.
 
 from __future__ import annotations
 
+import copy
 import math
+import weakref
 from typing import Any, Sequence
 
 import torch
@@ -36,13 +41,24 @@ from distconv.ops.elementwise import is_constant
 from distconv.pricing.timeline import CommStep, largest_block, segment_rank
 from distconv.parallel.placement import Placement, paper_grid
 
-__all__ = ["BatchNormHandler", "FunctionalLayerNormHandler", "GroupNormHandler",
-           "InstanceNormHandler", "LayerNormHandler"]
+__all__ = ["BatchNormHandler", "FunctionalBatchNormHandler", "FunctionalGroupNormHandler",
+           "FunctionalInstanceNormHandler", "FunctionalLayerNormHandler", "GroupNormHandler",
+           "InstanceNormHandler", "LayerNormHandler", "batch_norm_call", "batch_norm_owner"]
+
+
+#: torch's batch norm forwards: a subclass that keeps one is the layer (fx would trace into it)
+_TORCH_FORWARDS = (nn.modules.batchnorm._BatchNorm.forward, nn.SyncBatchNorm.forward)
 
 
 class BatchNormHandler(Handler):
     # all with global-batch statistics
     modules = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
+
+    def binds_by_name(self, module: nn.Module | None) -> bool:
+        """A subclass of these defined outside ``torch.nn`` that keeps torch's forward is one
+        call of the trace, as the class itself is (:func:`distconv.ops.is_leaf`); one that
+        writes its own forward is traced into (:class:`FunctionalBatchNormHandler`)."""
+        return isinstance(module, self.modules) and type(module).forward in _TORCH_FORWARDS
 
     def place(self, an: Any, node: Any, module: Any) -> Any:
         from distconv.parallel.steps import LayerSpec
@@ -122,6 +138,257 @@ class BatchNormHandler(Handler):
                 Sample("batchnorm1d-features", lambda: _FeatureNorm(), (5, 4, 7, 6),
                        SAMPLE_GRIDS),
                 Sample("batchnorm1d-signal", lambda: _SignalNorm(), (5, 3, 9), SIGNAL_GRIDS))
+
+
+class FunctionalBatchNormHandler(Handler):
+    """``F.batch_norm(x, running_mean, running_var, weight, bias, training, momentum, eps)`` as
+    a module's forward writes it on its own buffers and parameters (timm's ``BatchNormAct2d``,
+    whose forward is ``nn.BatchNorm2d``'s followed by a drop layer and an activation; a subclass
+    of ``nn.BatchNorm2d`` with a forward of its own), on ``x`` in any distribution
+    (:class:`~distconv.nn.batchnorm_call.DistBatchNormCall`): the batch statistics of each channel
+    over the whole global batch, reduced over the grid dims of the N and spatial entries, as
+    ``nn.BatchNorm`` modules run (:class:`BatchNormHandler`). ``weight`` and ``bias`` are sliced
+    to the channel blocks (``w[o_C]``; their gradients pending sums that the replicated
+    parameters' all-rank sum completes, as a layer scale's); the running statistics stay whole on
+    every rank, updated in training from every channel block's statistics (an allgather over the
+    grid dims of the channel entry, where it is split) exactly as one process updates them.
+
+    The call follows its module (the ``nn.BatchNorm`` whose ``running_mean`` and ``weight`` it
+    passes) as torch's forward does: training or eval as the module is set now, momentum,
+    ``momentum=None`` (a cumulative average) and ``num_batches_tracked`` (which the trace cannot
+    record) counted per call; its module's config entry must leave ``statistics`` 'global'.
+    Refused by name: operands computed in the graph, a call that does not follow its module's
+    mode or momentum, running statistics of no BatchNorm module updated in training."""
+
+    functions = frozenset({F.batch_norm})
+    layer_operands = True
+
+    def place(self, an: Any, node: Any, module: Any) -> Any:
+        from distconv.parallel.steps import LayerSpec, Step
+
+        call = batch_norm_call(node.args, node.kwargs)
+        x = call["input"]
+        if not isinstance(x, fx.Node) or an.out.get(x) is None or is_constant(x):
+            an.fail(node, "batch_norm normalises an activation; its input here is no value "
+                    "computed from the model's input")
+        for k in _TENSORS:
+            v = call[k]
+            if v is not None and not (isinstance(v, fx.Node) and v.op == "get_attr"):
+                an.fail(node, f"pass batch_norm's {k} as a module's own parameter or buffer (or "
+                        f"None); here it is {getattr(v, 'name', v)!r}, computed in the graph")
+        for k in ("training", "momentum", "eps"):
+            if isinstance(call[k], fx.Node):
+                an.fail(node, f"give batch_norm's {k} as a number; here it is computed in the "
+                        f"graph (node {call[k].name!r})", TypeError)
+        p = an.placement(x).settled()
+        if p.ndim < 2:
+            an.fail(node, f"batch_norm takes (N, C, ...) inputs, got {p.ndim} dims", ValueError)
+        path, owner = batch_norm_owner(an.gm, call)
+        if owner is not None:
+            _check_follows(an, node, call, path, owner, p)
+        elif call["training"] and call["running_mean"] is not None:
+            an.fail(node, "give the running statistics to an nn.BatchNorm module (or pass None): "
+                    "this call updates buffers of no BatchNorm module in training, which only "
+                    "one process's own arithmetic defines")
+        elif not call["training"] and (call["running_mean"] is None
+                                       or call["running_var"] is None):
+            an.fail(node, "pass running_mean and running_var to batch_norm with training=False "
+                    "(torch requires them)", ValueError)
+        needs = {x: p}
+        w = Placement(p.layout, Dist((p.dist.entries[1],)))
+        for k in ("weight", "bias"):
+            if call[k] is not None:
+                needs[call[k]] = w
+        return Step(node, "norm", p, needs,
+                    LayerSpec("batchnorm-call", path or node.name, p.layout, input=p))
+
+    def operands(self, args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+        """``running_mean``, ``running_var``, ``weight``, ``bias`` of the call (None where
+        absent), positional or by keyword."""
+        call = batch_norm_call(args, kwargs)
+        return tuple(call[k] for k in _TENSORS)
+
+    def build(self, module: Any, node: Any, step: Any, grid: Any) -> Any:
+        from distconv.nn.batchnorm_call import DistBatchNormCall
+
+        call = batch_norm_call(node.args, node.kwargs)
+        _, owner = batch_norm_owner(node.graph.owning_module, call)
+        return DistBatchNormCall(grid=grid, input_dist=step.layer.input.dist, eps=call["eps"],
+                                 training=bool(call["training"]), momentum=call["momentum"],
+                                 owner=owner)
+
+    def price(self, report: Any, step: Any, module: Any, ctx: PriceContext) -> None:
+        call = batch_norm_call(step.node.args, step.node.kwargs)
+        _, owner = batch_norm_owner(step.node.graph.owning_module, call)
+        training = owner.training if owner is not None else bool(call["training"])
+        if not training and call["running_mean"] is not None:
+            return  # normalised by the running statistics: local
+        p, isz = step.out, ctx.itemsize
+        ext = dict(p.layout)
+        seg = [g for i in (0, *range(2, p.ndim)) for g in p.dist.grid_dims_of(i)]
+        chan = list(p.dist.grid_dims_of(1))
+        s = math.prod(ext[g] for g in seg)
+        running = (owner is not None and training and owner.track_running_stats
+                   and call["running_mean"] is not None and chan)
+        fwd, bwd, gathered = {}, {}, {}
+        for r in ctx.ranks:
+            g = paper_grid(p.layout, r)
+            c = p.dist.local_shape(ctx.in_shape, g)[1]
+            fwd[r] = (s - 1) * (1 + 2 * c) * isz
+            bwd[r] = allreduce_bytes(2 * c, segment_rank(p.layout, seg, g.coords), s, isz)
+            gathered[r] = 2 * (ctx.in_shape[1] - c) * isz
+        label = "×".join(seg)
+        if s > 1:
+            report.steps.append(CommStep("forward", f"statistics allgather over {label}",
+                                         "allgather", fwd, s, p.layout, tuple(seg)))
+            if ctx.grad_in:
+                report.steps.append(CommStep("backward", f"Σdy, Σdy·x̂ allreduce over {label}",
+                                             "allreduce", bwd, s, p.layout, tuple(seg)))
+        if running:
+            report.steps.append(CommStep(
+                "forward", f"running statistics allgather over {'×'.join(chan)}", "allgather",
+                gathered, math.prod(ext[g] for g in chan), p.layout, tuple(chan)))
+
+    def samples(self) -> Sequence[Sample]:
+        return (Sample("batchnormact", lambda: SampleNet(_BatchNormAct(4), 4), (5, 4, 7, 6),
+                       SAMPLE_GRIDS),
+                Sample("batchnormact-no-affine",
+                       lambda: SampleNet(_BatchNormAct(4, momentum=0.3, affine=False), 4),
+                       (5, 4, 7, 6), SAMPLE_GRIDS),
+                Sample("batchnormact-untracked",
+                       lambda: SampleNet(_BatchNormAct(4, track_running_stats=False), 4),
+                       (5, 4, 7, 6), SAMPLE_GRIDS),
+                Sample("batchnormact-eval", lambda: _eval(SampleNet(_BatchNormAct(4), 4)),
+                       (5, 4, 7, 6), SAMPLE_GRIDS),
+                Sample("batchnormact3d", lambda: _VolumeNorm(_BatchNormAct3d(4)),
+                       (5, 2, 3, 4, 3), VOLUME_GRIDS))
+
+
+#: the tensor operands of ``F.batch_norm`` after its input, in :meth:`operands`' order
+_TENSORS = ("running_mean", "running_var", "weight", "bias")
+_ORDER = ("input", "running_mean", "running_var", "weight", "bias", "training", "momentum", "eps")
+_DEFAULTS = {"weight": None, "bias": None, "training": False, "momentum": 0.1, "eps": 1e-5}
+
+
+def batch_norm_call(args: Sequence[Any], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``F.batch_norm``'s arguments by name, positional or by keyword, defaults filled in."""
+    call = dict(_DEFAULTS)
+    call.update(zip(_ORDER, args))
+    call.update(kwargs)
+    return call
+
+
+def batch_norm_owner(gm: Any, call: dict[str, Any]) -> tuple[str, nn.Module | None]:
+    """The ``nn.BatchNorm`` module whose own buffers and parameters the call passes (its path
+    and itself), or ``("", None)``: every tensor operand must be that module's attribute of the
+    operand's name."""
+    targets = {k: str(call[k].target) for k in _TENSORS if isinstance(call[k], fx.Node)}
+    paths = {t.rpartition(".")[0] for t in targets.values()}
+    if len(paths) != 1 or gm is None:
+        return "", None
+    path = paths.pop()
+    try:
+        owner = gm.get_submodule(path)
+    except AttributeError:
+        return "", None
+    if not isinstance(owner, nn.modules.batchnorm._BatchNorm) or any(
+            t != f"{path}.{k}" if path else t != k for k, t in targets.items()):
+        return "", None
+    return path, owner
+
+
+def _check_follows(an: Any, node: Any, call: dict[str, Any], path: str, owner: nn.Module,
+                   p: Placement) -> None:
+    """Refuse a call that does not follow its module as ``nn.BatchNorm``'s forward does (the
+    layer follows the module, in the mode the model is set to when it runs), or whose module's
+    config asks for other statistics than the global batch's."""
+    where = f"module {path!r} ({type(owner).__name__})"
+    running = call["running_mean"] is not None
+    if bool(call["training"]) != (owner.training or not running):
+        an.fail(node, f"call batch_norm as nn.BatchNorm's forward does (training={owner.training} "
+                f"for {where} in its mode): the call passes training={call['training']}")
+    if (call["weight"] is None) != (owner.weight is None) or (
+            running != (owner.running_mean is not None
+                        and (not owner.training or owner.track_running_stats))):
+        an.fail(node, f"pass {where}'s own weight, bias and running statistics to batch_norm, "
+                "as nn.BatchNorm's forward does")
+    counted = owner.num_batches_tracked
+    if owner.training and owner.track_running_stats and counted is not None:
+        want = owner.momentum if owner.momentum is not None else 1.0 / float(counted + 1)
+        if call["momentum"] != want:
+            an.fail(node, f"pass {where}'s momentum to batch_norm, as nn.BatchNorm's forward "
+                    f"does ({want}; the call passes {call['momentum']})")
+        if not _counts_batches(owner, p.ndim):
+            an.fail(node, f"count {where}'s batches in its forward (num_batches_tracked += 1 in "
+                    "training, as nn.BatchNorm's forward does); the parallel layer counts them")
+    blocks = math.prod(dict(p.layout)[g] for g in p.dist.grid_dims_of(0))
+    try:
+        statistics = resolve_statistics(an.config.statistics(path), blocks, path)
+    except ValueError as exc:
+        an.fail(node, str(exc).split(": ", 1)[1], ValueError)
+    if statistics != "global":
+        an.fail(node, f"leave {where}'s statistics 'global' (the default): its batch norm is a "
+                "call in its forward, whose running statistics every rank keeps whole; "
+                "per-sample-block statistics are for nn.BatchNorm modules", ValueError)
+
+
+#: whether a module's forward counts its batches (:func:`_counts_batches`), by module
+_COUNTS: weakref.WeakKeyDictionary[nn.Module, bool] = weakref.WeakKeyDictionary()
+
+
+def _counts_batches(owner: nn.Module, ndim: int) -> bool:
+    """Whether ``owner``'s forward adds one to its ``num_batches_tracked`` in training, as
+    ``nn.BatchNorm``'s does: a copy of it run once on zeros (torch's generator left as it was).
+    The trace cannot see it: fx records no in-place update of a buffer."""
+    found = _COUNTS.get(owner)
+    if found is None:
+        from distconv.parallel.capture import TRACING
+
+        twin = copy.deepcopy(owner)
+        if any(t.is_meta for t in twin.state_dict().values()):
+            twin = twin.to_empty(device="cpu")
+        ref = next((t for t in (twin.weight, twin.running_mean) if t is not None), None)
+        x = torch.zeros((2, owner.num_features) + (2,) * (ndim - 2),
+                        dtype=None if ref is None else ref.dtype,
+                        device=None if ref is None else ref.device)
+        try:
+            with TRACING, torch.no_grad(), torch.random.fork_rng(devices=[]):
+                twin.num_batches_tracked.zero_()
+                twin.train()(x)
+            found = int(twin.num_batches_tracked) == 1
+        except Exception:  # noqa: BLE001 - a forward that cannot run on zeros tells nothing
+            found = False
+        _COUNTS[owner] = found
+    return found
+
+
+def _eval(model: nn.Module) -> nn.Module:
+    return model.eval()
+
+
+class _BatchNormAct(nn.BatchNorm2d):
+    """timm's ``BatchNormAct2d``: ``nn.BatchNorm2d``'s forward written out (``F.batch_norm`` on
+    the module's own buffers), then an activation."""
+
+    def forward(self, x: Any) -> Any:
+        factor = 0.0 if self.momentum is None else self.momentum
+        if self.training and self.track_running_stats and self.num_batches_tracked is not None:
+            self.num_batches_tracked.add_(1)
+            factor = (1.0 / float(self.num_batches_tracked) if self.momentum is None
+                      else self.momentum)
+        use_batch = self.training or (self.running_mean is None and self.running_var is None)
+        tracked = not self.training or self.track_running_stats
+        x = F.batch_norm(x, self.running_mean if tracked else None,
+                         self.running_var if tracked else None, self.weight, self.bias,
+                         use_batch, factor, self.eps)
+        return F.silu(x)
+
+
+class _BatchNormAct3d(_BatchNormAct, nn.BatchNorm3d):
+    """The same over volumes."""
+
+    def __init__(self, channels: int) -> None:
+        nn.BatchNorm3d.__init__(self, channels, eps=1e-3)
 
 
 class _VolumeNorm(nn.Module):
@@ -275,6 +542,11 @@ def _running_statistics(report: Any, p: Placement, ctx: PriceContext, channels: 
 
 class GroupNormHandler(_LocalNorm):
     modules = (nn.GroupNorm,)
+
+    def binds_by_name(self, module: nn.Module | None) -> bool:
+        """A subclass keeping torch's forward is one call of the trace (as
+        :meth:`BatchNormHandler.binds_by_name`)."""
+        return isinstance(module, self.modules) and type(module).forward is nn.GroupNorm.forward
 
     def in_place(self, module: Any) -> bool:
         return True
@@ -476,6 +748,12 @@ class _ChannelsFirstNorm(nn.Module):
 class InstanceNormHandler(_LocalNorm):
     modules = (nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)
 
+    def binds_by_name(self, module: nn.Module | None) -> bool:
+        """A subclass keeping torch's forward is one call of the trace (as
+        :meth:`BatchNormHandler.binds_by_name`)."""
+        return isinstance(module, self.modules) and (
+            type(module).forward is nn.modules.instancenorm._InstanceNorm.forward)
+
     def in_place(self, module: Any) -> bool:
         return True
 
@@ -505,3 +783,159 @@ class InstanceNormHandler(_LocalNorm):
                 Sample("instancenorm3d",
                        lambda: _VolumeNorm(nn.InstanceNorm3d(4, affine=True)), (5, 2, 3, 4, 3),
                        VOLUME_GRIDS))
+
+
+class FunctionalGroupNormHandler(Handler):
+    """``F.group_norm(x, num_groups, weight, bias, eps)`` as a module's forward writes it (timm's
+    ``GroupNorm``), ``weight`` and ``bias`` model tensors or None: as ``nn.GroupNorm``
+    (:class:`GroupNormHandler`): each group's channels made whole first (an allgather over the
+    grid dims that split them, priced as the conversion it is); on a spatially split value, in
+    place (:class:`~distconv.nn.groupnorm.DistGroupNorm`: the statistics of each sample's group
+    reduced over the spatial grid dims), ``weight`` and ``bias`` applied whole after it (their
+    gradients' local sums completed by the replicated parameters' all-rank sum); otherwise the
+    call as written on each rank's samples."""
+
+    functions = frozenset({F.group_norm})
+    layer_operands = True
+    #: the call's arguments in order, and the defaults of those that have one
+    order: tuple[str, ...] = ("input", "num_groups", "weight", "bias", "eps")
+    defaults: dict[str, Any] = {"weight": None, "bias": None, "eps": 1e-5}
+
+    def call(self, args: Sequence[Any], kwargs: dict[str, Any]) -> dict[str, Any]:
+        found = dict(self.defaults)
+        found.update(zip(self.order, args))
+        found.update(kwargs)
+        return found
+
+    def groups(self, an: Any, node: Any, call: dict[str, Any]) -> int | None:
+        """The number of groups (None: one per channel)."""
+        groups = call.get("num_groups")
+        if not isinstance(groups, int) or isinstance(groups, bool):
+            an.fail(node, f"give group_norm's num_groups as an int, got {groups!r}", TypeError)
+        return groups
+
+    def place(self, an: Any, node: Any, module: Any) -> Any:
+        from distconv.parallel.steps import LayerSpec, Step
+
+        call = self.call(node.args, node.kwargs)
+        x = call["input"]
+        name = getattr(node.target, "__name__", "norm")
+        if not isinstance(x, fx.Node) or an.out.get(x) is None or is_constant(x):
+            an.fail(node, f"{name} normalises an activation; its input here is no value computed "
+                    "from the model's input")
+        for k in ("weight", "bias"):
+            v = call[k]
+            if v is not None and not (isinstance(v, fx.Node) and is_constant(v)):
+                an.fail(node, f"pass {name}'s {k} as a model tensor (a parameter or buffer) or "
+                        f"None; here it is {getattr(v, 'name', v)!r}, computed from the input")
+        if isinstance(call["eps"], fx.Node):
+            an.fail(node, f"give {name}'s eps as a number", TypeError)
+        self.groups(an, node, call)
+        p = an.placement(x).settled()
+        if p.ndim < 2:
+            an.fail(node, f"{name} takes (N, C, ...) inputs, got {p.ndim} dims", ValueError)
+        need = Placement(p.layout, Dist((p.dist.entries[0], None, *p.dist.entries[2:])))
+        needs = {x: need}
+        for k in ("weight", "bias"):
+            if call[k] is not None:
+                needs[call[k]] = Placement(p.layout, Dist((None,)))
+        ext = dict(p.layout)
+        spatial = any(ext.get(g, 1) > 1 for d in range(2, p.ndim) for g in p.dist.grid_dims_of(d))
+        layer = LayerSpec("groupnorm-call", node.name, p.layout, input=need) if spatial else None
+        return Step(node, "norm", need, needs, layer)
+
+    def operands(self, args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+        """``weight`` and ``bias`` of the call (None where absent)."""
+        call = self.call(args, kwargs)
+        return call["weight"], call["bias"]
+
+    def build(self, module: Any, node: Any, step: Any, grid: Any) -> Any:
+        call = self.call(node.args, node.kwargs)
+        return _DistGroupNormCall(call.get("num_groups"), float(call["eps"]), grid=grid,
+                                  input_dist=step.layer.input.dist)
+
+    def price(self, report: Any, step: Any, module: Any, ctx: PriceContext) -> None:
+        if step.layer is not None:
+            call = self.call(step.node.args, step.node.kwargs)
+            _sample_statistics(report, step.out, ctx, 2, call.get("num_groups")
+                               or ctx.in_shape[1])  # per (sample, group)
+
+    def samples(self) -> Sequence[Sample]:
+        return (Sample("F.group_norm", lambda: SampleNet(_GroupNormCall(2, 4), 4), (5, 4, 7, 6),
+                       SAMPLE_GRIDS),
+                Sample("F.group_norm-3d", lambda: _VolumeNorm(_GroupNormCall(4, 4, affine=False)),
+                       (5, 2, 3, 4, 3), VOLUME_GRIDS))
+
+
+class FunctionalInstanceNormHandler(FunctionalGroupNormHandler):
+    """``F.instance_norm(x, None, None, weight, bias, use_input_stats=True, momentum, eps)``:
+    a group norm of one group per channel (:class:`FunctionalGroupNormHandler`). Refused by
+    name: running statistics (use ``nn.InstanceNorm`` modules, which track them exactly)."""
+
+    functions = frozenset({F.instance_norm})
+    order = ("input", "running_mean", "running_var", "weight", "bias", "use_input_stats",
+             "momentum", "eps")
+    defaults = {"running_mean": None, "running_var": None, "weight": None, "bias": None,
+                "use_input_stats": True, "momentum": 0.1, "eps": 1e-5}
+
+    def groups(self, an: Any, node: Any, call: dict[str, Any]) -> int | None:
+        if call["running_mean"] is not None or call["running_var"] is not None or (
+                call["use_input_stats"] is not True):
+            an.fail(node, "use an nn.InstanceNorm module (track_running_stats=True) for running "
+                    "statistics: this instance_norm call passes its own, which no layer keeps")
+        return None
+
+    def samples(self) -> Sequence[Sample]:
+        return (Sample("F.instance_norm", lambda: SampleNet(_InstanceNormCall(4), 4),
+                       (5, 4, 7, 6), SAMPLE_GRIDS),)
+
+
+class _DistGroupNormCall(nn.Module):
+    """One ``F.group_norm`` / ``F.instance_norm`` call on a spatially split value: the
+    normalisation of :class:`~distconv.nn.groupnorm.DistGroupNorm` (made for the channels of the
+    first input; no parameters of its own), then the call's ``weight`` and ``bias``, whole."""
+
+    def __init__(self, groups: int | None, eps: float, *, grid: Any, input_dist: Dist) -> None:
+        super().__init__()
+        self.groups, self.eps, self.grid, self.input_dist = groups, eps, grid, input_dist
+        segment = [g for d in range(2, input_dist.ndim) for g in input_dist.grid_dims_of(d)
+                   if grid.extent(g) > 1]
+        grid.subcomm(segment)  # collective: now, in the same order on every rank
+        self._norms: dict[int, nn.Module] = {}
+
+    def forward(self, x: torch.Tensor, global_shape: Sequence[int], weight: Any = None,
+                bias: Any = None) -> torch.Tensor:
+        from distconv.nn.groupnorm import DistGroupNorm
+
+        channels = int(global_shape[1])
+        norm = self._norms.get(channels)
+        if norm is None:
+            norm = self._norms[channels] = DistGroupNorm(
+                self.groups or channels, channels, self.eps, affine=False, grid=self.grid,
+                input_dist=self.input_dist)
+        y = norm(x, global_shape)
+        view = (1, -1) + (1,) * (y.dim() - 2)
+        if weight is not None:
+            y = y * weight.to(y.dtype).view(view)
+        if bias is not None:
+            y = y + bias.to(y.dtype).view(view)
+        return y
+
+
+class _GroupNormCall(nn.GroupNorm):
+    """timm's ``GroupNorm``: ``F.group_norm`` in the module's forward."""
+
+    def forward(self, x: Any) -> Any:
+        return F.group_norm(x, self.num_groups, self.weight, self.bias, self.eps)
+
+
+class _InstanceNormCall(nn.Module):
+    """An instance norm written as ``F.instance_norm`` with the module's own weight and bias."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(channels))
+        self.bias = nn.Parameter(torch.zeros(channels))
+
+    def forward(self, x: Any) -> Any:
+        return F.instance_norm(x, weight=self.weight, bias=self.bias, eps=1e-3)

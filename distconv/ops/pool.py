@@ -326,16 +326,19 @@ class ReduceHandler(Handler):
 
     functions = frozenset({torch.sum, torch.amax, torch.amin})
     methods = frozenset({"sum", "amax", "amin"})
+    samples_anywhere = True  # (a stack's new dim before the samples: torch.stack(fs).sum(0))
 
     def place(self, an: Any, node: Any, module: Any) -> Any:
-        from distconv.parallel.steps import Step
+        from distconv.parallel.steps import Step, samples_of
 
         args = an.tensor_args(node)
         p = an.placement(args[0]).settled()
         dims, keep = reduced_dims(node, p.ndim)
         what = getattr(node.target, "__name__", node.target)
-        if not dims or 0 in dims or node.kwargs.get("dtype") is not None:
-            an.fail(node, f"{what} is supported over non-sample dims (e.g. x.{what}((2, 3)))")
+        samples = samples_of(args[0])[0]
+        if not dims or samples in dims or node.kwargs.get("dtype") is not None:
+            an.fail(node, f"{what} is supported over non-sample dims (e.g. x.{what}((2, 3)); "
+                    f"the samples are in dim {samples})")
         split = frozenset(g for d in dims for g in p.dist.grid_dims_of(d))
         entries = [None if i in dims else e for i, e in enumerate(p.dist.entries)]
         need = p if what == "sum" else Placement(p.layout, Dist(tuple(entries)))
@@ -343,7 +346,8 @@ class ReduceHandler(Handler):
             entries = [e for i, e in enumerate(entries) if i not in dims]
         pending = split if what == "sum" else frozenset()
         return Step(node, "reduce", Placement(p.layout, Dist(tuple(entries), pending)),
-                    {args[0]: need})
+                    {args[0]: need}, samples=samples if keep else samples - sum(
+                        d < samples for d in dims))
 
     def samples(self) -> Sequence[Sample]:
         return (Sample("sum-amax-gates", lambda: SampleNet(_Gates(), 4), (5, 4, 7, 6),

@@ -85,6 +85,9 @@ def trace(model: nn.Module, input_shape: Sequence[int] | None = None) -> fx.Grap
 
 
 def _trace(model: nn.Module, tracer: _Tracer) -> fx.GraphModule:
+    # the traced Python runs on the model's own buffers: an in-place update fx does not record
+    # (a batch norm's ``num_batches_tracked.add_(1)``) would count the capture as a step
+    kept = [(b, b.clone()) for b in model.buffers()]
     try:
         with TRACING, _capture_patches(tracer, type(model).__name__):
             graph = tracer.trace(model)
@@ -98,10 +101,15 @@ def _trace(model: nn.Module, tracer: _Tracer) -> fx.GraphModule:
             "them, and with input_shape= given an if or a loop on them); rewrite it, or "
             "convert layer by layer with DistConv2d.from_conv2d and Redistribute"
         ) from exc
+    finally:
+        with torch.no_grad():
+            for b, before in kept:
+                b.copy_(before)
     if isinstance(tracer, _SizedTracer):
         tracer.add_guards(graph)
     gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
     _keep_uncalled(gm, model)
+    _keep_traced_into(gm, model)
     _order_like(gm, model)  # fx registers modules in call order; users expect theirs
     gm.meta[MODULE_PATHS] = module_paths(model)
     return gm
@@ -396,6 +404,25 @@ def _keep_uncalled(gm: nn.Module, model: nn.Module) -> None:
         if parent in paths or not parent:
             paths[parent].add_module(leaf, m)
             kept.append(path)
+
+
+def _keep_traced_into(gm: nn.Module, model: nn.Module) -> None:
+    """Hold, at their paths, the modules whose forward the trace followed, themselves: fx puts a
+    bare ``nn.Module`` there holding only the tensors the graph reads, which loses the module's
+    type, settings and other buffers (a batch norm's ``num_batches_tracked``, which handlers and
+    ``state_dict()`` read). Their tensors and the modules the graph calls in them are the same
+    objects either way."""
+    originals = dict(model.named_modules())
+    kept: list[str] = []
+    for path, m in list(gm.named_modules()):
+        if not path or type(m) is not nn.Module or any(path.startswith(k + ".") for k in kept):
+            continue
+        original = originals.get(path)
+        if original is None or type(original) is nn.Module:
+            continue
+        parent, _, leaf = path.rpartition(".")
+        gm.get_submodule(parent)._modules[leaf] = original
+        kept.append(path)
 
 
 def _order_like(module: nn.Module, original: nn.Module) -> None:

@@ -20,6 +20,7 @@ from torch import nn
 from torch.fx.node import map_aggregate
 from torch.fx.passes.shape_prop import _extract_tensor_metadata
 
+from distconv.ops.split import is_split
 from distconv.parallel.capture import GUARD, TRACING, check_capture
 
 __all__ = ["check_input_shape", "check_input_shape_error", "first_layer", "global_values",
@@ -131,8 +132,8 @@ class _ShapeRecorder(fx.Interpreter):
             return obj
 
         meta = map_aggregate(result, extract)
-        if n.target in (torch.unbind, "unbind"):  # placed as the value it takes apart
-            meta = n.args[0].meta["tensor_meta"]  # (distconv.ops.unbind)
+        if n.target in (torch.unbind, "unbind") or is_split(n):  # placed as the value it
+            meta = n.args[0].meta["tensor_meta"]  # takes apart (distconv.ops.unbind, .split)
         if found:
             n.meta["tensor_meta"] = meta
         else:  # a value of the global shape (a size, a comparison of sizes): the program's
