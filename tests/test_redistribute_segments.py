@@ -7,13 +7,17 @@ import math
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
 
 from distconv.comm import CommError
 from distconv.distribution import Dist
 from distconv.grid import ProcessorGrid
+from distconv.parallel.placement import Placement, one_grid
+from distconv.pricing.segments import conversion_segment, conversion_segments
 from distconv.redistribute import _repartition_plan, gather, repartition
 from distconv.redistribute import between_grids
 from distconv.testing import run_threads
+from tests.test_redistribute import two_grid_cases
 
 FP64_TOL = dict(rtol=1e-12, atol=1e-12)
 
@@ -150,3 +154,58 @@ def test_a_mismatched_peer_in_a_segment_ends_in_an_exception():
 
     with pytest.raises(CommError):
         run_threads(run, 4, timeout=3)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(two_grid_cases())
+def test_the_priced_segment_is_the_executed_one(case):
+    """The price's segments (closed form, from one rank outwards) are the executor's groups
+    (the send graph of the whole plan), rank by rank."""
+    layout_a, dist_a, layout_b, dist_b, shape = case
+    dist_a, dist_b = dist_a.with_pending(()), dist_b.with_pending(())
+    src, dst = Placement(layout_a, dist_a), Placement(layout_b, dist_b)
+    if one_grid(src, dst, shape) != src or src == dst:
+        return  # a one-grid redistribution: its segments are grid dims (below)
+    plan = _repartition_plan(src.layout, src.dist, dst.layout, dst.dist, shape)
+    size = math.prod(e for _, e in layout_a)
+    for r in range(size):
+        assert conversion_segment(src, dst, shape, r) == plan.group_of(r)
+
+
+def test_a_one_grid_conversion_runs_over_its_steps_grid_dims():
+    """On one grid the segment is the ranks that differ only in the dims the steps run over:
+    an allgather over C on {N: 2, C: 2} is rows {0, 1} and {2, 3}; a slice moves nothing."""
+    gathered = Placement(CHANNELS, Dist(("N", None, None, None), tensor_dims="NCHW"))
+    split = Placement(CHANNELS, X_CHANNELS)
+    shape = (4, 4, 2, 2)
+    assert [conversion_segment(split, gathered, shape, r) for r in range(4)] == [
+        (0, 1), (0, 1), (2, 3), (2, 3)]
+    assert conversion_segments(gathered, split, shape, range(4)) == ()
+
+
+def test_explain_names_each_conversions_segment_and_its_machine_level():
+    """The issue's case on 8 ranks: {N: 2, H: 4} then {N: 2, C: 4}; each N row (4 ranks, one
+    Lassen node) converts on its own, and the row says so; the bytes are the exchange's."""
+    from torch import nn
+
+    from distconv.parallel.explain import explain
+
+    class Two(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Conv2d(8, 8, 3, padding=1), nn.Conv2d(8, 8, 3, padding=1)
+
+        def forward(self, x):
+            return self.b(self.a(x)).mean((2, 3))
+
+    config = {"default": {"grid": {"N": 2, "H": 4}, "algorithm": "spatial"},
+              "data": {"N": 2, "H": 4},
+              "layers": [{"match": "b", "grid": {"N": 2, "C": 4}, "algorithm": "stationary-x"}]}
+    text = " ".join(str(explain(Two(), config, (4, 8, 8, 8), world_size=8,
+                                machine="lassen")).split())
+    # rank 4n + k holds rows 2k, 2k + 1 of samples 2n, 2n + 1 and gets channels 2k, 2k + 1 of
+    # all 8 rows: 2·2·6·8 elements it lacks, of 4 bytes
+    assert ("768 B redistribute a: [o,*,o,*] on {N:2,H:4} -> [o,o_C,*,*] on {N:2,C:4} "
+            "(4 ranks, one node)") in text, text
+    plain = " ".join(str(explain(Two(), config, (4, 8, 8, 8), world_size=8)).split())
+    assert "{N:2,C:4} (4 ranks)" in plain
