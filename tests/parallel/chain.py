@@ -1,6 +1,6 @@
-"""A ResNet-style chain through spatial -> stationary-x -> stationary-y -> spatial on
-``P = 4 q`` ranks (grids ``{N: 4, H: q}``, ``{N: 4, C: q}``, ``{N: 4, F: q}``), the samples
-arriving sample-parallel on every rank, and a journal of every collective one training step
+"""A ResNet-style chain through spatial -> stationary-x -> stationary-y -> spatial on ``P``
+ranks in sample rows of ``q`` (grids ``{N: P/q, H: q}``, ``{N: P/q, C: q}``, ``{N: P/q, F: q}``),
+the samples arriving sample-parallel on every rank, and a journal of every collective one training step
 calls with the size of the group it runs on. Shared by the test on 16 thread ranks and the
 benchmark on 64 (``benchmarks/segments.py``)."""
 
@@ -42,26 +42,32 @@ class Chain(nn.Module):
         return self.head(d.mean((2, 3)))
 
 
-def chain_config(world: int) -> dict[str, Any]:
-    q = world // 4
+def chain_config(world: int, row: int = 4) -> dict[str, Any]:
+    """The chain's layers on sample rows of ``row`` ranks (``world // row`` of them)."""
+    q, n = row, world // row
     return {"default": {"grid": {"N": world}, "algorithm": "sample"},
             "layers": [
-                {"match": "stem", "grid": {"N": 4, "H": q}, "algorithm": "spatial"},
-                {"match": "mid", "grid": {"N": 4, "C": q}, "algorithm": "stationary-x"},
-                {"match": "late", "grid": {"N": 4, "F": q}, "algorithm": "stationary-y"},
-                {"match": "last", "grid": {"N": 4, "H": q}, "algorithm": "spatial"}]}
+                {"match": "stem", "grid": {"N": n, "H": q}, "algorithm": "spatial"},
+                {"match": "mid", "grid": {"N": n, "C": q}, "algorithm": "stationary-x"},
+                {"match": "late", "grid": {"N": n, "F": q}, "algorithm": "stationary-y"},
+                {"match": "last", "grid": {"N": n, "H": q}, "algorithm": "spatial"}]}
 
 
-def chain_case(world: int, seed: int = 0) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
-    """The model (fp64), a global batch of ``world`` samples of 3 x 2q x 4 and labels."""
+def chain_case(world: int, seed: int = 0, *, row: int = 4, width: int = WIDTH,
+               batch: int | None = None, pixels: tuple[int, int] | None = None,
+               dtype: torch.dtype = torch.float64) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    """The model (``width`` channels), a global batch (default ``world`` samples of 3 x 2 row x
+    4) and labels."""
     gen = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
-    model = Chain().double()
+    model = Chain(width).to(dtype)
     with torch.no_grad():
         for p in model.parameters():
             p.copy_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * 0.3)
-    x = torch.randn(world, 3, 2 * (world // 4), 4, generator=gen, dtype=torch.float64)
-    y = torch.randint(0, 4, (world,), generator=gen)
+    batch = world if batch is None else batch
+    h, w = (2 * row, 4) if pixels is None else pixels
+    x = torch.randn(batch, 3, h, w, generator=gen, dtype=dtype)
+    y = torch.randint(0, 4, (batch,), generator=gen)
     return model, x, y
 
 
