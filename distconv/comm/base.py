@@ -232,6 +232,7 @@ class Communicator(abc.ABC):
             desc = f"{op}({common}, meta={meta!r})"
             self._agree(CallSignature(desc, f"{op}|{meta}|{common}", sends, recvs), op)
         self.stats.add(op, nbytes)
+        self.stats.note(op, self.size, meta)
 
     @staticmethod
     def _finish(work: Work, async_op: bool) -> Any:
@@ -333,6 +334,7 @@ class Communicator(abc.ABC):
         isz = t.element_size()
         self.stats.add("allgather", sum(_numel(s) for i, s in enumerate(shapes)
                                         if i != self.rank) * isz)
+        self.stats.note("allgather", self.size, meta)
         return self._allgather_cat(t, shapes, dim)
 
     def _allgather_cat(self, t: torch.Tensor, shapes: list[Shape], dim: int) -> torch.Tensor:
@@ -351,6 +353,7 @@ class Communicator(abc.ABC):
                        (self.size - 1) * math.prod(x.shape[:dim]) * sizes[self.rank]
                        * math.prod(x.shape[dim + 1:])
                        * x.element_size())
+        self.stats.note("reduce_scatter", self.size, meta)
         return self._reduce_scatter_dim(x, sizes, dim)
 
     def _reduce_scatter_dim(self, x: torch.Tensor, sizes: list[int], dim: int) -> torch.Tensor:
@@ -485,6 +488,7 @@ class Communicator(abc.ABC):
         if cached is not None and not cached.closed:
             return cached
         self.stats.add("split", 0)
+        self.stats.note("split", self.size, f"split into {len(key_groups)} groups")
         if self.size > 1:
             sig = CallSignature(f"split(groups={key_groups})", f"split|{key}")
             self._agree(sig, "split")

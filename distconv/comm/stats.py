@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections import defaultdict
+from collections.abc import Iterator
 
 __all__ = ["CommStats"]
 
@@ -24,6 +26,10 @@ class CommStats:
 
     The debug agreement check is not counted. A sub-communicator's traffic is also added to its
     parent's stats, so the world's stats are this process's totals.
+
+    While :meth:`journal` is open, every collective call on this communicator and its
+    sub-communicators is also written down in order as ``(op, group size, meta)``: which ranks
+    each collective of a step ran among (tests and benchmarks pin it).
     """
 
     def __init__(self, *, parent: CommStats | None = None) -> None:
@@ -31,6 +37,7 @@ class CommStats:
         self.bytes: defaultdict[str, int] = defaultdict(int)
         self._parent = parent
         self._lock = threading.Lock()
+        self._journal: list[tuple[str, int, str]] | None = None
 
     def add(self, op: str, nbytes: int) -> None:
         with self._lock:
@@ -38,6 +45,26 @@ class CommStats:
             self.bytes[op] += nbytes
         if self._parent is not None:
             self._parent.add(op, nbytes)
+
+    def note(self, op: str, size: int, meta: str) -> None:
+        """Write a collective call down in every open :meth:`journal` (this one's, its
+        parents')."""
+        stats: CommStats | None = self
+        while stats is not None:
+            if stats._journal is not None:
+                stats._journal.append((op, size, meta))
+            stats = stats._parent
+
+    @contextlib.contextmanager
+    def journal(self) -> Iterator[list[tuple[str, int, str]]]:
+        """``with stats.journal() as calls:`` -- ``calls`` fills with ``(op, group size, meta)``
+        of every collective called on this communicator or a sub-communicator meanwhile."""
+        calls: list[tuple[str, int, str]] = []
+        previous, self._journal = self._journal, calls
+        try:
+            yield calls
+        finally:
+            self._journal = previous
 
     def reset(self) -> None:
         with self._lock:

@@ -23,6 +23,7 @@ from distconv.nn.grad_sync import gradient_groups, plan_buckets
 from distconv.nn.sharding import ShardSpec
 from distconv.ops import PriceContext
 from distconv.pricing.machine import AnyMachine as Machine
+from distconv.pricing.segments import conversion_segments
 from distconv.pricing.timeline import CommStep, LayerReport, largest_block, segment_rank
 from distconv.parallel.graph import operand_need
 from distconv.parallel.placement import (
@@ -128,7 +129,8 @@ def price_step(step: Step, moves: list[Move], modules: dict[str, nn.Module],
         report.segment = step.segment
         report.backward_seconds += report.forward_seconds
         report.steps += [CommStep("backward", "recompute: " + st.what, st.op, st.bytes,
-                                  st.peers, st.layout, st.dims) for st in recomputed]
+                                  st.peers, st.layout, st.dims, groups=st.groups)
+                           for st in recomputed]
         note = f"checkpointed (segment {step.segment}): recomputed in backward"
         report.note = f"{report.note}; {note}" if report.note else note
     return report
@@ -160,12 +162,19 @@ def memory(layers: list[LayerReport], itemsize: int, optimizer_states: int) -> d
 def conversion(report: LayerReport, name: str, src: Placement, dst: Placement,
                shape: tuple[int, ...], isz: int, P: int, ranks: list[int],
                backward: bool) -> None:
+    """The conversion of ``name`` from ``src`` to ``dst`` (and its adjoint with ``backward``) on
+    ``report``: the bytes each evaluated rank receives, run among its segment (the ranks it
+    exchanges data with: :func:`~distconv.pricing.segments.conversion_segments`), the adjoint
+    on the same segments."""
     fwd = {r: conversion_bytes(src, dst, shape, isz, r) for r in ranks}
+    groups = conversion_segments(src, dst, shape, ranks)
+    peers = max((len(g) for g in groups), default=1)
     what = f"redistribute {name}: {src.format()} -> {dst.format()}"
-    report.steps.insert(0, CommStep("forward", what, "redistribute", fwd, P))
+    report.steps.insert(0, CommStep("forward", what, "redistribute", fwd, peers, groups=groups))
     if backward:
         bwd = {r: backward_bytes(src, dst, shape, isz, r) for r in ranks}
-        report.steps.append(CommStep("backward", "adjoint of " + what, "redistribute", bwd, P))
+        report.steps.append(CommStep("backward", "adjoint of " + what, "redistribute", bwd,
+                                     peers, groups=groups))
 
 
 def backward_bytes(src: Placement, dst: Placement, shape: tuple[int, ...], isz: int,

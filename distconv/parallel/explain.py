@@ -223,8 +223,9 @@ def _layer_rows(e: Explanation, lay: LayerReport) -> list[str]:
     for st in lay.steps:
         most = max(st.bytes.values())
         if most or e.verbose:
-            rows += _wrap(f"{st.phase:<9}{most:>11,} B  {_described(e, st.what)}", " " * 4,
-                          " " * 25)
+            among = st.segment(e.machine) if most else ""  # a conversion's segment
+            rows += _wrap(f"{st.phase:<9}{most:>11,} B  {_described(e, st.what)}"
+                          + (f" ({among})" if among else ""), " " * 4, " " * 25)
     return rows
 
 

@@ -36,6 +36,10 @@ class CommStep:
     #: a gradient allreduce that may start once the backward of this layer (by report name) is
     #: done: it overlaps the rest of backward (see :func:`timeline`); None: on the critical path
     after: str | None = None
+    #: a conversion's segments (:func:`~distconv.pricing.segments.conversion_segments`): the
+    #: groups of ranks that exchange data, each its own exchange, all at once; None: the
+    #: ``layout``/``dims``/``peers`` rule above
+    groups: tuple[tuple[int, ...], ...] | None = None
 
     def seconds(self, machine: AnyMachine) -> float:
         """Predicted seconds on the slowest rank, on the machine level the ranks span (a flat
@@ -43,6 +47,11 @@ class CommStep:
         :func:`~distconv.pricing.machine.resolve_machine` makes of it, as everywhere)."""
         nbytes = max(self.bytes.values())
         machine = resolve_machine(machine, hierarchical=True)
+        if self.groups is not None:
+            # each segment exchanges on its own: its size for the latency (a pairwise exchange,
+            # one step per peer), the level it spans for the bandwidth; the slowest segment
+            return max((machine.link_time(g, self._most(g, nbytes), len(g) - 1)
+                        for g in self.groups), default=0.0) if nbytes else 0.0
         dims = self.dims or tuple(d for d, _ in self.layout or ())
         if self.op in _COLLECTIVES:
             return machine.collective_time(self.op, self.peers, nbytes, layout=self.layout,
@@ -50,6 +59,24 @@ class CommStep:
         group = (group_of(self.layout, dims) if self.layout is not None
                  else list(range(self.peers)))
         return machine.link_time(group, nbytes, max(self.peers - 1, 1)) if nbytes else 0.0
+
+
+    def _most(self, group: tuple[int, ...], nbytes: int) -> int:
+        """The most bytes an evaluated rank of ``group`` receives (``nbytes``, the step's most,
+        where none of its ranks is evaluated)."""
+        own = [self.bytes[r] for r in group if r in self.bytes]
+        return max(own) if own else nbytes
+
+    def segment(self, machine: AnyMachine | None = None) -> str:
+        """The ranks a conversion runs among, e.g. ``"4 ranks, one node"`` (the largest segment
+        and, with a hierarchical machine, the level it spans); ``""`` for other steps."""
+        if self.groups is None:
+            return ""
+        from distconv.pricing.segments import describe_segment
+
+        if machine is not None:
+            machine = resolve_machine(machine, hierarchical=True)
+        return describe_segment(self.groups, machine)
 
 
 @dataclass

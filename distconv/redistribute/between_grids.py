@@ -1,5 +1,7 @@
 """Moving a tensor between distributions on two different grids over the same ranks: a plan of
-index-box intersections and one differentiable all-to-all(v) (``repartition``)."""
+index-box intersections, split into the groups of ranks that exchange data, and one
+differentiable all-to-all(v) per group, all groups at once, each on its segment communicator
+(``repartition``)."""
 
 from __future__ import annotations
 
@@ -63,6 +65,37 @@ class RepartitionPlan:
         local view and its adjoint a local pad."""
         return all(_volume(b) == 0 for r, row in enumerate(self.sends)
                    for t, b in enumerate(row) if t != r)
+
+    @functools.cached_property
+    def groups(self) -> tuple[tuple[int, ...], ...]:
+        """The segments of the exchange: the connected components of its send graph (rank ``r``
+        joined to every rank it sends a nonempty box to, either way), each sorted, in the order
+        of their smallest rank. They partition the ranks; a rank that keeps its own elements
+        only is a group of one. Both grids splitting the samples alike, each sample row is a
+        group (or several); only a conversion whose data crosses every row is one group."""
+        size = len(self.sends)
+        parent = list(range(size))
+
+        def find(r: int) -> int:
+            while parent[r] != r:
+                parent[r] = parent[parent[r]]
+                r = parent[r]
+            return r
+
+        for r, row in enumerate(self.sends):
+            for t, b in enumerate(row):
+                if t != r and _volume(b):
+                    a, c = find(r), find(t)
+                    if a != c:
+                        parent[max(a, c)] = min(a, c)
+        members: dict[int, list[int]] = {}
+        for r in range(size):
+            members.setdefault(find(r), []).append(r)
+        return tuple(tuple(g) for g in sorted(members.values()))
+
+    def group_of(self, rank: int) -> tuple[int, ...]:
+        """The segment (:attr:`groups`) holding ``rank``."""
+        return next(g for g in self.groups if rank in g)
 
     @functools.cached_property
     def most_sent(self) -> int:
@@ -132,23 +165,54 @@ def _exchange(
 
 class _Repartition(torch.autograd.Function):
     """Forward: each target block assembled from one replica of every source block it overlaps.
-    Backward (adjoint): every piece of the gradient returned to the replica it came from, summed."""
+    Backward (adjoint): every piece of the gradient returned to the replica it came from, summed.
+    Both run among the ranks of this rank's segment only (``segment``: its communicator and
+    its ranks, in sub-rank order)."""
 
     @staticmethod
-    def forward(ctx, x, plan: RepartitionPlan, comm: Communicator, where: str):  # noqa: ANN001, ANN205
-        ctx.plan, ctx.comm, ctx.where = plan, comm, where
-        r = comm.rank
-        incoming = [row[r] for row in plan.sends]
-        return _exchange(x, comm, plan.sends[r], plan.src_boxes[r], incoming, plan.dst_boxes[r],
-                         False, where, plan.most_sent)
+    def forward(ctx, x, plan: RepartitionPlan, segment: Segment, rank: int, where: str):  # noqa: ANN001, ANN205
+        ctx.plan, ctx.segment, ctx.rank, ctx.where = plan, segment, rank, where
+        comm, group = segment
+        incoming = [plan.sends[s][rank] for s in group]
+        outgoing = [plan.sends[rank][t] for t in group]
+        return _exchange(x, comm, outgoing, plan.src_boxes[rank], incoming,
+                         plan.dst_boxes[rank], False, where, plan.most_sent)
 
     @staticmethod
     def backward(ctx, grad):  # noqa: ANN001, ANN205
-        plan, comm, r = ctx.plan, ctx.comm, ctx.comm.rank
-        outgoing = [row[r] for row in plan.sends]
-        grad_x = _exchange(grad.contiguous(), comm, outgoing, plan.dst_boxes[r], plan.sends[r],
+        plan, (comm, group), r = ctx.plan, ctx.segment, ctx.rank
+        outgoing = [plan.sends[t][r] for t in group]
+        incoming = [plan.sends[r][s] for s in group]
+        grad_x = _exchange(grad.contiguous(), comm, outgoing, plan.dst_boxes[r], incoming,
                            plan.src_boxes[r], True, "adjoint of " + ctx.where, plan.most_returned)
-        return grad_x, None, None, None
+        return grad_x, None, None, None, None
+
+
+#: run every repartition as one exchange over the whole communicator, as before segments (for
+#: benchmarks that compare the two; never set by the library)
+_WHOLE_WORLD = False
+
+#: a rank's segment of a repartition: the communicator among its group and the group's ranks
+#: (world ranks of the grids' communicator, in sub-rank order)
+Segment = tuple["Communicator", tuple[int, ...]]
+
+
+def segment_communicator(comm: Communicator, plan: RepartitionPlan) -> Segment | None:
+    """This rank's segment of ``plan`` (None: the plan moves nothing, :attr:`~RepartitionPlan.
+    local`). Collective over ``comm`` the first time a partition is asked for: every rank
+    creates every group's communicator at once, by one :meth:`~distconv.comm.Communicator.split`
+    of the whole partition (the groups are a function of global values only, so every rank
+    passes the same partition in the same order, and no rank waits on a group it is not in);
+    the communicator caches the split by partition, so later conversions with the same groups,
+    forward or adjoint, reuse it without communicating. One group: ``comm`` itself."""
+    if plan.local:
+        return None
+    groups = plan.groups
+    if _WHOLE_WORLD:
+        return comm, tuple(range(comm.size))
+    if len(groups) == 1:
+        return comm, groups[0]
+    return comm.split(groups), plan.group_of(comm.rank)
 
 
 def repartition(
@@ -158,7 +222,12 @@ def repartition(
     """Move a tensor between distributions on two different grids over the same ranks.
 
     The general fallback when no single-grid plan applies: each rank's target block is assembled
-    by intersecting index boxes and one all-to-all(v) over the whole communicator. Pending sums in
+    by intersecting index boxes, and the exchange runs among the ranks that share data only --
+    the send graph's groups (:attr:`RepartitionPlan.groups`), each an all-to-all(v) on its own
+    segment communicator, all groups at once (two grids that split the samples alike convert
+    each sample row on its own). The segment communicators are made collectively, once per
+    partition, the first time a conversion is planned on these grids (every rank plans every
+    conversion of a program in the same order). Pending sums in
     ``src`` are reduced on the source grid first; pending sums in ``dst`` are introduced on the
     target grid afterwards. Differentiable (the backward is the reverse exchange, summing pieces
     that several targets read from one replica).
@@ -172,15 +241,15 @@ def repartition(
     if (type(src_grid) is ProcessorGrid and type(dst_grid) is ProcessorGrid and type(src) is Dist
             and type(dst) is Dist and not src.pending and type(global_shape) is tuple
             and all(type(n) is int for n in global_shape)):
-        key = ("repartition", dst_grid, src, dst, global_shape)
+        key = ("repartition", dst_grid, src, dst, global_shape, _WHOLE_WORLD)
         bound = src_grid._bound.get(key)
     if bound is None or not isinstance(x, torch.Tensor) or x.shape != bound[0]:
         x, bound = _bind_repartition(x, src_grid, src, dst_grid, dst, global_shape, key)
-    _, plan, where, plain_dst, shape = bound
-    if plan.local:  # every rank already holds its target block: no collective on any rank
+    _, plan, where, plain_dst, shape, segment = bound
+    if segment is None:  # every rank already holds its target block: no collective on any rank
         y = _own_block(x, plan, src_grid.comm.rank)
     else:
-        y = _Repartition.apply(x, plan, src_grid.comm, where)
+        y = _Repartition.apply(x, plan, segment, src_grid.comm.rank, where)
     if dst.pending:
         y = redistribute(y, dst_grid, plain_dst, dst, shape)
     return y
@@ -200,8 +269,10 @@ def _own_block(x: torch.Tensor, plan: RepartitionPlan, rank: int) -> torch.Tenso
 def _bind_repartition(x: object, src_grid: object, src: object, dst_grid: object, dst: object,
                       global_shape: object, key: tuple | None) -> tuple[torch.Tensor, tuple]:
     """Check ``repartition``'s arguments and plan it: ``x`` with ``src``'s pending sums summed,
-    and ``(its shape, plan, message, dst without pending sums, global shape)``, remembered on
-    the source grid under ``key`` (None: not remembered)."""
+    and ``(its shape, plan, message, dst without pending sums, global shape, this rank's
+    segment)``, remembered on the source grid under ``key`` (None: not remembered). Makes the
+    plan's segment communicators (collective, once per partition: :func:`segment_communicator`)
+    after every check, so a rank that refuses its arguments refuses before any collective."""
     for name, g in (("src_grid", src_grid), ("dst_grid", dst_grid)):
         if not isinstance(g, ProcessorGrid):
             raise TypeError(f"repartition: {name} must be a distconv.ProcessorGrid, got {g!r}")
@@ -225,4 +296,7 @@ def _bind_repartition(x: object, src_grid: object, src: object, dst_grid: object
     plain_dst = dst.with_pending(())
     plan = _repartition_plan(src_grid.layout, src, dst_grid.layout, plain_dst, shape)
     where = f"repartition {src} on {dict(src_grid.layout)} -> {plain_dst} on {dict(dst_grid.layout)}"
-    return x, _remember(src_grid, key, (expected, plan, where, plain_dst, shape))
+    segment = segment_communicator(src_grid.comm, plan)
+    if segment is not None and len(segment[1]) < src_grid.size:
+        where += f" (segment of {len(segment[1])} ranks: {list(segment[1])})"
+    return x, _remember(src_grid, key, (expected, plan, where, plain_dst, shape, segment))
