@@ -176,11 +176,17 @@ class _Analyser:
                       "model and converts its layers itself", TypeError)
         handler = ops.handler_for(node, module)
         if handler is None:
-            what = {"call_module": f"module type {type(module).__name__}",
+            name = (type(module).__name__ if node.op == "call_module"
+                    else getattr(node.target, "__name__", str(node.target)))
+            what = {"call_module": f"module type {name}",
                     "call_function": "this function",
-                    "call_method": f"tensor method .{node.target}()"}[node.op]
-            self.fail(node, f"{what} is not supported by parallelize; supported: "
-                      f"{ops.supported(node.op)}")
+                    "call_method": f"tensor method .{name}()"}[node.op]
+            alt = ops.instead(node.op, name)
+            fix = (f"write {alt} instead" if alt is not None else
+                   "compute it outside the model, or write an op handler for it (distconv/ops, "
+                   "docs/support.md)")
+            self.fail(node, f"{fix}: {what} is not supported by parallelize; supported: "
+                      f"{ops.supported(node.op, name)}")
         if not handler.samples_anywhere:
             self.samples_in_dim0(node)
         step = handler.place(self, node, module)
