@@ -24,7 +24,10 @@ def parallelize(model: nn.Module, config: Any, *, comm: Any = None, loss_reducti
     """Convert ``model`` to run model-parallel as ``config`` says (collective).
 
     Args:
-        model: the single-process model, the same on every rank (same parameters).
+        model: the single-process model, the same architecture on every rank. Every rank
+            starts from rank 0's parameters and buffers, broadcast before sharding as
+            ``DistributedDataParallel`` does (:mod:`distconv.parallel.state_sync`); the
+            caller's model is left as it was.
         config: a dict or YAML path (see :mod:`distconv.parallel.config`).
         comm: the communicator of all ranks. Default: ``distconv.comm.world()``.
         loss_reduction: how the user's loss reduces over its local samples: ``'mean'``
