@@ -326,10 +326,28 @@ def explain(model: nn.Module, config: Any, input_shape: Sequence[int], *,
     for name, flag in (("strict", strict), ("verbose", verbose)):
         if not isinstance(flag, bool):
             raise TypeError(f"{name} must be a bool, got {flag!r}")
-    result = _explain(model, cfg, input_shape, machine, optimizer_states, itemsize,
-                      bucket_bytes, baseline=True, strict=strict)
+    try:
+        result = _explain(model, cfg, input_shape, machine, optimizer_states, itemsize,
+                          bucket_bytes, baseline=True, strict=strict)
+    except (ValueError, TypeError, NotImplementedError) as exc:
+        _said_by_explain(exc)
+        raise
+    result.unsupported = [(n, t, _by_explain(r)) for n, t, r in result.unsupported]
     result.verbose = verbose
     return result
+
+
+def _by_explain(message: str) -> str:
+    """A refusal shared with ``parallelize``, as ``explain`` says it."""
+    return "explain: " + message.removeprefix("parallelize: ") if message.startswith(
+        "parallelize: ") else message
+
+
+def _said_by_explain(exc: BaseException) -> None:
+    """``exc``'s message (its first argument), as ``explain`` says it, in place: the same
+    exception type and traceback."""
+    if exc.args and isinstance(exc.args[0], str):
+        exc.args = (_by_explain(exc.args[0]), *exc.args[1:])
 
 
 def _check_int(name: str, value: Any, low: int) -> int:
@@ -371,7 +389,9 @@ def _explain(model: nn.Module, cfg: ParallelConfig, shape: tuple[int, ...],
     meta = copy.deepcopy(gm).to("meta")
     dtype = next((p.dtype for p in gm.parameters() if p.is_floating_point()), None)
     # in the model's own dtype (a .double() model); a capture that is not the model's forward
-    propagate_shapes(meta, shape, dtype=dtype, module=model)  # is refused, not the shape
+    refused = frozenset(name for name, _, _ in analysis.unsupported)
+    propagate_shapes(meta, shape, dtype=dtype, module=model,  # is refused, not the shape
+                     tolerate=refused)
     shapes = {n.name: tuple(n.meta["tensor_meta"].shape) for n in meta.graph.nodes
               if isinstance(n.meta.get("tensor_meta"), TensorMetadata)}
     modules = dict(gm.named_modules())
@@ -381,7 +401,7 @@ def _explain(model: nn.Module, cfg: ParallelConfig, shape: tuple[int, ...],
                                    bucket_bytes, decisions)
     result = Explanation(P, ranks, shape, itemsize, optimizer_states, layers, machine,
                          unsupported=list(analysis.unsupported), paths=_module_paths(gm),
-                         configured={str(st.node.target): cfg.choice(str(st.node.target)).algorithm
+                         configured={str(st.node.target): _runs(st, cfg)
                                      for st in analysis.steps
                                      if st.layer is not None and st.layer.algorithm
                                      and st.node.op == "call_module"})
@@ -394,6 +414,16 @@ def _explain(model: nn.Module, cfg: ParallelConfig, shape: tuple[int, ...],
         except Unsupported:  # the model cannot run purely sample-parallel: no comparison
             result.baseline = None
     return result
+
+
+def _runs(step: Any, cfg: ParallelConfig) -> str:
+    """The algorithm a layer's row names: its config entry's, except where the layer runs
+    over the samples alone (a ``Linear`` head on ``{N: 4}`` under a spatial default): ``sample``."""
+    algorithm = cfg.choice(str(step.node.target)).algorithm
+    split = {d for d, extent in step.layer.layout if extent > 1}
+    if algorithm not in ("sample", "auto") and split and split <= {"N"}:
+        return "sample"
+    return algorithm
 
 
 def _module_paths(gm: fx.GraphModule) -> dict[str, str]:

@@ -26,6 +26,7 @@ from torch import nn
 
 from distconv import ops
 from distconv.distribution import Dist
+from distconv.ops.extents import captured_shape
 from distconv.parallel.capture import MODULE_PATHS, UntraceableModelError, trace
 from distconv.parallel.config import AliasedConfig, ParallelConfig
 from distconv.parallel.placement import Placement, layout_str
@@ -219,6 +220,12 @@ class _Analyser:
             if not args:
                 return Step(node, "unsupported", None)
             p = self.placement(args[0]).settled()
+            shape = captured_shape(node)
+            if shape is None and captured_shape(args[0]) is not None:
+                return Step(node, "unsupported", None)  # a capture on the shape: no tensor
+            if shape is not None and len(shape) != p.ndim:  # (.item(), a full reduction)
+                p = Placement(p.layout, Dist.replicated(len(shape)))
+                return Step(node, "unsupported", p, {args[0]: self.placement(args[0]).settled()})
             node.meta[SAMPLES] = samples_of(args[0])
             return Step(node, "unsupported", p, {args[0]: p}, samples=samples_of(args[0])[0])
 
