@@ -18,14 +18,14 @@ import os
 import re
 import textwrap
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch.fx as fx
 from torch import nn
 from torch.fx.passes.shape_prop import TensorMetadata
 
 from distconv import machines
-from distconv.parallel.config import ParallelConfig
+from distconv.parallel.config import ConfigSource, ParallelConfig
 from distconv.ops import Unsupported
 from distconv.pricing.machine import AnyMachine as Machine, Machine as FlatMachine
 from distconv.pricing.timeline import CommStep, LayerReport, Timeline, timeline
@@ -261,8 +261,9 @@ def _comparison(e: Explanation) -> str:
             "its memory per rank (give a machine= for predicted times)")
 
 
-def explain(model: nn.Module, config: Any, input_shape: Sequence[int], *,
-            world_size: int | None = None, machine: Any = None,
+def explain(model: nn.Module, config: ConfigSource, input_shape: Sequence[int], *,
+            world_size: int | None = None,
+            machine: Machine | Callable[[], Machine] | str | None = None,
             optimizer_states: int = 1, itemsize: int | None = None,
             bucket_bytes: int = 25 << 20, strict: bool = True,
             verbose: bool = False) -> Explanation:

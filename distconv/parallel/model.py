@@ -47,7 +47,9 @@ from distconv.nn.batchnorm import DistBatchNorm, broadcast_running
 from distconv.nn.clip import register_parameter_specs
 from distconv.nn.sharding import shard_specs
 from distconv.nn.recompute import recompute_context
-from distconv.parallel.config import ParallelConfig
+from distconv.comm.base import Communicator
+from distconv.parallel.config import ConfigSource, ParallelConfig
+from distconv.pricing.machine import AnyMachine
 from distconv.parallel.graph import (
     Analysis, Step, analyse, check_shapes, operand_need, trace,
 )
@@ -99,9 +101,10 @@ class ParallelModel(nn.Module):
         global_batch_size: the global batch of the last forward.
     """
 
-    def __init__(self, model: nn.Module, config: Any, *, comm: Any = None,
-                 loss_reduction: str = "mean", input_shape: Sequence[int] | None = None,
-                 bucket_bytes: int = 25 << 20, machine: Any = None) -> None:
+    def __init__(self, model: nn.Module, config: ConfigSource | ParallelConfig, *,
+                 comm: Communicator | None = None, loss_reduction: str = "mean",
+                 input_shape: Sequence[int] | None = None, bucket_bytes: int = 25 << 20,
+                 machine: AnyMachine | Callable[[], AnyMachine] | str | None = None) -> None:
         super().__init__()
         if comm is None:
             from distconv.comm import world
