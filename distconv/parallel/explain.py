@@ -258,7 +258,8 @@ def _comparison(e: Explanation) -> str:
                 "per step)")
     mine, base = e.memory(), e.baseline.memory()
     return (f"against sample parallelism: {sum(mine.values()) / max(sum(base.values()), 1):.2f}× "
-            "its memory per rank (give a machine= for predicted times)")
+            "its memory per rank; for a speed verdict pass machine=: distconv.machines."
+            "calibrate(comm) in a job on the ranks you will run on, or a known one (\"lassen\")")
 
 
 def explain(model: nn.Module, config: ConfigSource, input_shape: Sequence[int], *,

@@ -50,3 +50,9 @@ def test_a_linear_head_on_the_sample_grid_is_labelled_sample() -> None:
     rows = {line.split()[0]: line.split()[2] for line in str(plan).splitlines()
             if line.split() and line.split()[0] in ("a", "b", "fc")}
     assert rows == {"a": "spatial", "b": "spatial", "fc": "sample"}, rows
+
+
+def test_without_a_machine_the_text_says_in_one_line_how_to_get_a_verdict() -> None:
+    text = str(explain(ItemScaled(), SPATIAL, SHAPE, strict=False))
+    last = text.split("against sample parallelism:", 1)[1]
+    assert "machine=" in last and "distconv.machines.calibrate(comm)" in last.replace("\n", "")
