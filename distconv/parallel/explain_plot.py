@@ -104,9 +104,10 @@ def plot(e: Explanation, path: str | os.PathLike[str]) -> None:
     from matplotlib.figure import Figure
 
     rows = max(len(e.layers), 1)
-    fig = Figure(figsize=(14, 6 + 0.24 * rows), layout="constrained")
+    timeline = 4.5 if e.machine is not None else 0.5  # without a machine: one line of text
+    fig = Figure(figsize=(14, 1.5 + timeline + 0.24 * rows), layout="constrained")
     FigureCanvasAgg(fig)
-    top, bottom = fig.subfigures(2, 1, height_ratios=(4.5, 1.6 + 0.24 * rows))
+    top, bottom = fig.subfigures(2, 1, height_ratios=(timeline, 1.6 + 0.24 * rows))
     _timeline(e, top.subplots())
     bytes_ax, memory_ax = bottom.subplots(1, 2, sharey=True)
     _per_layer(e, bytes_ax, memory_ax)
