@@ -377,7 +377,7 @@ def _check_shape(shape: Any) -> tuple[int, ...]:
 def _explain(model: nn.Module, cfg: ParallelConfig, shape: tuple[int, ...],
              machine: Machine | None, optimizer_states: int, itemsize: int,
              bucket_bytes: int, baseline: bool, strict: bool = True) -> Explanation:
-    gm = trace(model, shape)
+    gm, branches = (trace(model, shape), []) if strict else _trace_listing_branches(model, shape)
     check_input_shape(gm, shape)
     decisions: dict[str, Any] = {}
     if cfg.has_auto():
@@ -402,7 +402,9 @@ def _explain(model: nn.Module, cfg: ParallelConfig, shape: tuple[int, ...],
     layers, ranks = price_analysis(gm, analysis, shape, shapes, P, itemsize, machine,
                                    bucket_bytes, decisions)
     result = Explanation(P, ranks, shape, itemsize, optimizer_states, layers, machine,
-                         unsupported=list(analysis.unsupported), paths=_module_paths(gm),
+                         unsupported=branches + [u for u in analysis.unsupported
+                                                 if u[0] not in {b[0] for b in branches}],
+                         paths=_module_paths(gm),
                          configured={str(st.node.target): _runs(st, cfg)
                                      for st in analysis.steps
                                      if st.layer is not None and st.layer.algorithm
@@ -416,6 +418,48 @@ def _explain(model: nn.Module, cfg: ParallelConfig, shape: tuple[int, ...],
         except Unsupported:  # the model cannot run purely sample-parallel: no comparison
             result.baseline = None
     return result
+
+
+def _trace_listing_branches(model: nn.Module, shape: tuple[int, ...]
+                            ) -> tuple[fx.GraphModule, list[tuple[str, str, str]]]:
+    """The capture on ``shape`` (``explain(strict=False)``), going on past each Python branch
+    on a tensor's value, which torch.fx cannot follow: each is listed as refused, naming where,
+    and the rest is captured as if the branch's condition were true."""
+    from distconv.parallel import capture
+
+    refused: list[tuple[str, str, str]] = []
+
+    class _Listing(capture._SizedTracer):
+        def to_bool(self, obj: fx.Proxy) -> bool:
+            try:
+                return super().to_bool(obj)
+            except fx.proxy.TraceError:
+                node = obj.node
+                target = f"{node.op} {getattr(node.target, '__name__', node.target)}"
+                refused.append((node.name, target, (
+                    f"explain: node {node.name!r} ({target}): rewrite the branch "
+                    f"{_user_frame(self)} without reading a tensor's value (torch.where, a "
+                    "mask), or compute it outside the model: its Python decides on "
+                    f"{node.name!r}, which torch.fx cannot follow (the rest is explained as "
+                    "if it were true)")))
+                return True
+
+    return capture._trace(model, _Listing(model, shape)), refused
+
+
+def _user_frame(tracer: fx.Tracer) -> str:
+    """``at file:line in module 'path'``: the model's frame that asked for a value."""
+    import sys
+
+    import torch
+
+    skip = (os.path.dirname(torch.__file__), os.path.dirname(os.path.abspath(__file__)))
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename.startswith(skip):
+        frame = frame.f_back
+    path = list(tracer.module_stack)[-1] if tracer.module_stack else ""
+    line = f"at {frame.f_code.co_filename}:{frame.f_lineno} " if frame is not None else ""
+    return f"{line}in module {path or '(the root)'!r}"
 
 
 def _runs(step: Any, cfg: ParallelConfig) -> str:

@@ -56,3 +56,31 @@ def test_without_a_machine_the_text_says_in_one_line_how_to_get_a_verdict() -> N
     text = str(explain(ItemScaled(), SPATIAL, SHAPE, strict=False))
     last = text.split("against sample parallelism:", 1)[1]
     assert "machine=" in last and "distconv.machines.calibrate(comm)" in last.replace("\n", "")
+
+
+class Branchy(nn.Module):
+    """Python that branches on a tensor's value, which torch.fx cannot follow."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Conv2d(3, 4, 3, padding=1)
+        self.b = nn.Conv2d(4, 4, 3, padding=1)
+        self.fc = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.a(x)
+        if y.amax() > 0:  # the branch
+            y = self.b(y)
+        return self.fc(y.mean((2, 3)))
+
+
+def test_a_branch_on_a_value_is_listed_where_it_is_and_the_rest_explained() -> None:
+    with pytest.raises(TypeError, match="^explain: .*torch.fx cannot trace Branchy"):
+        explain(Branchy(), SPATIAL, SHAPE)
+    plan = explain(Branchy(), SPATIAL, SHAPE, strict=False)
+    reasons = {n: r for n, _, r in plan.unsupported}
+    assert "gt" in reasons, plan.unsupported
+    assert reasons["gt"].startswith("explain: node 'gt' (call_function gt): rewrite the branch "
+                                    "at "), reasons["gt"]
+    assert "test_explain_truth.py" in reasons["gt"]
+    assert {lay.name for lay in plan.layers} >= {"a", "b", "fc"}
