@@ -4,13 +4,19 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
+import time
 from collections.abc import Callable
 from typing import Any
 
 __all__ = ["LAUNCH_BACKENDS", "launch"]
 
 LAUNCH_BACKENDS = ("gloo", "mpi", "threads", "single")
+
+#: the refusals the library raises: under a launcher each ends its rank with one line
+_REFUSALS = (ValueError, TypeError, NotImplementedError)
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 
 def launch(
@@ -45,6 +51,12 @@ def launch(
     seed-then-draw on each rank gives the ranks different numbers. Use
     :func:`distconv.testing.rank_generator` for per-rank generators that behave the same on
     every backend.
+
+    Inside a job, a refusal the library raises (a ``ValueError``, ``TypeError`` or
+    ``NotImplementedError`` from distconv's own code, whose message says what to do) that the
+    script does not catch ends its rank with one line, ``[rankR]: ValueError: ...``, instead of
+    a traceback per rank (torchrun's error file carries the same line, so its summary's root
+    cause names it). ``DISTCONV_TRACEBACK=1`` keeps Python's tracebacks.
     """
     if not callable(fn):
         raise TypeError(f"launch: fn must be a module-level function fn(comm, ...), got {fn!r}")
@@ -69,6 +81,7 @@ def launch(
 
     launcher = dcomm._detect()
     if launcher != "single":
+        _one_line_refusals()
         return [fn(_job_world(launcher, nprocs, timeout), *args, **kw)]
     from distconv.testing import WorkerPool
     from distconv.testing._protocol import ENV_ARGV
@@ -92,3 +105,44 @@ def _job_world(launcher: str, nprocs: int, timeout: float) -> Any:
             f"`{start} {nprocs}`, or call fn(distconv.comm.init()) to run on the job's "
             f"{world.size} ranks")
     return world
+
+
+def _raised_by_library(tb: Any) -> bool:
+    """Whether the innermost frame of traceback ``tb`` is distconv's code."""
+    last = None
+    while tb is not None:
+        last, tb = tb, tb.tb_next
+    return last is not None and os.path.abspath(
+        last.tb_frame.f_code.co_filename).startswith(_PACKAGE)
+
+
+def _one_line_refusals() -> None:
+    """Under a launcher: an uncaught library refusal prints ``Type: message`` (and
+    writes it to torchrun's error file) in place of Python's traceback; anything else, and
+    everything with ``DISTCONV_TRACEBACK=1``, goes to the previous hook."""
+    previous = sys.excepthook
+    if getattr(previous, "_distconv_one_line", False):
+        return
+
+    def hook(etype: type[BaseException], value: BaseException, tb: Any) -> None:
+        keep = os.environ.get("DISTCONV_TRACEBACK", "").strip() not in ("", "0")
+        if keep or not issubclass(etype, _REFUSALS) or not _raised_by_library(tb):
+            previous(etype, value, tb)
+            return
+        # torch.distributed prefixes a rank's stderr with "[rankR]:" itself; MPI does not
+        rank = None if "RANK" in os.environ else next(
+            (os.environ[v] for v in ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK")
+             if v in os.environ), "?")
+        line = f"{'' if rank is None else f'rank {rank}: '}{etype.__name__}: {value}"
+        print(line, file=sys.stderr, flush=True)
+        error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+        if error_file:
+            try:
+                with open(error_file, "w") as f:
+                    json.dump({"message": {"message": line, "extraInfo": {
+                        "py_callstack": line, "timestamp": str(int(time.time()))}}}, f)
+            except OSError:
+                pass  # the line on stderr is the report
+
+    hook._distconv_one_line = True  # type: ignore[attr-defined]
+    sys.excepthook = hook

@@ -31,6 +31,7 @@ broadcasts), :mod:`~distkfac.lowprec` (bf16 / fp16 / float21 factor traffic),
 """
 from __future__ import annotations
 
+from distconv import __version__  # one project, one version (pyproject.toml)
 from distkfac.comm import FactorReducer, PayloadBroadcaster, allreduce_gradients
 from distkfac.factors import RunningFactor, pack, unpack
 from distkfac.layers import (

@@ -98,3 +98,29 @@ def test_launch_in_a_job_of_another_size_is_refused_at_once(monkeypatch) -> None
     msg = str(info.value)
     assert "job of 1 processes" in msg and "torchrun --nproc-per-node 2" in msg
     assert "fn(distconv.comm.init())" in msg
+
+
+def test_an_uncaught_refusal_in_a_job_is_one_line_per_rank(tmp_path: Path) -> None:
+    """Under a launcher (torchrun's variables for a job of one process), the wrong job size is
+    reported as one line (torch prefixes it with the rank) naming the fix, with no traceback, and torchrun's error
+    file carries the same line for its summary."""
+    script = tmp_path / "program.py"
+    script.write_text(PROGRAM)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    error_file = tmp_path / "error.json"
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", RANK="0",
+               WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+               TORCHELASTIC_ERROR_FILE=str(error_file))
+    for var in (*dcomm._MPI_RANK_VARS, "DISTCONV_TRACEBACK"):
+        env.pop(var, None)
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=240, env=env, cwd=tmp_path)
+    assert proc.returncode == 1, proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert len(lines) == 1, proc.stderr
+    assert re.fullmatch(r"\[rank0\]: ValueError: launch\(fn, 2\) runs in a job of 1 processes .*"
+                        r"start it with `torchrun --nproc-per-node 2`.*", lines[0]), lines[0]
+    assert "ValueError: launch(fn, 2) runs in a job of 1" in error_file.read_text()

@@ -43,7 +43,7 @@ from distconv.ops.stochastic import StochasticDepthHandler
 from distconv.ops.unbind import UnbindHandler
 
 __all__ = ["CONFIGURABLE", "REGISTRY", "Handler", "PriceContext", "Sample", "Unsupported",
-           "handler_for", "is_leaf", "loaded_functions", "supported"]
+           "MAX_LISTED", "handler_for", "instead", "is_leaf", "loaded_functions", "supported"]
 
 #: Every op family, in matching order (the first that binds a node handles it).
 REGISTRY: tuple[Handler, ...] = (
@@ -94,9 +94,17 @@ def loaded_functions() -> tuple[Any, ...]:
     return tuple(found)
 
 
-def supported(op: str) -> str:
-    """The forms the registry binds for a node op (``call_module``, ``call_function``,
-    ``call_method``), as a sentence for refusals."""
+#: at most this many supported forms are named in one refusal; docs/support.md lists them all
+MAX_LISTED = 10
+
+#: refused forms whose supported relative computes what is usually meant
+_INSTEAD = {"max": "amax", "min": "amin"}
+
+_KINDS = {"call_module": "module types", "call_function": "functions",
+          "call_method": "tensor methods"}
+
+
+def _forms(op: str) -> list[str]:
     forms: list[str] = []
     for handler in REGISTRY:
         if op == "call_module":
@@ -107,4 +115,54 @@ def supported(op: str) -> str:
                       and f not in {m.__name__ for m in handler.modules}]
         else:
             forms += [f".{m}()" for m in sorted(handler.methods)]
-    return ", ".join(dict.fromkeys(forms))
+    return list(dict.fromkeys(forms))
+
+
+def _family_heads(op: str) -> list[str]:
+    """One form of each handler (its first), in registry order: what a refusal lists when no
+    form is near the refused one."""
+    heads: list[str] = []
+    for handler in REGISTRY:
+        if op == "call_module":
+            own = [m.__name__ for m in handler.modules]
+        elif op == "call_function":
+            own = [f for f in handler.forms() if not f.startswith(".")
+                   and f not in {m.__name__ for m in handler.modules}]
+        else:
+            own = [f".{m}()" for m in sorted(handler.methods)]
+        public = [f for f in own if "._" not in f and not f.startswith("_")]
+        if public and public[0] not in heads:
+            heads.append(public[0])
+    return heads
+
+
+def supported(op: str, name: str | None = None) -> str:
+    """The forms the registry binds for a node op (``call_module``, ``call_function``,
+    ``call_method``), as a clause for refusals: at most :data:`MAX_LISTED` of them -- those
+    nearest ``name`` (the refused form's short name, e.g. ``"max"`` or ``"PixelShuffle"``) first,
+    then one of each op family -- and where the whole list is (docs/support.md)."""
+    import difflib
+
+    forms = _forms(op)
+    short = {f: f.strip(".()").rsplit(".", 1)[-1] for f in forms}
+    picked: list[str] = []
+    if name:
+        key = name.strip(".()").rsplit(".", 1)[-1]
+        near = difflib.get_close_matches(key, list(dict.fromkeys(short.values())),
+                                         n=MAX_LISTED, cutoff=0.6)
+        picked = [f for n in near for f in forms if short[f] == n]
+    picked = list(dict.fromkeys(picked + _family_heads(op)))[:MAX_LISTED]
+    return (f"{', '.join(picked)}, ... ({len(forms)} supported {_KINDS.get(op, 'forms')}, "
+            "all in docs/support.md)")
+
+
+def instead(op: str, name: str) -> str | None:
+    """The supported form to write in place of the refused ``name`` (``"max"`` -> ``.amax()``),
+    where one computes what is usually meant; else None."""
+    key = name.strip(".()").rsplit(".", 1)[-1]
+    alt = _INSTEAD.get(key)
+    if alt is None:
+        return None
+    if op == "call_method":
+        return f".{alt}()" if f".{alt}()" in _forms(op) else None
+    return f"torch.{alt}" if f"torch.{alt}" in _forms(op) else None

@@ -7,25 +7,33 @@
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Callable, Sequence
 
 from torch import nn
 
-from distconv.parallel.config import ALGORITHMS, ParallelConfig, load_config
+from distconv.comm.base import Communicator
+from distconv.parallel.config import ALGORITHMS, ConfigSource, ParallelConfig, load_config
 from distconv.parallel.model import LOSS_REDUCTIONS, ParallelModel
+from distconv.pricing.machine import AnyMachine
 
-__all__ = ["ALGORITHMS", "LOSS_REDUCTIONS", "ParallelConfig", "ParallelModel", "load_config",
-           "parallelize"]
+__all__ = ["ALGORITHMS", "LOSS_REDUCTIONS", "ConfigSource", "ParallelConfig", "ParallelModel",
+           "load_config", "parallelize"]
 
 
-def parallelize(model: nn.Module, config: Any, *, comm: Any = None, loss_reduction: str = "mean",
-                input_shape: Sequence[int] | None = None,
-                bucket_bytes: int = 25 << 20, machine: Any = None) -> ParallelModel:
+def parallelize(model: nn.Module, config: ConfigSource | ParallelConfig, *,
+                comm: Communicator | None = None, loss_reduction: str = "mean",
+                input_shape: Sequence[int] | None = None, bucket_bytes: int = 25 << 20,
+                machine: AnyMachine | Callable[[], AnyMachine] | str | None = None
+                ) -> ParallelModel:
     """Convert ``model`` to run model-parallel as ``config`` says (collective).
 
     Args:
-        model: the single-process model, the same on every rank (same parameters).
-        config: a dict or YAML path (see :mod:`distconv.parallel.config`).
+        model: the single-process model, the same architecture on every rank. Every rank
+            starts from rank 0's parameters and buffers, broadcast before sharding as
+            ``DistributedDataParallel`` does (:mod:`distconv.parallel.state_sync`); the
+            caller's model is left as it was.
+        config: a dict or a YAML (or JSON) file's path (see :mod:`distconv.parallel.config`),
+            or a :class:`~distconv.parallel.config.ParallelConfig` for ``comm``'s world size.
         comm: the communicator of all ranks. Default: ``distconv.comm.world()``.
         loss_reduction: how the user's loss reduces over its local samples: ``'mean'``
             (default; ``F.cross_entropy``'s default) or ``'sum'``. The output's gradient is scaled
@@ -45,9 +53,12 @@ def parallelize(model: nn.Module, config: Any, *, comm: Any = None, loss_reducti
         A :class:`ParallelModel` whose parameters are this rank's shards.
 
     Raises:
-        ValueError: a config that does not fit the model or the world (naming the entry).
+        ValueError: a config that does not fit the model or the world (naming the entry), or
+            ranks whose models differ in their parameters' or buffers' names, shapes or dtypes
+            (rank 0's values are broadcast to every rank; see ``model``).
         NotImplementedError: a layer or construct the library cannot run distributed (naming
-            the node), e.g. dropout on a channel-split value.
+            the node and what to write instead), e.g. ``.item()`` in a forward or a module type
+            no op handler binds (docs/support.md lists what runs).
         TypeError: a model ``torch.fx`` cannot trace (naming the construct).
     """
     return ParallelModel(model, config, comm=comm, loss_reduction=loss_reduction,

@@ -80,8 +80,9 @@ def trace(model: nn.Module, input_shape: Sequence[int] | None = None) -> fx.Grap
         return _trace(model, _Tracer())
     except UntraceableModelError as exc:
         raise UntraceableModelError(
-            f"{exc} (with input_shape= given, the capture follows Python that decides on sizes "
-            "or asks torch.jit.isinstance)") from exc.__cause__
+            "parallelize: pass input_shape= (the global input shape): with input_shape= given, "
+            "the capture follows Python that decides on sizes or asks torch.jit.isinstance. "
+            f"Without it: {str(exc).removeprefix('parallelize: ')}") from exc.__cause__
 
 
 def _trace(model: nn.Module, tracer: _Tracer) -> fx.GraphModule:
@@ -95,11 +96,12 @@ def _trace(model: nn.Module, tracer: _Tracer) -> fx.GraphModule:
         raise
     except Exception as exc:  # fx raises TraceError, TypeError, ... with the construct's text
         raise UntraceableModelError(
-            f"parallelize: torch.fx cannot trace {type(model).__name__}{_where(exc, model)}: "
-            f"{exc}. Python that branches on a tensor's values, or iterates over them, "
-            "cannot be captured (sizes can: x.shape[i], x.size(i), len(x), arithmetic on "
-            "them, and with input_shape= given an if or a loop on them); rewrite it, or "
-            "convert layer by layer with DistConv2d.from_conv2d and Redistribute"
+            "parallelize: rewrite the Python named below, or convert layer by layer with "
+            "DistConv2d.from_conv2d and Redistribute: torch.fx cannot trace "
+            f"{type(model).__name__}{_where(exc, model)}: {exc}. Python that branches on a "
+            "tensor's values, or iterates over them, cannot be captured (sizes can: "
+            "x.shape[i], x.size(i), len(x), arithmetic on them, and with input_shape= given "
+            "an if or a loop on them)"
         ) from exc
     finally:
         with torch.no_grad():
@@ -295,10 +297,10 @@ class _SizedTracer(_Tracer):
                 same = graph.call_function(operator.eq, (node, value))
             with graph.inserting_after(same):
                 check = graph.call_function(torch._assert, (same, (
-                    f"the model was captured on the global input shape {self.shape}, where "
-                    f"{_expression(node)} is {value!r} and its Python {where} decided on it; "
-                    "an input of this shape needs a capture of its own: parallelize the model "
-                    "with input_shape= this shape")))
+                    "parallelize the model with input_shape= this shape (an input of this "
+                    "shape needs a capture of its own): the model was captured on the global "
+                    f"input shape {self.shape}, where {_expression(node)} is {value!r} and its "
+                    f"Python {where} decided on it")))
             check.meta[GUARD] = (node.name, value, where)
 
 
@@ -357,12 +359,12 @@ def _capture_patches(tracer: fx.Tracer, model: str) -> Iterator[None]:
             caller = sys._getframe(1)
             where = list(tracer.module_stack)[-1] if tracer.module_stack else ""
             raise UntraceableModelError(
-                f"parallelize: {model} calls torch.jit.isinstance on a traced value "
+                "parallelize: rewrite the check (e.g. 'x is not None'), or convert layer by "
+                "layer with DistConv2d.from_conv2d and Redistribute: "
+                f"{model} calls torch.jit.isinstance on a traced value "
                 f"({obj.node.name}) in module {where or '(the root)'!r} at "
                 f"{caller.f_code.co_filename}:{caller.f_lineno}: torch.fx answers it for its "
-                "proxy, not the tensor, so the captured graph would not be the module's. "
-                "Rewrite the check (e.g. 'x is not None'), or convert layer by layer with "
-                "DistConv2d.from_conv2d and Redistribute")
+                "proxy, not the tensor, so the captured graph would not be the module's")
         return real_isinstance(obj, target_type)
 
     def length(obj: Any) -> Any:
@@ -457,23 +459,22 @@ def check_capture(gm: fx.GraphModule, module: nn.Module, shape: Sequence[int], *
     except Exception:  # noqa: BLE001 - the module itself cannot run on this shape (or not on
         return  # meta): nothing tells the capture wrong
     name = type(module).__name__
-    what = ("Python that torch.fx cannot follow (isinstance(x, torch.Tensor) on a traced value, "
-            "a branch taken on something fx stands in for) decided the captured graph; rewrite "
-            "it, or convert layer by layer with DistConv2d.from_conv2d and Redistribute")
+    fix = ("parallelize: rewrite the Python that torch.fx cannot follow (isinstance(x, "
+           "torch.Tensor) on a traced value, a branch taken on something fx stands in for), or "
+           "convert layer by layer with DistConv2d.from_conv2d and Redistribute: ")
     if failed is not None:
         node, exc = failed
         at = f" at node {node.name!r} ({node.format_node()})" if node is not None else ""
         reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise UntraceableModelError(
-            f"parallelize: the graph torch.fx captured of {name} is not its forward: {name} "
-            f"runs on an input of shape {tuple(shape)}, its captured graph fails{at}: {reason}. "
-            f"{what}") from None
+            f"{fix}the graph torch.fx captured of {name} is not its forward: {name} "
+            f"runs on an input of shape {tuple(shape)}, its captured graph fails{at}: {reason}"
+            ) from None
     mine, theirs = _shapes_of(out), _shapes_of(own)
     if mine != theirs:
         raise UntraceableModelError(
-            f"parallelize: the graph torch.fx captured of {name} is not its forward: on an "
-            f"input of shape {tuple(shape)} it returns shapes {mine}, {name} returns {theirs}. "
-            f"{what}")
+            f"{fix}the graph torch.fx captured of {name} is not its forward: on an "
+            f"input of shape {tuple(shape)} it returns shapes {mine}, {name} returns {theirs}")
     paths: dict[int, list[str]] = {}
     for path, m in module.named_modules(remove_duplicate=False):
         paths.setdefault(id(m), []).append(path)
@@ -489,9 +490,9 @@ def check_capture(gm: fx.GraphModule, module: nn.Module, shape: Sequence[int], *
                      if any(True for _ in m.parameters(recurse=False)) and not captured(m)})
     if missed:
         raise UntraceableModelError(
-            f"parallelize: the graph torch.fx captured of {name} is not its forward: {name} "
+            f"{fix}the graph torch.fx captured of {name} is not its forward: {name} "
             f"calls {missed} on an input of shape {tuple(shape)}, its captured graph never "
-            f"does. {what}")
+            "does")
 
 
 def _meta_twin(module: nn.Module) -> nn.Module:

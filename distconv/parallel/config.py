@@ -64,8 +64,11 @@ from typing import Any, Mapping, Sequence
 
 from distconv.nn._statistics import STATISTICS, check_statistics
 
-__all__ = ["ALGORITHMS", "GRID_DIMS", "STATISTICS", "AliasedConfig", "LayerChoice",
-           "ParallelConfig", "load_config"]
+__all__ = ["ALGORITHMS", "GRID_DIMS", "STATISTICS", "AliasedConfig", "ConfigSource",
+           "LayerChoice", "ParallelConfig", "load_config"]
+
+#: what a config is given as: a mapping, or the path of a YAML (or JSON) file holding one
+ConfigSource = Mapping[str, Any] | str | os.PathLike[str]
 
 GRID_DIMS = ("N", "C", "F", "D", "H", "W")
 ALGORITHMS = ("sample", "spatial", "stationary-x", "stationary-y", "stationary-w", "auto")

@@ -18,14 +18,14 @@ import os
 import re
 import textwrap
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch.fx as fx
 from torch import nn
 from torch.fx.passes.shape_prop import TensorMetadata
 
 from distconv import machines
-from distconv.parallel.config import ParallelConfig
+from distconv.parallel.config import ConfigSource, ParallelConfig
 from distconv.ops import Unsupported
 from distconv.pricing.machine import AnyMachine as Machine, Machine as FlatMachine
 from distconv.pricing.timeline import CommStep, LayerReport, Timeline, timeline
@@ -259,11 +259,13 @@ def _comparison(e: Explanation) -> str:
                 "per step)")
     mine, base = e.memory(), e.baseline.memory()
     return (f"against sample parallelism: {sum(mine.values()) / max(sum(base.values()), 1):.2f}× "
-            "its memory per rank (give a machine= for predicted times)")
+            "its memory per rank; for a speed verdict pass machine=: distconv.machines."
+            "calibrate(comm) in a job on the ranks you will run on, or a known one (\"lassen\")")
 
 
-def explain(model: nn.Module, config: Any, input_shape: Sequence[int], *,
-            world_size: int | None = None, machine: Any = None,
+def explain(model: nn.Module, config: ConfigSource, input_shape: Sequence[int], *,
+            world_size: int | None = None,
+            machine: Machine | Callable[[], Machine] | str | None = None,
             optimizer_states: int = 1, itemsize: int | None = None,
             bucket_bytes: int = 25 << 20, strict: bool = True,
             verbose: bool = False) -> Explanation:
@@ -327,10 +329,28 @@ def explain(model: nn.Module, config: Any, input_shape: Sequence[int], *,
     for name, flag in (("strict", strict), ("verbose", verbose)):
         if not isinstance(flag, bool):
             raise TypeError(f"{name} must be a bool, got {flag!r}")
-    result = _explain(model, cfg, input_shape, machine, optimizer_states, itemsize,
-                      bucket_bytes, baseline=True, strict=strict)
+    try:
+        result = _explain(model, cfg, input_shape, machine, optimizer_states, itemsize,
+                          bucket_bytes, baseline=True, strict=strict)
+    except (ValueError, TypeError, NotImplementedError) as exc:
+        _said_by_explain(exc)
+        raise
+    result.unsupported = [(n, t, _by_explain(r)) for n, t, r in result.unsupported]
     result.verbose = verbose
     return result
+
+
+def _by_explain(message: str) -> str:
+    """A refusal shared with ``parallelize``, as ``explain`` says it."""
+    return "explain: " + message.removeprefix("parallelize: ") if message.startswith(
+        "parallelize: ") else message
+
+
+def _said_by_explain(exc: BaseException) -> None:
+    """``exc``'s message (its first argument), as ``explain`` says it, in place: the same
+    exception type and traceback."""
+    if exc.args and isinstance(exc.args[0], str):
+        exc.args = (_by_explain(exc.args[0]), *exc.args[1:])
 
 
 def _check_int(name: str, value: Any, low: int) -> int:
@@ -358,7 +378,7 @@ def _check_shape(shape: Any) -> tuple[int, ...]:
 def _explain(model: nn.Module, cfg: ParallelConfig, shape: tuple[int, ...],
              machine: Machine | None, optimizer_states: int, itemsize: int,
              bucket_bytes: int, baseline: bool, strict: bool = True) -> Explanation:
-    gm = trace(model, shape)
+    gm, branches = (trace(model, shape), []) if strict else _trace_listing_branches(model, shape)
     check_input_shape(gm, shape)
     decisions: dict[str, Any] = {}
     if cfg.has_auto():
@@ -372,7 +392,9 @@ def _explain(model: nn.Module, cfg: ParallelConfig, shape: tuple[int, ...],
     meta = copy.deepcopy(gm).to("meta")
     dtype = next((p.dtype for p in gm.parameters() if p.is_floating_point()), None)
     # in the model's own dtype (a .double() model); a capture that is not the model's forward
-    propagate_shapes(meta, shape, dtype=dtype, module=model)  # is refused, not the shape
+    refused = frozenset(name for name, _, _ in analysis.unsupported)
+    propagate_shapes(meta, shape, dtype=dtype, module=model,  # is refused, not the shape
+                     tolerate=refused)
     shapes = {n.name: tuple(n.meta["tensor_meta"].shape) for n in meta.graph.nodes
               if isinstance(n.meta.get("tensor_meta"), TensorMetadata)}
     modules = dict(gm.named_modules())
@@ -381,8 +403,10 @@ def _explain(model: nn.Module, cfg: ParallelConfig, shape: tuple[int, ...],
     layers, ranks = price_analysis(gm, analysis, shape, shapes, P, itemsize, machine,
                                    bucket_bytes, decisions)
     result = Explanation(P, ranks, shape, itemsize, optimizer_states, layers, machine,
-                         unsupported=list(analysis.unsupported), paths=_module_paths(gm),
-                         configured={str(st.node.target): cfg.choice(str(st.node.target)).algorithm
+                         unsupported=branches + [u for u in analysis.unsupported
+                                                 if u[0] not in {b[0] for b in branches}],
+                         paths=_module_paths(gm),
+                         configured={str(st.node.target): _runs(st, cfg)
                                      for st in analysis.steps
                                      if st.layer is not None and st.layer.algorithm
                                      and st.node.op == "call_module"})
@@ -395,6 +419,58 @@ def _explain(model: nn.Module, cfg: ParallelConfig, shape: tuple[int, ...],
         except Unsupported:  # the model cannot run purely sample-parallel: no comparison
             result.baseline = None
     return result
+
+
+def _trace_listing_branches(model: nn.Module, shape: tuple[int, ...]
+                            ) -> tuple[fx.GraphModule, list[tuple[str, str, str]]]:
+    """The capture on ``shape`` (``explain(strict=False)``), going on past each Python branch
+    on a tensor's value, which torch.fx cannot follow: each is listed as refused, naming where,
+    and the rest is captured as if the branch's condition were true."""
+    from distconv.parallel import capture
+
+    refused: list[tuple[str, str, str]] = []
+
+    class _Listing(capture._SizedTracer):
+        def to_bool(self, obj: fx.Proxy) -> bool:
+            try:
+                return super().to_bool(obj)
+            except fx.proxy.TraceError:
+                node = obj.node
+                target = f"{node.op} {getattr(node.target, '__name__', node.target)}"
+                refused.append((node.name, target, (
+                    f"explain: node {node.name!r} ({target}): rewrite the branch "
+                    f"{_user_frame(self)} without reading a tensor's value (torch.where, a "
+                    "mask), or compute it outside the model: its Python decides on "
+                    f"{node.name!r}, which torch.fx cannot follow (the rest is explained as "
+                    "if it were true)")))
+                return True
+
+    return capture._trace(model, _Listing(model, shape)), refused
+
+
+def _user_frame(tracer: fx.Tracer) -> str:
+    """``at file:line in module 'path'``: the model's frame that asked for a value."""
+    import sys
+
+    import torch
+
+    skip = (os.path.dirname(torch.__file__), os.path.dirname(os.path.abspath(__file__)))
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename.startswith(skip):
+        frame = frame.f_back
+    path = list(tracer.module_stack)[-1] if tracer.module_stack else ""
+    line = f"at {frame.f_code.co_filename}:{frame.f_lineno} " if frame is not None else ""
+    return f"{line}in module {path or '(the root)'!r}"
+
+
+def _runs(step: Any, cfg: ParallelConfig) -> str:
+    """The algorithm a layer's row names: its config entry's, except where the layer runs
+    over the samples alone (a ``Linear`` head on ``{N: 4}`` under a spatial default): ``sample``."""
+    algorithm = cfg.choice(str(step.node.target)).algorithm
+    split = {d for d, extent in step.layer.layout if extent > 1}
+    if algorithm not in ("sample", "auto") and split and split <= {"N"}:
+        return "sample"
+    return algorithm
 
 
 def _module_paths(gm: fx.GraphModule) -> dict[str, str]:

@@ -96,17 +96,27 @@ _COLOURS = {"forward": "#4c72b0", "backward": "#55a868", "collective": "#c44e52"
 
 
 def plot(e: Explanation, path: str | os.PathLike[str]) -> None:
-    """Write the picture of ``e`` to ``path`` (the format from its suffix)."""
+    """Write the picture of ``e`` to ``path`` (the format from its suffix): the step's
+    timeline on top, every compute bar named by its layer on the top axis; below, one row per
+    layer (its module path, legible) of bytes received and of memory held. Legends sit beside
+    the plots, never over a bar."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(12, 10), layout="constrained")
+    rows = max(len(e.layers), 1)
+    timeline = 4.5 if e.machine is not None else 0.5  # without a machine: one line of text
+    fig = Figure(figsize=(14, 1.5 + timeline + 0.24 * rows), layout="constrained")
     FigureCanvasAgg(fig)
-    timeline_ax, bytes_ax, memory_ax = fig.subplots(3, 1, height_ratios=(1, 1.2, 1.2))
-    _timeline(e, timeline_ax)
+    top, bottom = fig.subfigures(2, 1, height_ratios=(timeline, 1.6 + 0.24 * rows))
+    _timeline(e, top.subplots())
+    bytes_ax, memory_ax = bottom.subplots(1, 2, sharey=True)
     _per_layer(e, bytes_ax, memory_ax)
     fig.suptitle(f"{e.world_size} ranks, global input {e.input_shape}")
-    fig.savefig(os.fspath(path))
+    fig.savefig(os.fspath(path), dpi=110)
+
+
+_OUTSIDE = {"loc": "upper left", "bbox_to_anchor": (1.01, 1.0), "fontsize": "small",
+            "borderaxespad": 0.0}
 
 
 def _timeline(e: Explanation, ax: object) -> None:
@@ -116,39 +126,47 @@ def _timeline(e: Explanation, ax: object) -> None:
         ax.set_axis_off()
         return
     rows = {"compute": 1, "communication": 0}
+    intervals = step_intervals(e)
+    step = e.seconds() or 0.0
     for kind in _COLOURS:
-        bars = [(iv.start * 1e3, (iv.end - iv.start) * 1e3)
-                for iv in step_intervals(e) if iv.kind == kind]
+        bars = [(iv.start * 1e3, (iv.end - iv.start) * 1e3) for iv in intervals
+                if iv.kind == kind]
         if bars:
             stream = "compute" if kind in ("forward", "backward") else "communication"
-            ax.broken_barh(bars, (rows[stream] - 0.4, 0.8), color=_COLOURS[kind], label=kind)
+            ax.broken_barh(bars, (rows[stream] - 0.4, 0.8), color=_COLOURS[kind], label=kind,
+                           edgecolor="white", linewidth=0.5)
+    # every compute bar named on the top axis, at its middle: the timeline reads by layer
+    named = [iv for iv in intervals if iv.kind in ("forward", "backward")]
+    top = ax.secondary_xaxis("top")
+    top.set_xticks([(iv.start + iv.end) / 2 * 1e3 for iv in named],
+                   [e.paths.get(iv.layer, iv.layer) for iv in named], rotation=90, fontsize=6.5)
     ax.set_yticks(list(rows.values()), list(rows))
     ax.set_xlabel("ms (predicted, slowest rank)")
-    step = e.seconds() or 0.0
     ax.axvline(step * 1e3, color="black", linewidth=0.8)
+    ax.set_xlim(0, step * 1e3 * 1.01 or 1)
     ax.set_title(f"one step: {step * 1e3:.3f} ms on {getattr(e.machine, 'name', 'the machine')}"
                  " (gradient allreduces: hidden behind backward, or exposed)")
-    ax.legend(loc="upper left", fontsize="small", ncols=5)
+    ax.legend(**_OUTSIDE)
 
 
 def _per_layer(e: Explanation, bytes_ax: object, memory_ax: object) -> None:
     layers = e.layers
     names = [e.paths.get(lay.name, lay.name) for lay in layers]
-    at = range(len(layers))
+    at = list(range(len(layers)))
     fwd = [max(lay.bytes("forward", r) for r in e.ranks) for lay in layers]
     bwd = [max(lay.bytes("backward", r) for r in e.ranks) for lay in layers]
-    bytes_ax.bar(at, fwd, color=_COLOURS["forward"], label="forward")
-    bytes_ax.bar(at, bwd, bottom=fwd, color=_COLOURS["backward"], label="backward")
-    bytes_ax.set_ylabel("bytes received (most of any rank)")
-    bytes_ax.legend(fontsize="small")
+    bytes_ax.barh(at, fwd, color=_COLOURS["forward"], label="forward")
+    bytes_ax.barh(at, bwd, left=fwd, color=_COLOURS["backward"], label="backward")
+    bytes_ax.set_xlabel("bytes received per step (most of any rank)")
     state = 2 + e.optimizer_states  # parameters, gradients, optimizer state
     params = [lay.param_elements * state * e.itemsize for lay in layers]
     acts = [lay.activation_elements * e.itemsize for lay in layers]
-    memory_ax.bar(at, params, color="#937860",
-                  label="parameters, gradients, optimizer state")
-    memory_ax.bar(at, acts, bottom=params, color="#da8bc3", label="activations kept")
-    memory_ax.set_ylabel("bytes per rank (largest block)")
-    memory_ax.legend(fontsize="small")
+    memory_ax.barh(at, params, color="#937860", label="parameters, gradients,\noptimizer state")
+    memory_ax.barh(at, acts, left=params, color="#da8bc3", label="activations kept")
+    memory_ax.set_xlabel("bytes per rank (largest block)")
+    bytes_ax.set_yticks(at, names, fontsize=8)
+    bytes_ax.set_ylim(len(layers) - 0.5, -0.5)  # the first layer on top, as in the text
     for ax in (bytes_ax, memory_ax):
-        ax.set_xticks(list(at), names, rotation=90, fontsize=6)
-        ax.set_xlim(-0.5, len(layers) - 0.5)
+        ax.legend(loc="lower left", bbox_to_anchor=(0.0, 1.01), ncols=2, fontsize="small",
+                  borderaxespad=0.0, frameon=False)
+        ax.grid(axis="x", linewidth=0.3)

@@ -26,6 +26,7 @@ from torch import nn
 
 from distconv import ops
 from distconv.distribution import Dist
+from distconv.ops.extents import captured_shape
 from distconv.parallel.capture import MODULE_PATHS, UntraceableModelError, trace
 from distconv.parallel.config import AliasedConfig, ParallelConfig
 from distconv.parallel.placement import Placement, layout_str
@@ -176,11 +177,17 @@ class _Analyser:
                       "model and converts its layers itself", TypeError)
         handler = ops.handler_for(node, module)
         if handler is None:
-            what = {"call_module": f"module type {type(module).__name__}",
+            name = (type(module).__name__ if node.op == "call_module"
+                    else getattr(node.target, "__name__", str(node.target)))
+            what = {"call_module": f"module type {name}",
                     "call_function": "this function",
-                    "call_method": f"tensor method .{node.target}()"}[node.op]
-            self.fail(node, f"{what} is not supported by parallelize; supported: "
-                      f"{ops.supported(node.op)}")
+                    "call_method": f"tensor method .{name}()"}[node.op]
+            alt = ops.instead(node.op, name)
+            fix = (f"write {alt} instead" if alt is not None else
+                   "compute it outside the model, or write an op handler for it (distconv/ops, "
+                   "docs/support.md)")
+            self.fail(node, f"{fix}: {what} is not supported by parallelize; supported: "
+                      f"{ops.supported(node.op, name)}")
         if not handler.samples_anywhere:
             self.samples_in_dim0(node)
         step = handler.place(self, node, module)
@@ -213,6 +220,12 @@ class _Analyser:
             if not args:
                 return Step(node, "unsupported", None)
             p = self.placement(args[0]).settled()
+            shape = captured_shape(node)
+            if shape is None and captured_shape(args[0]) is not None:
+                return Step(node, "unsupported", None)  # a capture on the shape: no tensor
+            if shape is not None and len(shape) != p.ndim:  # (.item(), a full reduction)
+                p = Placement(p.layout, Dist.replicated(len(shape)))
+                return Step(node, "unsupported", p, {args[0]: self.placement(args[0]).settled()})
             node.meta[SAMPLES] = samples_of(args[0])
             return Step(node, "unsupported", p, {args[0]: p}, samples=samples_of(args[0])[0])
 

@@ -47,7 +47,9 @@ from distconv.nn.batchnorm import DistBatchNorm, broadcast_running
 from distconv.nn.clip import register_parameter_specs
 from distconv.nn.sharding import shard_specs
 from distconv.nn.recompute import recompute_context
-from distconv.parallel.config import ParallelConfig
+from distconv.comm.base import Communicator
+from distconv.parallel.config import ConfigSource, ParallelConfig
+from distconv.pricing.machine import AnyMachine
 from distconv.parallel.graph import (
     Analysis, Step, analyse, check_shapes, operand_need, trace,
 )
@@ -58,6 +60,7 @@ from distconv.parallel.module_tree import (
 )
 from distconv.parallel.program import _eager, _get_attr, generate
 from distconv.parallel.shapes import propagate_shapes
+from distconv.parallel.state_sync import sync_module_states
 from distconv.parallel.placement import Layout, Placement, convert, layout_str
 from distconv.redistribute import gather
 
@@ -98,9 +101,10 @@ class ParallelModel(nn.Module):
         global_batch_size: the global batch of the last forward.
     """
 
-    def __init__(self, model: nn.Module, config: Any, *, comm: Any = None,
-                 loss_reduction: str = "mean", input_shape: Sequence[int] | None = None,
-                 bucket_bytes: int = 25 << 20, machine: Any = None) -> None:
+    def __init__(self, model: nn.Module, config: ConfigSource | ParallelConfig, *,
+                 comm: Communicator | None = None, loss_reduction: str = "mean",
+                 input_shape: Sequence[int] | None = None, bucket_bytes: int = 25 << 20,
+                 machine: AnyMachine | Callable[[], AnyMachine] | str | None = None) -> None:
         super().__init__()
         if comm is None:
             from distconv.comm import world
@@ -121,13 +125,17 @@ class ParallelModel(nn.Module):
             from distconv.machines import resolve_machine
 
             machine = resolve_machine(machine)
+        # Our own copy: the parallel model never shares a module or tensor with the caller's
+        # (thread ranks may pass one model object; shards replace its layers anyway). It starts
+        # from rank 0's parameters and buffers, whole, before any rank cuts its blocks (DDP's
+        # guarantee: ranks seeded differently still train as one process would).
+        own = copy.deepcopy(model)
+        sync_module_states(own, comm)
         # fx patches nn.Module.__call__ process-wide while it traces: no rank of a thread world
         # may run a module meanwhile, so every rank traces inside the same pair of barriers.
         comm.barrier(meta="parallelize: before tracing")
         try:
-            # Our own copy: the parallel model never shares a module or tensor with the caller's
-            # (thread ranks may pass one model object; shards replace its layers anyway).
-            gm = trace(copy.deepcopy(model), input_shape)
+            gm = trace(own, input_shape)
         finally:
             comm.barrier(meta="parallelize: after tracing")
         ndim = None if input_shape is None else len(tuple(input_shape))

@@ -117,10 +117,21 @@ class _ShapeRecorder(fx.Interpreter):
     without its printing a traceback when a node fails; remembers the failing node."""
 
     failed: fx.Node | None = None
+    #: names of nodes refused by the analysis (``explain(strict=False)``): where one fails, its
+    #: value is taken to be its first tensor input's, as the analysis takes it, and the rest runs
+    tolerate: frozenset[str] = frozenset()
 
     def run_node(self, n: fx.Node) -> Any:
         self.failed = n
-        result = super().run_node(n)
+        try:
+            result = super().run_node(n)
+        except Exception:  # noqa: BLE001 - a refused node's own failure is its refusal's
+            if n.name not in self.tolerate:
+                raise
+            args = [self.env[a] for a in n.all_input_nodes if a in self.env]
+            result = next((a for a in args if isinstance(a, torch.Tensor)), None)
+            if result is None:
+                raise
         self.failed = None
         found = False
 
@@ -144,7 +155,8 @@ class _ShapeRecorder(fx.Interpreter):
 
 def propagate_shapes(gm: fx.GraphModule, shape: Sequence[int], *,
                      dtype: torch.dtype | None = None, argument: str = "input_shape",
-                     module: nn.Module | None = None) -> None:
+                     module: nn.Module | None = None,
+                     tolerate: frozenset[str] = frozenset()) -> None:
     """Shape propagation of a meta ``shape`` input through ``gm`` (a copy on the meta device),
     filling ``node.meta['tensor_meta']`` as ``ShapeProp`` does (and ``['global_value']`` of
     every value that is not a tensor: sizes); a shape the model cannot take raises the
@@ -152,8 +164,11 @@ def propagate_shapes(gm: fx.GraphModule, shape: Sequence[int], *,
     naming it. ``module``: the plain model ``gm`` was captured from; where its own forward on this
     shape disagrees with the graph's (the graph fails where the module runs, or gives other output
     shapes, or skips a module with parameters that the module calls) the capture is not the
-    module's, and :func:`~distconv.parallel.capture.check_capture` refuses it."""
+    module's, and :func:`~distconv.parallel.capture.check_capture` refuses it. ``tolerate``:
+    names of nodes already refused (``explain(strict=False)``), whose failure here is theirs,
+    not the shape's: each stands in with its first tensor input."""
     prop = _ShapeRecorder(gm)
+    prop.tolerate = frozenset(tolerate)
     # in eval mode: a batch norm with momentum=None reads its batch count (.item(), which meta
     # tensors cannot give) in training, and no layer's shapes depend on the mode
     training = {m: m.training for m in gm.modules()}
