@@ -419,8 +419,26 @@ class ConvHandler(Handler):
                 Sample("conv-groups-across-blocks",  # 3 groups over 2 or 4 blocks: whole
                        lambda: SampleNet(nn.Conv2d(6, 6, 3, padding=1, groups=3), 6),
                        (5, 6, 7, 6), SAMPLE_GRIDS),
+                # a layer's own entry splits groups the blocks cut (x gathered over them), and
+                # a depthwise layer of odd width (each block whole channels: local)
+                Sample("conv-groups-cut-own-entry",
+                       lambda: SampleNet(nn.Conv2d(6, 6, 3, padding=1, groups=3), 6),
+                       (5, 6, 7, 6), _own_entries(("layer",))),
+                Sample("conv-depthwise-odd-own-entry",
+                       lambda: SampleNet(nn.Conv2d(5, 5, 3, padding=1, groups=5), 5),
+                       (5, 5, 7, 6), _own_entries(("layer",))),
                 Sample("conv-one-row-maps",  # squeeze-and-excitation: rows whole
                        lambda: SampleNet(_Excite(), 4), (5, 4, 7, 6), SAMPLE_GRIDS))
+
+
+def _own_entries(matches: Sequence[str]) -> tuple[tuple[int, dict], ...]:
+    """Options of a layer's own entry (``matches``) on 4 ranks, the rest sample-parallel:
+    stationary-x over N×C, -y over N×F, -w over C×F, and -x with split rows (C×H)."""
+    own = (({"N": 2, "C": 2}, "stationary-x"), ({"N": 2, "F": 2}, "stationary-y"),
+           ({"C": 2, "F": 2}, "stationary-w"), ({"C": 2, "H": 2}, "stationary-x"))
+    return tuple((4, {"default": {"grid": {"N": 4}, "algorithm": "sample"},
+                      "layers": [{"match": m, "grid": grid, "algorithm": algorithm}
+                                 for m in matches]}) for grid, algorithm in own)
 
 
 class _Excite(nn.Module):
