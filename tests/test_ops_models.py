@@ -383,14 +383,22 @@ def test_explain_says_which_grouped_layers_keep_their_channels_whole() -> None:
     assert "whole" not in (notes["stem"] or "") and "whole" not in (notes["out"] or "")
 
 
-def test_an_explicit_entry_whose_blocks_split_groups_is_refused_naming_what_works() -> None:
+def test_an_explicit_entry_whose_blocks_cut_groups_gathers_x_and_equals_one_process() -> None:
+    """A layer's own entry splits its 25 groups over 2 channel blocks as asked: x gathered
+    over C, each rank convolving the groups its filters reach into (explain says so)."""
     from distconv.parallel.explain import explain
 
     config = {"layers": [{"match": "grouped", "grid": {"N": 2, "C": 2},
                           "algorithm": "stationary-x"}]}
-    with pytest.raises(ValueError, match=r"node 'grouped'.*groups=25.*not hold whole groups; "
-                                         r"use C×F among 1, 5, 25 \(dividing 25\)"):
-        explain(Grouped(25, 2), config, (4, 4, 5, 4), world_size=4)
+    plan = explain(Grouped(25, 2), config, (4, 4, 5, 4), world_size=4)
+    grouped = next(lay for lay in plan.layers if lay.name == "grouped")
+    assert grouped.note == "25 groups cut by the blocks: x gathered"
+    own = [s.what for s in grouped.steps if "redistribute" not in s.what]  # its operand's move
+    assert own == ["allgather x over C", "reduce-scatter dL/dx over C"]
+    gen = torch.Generator().manual_seed(8)
+    model = seeded(Grouped(25, 2).double(), gen)
+    x = torch.randn((4, 4, 5, 4), generator=gen, dtype=torch.float64)
+    check_rows(_reference(model, x), run_threads(square_mean_step, 4, model, config, x))
 
 
 def test_a_default_entry_with_more_channel_blocks_than_channels_runs_them_whole() -> None:

@@ -15,7 +15,10 @@ from distconv.grid import ProcessorGrid
 from distconv.nn._factory import check_factory_kwargs
 from distconv.nn.clip import register_parameter_specs
 from distconv.nn.conv_forward import ConvGeometry, conv_forward, layer_geometry
-from distconv.nn.conv_layout import ALGORITHMS, UnsupportedConvError, conv_dists
+from distconv.nn.conv_layout import (
+    ALGORITHMS, GroupSpan, UnsupportedConvError, conv_dists, group_role, group_span,
+    groups_aligned,
+)
 from distconv.nn.grad_sync import GradSync
 from distconv.nn.halo_conv import HaloConvSpec
 from distconv.nn.sharding import ShardSpec, keep_requires_grad
@@ -65,12 +68,21 @@ class DistConv2d(nn.Module):
                    3. dL/dx[o,o_{C×F},o,o] <- Σ_F dL/dx[o,o_C,o,o]        reduce-scatter over F
                    4. dL/dw[o_F,o_C] = conv_bwd_filter(x[o,o_C,o,o], dL/dy[o,o_F,o,o])
 
-    **Grouped convolutions** (``groups > 1``) run under sample and spatial parallelism, and under
-    stationary-x (-y, -w) when ``groups`` is divisible by C (F, C×F): each rank's channel block
-    then holds whole groups and its filters form its block of y, so ``x[o,o_C,o,o] ->
-    y[o,o_C,o,o]`` with ``w[o_C,*]`` (stationary-w: ``x[o,o_{C×F},o,o] -> y[o,o_{C×F},o,o]``
-    with ``w[o_{C×F},*]``) is a local grouped convolution with no communication (depthwise
-    included).
+    **Grouped convolutions** (``groups > 1``) run under every algorithm, their channels and
+    filters blocked over the role dims R (C for stationary-x, F for -y, C×F for -w), ``w[o_R,*]``.
+    Where each rank's channel block and filter block hold the same whole groups (``groups``
+    divisible by R; a depthwise layer of any width), ``x[o,o_R,o,o] -> y[o,o_R,o,o]`` is a local
+    grouped convolution with no communication. Where the blocks cut groups (RegNet's 19 groups
+    over 2 blocks), each rank gathers the channels first and convolves the groups its filters
+    reach into::
+
+        forward    1. x[o,*,o,o]     <- x[o,o_R,o,o]                      allgather over R
+                   2. y[o,o_R,o,o]   = conv(x[o,groups of my filters,o,o], w[o_R,*])  local
+        backward   1. Σ_R dL/dx[o,*,o,o] = conv_bwd_data(dL/dy[o,o_R,o,o], w[o_R,*])
+                   2. dL/dx[o,o_R,o,o] <- Σ_R dL/dx[o,*,o,o]              reduce-scatter over R
+
+    (the filters of a group cut by the block boundary that another rank owns are zero rows of
+    the local weight, their outputs dropped).
 
     Stationary-x and -y are stationary-w with F = 1 and C = 1. Because y's channel dim is blocked
     ``o_{F×C}``, a following stationary-w layer built with ``channel_dim="F", filter_dim="C"``
@@ -155,9 +167,8 @@ class DistConv2d(nn.Module):
     Raises:
         ValueError: an unknown algorithm or padding mode, a grid dim without a role, a grid that
             the algorithm cannot use (e.g. F > 1 with stationary-x), more ranks than channels,
-            filters, samples, input or output rows on some dim, grouped convolution with channel
-            or filter blocks that do not hold whole groups (:class:`UnsupportedConvError`, also a
-            ``NotImplementedError``), or a padding mode that cannot pad the input (reflect:
+            filters, samples, input or output rows on some dim, ``pipeline`` or
+            ``gathered_input`` on a grouped layer whose blocks cut groups, or a padding mode that cannot pad the input (reflect:
             padding < size; circular: padding <= size). Each message says what would work.
             Checks that need the global input shape run at construction when ``input_shape`` is
             given, else at the first forward with that shape.
@@ -241,13 +252,21 @@ class DistConv2d(nn.Module):
             self._ext(self.roles[r]) == 1 for r in ("channel_dim", "filter_dim", "H", "W")
         )
         grouped = self._group_parts > 1
-        self._gather_x = not grouped and algorithm != "stationary-x" and self._ext(filter_dim) > 1
+        self._gather_x = self._gather_groups or (
+            not grouped and algorithm != "stationary-x" and self._ext(filter_dim) > 1)
         self._reduce_y = not grouped and algorithm != "stationary-y" and self._ext(channel_dim) > 1
-        self._local_groups = self.groups // self._group_parts
+        #: the groups of this rank's local convolution
+        self._local_groups = self.groups if self._span is None else (
+            self._span.g1 - self._span.g0)
         if isinstance(pipeline, bool) or not isinstance(pipeline, int):
             raise TypeError(f"pipeline must be an int (chunks of samples), got {pipeline!r}")
         if pipeline < 1:
             raise ValueError(f"pipeline must be at least 1 (1: not pipelined), got {pipeline}")
+        if pipeline > 1 and self._gather_groups:
+            raise ValueError(
+                f"use pipeline=1 for this grouped {algorithm} layer on the grid "
+                f"{dict(grid.layout)}: its channel blocks do not hold whole groups (groups="
+                f"{self.groups}), so it gathers x whole first, which is not pipelined")
         if pipeline > 1 and not (self._gather_x or self._reduce_y):
             raise ValueError(
                 f"pipeline={pipeline} overlaps the allgather over F and the reduce-scatter over "
@@ -260,6 +279,11 @@ class DistConv2d(nn.Module):
         self.pipeline = pipeline
         if not isinstance(gathered_input, bool):
             raise TypeError(f"gathered_input must be a bool, got {gathered_input!r}")
+        if gathered_input and self._gather_groups:
+            raise ValueError(
+                f"use gathered_input=False for this grouped {algorithm} layer on the grid "
+                f"{dict(grid.layout)}: its channel blocks do not hold whole groups, so it "
+                "gathers x over them itself")
         if gathered_input and (not self._gather_x or pipeline > 1):
             raise ValueError(
                 f"gathered_input=True skips the allgather of x over F, but this {algorithm} "
@@ -342,17 +366,19 @@ class DistConv2d(nn.Module):
                 f"{roles['channel_dim']}={c}; use algorithm='stationary-w' (or stationary-x)"
             )
         self._group_parts = 1
+        #: a grouped layer whose channel blocks do not hold whole groups: x is gathered over
+        #: the role dims and each rank convolves the groups its filters reach into
+        self._gather_groups = False
+        self._span: GroupSpan | None = None
         if self.groups > 1 and (c > 1 or f > 1):
-            p = c * f
-            if self.groups % p:
-                raise UnsupportedConvError(
-                    f"groups={self.groups} with {self.algorithm} on {roles['channel_dim']}={c}, "
-                    f"{roles['filter_dim']}={f} is not implemented; grouped convolutions work "
-                    "under sample and spatial parallelism, and with stationary-x, -y or -w "
-                    "when the channel/filter blocks hold whole groups (groups divisible by "
-                    f"{roles['channel_dim']}×{roles['filter_dim']} = {p})"
-                )
-            self._group_parts = p
+            self._group_parts = c * f
+            dims, extents = group_role(self.algorithm, self.grid.shape, roles["channel_dim"],
+                                       roles["filter_dim"])
+            coords = tuple(self.grid.coords.get(d, 0) for d in dims)
+            if min(self.in_channels, self.out_channels) >= c * f:
+                self._gather_groups = not groups_aligned(
+                    self.in_channels, self.out_channels, self.groups, extents)
+                self._span = group_span(self.out_channels, self.groups, extents, coords)
         parts = c * f
         for what, n in (("in_channels", self.in_channels), ("out_channels", self.out_channels)):
             if n < parts:
@@ -369,7 +395,8 @@ class DistConv2d(nn.Module):
     def _build_dists(self) -> None:
         roles = {k: self._role(r) for k, r in (("N", "sample_dim"), ("C", "channel_dim"),
                                                ("F", "filter_dim"), ("H", "H"), ("W", "W"))}
-        d = conv_dists(self.algorithm, roles, grouped=self._group_parts > 1)
+        d = conv_dists(self.algorithm, roles, grouped=self._group_parts > 1,
+                       gather_groups=self._gather_groups)
         self.input_dist, self.work_dist = d["input"], d["work"]
         self.partial_dist, self.output_dist = d["partial"], d["output"]
         self.weight_dist, self.bias_dist = d["weight"], d["bias"]

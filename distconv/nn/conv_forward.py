@@ -120,6 +120,13 @@ def conv_forward(layer: DistConv2d, x: torch.Tensor,
     (``layer.input_dist``), returning its block of y (``layer.output_dist``); the backward steps
     are the adjoints autograd runs back through the same calls."""
     _check_input(layer, x)
+    if layer.work_hook is not None and layer._group_parts > 1 and (
+            layer.groups % layer._group_parts):
+        raise NotImplementedError(
+            f"use C×F dividing groups={layer.groups} (or sample or spatial parallelism) for "
+            f"this grouped {layer.algorithm} layer under K-FAC: its {layer._group_parts} "
+            "channel blocks hold unequal or partial groups, which K-FAC's work hook does not "
+            "read")
     if layer._local and global_shape is None and layer.input_shape is None:
         if x.dim() not in (3, 4) or x.shape[-3] != layer.in_channels:
             raise ValueError(
@@ -143,25 +150,47 @@ def conv_forward(layer: DistConv2d, x: torch.Tensor,
         return y
     if layer._gather_x:
         x = redistribute(x, layer.grid, layer.input_dist, layer.work_dist, shape)
-    fused_bias = None if layer._reduce_y else layer.bias
+    weight, fused_bias = layer.weight, None if layer._reduce_y else layer.bias
+    if layer._gather_groups:
+        x, weight, fused_bias = _group_window(layer, x)
     if (layer.padding_mode == "zeros" and layer.work_hook is None and any(geo.halo)
             and autocast_dtype(x.device.type) is None):
         # the exchanges and the convolution as one step: no haloed copy kept for backward
-        y = halo_conv(x, layer.weight, fused_bias, _halo_spec(layer, geo))
+        y = halo_conv(x, weight, fused_bias, _halo_spec(layer, geo))
     else:
         x = haloed(x, layer._halo_comms, geo.halo, geo.explicit_pad, layer.padding_mode)
         y = F.conv2d(
-            x, layer.weight, fused_bias, layer.stride, geo.conv_padding, layer.dilation,
+            x, weight, fused_bias, layer.stride, geo.conv_padding, layer.dilation,
             layer._local_groups,
         )
         if layer.work_hook is not None:
             (ph, pw) = geo.conv_padding
             layer.work_hook(layer, x, (pw, pw, ph, ph), y, geo.y_shape)
+    if layer._gather_groups:
+        y = y.narrow(1, layer._span.lead, layer._span.filters)
     if layer._reduce_y:
         y = redistribute(y, layer.grid, layer.partial_dist, layer.output_dist, geo.y_shape)
         if layer.bias is not None:  # in y's dtype, as autocast's conv adds it
             y = y + layer.bias.to(y.dtype).view(1, -1, 1, 1)
     return y
+
+
+def _group_window(layer: DistConv2d, x: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """A grouped layer whose blocks cut groups, on its gathered ``x[o,*,o,o]``: the channels of
+    the groups its filters reach into, and its weight and bias with zero rows for the filters of
+    those groups that other ranks own (their outputs are dropped after the convolution)."""
+    span = layer._span
+    per = layer.in_channels // layer.groups
+    x = x.narrow(1, span.g0 * per, (span.g1 - span.g0) * per)
+
+    def padded(t: torch.Tensor | None) -> torch.Tensor | None:
+        if t is None or span.lead == span.trail == 0:
+            return t
+        return torch.cat([t.new_zeros((span.lead, *t.shape[1:])), t,
+                          t.new_zeros((span.trail, *t.shape[1:]))])
+
+    return x, padded(layer.weight), padded(layer.bias)
 
 
 def _check_block(layer: DistConv2d, x: torch.Tensor, global_shape: Sequence[int] | None,

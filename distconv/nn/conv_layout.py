@@ -6,9 +6,11 @@ grouped forms); the layer, its handler (:mod:`distconv.ops.conv`) and the planne
 
 from __future__ import annotations
 
+from distconv.conv_groups import GroupSpan, group_role, group_span, groups_aligned
 from distconv.distribution import Dist, Entry
 
-__all__ = ["ALGORITHMS", "UnsupportedConvError", "conv_dists"]
+__all__ = ["ALGORITHMS", "GroupSpan", "UnsupportedConvError", "conv_dists", "group_role",
+           "group_span", "groups_aligned"]
 
 ALGORITHMS = ("stationary-x", "stationary-y", "stationary-w")
 
@@ -26,13 +28,16 @@ class UnsupportedConvError(NotImplementedError, ValueError):
 
 
 
-def conv_dists(algorithm: str, roles: dict[str, str | None], grouped: bool = False
-               ) -> dict[str, Dist]:
+def conv_dists(algorithm: str, roles: dict[str, str | None], grouped: bool = False,
+               gather_groups: bool = False) -> dict[str, Dist]:
     """The distributions of a :class:`DistConv2d` in the paper's notation, from its algorithm and
     grid-dim roles (``roles["N"|"C"|"F"|"H"|"W"]``: the grid dim playing that role, or None):
     ``input`` (x), ``work`` (x after forward step 1), ``partial`` (the local convolution's y,
     pending over C), ``output`` (y), ``weight`` and ``bias``. ``grouped``: a grouped convolution
-    whose channel blocks hold whole groups (a local grouped convolution, no communication)."""
+    split over C, F or C×F, its weight's filters and y's channels blocked over them; its
+    channel blocks hold whole groups (a local grouped convolution, no communication), or, with
+    ``gather_groups``, x is gathered over them first (``x[o,*,o,o]``) and each rank convolves the
+    channels of the groups its filters reach into."""
     n, c, f, h, w = (roles[k] for k in ("N", "C", "F", "H", "W"))
 
     def both(major: str | None, minor: str | None) -> Entry:
@@ -50,6 +55,8 @@ def conv_dists(algorithm: str, roles: dict[str, str | None], grouped: bool = Fal
         role = {"stationary-x": c, "stationary-y": f, "stationary-w": both(c, f)}[algorithm]
         x_in = x_work = y_part = y_out = role
         w_rows, w_cols, pending = role, None, frozenset()
+        if gather_groups:
+            x_work = None
 
     def act(entry: Entry, pend: frozenset[str] = frozenset()) -> Dist:
         return Dist((n, entry, h, w), pend, _ACT_DIMS)

@@ -16,7 +16,8 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from distconv.nn.conv import DistConv2d, conv_dists
+from distconv.conv_groups import group_role, groups_aligned
+from distconv.nn.conv import ALGORITHMS, DistConv2d, conv_dists
 from distconv.conv_geometry import HaloPlan
 from distconv.nn.conv_nd import conv_nd_dims, spatial_roles
 from distconv.nn.halo_conv import interior_share
@@ -35,9 +36,20 @@ __all__ = ["ConvHandler", "group_blocks", "memory_elements", "moves_data", "row_
 
 def _dists(step: Any, conv: nn.Conv2d) -> dict[str, Any]:
     spec = step.layer
-    ext = dict(spec.layout)
-    grouped = conv.groups > 1 and ext.get("C", 1) * ext.get("F", 1) > 1
-    return conv_dists(spec.algorithm, dict(spec.roles), grouped)
+    roles = dict(spec.roles)
+    return conv_dists(spec.algorithm, roles, *grouping(conv, spec.layout, spec.algorithm, roles))
+
+
+def grouping(conv: Any, layout: Any, algorithm: str, roles: dict[str, str]
+             ) -> tuple[bool, bool]:
+    """``(grouped, gather)`` of a convolution on ``layout`` under ``algorithm``: whether it is
+    grouped and split over C, F or C×F, and whether its blocks then cut groups (x gathered over
+    them first: :class:`~distconv.nn.conv.DistConv2d`)."""
+    ext = dict(layout)
+    if conv.groups == 1 or ext.get(roles["C"], 1) * ext.get(roles["F"], 1) == 1:
+        return False, False
+    _, extents = group_role(algorithm, ext, roles["C"], roles["F"])
+    return True, not groups_aligned(conv.in_channels, conv.out_channels, conv.groups, extents)
 
 
 def moves_data(layout: Any, dists: dict[str, Any]) -> bool:
@@ -142,13 +154,12 @@ def _roles_and_dists(an: Any, args: list, module: Any, choice: Any, algorithm: s
     """A Conv2d's grid-dim roles and distributions (:func:`~distconv.nn.conv.conv_dists`) for
     ``choice``: stationary-w takes C and F swapped when its input arrives split over F×C."""
     roles = {"N": "N", "C": "C", "F": "F", "H": "H", "W": "W"}
-    ext = dict(choice.layout)
-    grouped = module.groups > 1 and ext.get("C", 1) * ext.get("F", 1) > 1
     if algorithm == "stationary-w" and args:
         src = an.placement(args[0])
         if src.layout == choice.layout and src.dist.entries[1] == ("F", "C"):
             roles["C"], roles["F"] = "F", "C"
-    return roles, conv_dists(algorithm, roles, grouped)
+    return roles, conv_dists(algorithm, roles,
+                             *grouping(module, choice.layout, algorithm, roles))
 
 
 def _takes_gathered(an: Any, node: Any, value: Any, choice: Any, dists: dict[str, Any]) -> bool:
@@ -218,25 +229,24 @@ def group_blocks(groups: int, channels: int) -> list[int]:
 
 
 def split_groups(an: Any, node: fx.Node, module: Any, choice: Any) -> tuple[str, ...]:
-    """The grid dims a convolution keeps whole where its C×F blocks would not hold whole groups
-    (RegNet's 25 groups over C = 2, a depthwise layer of odd width) or outnumber its channels
-    (an RGB stem, a squeeze-and-excitation's narrow layer): under a default entry it runs with
-    its channels (and rows) whole, ``x[o_N,*,*,*]``; a layer's own entry is refused, naming the
-    block counts that work (:func:`check_channel_blocks` refuses one with too few channels)."""
+    """The grid dims a convolution keeps whole under a default entry where its C×F blocks
+    would cut groups (RegNet's 25 groups over C = 2) or outnumber its channels (an RGB stem, a
+    squeeze-and-excitation's narrow layer): it runs with its channels (and rows) whole,
+    ``x[o_N,*,*,*]``. Blocks that hold whole groups (a depthwise layer of any width) split. A
+    layer's own entry splits its groups as asked: where the blocks cut groups, x is gathered
+    over them first (:class:`~distconv.nn.conv.DistConv2d`); :func:`check_channel_blocks`
+    refuses one with too few channels."""
     ext = dict(choice.layout or ())
     blocks = ext.get("C", 1) * ext.get("F", 1)
     if choice.source == "default" and blocks > min(module.in_channels, module.out_channels):
         return tuple(d for d, e in choice.layout if e > 1 and d != "N")  # fewer channels
-    if module.groups == 1 or blocks == 1 or module.groups % blocks == 0:
+    if module.groups == 1 or blocks == 1 or choice.source != "default":
         return ()
-    if choice.source != "default":
-        works = group_blocks(module.groups, min(module.in_channels, module.out_channels))
-        an.fail(node, f"{choice.source} asks for {choice.algorithm} on {dict(choice.layout)}, "
-                f"but this Conv2d is grouped (groups={module.groups}) and its {blocks} "
-                "channel/filter blocks would not hold whole groups; use C×F among "
-                f"{', '.join(map(str, works))} (dividing {module.groups}), or sample or "
-                "spatial parallelism for it (a default entry runs such a layer with its "
-                "channels whole)", ValueError)
+    algorithm = "stationary-x" if choice.algorithm in ("sample", "spatial") else (
+        choice.algorithm)
+    roles = {"C": "C", "F": "F"}
+    if algorithm not in ALGORITHMS or not grouping(module, choice.layout, algorithm, roles)[1]:
+        return ()
     return tuple(d for d, e in choice.layout if e > 1 and d != "N")
 
 
@@ -289,15 +299,20 @@ class ConvHandler(Handler):
         if whole:
             return whole_step(an, node, args[0], choice, whole)
         check_channel_blocks(an, node, module, choice)
-        grouped = module.groups > 1 and ext.get("C", 1) * ext.get("F", 1) > 1
         roles, dists = _roles_and_dists(an, args, module, choice, algorithm)
+        grouped, gather = grouping(module, choice.layout, algorithm, roles)
+        if choice.pipeline > 1 and gather:
+            an.fail(node, f"leave pipeline out for {choice.source}: this grouped {algorithm} "
+                    f"convolution on {dict(choice.layout)} cuts its {module.groups} groups "
+                    "across its channel/filter blocks, so it gathers x whole first, which is "
+                    "not pipelined", ValueError)
         if choice.pipeline > 1 and not moves_data(choice.layout, dists):
             an.fail(node, f"{choice.source} asks for pipeline: {choice.pipeline}, but this "
                     f"{'grouped ' if grouped else ''}{algorithm} convolution on "
                     f"{dict(choice.layout)} moves no data to overlap (each rank's channel block "
                     "holds whole groups); leave pipeline out for it", ValueError)
         need = Placement(choice.layout, dists["input"])
-        if args and _takes_gathered(an, node, args[0], choice, dists):
+        if args and not grouped and _takes_gathered(an, node, args[0], choice, dists):
             # the allgather of x over F as the operand's conversion (with the move it needs
             # anyway), made once for every layer that gathers this value alike (the layer is
             # built with gathered_input)
@@ -372,6 +387,8 @@ class ConvHandler(Handler):
             report.note = "halo overlapped"
         elif moved:
             report.note = "x taken gathered"
+        elif grouping(conv, spec.layout, spec.algorithm, roles)[1]:
+            report.note = f"{conv.groups} groups cut by the blocks: x gathered"
         if ctx.machine is not None:
             cost = conv_cost(problem, spec.layout, spec.algorithm, ctx.machine, **{
                 k: v for k, v in kw.items() if k != "input_grad"})
@@ -402,8 +419,26 @@ class ConvHandler(Handler):
                 Sample("conv-groups-across-blocks",  # 3 groups over 2 or 4 blocks: whole
                        lambda: SampleNet(nn.Conv2d(6, 6, 3, padding=1, groups=3), 6),
                        (5, 6, 7, 6), SAMPLE_GRIDS),
+                # a layer's own entry splits groups the blocks cut (x gathered over them), and
+                # a depthwise layer of odd width (each block whole channels: local)
+                Sample("conv-groups-cut-own-entry",
+                       lambda: SampleNet(nn.Conv2d(6, 6, 3, padding=1, groups=3), 6),
+                       (5, 6, 7, 6), _own_entries(("layer",))),
+                Sample("conv-depthwise-odd-own-entry",
+                       lambda: SampleNet(nn.Conv2d(5, 5, 3, padding=1, groups=5), 5),
+                       (5, 5, 7, 6), _own_entries(("layer",))),
                 Sample("conv-one-row-maps",  # squeeze-and-excitation: rows whole
                        lambda: SampleNet(_Excite(), 4), (5, 4, 7, 6), SAMPLE_GRIDS))
+
+
+def _own_entries(matches: Sequence[str]) -> tuple[tuple[int, dict], ...]:
+    """Options of a layer's own entry (``matches``) on 4 ranks, the rest sample-parallel:
+    stationary-x over N×C, -y over N×F, -w over C×F, and -x with split rows (C×H)."""
+    own = (({"N": 2, "C": 2}, "stationary-x"), ({"N": 2, "F": 2}, "stationary-y"),
+           ({"C": 2, "F": 2}, "stationary-w"), ({"C": 2, "H": 2}, "stationary-x"))
+    return tuple((4, {"default": {"grid": {"N": 4}, "algorithm": "sample"},
+                      "layers": [{"match": m, "grid": grid, "algorithm": algorithm}
+                                 for m in matches]}) for grid, algorithm in own)
 
 
 class _Excite(nn.Module):

@@ -23,8 +23,11 @@ output rows/cols (balanced blocks), ``s`` the element size, and the channel bloc
               allreduce dL/dw, dL/db   ((Q-1) b + (m - b)) s over the Q = N·H·W ranks holding
                                        the same m-element shard, b = blk(m, Q, q) (ring)
 
-Grouped convolutions with channel (filter) parallelism and groups divisible by C (F) are local:
-``Cx = Cg = blk(C,P,i)``, ``Fp = Fy = blk(F,P,i)``, only the halo and gradient allreduce remain.
+Grouped convolutions with channel (filter) parallelism whose blocks hold whole groups (groups
+divisible by C (F); depthwise) are local: ``Cx = Cg = blk(C,P,i)``, ``Fp = Fy = blk(F,P,i)``,
+only the halo and gradient allreduce remain. Blocks that cut groups gather x over the role dims
+R first (``(C - Cx) n h w s``, and its adjoint reduce-scatter ``(P_R - 1) n Cx h w s``), and
+the halo carries ``Cg``, the channels of the groups the rank's filters reach into.
 """
 
 from __future__ import annotations
@@ -35,8 +38,10 @@ from dataclasses import dataclass, field
 
 from distconv.comm.base import allreduce_bytes
 from distconv.conv_geometry import HaloPlan, pair
+from distconv.conv_groups import group_span, groups_aligned
 from distconv.distribution import balanced_block, nested_block
 from distconv.grid import grid_layout
+
 from distconv.pricing.problem import ConvProblem
 
 __all__ = ["ALGORITHMS", "Roles", "Traffic", "conv_traffic"]
@@ -121,15 +126,18 @@ def conv_traffic(
     C, Fo, g = pb.in_channels, pb.out_channels, pb.groups
     pc, pf, c, f = P["channel"], P["filter"], at["channel"], at["filter"]
     aligned_groups = g > 1 and pc * pf > 1
+    gather_groups = False  # blocks that cut groups: x gathered over the role dims first
     if aligned_groups:  # each rank's channel block holds whole groups: a local grouped conv
-        if algorithm == "stationary-w":  # blocks over C, then F within
-            cx = cg = _blk2(C, [pc, pf], [c, f])
-            fp = fy = fw = _blk2(Fo, [pc, pf], [c, f])
-        else:
-            p, i = (pc, c) if algorithm == "stationary-x" else (pf, f)
-            cx = cg = _blk(C, p, i)
-            fp = fy = fw = _blk(Fo, p, i)
+        role, extents, at_role = {"stationary-x": (ro.channel, [pc], [c]),
+                                  "stationary-y": (ro.filter, [pf], [f]),
+                                  "stationary-w": (f"{ro.channel}×{ro.filter}", [pc, pf],
+                                                   [c, f])}[algorithm]
+        cx = cg = _blk2(C, extents, at_role)
+        fp = fy = fw = _blk2(Fo, extents, at_role)
         cw = C // g
+        if not groups_aligned(C, Fo, g, extents):
+            span = group_span(Fo, g, extents, at_role)
+            gather_groups, cg = True, (span.g1 - span.g0) * cw
     elif algorithm == "stationary-x":
         cx = _blk(C, pc, c)
         cg, fp, fy, fw, cw = cx, Fo, _blk(Fo, pc, c), Fo, _blk(C // g, pc, c)
@@ -163,13 +171,21 @@ def conv_traffic(
         t.dims[name] = tuple(d for d, e in layout if e > 1 and d in span[name.split()[-1]])
 
     span = {ro.filter: (ro.filter,), ro.channel: (ro.channel,), ro.h: (ro.h,), ro.w: (ro.w,),
-            "dL/dw": (ro.sample, ro.h, ro.w), "dL/db": (ro.sample, ro.h, ro.w)}
+            "dL/dw": (ro.sample, ro.h, ro.w), "dL/db": (ro.sample, ro.h, ro.w),
+            f"{ro.channel}×{ro.filter}": (ro.channel, ro.filter)}
 
     gathers_x = algorithm != "stationary-x" and pf > 1 and not aligned_groups
     reduces_y = algorithm != "stationary-y" and pc > 1 and not aligned_groups
+    gather_dim, gather_peers, gathered = ro.filter, pf, cg
+    if gather_groups:  # every channel gathered; the groups of its filters convolved
+        gathers_x, gather_dim, gather_peers, gathered = True, role, pc * pf, C
+    if gather_groups:  # over C×F in one or two steps: the redistribution's own bytes
+        moved = _gathered_x_bytes(pb, layout, coords, ro, role, (dh.length, dw.length), s)
+    else:
+        moved = ((gathered - cx) * n * own[0] * own[1] * s,
+                 (gather_peers - 1) * n * cx * own[0] * own[1] * s)
     if gathers_x:
-        step(t.forward, f"allgather x over {ro.filter}", "allgather", pf,
-             (cg - cx) * n * own[0] * own[1] * s)
+        step(t.forward, f"allgather x over {gather_dim}", "allgather", gather_peers, moved[0])
     if plans[0]:
         rows = plans[0].halo_rows_received(at["h"])
         step(t.forward, f"halo exchange {ro.h}", "alltoall", P["h"], rows * n * cg * own[1] * s)
@@ -192,8 +208,8 @@ def conv_traffic(
             step(t.backward, f"halo accumulate {ro.h}", "alltoall", P["h"],
                  rows * n * cg * own[1] * s)
         if gathers_x:
-            step(t.backward, f"reduce-scatter dL/dx over {ro.filter}", "reduce_scatter", pf,
-                 (pf - 1) * n * cx * own[0] * own[1] * s)
+            step(t.backward, f"reduce-scatter dL/dx over {gather_dim}", "reduce_scatter",
+                 gather_peers, moved[1])
     red = [(name, e) for name, e in layout if e > 1 and name in (ro.sample, ro.h, ro.w)]
     q = math.prod(e for _, e in red)
     if q > 1:
@@ -206,3 +222,35 @@ def conv_traffic(
                 step(t.backward, f"allreduce {what}", "allreduce", q,
                      allreduce_bytes(m, sub, q, s))
     return t
+
+
+def _gathered_x_bytes(pb: ConvProblem, layout: tuple, coords: Mapping[str, int], ro: Roles,
+                      role: str, rows: tuple[int, int], itemsize: int) -> tuple[int, int]:
+    """Bytes the rank at ``coords`` receives gathering x over the role dims (``"C"``, ``"F"``
+    or ``"C×F"``) of a grouped layer whose blocks cut groups, and scattering dL/dx back: the
+    plans the layer runs (:func:`~distconv.redistribute.plan_redistribution`)."""
+    from types import SimpleNamespace
+
+    from distconv.distribution import Dist
+    from distconv.grid import ProcessorGrid
+    from distconv.redistribute import plan_redistribution
+
+    ext = dict(layout)
+
+    def live(d: str) -> str | None:
+        return d if ext.get(d, 1) > 1 else None
+
+    names = tuple(d for d in role.split("×") if live(d))
+    entry = names if len(names) > 1 else names[0]
+    others = (live(ro.sample), live(ro.h), live(ro.w))
+    src = Dist((others[0], entry, others[1], others[2]))
+    dst = Dist((others[0], None, others[1], others[2]))
+    rank = 0
+    for d, e in layout:
+        rank = rank * e + coords.get(d, 0)
+    grid = ProcessorGrid(dict(layout), comm=SimpleNamespace(
+        rank=rank, size=math.prod(ext.values()), backend="none"))
+    shape = (pb.batch, pb.in_channels, *rows)
+    forward = plan_redistribution(layout, src, dst, shape).received_bytes(grid, itemsize)
+    backward = plan_redistribution(layout, dst.dual(grid), src.dual(grid), shape)
+    return forward, backward.received_bytes(grid, itemsize)

@@ -48,6 +48,10 @@ def conv_cases(draw: st.DrawFn, dtype: torch.dtype = torch.float64) -> ConvCase:
     elif draw(st.booleans()):  # groups aligned with the blocks
         groups = pc * pf * draw(st.integers(1, 2))
         cin, cout = groups * draw(st.integers(1, 2)), groups * draw(st.integers(1, 2))
+    elif draw(st.booleans()):  # any groups: blocks that cut them, or depthwise of any width
+        groups = draw(st.integers(2, 5))
+        cin, cout = groups * draw(st.integers(1, 3)), groups * draw(st.integers(1, 3))
+        assume(min(cin, cout) >= pc * pf)
     pads = normalize_padding(padding, kernel, stride, dilation)
     sizes = []
     for i, p in enumerate((ph, pw)):
@@ -256,13 +260,28 @@ def test_bad_configurations_raise_saying_what_works(grid_dims, kwargs, message):
         run_threads(_build, math.prod(grid_dims.values()), grid_dims, kwargs)
 
 
-@pytest.mark.parametrize("grid_dims, kwargs", [
-    ({"C": 2}, {"algorithm": "stationary-x", "in_channels": 6, "out_channels": 6, "groups": 3}),
-    ({"C": 2, "F": 2}, {"algorithm": "stationary-w", "groups": 2}),
+@pytest.mark.parametrize("grid_dims, algorithm, channels, groups", [
+    ((("C", 2),), "stationary-x", (6, 6), 3),          # a group across the C blocks
+    ((("C", 2), ("F", 2)), "stationary-w", (4, 4), 2),  # two groups over four blocks
+    ((("F", 3),), "stationary-y", (10, 15), 5),         # 5 filters a block, 3 a group
 ])
-def test_unaligned_grouped_channel_parallelism_is_not_implemented(grid_dims, kwargs):  # noqa
-    with pytest.raises(NotImplementedError, match="groups divisible by"):
-        run_threads(_build, math.prod(grid_dims.values()), grid_dims, kwargs)
+def test_grouped_layers_whose_blocks_cut_groups_gather_x_and_equal_conv2d(
+        grid_dims, algorithm, channels, groups) -> None:  # noqa: ANN001
+    """Blocks that cut groups: x gathered over the blocks' dims, each rank's filters convolved
+    with their groups' channels; forward, every gradient and the bytes equal the model's."""
+    case = ConvCase(grid_dims, algorithm, 3, *channels, 5, 4,
+                    {"kernel_size": 3, "padding": 1, "groups": groups})
+    _run(case)
+    from distconv.perfmodel import conv_traffic
+
+    ops = conv_traffic(case.problem(), case.grid, algorithm, {d: 0 for d, _ in grid_dims})
+    assert set(ops.by_op()) == {"allgather", "reduce_scatter"}  # x gathered, dL/dx scattered
+
+
+def test_grouped_layers_whose_blocks_cut_groups_refuse_pipelining_saying_what_works() -> None:
+    with pytest.raises(ValueError, match="use pipeline=1 for this grouped stationary-x"):
+        run_threads(_build, 2, {"C": 2}, {"algorithm": "stationary-x", "in_channels": 6,
+                                          "out_channels": 6, "groups": 3, "pipeline": 2})
 
 
 def test_depthwise_convolution_with_channel_parallelism_moves_no_data() -> None:

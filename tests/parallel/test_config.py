@@ -102,8 +102,8 @@ def test_unsupported_constructs_are_refused_naming_the_node() -> None:
     msg = _refusal(shuffler, split_c | {"layers": []}, NotImplementedError)
     assert "node '_1'" in msg and "PixelShuffle is not supported" in msg
     assert "cannot trace Branchy" in _refusal(Branchy(), {}, TypeError)
-    linear_x = {"layers": [{"match": "fc", "grid": {"C": 2}, "algorithm": "stationary-x"}]}
-    assert "Linear layers run sample-parallel" in _refusal(Dropper(), linear_x, ValueError)
+    linear_h = {"layers": [{"match": "fc", "grid": {"H": 2}, "algorithm": "spatial"}]}
+    assert "Linear layers run sample-parallel" in _refusal(Dropper(), linear_h, ValueError)
     model, _, _ = resnet_case()
     too_many = {"layers": [{"match": "conv1", "grid": {"C": 4}, "algorithm": "stationary-x"}]}
     msg = _refusal(copy.deepcopy(model), too_many, ValueError, size=4)
