@@ -187,6 +187,8 @@ class _Search:
         self._priced: dict[tuple, _Priced | Exception] = {}
         self._groups: dict[tuple, Any] = {}  # the gradient buckets' parts
         self.visited = 0  # plans priced exactly
+        #: called now and then while the search runs (``plan_network``'s ``progress``)
+        self.progress: Any = None
         self.binding = False  # whether a cheaper plan did not fit the memory limit
         #: the plans the descent draws its alternatives from (choices and data grid)
         self.seeds: list[tuple[dict[str, Choice], Layout]] = []
@@ -303,6 +305,8 @@ class _Search:
         """Seconds of ``conv`` alone under ``ch``: its report's forward and backward and its
         gradient allreduce (:func:`~distconv.planner.choices.layer_cost`), cached per layer
         shape (a ResNet's blocks repeat theirs)."""
+        if self.progress is not None:
+            self.progress()
         shape = (conv.problem, conv.in_shape, conv.out_shape,
                  None if conv.module is None else (type(conv.module), repr(conv.module)), ch)
         if shape not in self._own:
@@ -323,6 +327,8 @@ class _Search:
         states: list[State] = [(0.0, {}, {}, frozenset(), d) for d in self.data]
         keep: int | None = None  # all of them until a layer has chosen
         for i, node in enumerate(self.order):
+            if self.progress is not None:
+                self.progress()
             name = self.decides.get(node)
             merged: dict[tuple, State] = {}
             for score, live, chosen, done, data in states:
@@ -380,6 +386,8 @@ class _Search:
         """The plan's price: ``explain``'s layers of its config (with ``data``, default the
         config's data grid), priced incrementally; a plan priced before is not priced again
         (its price, or the refusal it met, is kept)."""
+        if self.progress is not None:
+            self.progress()
         data = self.base.data if data is None else data
         if not self.admits(chosen, data):
             raise ValueError(f"plan_network: no plan reads its input on {dict(data)} with its "
