@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import copy
 import json
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,7 +60,8 @@ class AutoChoice:
 
 
 def resolve_auto(gm: fx.GraphModule, config: ParallelConfig, input_shape: Sequence[int],
-                 machine: Any, *, itemsize: int | None = None, strict: bool = True
+                 machine: Any, *, itemsize: int | None = None, strict: bool = True,
+                 progress: Callable[[], None] | None = None
                  ) -> tuple[ParallelConfig, dict[str, AutoChoice]]:
     """A config in which every ``auto`` convolution has its own exact entry, and the decisions.
 
@@ -72,7 +74,8 @@ def resolve_auto(gm: fx.GraphModule, config: ParallelConfig, input_shape: Sequen
     entry naming a grid its layer cannot run, or no plan within the machine's memory. A node no
     op handler runs raises :class:`~distconv.ops.Unsupported`; with ``strict=False`` (explain's
     coverage table) the config comes back with its ``auto`` entries sample-parallel instead, and
-    no decisions: the search prices only graphs ``parallelize`` runs."""
+    no decisions: the search prices only graphs ``parallelize`` runs. ``progress``: called now
+    and then while the search runs (:func:`~distconv.planner.plan_network`'s); default None."""
     machine = resolve_machine(machine)
     if itemsize is None:
         ref = next((p for p in gm.parameters() if p.is_floating_point()), None)
@@ -83,12 +86,14 @@ def resolve_auto(gm: fx.GraphModule, config: ParallelConfig, input_shape: Sequen
         if strict:
             raise
         return _sample_parallel(config), {}
+    if progress is not None:
+        progress()
     planned = [c for c in net.convs if config.choice(c.name).algorithm == "auto"]
     if not planned:
         return config, {}
     _check_grids(net, config)
     plan = plan_network(net, world_size=config.world_size, machine=machine,
-                        itemsize=itemsize, config=config.to_dict())
+                        itemsize=itemsize, config=config.to_dict(), progress=progress)
     return ParallelConfig(plan.config(), world_size=config.world_size), _decisions(plan)
 
 
@@ -136,6 +141,10 @@ def _decisions(plan: Plan) -> dict[str, AutoChoice]:
 
 #: the errors a rank other than the one that searched raises as that one raised them
 _ERRORS = {e.__name__: e for e in (ValueError, TypeError, NotImplementedError, Unsupported)}
+#: the tag of rank 0's messages to the waiting ranks (heartbeats, then the outcome)
+_TAG = 0x4155
+#: a message's kinds: rank 0 is still searching; the outcome's length follows
+_SEARCHING, _DONE = 0, 1
 
 
 def resolve_auto_once(comm: Any, gm: fx.GraphModule, config: ParallelConfig,
@@ -143,20 +152,31 @@ def resolve_auto_once(comm: Any, gm: fx.GraphModule, config: ParallelConfig,
                       ) -> tuple[ParallelConfig, dict[str, AutoChoice]]:
     """:func:`resolve_auto` on rank 0 of ``comm`` and its result on every rank (collective): every
     rank runs the same config, and one search serves them all (thread ranks, sharing one
-    interpreter, would each search in turn). An error rank 0 meets is raised on every rank."""
+    interpreter, would each search in turn). An error rank 0 meets is raised on every rank.
+
+    While rank 0 searches, the other ranks wait for its messages: rank 0 tells them that it
+    still searches at least every quarter of the communicator's timeout (from inside the
+    search), and then sends the outcome. So a search longer than the timeout ends no job,
+    while a rank 0 that died is still noticed within one timeout (each wait is one receive,
+    bounded by it)."""
     if comm.size == 1:
         return resolve_auto(gm, config, input_shape, machine)
-    failure, text = None, ""
+    host = comm.host  # (collective where it is made: before rank 0 searches)
     if comm.rank == 0:
+        beat = _Heartbeat(host)
+        failure, text = None, ""
         try:
-            cfg, decisions = resolve_auto(gm, config, input_shape, machine)
+            cfg, decisions = resolve_auto(gm, config, input_shape, machine, progress=beat)
             text = json.dumps({"config": cfg.to_dict(), "decisions": [
                 [d.name, d.candidates, d.pipeline] for d in decisions.values()]})
         except Exception as exc:  # noqa: BLE001 -- raised below; the other ranks must not wait
             failure, text = exc, json.dumps({"raised": type(exc).__name__, "message": str(exc)})
-    got = json.loads(_broadcast_text(comm, text))
-    if failure is not None:
-        raise failure
+        beat.send(text)
+        if failure is not None:
+            raise failure
+    else:
+        text = _wait_for_root(host)
+    got = json.loads(text)
     if "raised" in got:
         raise _ERRORS.get(got["raised"], RuntimeError)(got["message"])
     decisions = {name: AutoChoice(name, tuple((dict(g), a, t) for g, a, t in rows), pipeline)
@@ -164,12 +184,44 @@ def resolve_auto_once(comm: Any, gm: fx.GraphModule, config: ParallelConfig,
     return ParallelConfig(got["config"], world_size=config.world_size), decisions
 
 
-def _broadcast_text(comm: Any, text: str) -> str:
-    """Rank 0's ``text`` on every rank: its length, then its UTF-8 bytes."""
-    data = text.encode()
-    n = comm.broadcast(torch.tensor([len(data)], dtype=torch.int64, device=comm.device), root=0,
-                       meta="auto: the resolved config's length")
-    buf = (torch.tensor(list(data), dtype=torch.uint8) if comm.rank == 0
-           else torch.empty(int(n.item()), dtype=torch.uint8))
-    buf = comm.broadcast(buf.to(comm.device), root=0, meta="auto: the resolved config")
-    return bytes(buf.cpu().tolist()).decode()
+class _Heartbeat:
+    """Rank 0's messages to the waiting ranks: called now and then by the search, it tells them
+    it still searches once a quarter of the communicator's timeout has passed since the last
+    message; :meth:`send` sends the outcome."""
+
+    def __init__(self, comm: Any) -> None:
+        self.comm = comm
+        self.every = comm.timeout / 4
+        self.last = time.monotonic()
+        self.sent: list[Any] = []
+
+    def __call__(self) -> None:
+        now = time.monotonic()
+        if now - self.last >= self.every:
+            self._post(torch.tensor([_SEARCHING, 0], dtype=torch.int64))
+            self.last = now
+
+    def _post(self, t: torch.Tensor) -> None:
+        for r in range(1, self.comm.size):
+            self.sent.append(self.comm.isend(t, dst=r, tag=_TAG))
+
+    def send(self, text: str) -> None:
+        data = text.encode()
+        self._post(torch.tensor([_DONE, len(data)], dtype=torch.int64))
+        if data:
+            self._post(torch.tensor(list(data), dtype=torch.uint8))
+        for work in self.sent:
+            work.wait()
+        self.sent = []
+
+
+def _wait_for_root(comm: Any) -> str:
+    """Rank 0's outcome, its heartbeats skipped: each wait is one receive, bounded by the
+    communicator's timeout (rank 0 sends at least every quarter of it while it searches)."""
+    while True:
+        kind, n = (int(v) for v in comm.recv((2,), torch.int64, src=0, tag=_TAG).tolist())
+        if kind == _DONE:
+            break
+    if not n:
+        return ""
+    return bytes(comm.recv((n,), torch.uint8, src=0, tag=_TAG).tolist()).decode()

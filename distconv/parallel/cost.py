@@ -250,25 +250,42 @@ def coalesced_running(layers: list[LayerReport]) -> LayerReport | None:
 
 
 def gradient_buckets(gm: fx.GraphModule, analysis: Any, P: int, ranks: list[int], isz: int,
-                      bucket_bytes: int) -> LayerReport | None:
-    """The fused gradient allreduces, grouped and bucketed exactly as ParallelModel runs them."""
+                      bucket_bytes: int, cache: dict | None = None) -> LayerReport | None:
+    """The fused gradient allreduces, grouped and bucketed exactly as ParallelModel runs them.
+
+    ``cache``: a dict kept across analyses of ``gm`` (the planner prices many plans of one
+    graph), in which each parameter's placement is kept per its owner's layer and placements,
+    and each group's buckets per the group's layout, dims, parameters and their
+    distributions; the report is the same with it or without."""
     owners: dict[str, Step] = {str(s.node.target): s for s in analysis.steps
                                if s.layer is not None and s.node.op == "call_module"}
     order = {str(s.node.target): i for i, s in enumerate(analysis.steps)
              if s.node.op == "call_module"}
-    params = dict(gm.named_parameters())
+    if cache is None:
+        params = dict(gm.named_parameters())
+    else:
+        params = cache.get(("parameters",))
+        if params is None:
+            params = cache[("parameters",)] = dict(gm.named_parameters())
     specs: dict[str, ShardSpec] = {}
     for name, p in params.items():
         owner, _, leaf = name.rpartition(".")
         step = owners.get(owner)
-        dists = None if step is None else step.handler.param_dists(step, gm.get_submodule(owner))
-        dist = None if dists is None else dists[leaf]
-        if dist is None:
-            specs[name] = ShardSpec(None, Dist.replicated(p.dim()), tuple(p.shape))
-        else:
-            layout = step.layer.layout
-            specs[name] = ShardSpec(paper_grid(layout, 0), Placement(layout, dist).dist,
-                                    tuple(p.shape))
+        key = None if cache is None else ("spec", name, None if step is None else (
+            step.layer, step.out, tuple(step.needs.items())))
+        spec = None if key is None else cache.get(key)
+        if spec is None:
+            dists = None if step is None else step.handler.param_dists(step, gm.get_submodule(owner))
+            dist = None if dists is None else dists[leaf]
+            if dist is None:
+                spec = ShardSpec(None, Dist.replicated(p.dim()), tuple(p.shape))
+            else:
+                layout = step.layer.layout
+                spec = ShardSpec(paper_grid(layout, 0), Placement(layout, dist).dist,
+                                 tuple(p.shape))
+            if key is not None:
+                cache[key] = spec
+        specs[name] = spec
     report = LayerReport("(gradients)", "grad-sync", "-", "-", {})
     def ready_after(bucket: list[int], names: list[str]) -> str | None:
         """The layer whose backward completes the bucket: its first owner in forward order."""
@@ -278,6 +295,12 @@ def gradient_buckets(gm: fx.GraphModule, analysis: Any, P: int, ranks: list[int]
 
     for (layout, dims), names in gradient_groups(specs, params).items():
         if layout is None and P == 1:
+            continue
+        key = None if cache is None else (
+            "group", layout, dims, tuple((n, specs[n].dist) for n in names), tuple(ranks), P,
+            isz, bucket_bytes, tuple(order.get(n.rpartition(".")[0]) for n in names))
+        if key is not None and key in cache:
+            report.steps += cache[key]
             continue
         size = P if layout is None else math.prod(dict(layout)[d] for d in dims)
         per_rank: dict[int, list[int]] = {}
@@ -295,12 +318,14 @@ def gradient_buckets(gm: fx.GraphModule, analysis: Any, P: int, ranks: list[int]
             if r == ranks[0]:
                 after = [ready_after(list(b), names) for b in buckets]
         where = "every rank" if layout is None else f"{'×'.join(dims)} of {layout_str(layout)}"
-        for i in range(len(per_rank[ranks[0]])):
-            report.steps.append(CommStep("backward", f"gradient bucket {i} over {where} "
-                                         f"({len(names)} parameters in the group)", "allreduce",
-                                         {r: b[i] for r, b in per_rank.items()}, size,
-                                         layout, tuple(dims) if layout is not None else (),
-                                         after=after[i]))
+        steps = [CommStep("backward", f"gradient bucket {i} over {where} "
+                          f"({len(names)} parameters in the group)", "allreduce",
+                          {r: b[i] for r, b in per_rank.items()}, size,
+                          layout, tuple(dims) if layout is not None else (), after=after[i])
+                 for i in range(len(per_rank[ranks[0]]))]
+        if key is not None:
+            cache[key] = steps
+        report.steps += steps
     return report if report.steps else None
 
 

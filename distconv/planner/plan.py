@@ -4,7 +4,7 @@ price) and :func:`predict`, with what the plan reports."""
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -164,6 +164,7 @@ def plan_network(
     optimizer_slots: int = 1,
     config: Mapping[str, Any] | None = None,
     beam_width: int = BEAM_WIDTH,
+    progress: Callable[[], None] | None = None,
 ) -> Plan:
     """Choose every convolution's grid and algorithm for one training step of ``model``.
 
@@ -188,6 +189,9 @@ def plan_network(
             :meth:`Plan.config` is this config with an exact entry, first, for each chosen
             layer. Default None: choose for every convolution, from scratch.
         beam_width: the frontiers the search keeps per node (:class:`_Search`). Default 4.
+        progress: called with no arguments now and then while the search runs (between two
+            plans priced, and per node of the beam): ``auto`` on several ranks tells the ranks
+            waiting for the plan that the search goes on. Default None.
 
     Raises:
         ValueError: bad arguments, a bad ``config``, or no plan within ``memory_limit``.
@@ -236,6 +240,7 @@ def plan_network(
     # feeds the input that way)
     first = net.convs[0].name if config is None and net.convs else None
     search = _Search(net, world_size, machine, options, base, itemsize, optimizer_slots, first)
+    search.progress = progress
     notes: list[str] = []
     best = _search(search, 0.0, limit, beam_width)
     if best[2].memory > limit:

@@ -17,10 +17,10 @@ from distconv.ops import Unsupported
 from distconv.pricing.timeline import LayerReport, largest_block, timeline
 from distconv.parallel import cost
 from distconv.parallel.config import LayerChoice, Layout, ParallelConfig
-from distconv.parallel.graph import _Analyser, analyse, trace
+from distconv.parallel.graph import _Analyser, aliased, analyse, trace
 from distconv.parallel.placement import Placement, evaluated_ranks
 from distconv.parallel.shapes import check_input_shape, propagate_shapes
-from distconv.parallel.steps import Step
+from distconv.parallel.steps import Analysis, Step
 from distconv.planner.choices import (
     Choice, ConvNode, _allreduce, _phases, _problem, data_grids, layer_cost,
 )
@@ -92,6 +92,11 @@ _CONVS = (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d, torch.nn.ConvTransp
 
 
 # ============================================================================ the search
+#: whether the search keeps what it has priced (steps, reports, plans) to price again: the
+#: plans and prices are the same either way (a switch for the tests that show it)
+MEMO = True
+
+
 class _View:
     """A config as the search sees it: the layers it has chosen for take their choice; the
     others their entry in the config planned from (a convolution still to be chosen, the first
@@ -131,8 +136,9 @@ class _Search:
 
     def __init__(self, net: Network, P: int, machine: Machine, options: Mapping[str, list[Choice]],
                  base: Mapping[str, Any], itemsize: int, optimizer_states: int,
-                 first: str | None = None) -> None:
+                 first: str | None = None, memo: bool | None = None) -> None:
         self.net, self.P, self.machine, self.options = net, P, machine, options
+        self.memo = MEMO if memo is None else memo
         self.itemsize, self.optimizer_states = itemsize, optimizer_states
         self.raw = dict(base)
         self.base = ParallelConfig(self.raw, world_size=P)
@@ -155,6 +161,8 @@ class _Search:
         reference = analyse(self.gm, self.view, input_ndim=len(net.input_shape))  # type: ignore[arg-type]
         self.grad: dict[str, bool] = {}
         self.ndim: dict[Any, int | None] = {}
+        #: each node's checkpointed segment (the config's, the same in every plan)
+        self.segment = {st.node: st.segment for st in reference.steps}
         for st in reference.steps:
             n = st.node
             owns = n.op == "call_module" and any(True for _ in self.modules[n.target].parameters())
@@ -167,7 +175,20 @@ class _Search:
         self._seconds: dict[int, tuple[LayerReport, float, float, float]] = {}
         self._grads: dict[tuple, float] = {}
         self._own: dict[tuple, float] = {}
+        # the exact price's walk: each node's step per the placements of its inputs, the data
+        # grid and the choices its handler reads (its own; a convolution's also those of the
+        # convolutions reading its input, which decide whether it takes that input gathered)
+        self.reads = {n: tuple(sorted({self.decides[m] for m in (n, *(
+            u for a in n.all_input_nodes for u in a.users)) if m in self.decides}))
+            for n in self.order}
+        self._placed: dict[tuple, Step | Exception] = {}
+        self._walker = _Analyser(self.gm, aliased(self.view, self.gm),  # type: ignore[arg-type]
+                                 len(net.input_shape))
+        self._priced: dict[tuple, _Priced | Exception] = {}
+        self._groups: dict[tuple, Any] = {}  # the gradient buckets' parts
         self.visited = 0  # plans priced exactly
+        #: called now and then while the search runs (``plan_network``'s ``progress``)
+        self.progress: Any = None
         self.binding = False  # whether a cheaper plan did not fit the memory limit
         #: the plans the descent draws its alternatives from (choices and data grid)
         self.seeds: list[tuple[dict[str, Choice], Layout]] = []
@@ -284,6 +305,8 @@ class _Search:
         """Seconds of ``conv`` alone under ``ch``: its report's forward and backward and its
         gradient allreduce (:func:`~distconv.planner.choices.layer_cost`), cached per layer
         shape (a ResNet's blocks repeat theirs)."""
+        if self.progress is not None:
+            self.progress()
         shape = (conv.problem, conv.in_shape, conv.out_shape,
                  None if conv.module is None else (type(conv.module), repr(conv.module)), ch)
         if shape not in self._own:
@@ -304,6 +327,8 @@ class _Search:
         states: list[State] = [(0.0, {}, {}, frozenset(), d) for d in self.data]
         keep: int | None = None  # all of them until a layer has chosen
         for i, node in enumerate(self.order):
+            if self.progress is not None:
+                self.progress()
             name = self.decides.get(node)
             merged: dict[tuple, State] = {}
             for score, live, chosen, done, data in states:
@@ -359,23 +384,70 @@ class _Search:
     # ---------------------------------------------------------------- the price
     def price(self, chosen: Mapping[str, Choice], data: Layout | None = None) -> _Priced:
         """The plan's price: ``explain``'s layers of its config (with ``data``, default the
-        config's data grid), priced incrementally."""
+        config's data grid), priced incrementally; a plan priced before is not priced again
+        (its price, or the refusal it met, is kept)."""
+        if self.progress is not None:
+            self.progress()
         data = self.base.data if data is None else data
         if not self.admits(chosen, data):
             raise ValueError(f"plan_network: no plan reads its input on {dict(data)} with its "
                              "first layer's choice")
-        self.visited += 1
+        if not self.memo:
+            return self._price(chosen, data)
+        key = (frozenset({**self.view.first, **chosen}.items()), data)
+        got = self._priced.get(key)
+        if got is None:
+            try:
+                got = self._price(chosen, data)
+            except (Unsupported, ValueError) as exc:
+                got = exc
+            self._priced[key] = got
+        if isinstance(got, Exception):
+            raise got
+        return got
+
+    def analysis(self, chosen: Mapping[str, Choice], data: Layout) -> Analysis:
+        """The analysis of the plan's config, as :func:`~distconv.parallel.graph.analyse` gives
+        it: the one walk, each node's step taken from the steps already placed where its
+        handler reads the same (:attr:`reads`: its inputs' placements, the data grid, the
+        choices it reads); a node placed anew is placed by its handler."""
         self.view.chosen = chosen
         self.view.data = data
-        analysis = analyse(self.gm, self.view, input_ndim=len(self.net.input_shape))  # type: ignore[arg-type]
+        if not self.memo:
+            return analyse(self.gm, self.view, input_ndim=len(self.net.input_shape))  # type: ignore[arg-type]
+        walker = self._walker
+        walker.out, walker.steps = {}, []
+        walker.__dict__.pop("_unit_dims", None)  # (a memo of the walk's own: made anew)
+        choice = {**self.view.first, **chosen}
+        for node in self.order:
+            key = (node, tuple(walker.out.get(a) for a in node.all_input_nodes),
+                   tuple(choice[n] for n in self.reads[node]), data)
+            step = self._placed.get(key)
+            if step is None:
+                try:
+                    step = walker.visit(node)
+                    step.segment = self.segment.get(node)
+                except (Unsupported, ValueError) as exc:
+                    step = exc
+                self._placed[key] = step
+            if isinstance(step, Exception):
+                raise step
+            walker.out[node] = step.out
+            walker.steps.append(step)
+        return Analysis(self.gm, list(walker.steps), data)
+
+    def _price(self, chosen: Mapping[str, Choice], data: Layout) -> _Priced:
+        self.visited += 1
+        analysis = self.analysis(chosen, data)
         layers = [cost.entry_report(analysis, self.net.input_shape, self.P, [0])]
         done: set = set()
         for step in analysis.steps[1:]:
-            moves = cost.conversions(step, analysis.step, self.shapes, done)
+            moves = cost.conversions(step, analysis.step, self.shapes, done) if step.needs else []
             grad_in = any(self.grad.get(a.name, False) for a in step.needs)
             rep = self.report(step, moves, grad_in)
             if cost.kept(rep):
-                layers.append(replace(rep, steps=list(rep.steps)))  # coalescing edits steps
+                # coalescing takes the running statistics out of a report's steps: a copy
+                layers.append(replace(rep, steps=list(rep.steps)) if _running(rep) else rep)
         running = cost.coalesced_running(layers)
         if running is not None:
             layers.append(running)
@@ -383,14 +455,21 @@ class _Search:
                   analysis.data)
         if placed not in self._buckets:
             corners = self.ranks(sorted({lay for lay in _layouts_of(analysis)}))
-            self._buckets[placed] = cost.gradient_buckets(self.gm, analysis, self.P, corners,
-                                                          self.itemsize, 25 << 20)
+            self._buckets[placed] = cost.gradient_buckets(
+                self.gm, analysis, self.P, corners, self.itemsize, 25 << 20,
+                cache=self._groups if self.memo else None)
         sync = self._buckets[placed]
         if sync is not None:
             layers.append(sync)
         t = timeline(layers, self.machine)
         mem = sum(cost.memory(layers, self.itemsize, self.optimizer_states).values())
         return _Priced(t.step, t.forward, float(mem), layers, analysis)
+
+
+def _running(report: LayerReport) -> bool:
+    """Whether a report holds a running-statistics broadcast (which coalescing moves out)."""
+    return any(st.op == "broadcast" and st.what.startswith("running statistics")
+               for st in report.steps)
 
 
 def _layouts_of(analysis: Any) -> set:

@@ -6,6 +6,7 @@ candidates, with the fixed entry kept; and the resolved model trains as one proc
 from __future__ import annotations
 
 import copy
+import time
 from typing import Any
 
 import pytest
@@ -192,3 +193,35 @@ def test_what_rank_0_meets_resolving_auto_every_rank_raises() -> None:
 
     said = run_threads(build, 2)
     assert said[0] == said[1] and "layer '0' (Conv3d) cannot run on {'C': 2}" in said[0]
+
+
+def test_the_ranks_waiting_for_a_search_longer_than_the_timeout_do_not_time_out(
+        monkeypatch) -> None:  # noqa: ANN001
+    """Rank 0 searches for several communicator timeouts (each plan it prices made slow); the
+    other ranks wait for it without a CommTimeoutError, and every rank runs the same config."""
+    from distconv.planner import search
+
+    from distconv.parallel.capture import trace
+
+    timeout, pause = 2.0, 0.8
+    priced = []
+    slow = search._Search.price
+
+    def price(self, *args: Any, **kw: Any) -> Any:  # noqa: ANN001
+        priced.append(1)
+        time.sleep(pause)
+        return slow(self, *args, **kw)
+
+    monkeypatch.setattr(search._Search, "price", price)
+    model = torch.nn.Sequential(torch.nn.Conv2d(2, 4, 3, padding=1), torch.nn.ReLU(),
+                                torch.nn.Conv2d(4, 4, 3, padding=1)).double()
+    trace(copy.deepcopy(model), (2, 2, 8, 8))  # (the tracer's first imports: not the search)
+
+    def build(comm: Any) -> dict[str, Any]:
+        pm = parallelize(copy.deepcopy(model), {"default": {"algorithm": "auto"}}, comm=comm,
+                         input_shape=(2, 2, 8, 8), machine=MACHINE)
+        return pm.config.to_dict()
+
+    got = run_threads(build, 2, timeout=timeout)
+    assert got[0] == got[1]
+    assert len(priced) * pause > 3 * timeout  # the search outlasted the timeout 3 times over
