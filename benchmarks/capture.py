@@ -32,7 +32,7 @@ def _cases() -> dict[str, tuple[Callable[[], torch.nn.Module], tuple[int, ...]]]
              "unet2d": (lambda: models.unet2d(), (2, 3, 32, 32))}
     try:
         from monai.networks import nets
-    except ImportError:
+    except Exception:  # noqa: BLE001 - MONAI missing or failing to import: its cases are left out
         return cases
     cases.update({
         "monai BasicUNet": (lambda: nets.BasicUNet(spatial_dims=2, in_channels=1, out_channels=2,

@@ -11,7 +11,9 @@ import pytest
 import torch
 from torch import nn
 
-pytest.importorskip("safetensors")
+from tests.optional import need  # noqa: E402
+
+need("safetensors")
 
 import distconv
 from distconv.comm import SingleCommunicator

@@ -15,7 +15,9 @@ import pytest
 import torch
 from torch import nn
 
-pytest.importorskip("safetensors")
+from tests.optional import need  # noqa: E402
+
+need("safetensors")
 
 import distconv
 from distconv.checkpoint import INDEX_NAME, CheckpointError

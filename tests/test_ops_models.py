@@ -22,7 +22,9 @@ from tests.parallel.cases import (
     OPTIONS, _gathered_grads, check_rows, seeded, square_mean_reference, square_mean_step,
 )
 
-monai = pytest.importorskip("monai")
+from tests.optional import need  # noqa: E402
+
+monai = need("monai")
 
 SEED = 7
 SHAPE = (5, 4, 6, 6)

@@ -33,6 +33,7 @@ from pathlib import Path
 import pytest
 
 from distconv.testing import run_threads
+from tests.optional import need
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -115,7 +116,7 @@ CONFIGS = [(w, c) for w, c in _blocks("yaml") if re.search(r"^default:", c, re.M
 
 @pytest.mark.parametrize("where, code", CONFIGS, ids=[w for w, _ in CONFIGS])
 def test_yaml_config_is_accepted(where, code):
-    yaml = pytest.importorskip("yaml")
+    yaml = need("yaml")
     from distconv import explain
     from distconv.models import resnet_mini
 

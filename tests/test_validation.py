@@ -23,6 +23,7 @@ from distconv import clip_grad_norm_, parallelize
 from distconv.parallel import ParallelConfig, load_config
 from distconv.parallel.explain import explain
 from distconv.nn import DistConv2d
+from tests.optional import need
 from distconv.testing import WorkerPool, run_threads
 
 ONE = SingleCommunicator()
@@ -413,7 +414,7 @@ def test_bad_input_is_refused_naming_argument_and_value(call, exc, words):
 
 def test_good_inputs_still_pass():
     """The checks accept every form the API documents (numpy/torch ints, torch.Size, pairs)."""
-    np = pytest.importorskip("numpy")
+    np = need("numpy")
     assert balanced_block(np.int64(5), 2, torch.tensor(1).item()) == (3, 2)
     assert nested_block(10, (2, 2), (1, 0)) == (5, 3)
     assert D2.local_shape(torch.Size([4, 2]), GRID) == (4, 2)

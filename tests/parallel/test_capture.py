@@ -5,7 +5,6 @@ module's forward is refused saying so, never blamed on the input."""
 from __future__ import annotations
 
 import copy
-import importlib.util
 
 import pytest
 import torch
@@ -17,6 +16,7 @@ from distconv.parallel import parallelize
 from distconv.parallel.explain import explain
 from distconv.parallel.graph import UntraceableModelError, trace
 from distconv.testing import run_threads
+from tests.optional import need
 from tests.parallel.cases import TOL, max_errors, reference_step, seeded, train_step
 
 SAMPLE = {"default": {"grid": {"N": 2}, "algorithm": "sample"}}
@@ -335,9 +335,8 @@ def test_torch_jit_isinstance_of_a_traced_value_is_refused_where_it_is() -> None
         run_threads(lambda comm: parallelize(JitIsinstance(), SAMPLE, comm=comm), 2)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("monai") is None, reason="needs monai")
 def test_monai_basic_unet_is_refused_naming_the_construct() -> None:
-    from monai.networks.nets import BasicUNet
+    BasicUNet = need("monai.networks.nets").BasicUNet  # noqa: N806 - the class, as MONAI names it
 
     model = BasicUNet(spatial_dims=2, in_channels=1, out_channels=2, features=(4, 4, 8, 8, 8, 4))
     with pytest.raises(UntraceableModelError, match=r"BasicUNet calls torch.jit.isinstance on a "

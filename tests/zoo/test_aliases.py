@@ -16,6 +16,7 @@ from distconv.data import sample_block
 from distconv.parallel import parallelize
 from distconv.parallel.explain import explain
 from distconv.testing import run_threads
+from tests.optional import need
 from tests.parallel.cases import LR, MOMENTUM, TOL, reference_step, seeded
 
 SPLIT_C = {"default": {"grid": {"N": 2, "C": 2}, "algorithm": "stationary-x"}}
@@ -50,7 +51,7 @@ def skips_case() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
 
 
 def dynunet_case() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
-    nets = pytest.importorskip("monai.networks.nets")
+    nets = need("monai.networks.nets")
     gen = torch.Generator().manual_seed(5)
     model = nets.DynUNet(spatial_dims=2, in_channels=1, out_channels=2, kernel_size=[3, 3, 3],
                          strides=[1, 2, 2], upsample_kernel_size=[2, 2], filters=[4, 8, 8])
