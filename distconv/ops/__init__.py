@@ -19,6 +19,7 @@ from distconv.ops.conv import ConvHandler
 from distconv.ops.conv_nd import ConvNdHandler
 from distconv.ops.einsum import EinsumHandler
 from distconv.ops.elementwise import BinaryHandler, CatHandler, DropoutHandler, PointwiseHandler
+from distconv.ops.expand import ExpandHandler
 from distconv.ops.index import IndexHandler
 from distconv.ops.linear import LinearHandler
 from distconv.ops.norm import (
@@ -50,7 +51,7 @@ REGISTRY: tuple[Handler, ...] = (
     ResampleHandler(), DropoutHandler(), StochasticDepthHandler(), FunctionalLayerNormHandler(),
     PadHandler(), FlattenHandler(), ReshapeHandler(), IndexHandler(), NewAxisHandler(),
     PermuteHandler(), PointwiseHandler(), BinaryHandler(), CatHandler(), SoftmaxHandler(),
-    EinsumHandler(), UnbindHandler(), SdpaHandler(),
+    EinsumHandler(), UnbindHandler(), SdpaHandler(), ExpandHandler(),
 )
 
 

@@ -1,16 +1,18 @@
 """Indexing a value (``x[...]``): integers on dims other than the samples (``qkv[0]``, an
-attention block's query, key and value taken from their stacked axis), whole slices (``:``),
-``...`` and new size-1 dims (``None``: a squeeze-and-excitation gate made broadcastable,
-``s[:, :, None, None]``).
+attention block's query, key and value taken from their stacked axis; ``x[:, 0]``, a ViT's class
+token), slices (``:``, and partial ones: ``x[:, 1:]``, the tokens after the class token;
+``x[..., :k]``; ``x[:, ::2]``), ``...`` and new size-1 dims (``None``: a squeeze-and-excitation
+gate made broadcastable, ``s[:, :, None, None]``).
 
 Each kept dim keeps its entry and each new dim is whole, so no data moves where the integers
-index whole dims: every rank takes the same element of its block. An integer on a split dim
-makes that dim whole first (an allgather over the grid dims that split it, priced as the
-conversion it is), then each rank takes the element. The samples' dim (``Step.samples``) moves
-to where the kept dims put it. An integer ``i`` into the tuple ``x.unbind(d)`` returns
-(:mod:`distconv.ops.unbind`) is placed as ``x`` indexed by ``i`` at dim ``d``. Refused by name:
-an integer that picks one sample, a new dim before the samples, a slice that picks part of a
-dim, and tensors or lists as indices.
+and partial slices index whole dims: every rank takes the same elements of its block. An integer
+or a partial slice on a split dim makes that dim whole first (an allgather over the grid dims
+that split it, priced as the conversion it is), then each rank takes the elements: exact for
+any slice and any (uneven) blocks; the sliced dim is whole in the result. The samples' dim
+(``Step.samples``) moves to where the kept dims put it. An integer ``i`` into the tuple
+``x.unbind(d)`` returns (:mod:`distconv.ops.unbind`) is placed as ``x`` indexed by ``i`` at dim
+``d``. Refused by name: an integer or a partial slice on the samples' dim (it picks samples), a
+new dim before the samples, and tensors or lists as indices.
 """
 
 from __future__ import annotations
@@ -29,22 +31,37 @@ from distconv.ops.unbind import unbound_dim
 from distconv.parallel.placement import Placement
 from distconv.parallel.steps import samples_of
 
-__all__ = ["IndexHandler", "indexed_dims"]
+__all__ = ["IndexHandler", "indexed_dims", "sliced_dims"]
 
 _WHOLE = slice(None, None, None)
 
 
+def sliced_dims(index: Any, ndim: int) -> list[int]:
+    """The input dims a partial slice of ``x[index]`` picks part of (``1:``, ``:k``, ``::2``;
+    not ``:``), for a valid index (:func:`indexed_dims`)."""
+    items = index if isinstance(index, tuple) else (index,)
+    taken = sum(item is not None and item is not Ellipsis for item in items)
+    found, dim = [], 0
+    for item in items:
+        if item is Ellipsis:
+            dim += ndim - taken
+        elif item is not None:
+            if isinstance(item, slice) and item != _WHOLE:
+                found.append(dim)
+            dim += 1
+    return found
+
+
 def indexed_dims(index: Any, ndim: int) -> tuple[list[int | None], list[int]]:
     """For ``x[index]`` of a value of ``ndim`` dims: the input dim each output dim keeps (None:
-    a new size-1 dim) and the input dims an integer drops. Raises ``TypeError`` for an item
-    other than an int, ``None``, ``...`` or ``:``, ``ValueError`` for more items than dims."""
+    a new size-1 dim; a partially sliced dim is kept, :func:`sliced_dims` names it) and the input
+    dims an integer drops. Raises ``TypeError`` for an item other than an int, ``None``, ``...``
+    or a slice, ``ValueError`` for more items than dims."""
     items = index if isinstance(index, tuple) else (index,)
     for item in items:
-        if isinstance(item, slice) and item != _WHOLE:
-            raise TypeError(f"the slice {item.start}:{item.stop}:{item.step} picks part of a dim")
         if not (item is None or item is Ellipsis or isinstance(item, slice)
                 or (isinstance(item, int) and not isinstance(item, bool))):
-            raise TypeError(f"{item!r} is not an int, None, '...' or ':'")
+            raise TypeError(f"{item!r} is not an int, None, '...' or a slice")
     if sum(item is Ellipsis for item in items) > 1:
         raise ValueError("an index has at most one '...'")
     taken = sum(item is not None and item is not Ellipsis for item in items)
@@ -89,14 +106,20 @@ class IndexHandler(Handler):
             kept, dropped = indexed_dims(index, p.ndim)
         except TypeError as exc:
             an.fail(node, f"indexing with {index!r} picks elements: {exc}. Supported: integers "
-                    "on dims other than the samples, and adding size-1 dims (None with ':' and "
-                    "'...'). Slice the plain model's input, or reduce (mean, sum) instead")
+                    "and slices on dims other than the samples, and adding size-1 dims (None "
+                    "with slices and '...'). Slice the plain model's input, or reduce (mean, "
+                    "sum) instead")
         except ValueError as exc:
             an.fail(node, f"index {index!r}: {exc}")
         samples = samples_of(arg)[0]
         if samples in dropped:
             an.fail(node, f"the index {index!r} picks one sample (dim {samples} holds the "
                     "samples); index the plain model's input instead")
+        if samples in sliced_dims(index, p.ndim):
+            an.fail(node, f"Slice the plain model's input instead: the index {index!r} picks "
+                    f"part of the samples (dim {samples} holds them; each rank holds a block "
+                    "of them, and the parallel model's output rows are its samples)")
+        dropped = dropped + sliced_dims(index, p.ndim)  # made whole first, as integers are
         out_samples = kept.index(samples)
         if any(k is None for k in kept[:out_samples]):
             an.fail(node, f"it adds a dim before the samples (dim {samples}); the parallel "
