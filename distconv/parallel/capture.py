@@ -100,6 +100,7 @@ def _trace(model: nn.Module, tracer: _Tracer) -> fx.GraphModule:
         ) from exc
     if isinstance(tracer, _SizedTracer):
         tracer.add_guards(graph)
+    _bind_defaults(graph)
     gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
     _keep_uncalled(gm, model)
     _order_like(gm, model)  # fx registers modules in call order; users expect theirs
@@ -489,3 +490,18 @@ def _prefixes(path: str) -> list[str]:
     """``a.b.c`` -> ``a``, ``a.b``, ``a.b.c`` (a parameter's path names its modules)."""
     parts = path.split(".")
     return [".".join(parts[:i]) for i in range(1, len(parts) + 1)]
+
+
+def _bind_defaults(graph: fx.Graph) -> None:
+    """The forward's arguments after the input that have defaults (timm's ``VisionTransformer.
+    forward(x, attn_mask=None, is_causal=False)``) bound to them: the parallel model takes one
+    input, so each such placeholder is replaced by its default where it is used (an operand of
+    ``None`` or ``False``, as the plain call gives), never placed as the input."""
+    for node in [n for n in graph.nodes if n.op == "placeholder"][1:]:
+        if not node.args:
+            continue
+        default = node.args[0]
+        for user in list(node.users):
+            user.args = fx.node.map_arg(user.args, lambda a: default if a is node else a)
+            user.kwargs = fx.node.map_arg(user.kwargs, lambda a: default if a is node else a)
+        graph.erase_node(node)
