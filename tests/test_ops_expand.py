@@ -103,7 +103,8 @@ def _class_token_rows(comm, model: nn.Module, shape: tuple[int, ...]) -> int:  #
 
 
 class Grow(nn.Module):
-    """A parameter expanded to the rows of a map (``y.size(2)``: split like the rows), a gate
+    """Parameters expanded to the rows of a map (``y.size(2)``: split like the rows; one of a
+    single row, one of a row each, which each rank narrows to its own), a gate
     broadcast with ``expand_as``, the channels repeated (split under stationary-x: gathered)
     and tiled, and a map broadcast to new leading dims."""
 
@@ -111,12 +112,14 @@ class Grow(nn.Module):
         super().__init__()
         self.stem = nn.Conv2d(3, 2, 3, padding=1)
         self.row = nn.Parameter(torch.zeros(1, 2, 1, 4))
+        self.per_row = nn.Parameter(torch.zeros(7, 4))
         self.head = nn.Linear(4, 3)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.stem(x)
         y = y * torch.sigmoid(y.mean(1, keepdim=True)).expand_as(y)
         y = y + self.row.expand(-1, -1, y.size(2), -1)
+        y = y * self.per_row.expand(1, 1, y.size(2), -1)
         z = y.repeat(1, 2, 1, 1) + torch.tile(y, (2, 1, 1)) * y.tile(1, 2, 1, 1)
         w = z.expand(2, -1, -1, -1, -1)[1]
         return self.head(w.mean((2, 3)))
@@ -138,12 +141,13 @@ def test_grown_dims_are_split_like_their_source_or_whole() -> None:
     gathers them (whole in the result), the dims it leaves alone keep their split."""
     got = _placed(Grow(), OPTIONS["spatial"], 4, SHAPE)
     assert got["expand"][0] == "[*,*,o_H,*]"
+    assert got["expand_1"][:3] == ("[*,*,o_H,*]", 0, {"per_row": "[*,*]"})
     assert got["expand_as"][0] == "[o,*,o,*]"  # y's own: its dims N and H split over N, H
     assert got["repeat"][0] == "[o_N,*,o_H,*]"
-    assert got["expand_1"][:2] == ("[*,o_N,*,o_H,*]", 1)
+    assert got["expand_2"][:2] == ("[*,o_N,*,o_H,*]", 1)
     got = _placed(Grow(), OPTIONS["stationary-x"], 4, SHAPE)
     assert got["stem"][0] == "[o,o_C,*,*]"
-    assert got["repeat"][:3] == ("[o_N,*,*,*]", 0, {"add": "[o_N,*,*,*]"})
+    assert got["repeat"][:3] == ("[o_N,*,*,*]", 0, {"mul_1": "[o_N,*,*,*]"})
 
 
 class _ExpandsSamples(nn.Module):
