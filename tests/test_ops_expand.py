@@ -55,15 +55,18 @@ def test_tokens_class_token_and_slices_equal_one_process(name: str) -> None:
 
 def test_split_tokens_are_sliced_where_they_are_whole_and_gathered_where_split() -> None:
     """Rows split over H as the tokens: the positional embedding is sliced to them, a slice of
-    the whole features runs on each rank's rows, a partial slice or an integer of the split
-    tokens gathers them first; the class token is expanded to each rank's own samples."""
+    the whole features runs on each rank's rows, a partial slice of the split tokens gathers
+    them first, an integer is taken by its owner; the class token is expanded to each rank's
+    own samples."""
     got = _placed(Tokens(), OPTIONS["spatial"], 4, SHAPE)
     assert got["add"][0] == "[o_N,o_H,*]"
     # (the embedding's dim of size 1 is made whole on the global shapes: broadcast_need)
     assert got["add"][2] == {"flatten": "[o_N,o_H,*]", "pos_embed": "[o_N,o_H,*]"}
     for name in ("getitem", "getitem_1"):  # t[:, 1:], t[:, ::3]
         assert got[name][0] == "[o_N,*,*]" and got[name][2] == {"add": "[o_N,*,*]"}
-    assert got["getitem_2"][:3] == ("[o_N,*]", 0, {"add": "[o_N,*,*]"})  # t[:, -2]
+    # t[:, -2]: its owner's row, a pending sum over H (an allreduce of one row, not an
+    # allgather of all)
+    assert got["getitem_2"][:3] == ("Σ_H [o_N,*]", 0, {"add": "[o_N,o_H,*]"})
     assert got["getitem_3"][0] == "[o_N,o_H,*]"  # t[..., :5]: the rows stay split
     assert got["getitem_3"][2] == {"add": "[o_N,o_H,*]"}
     assert got["expand"][:3] == ("[o_N,*,*]", 0, {"cls_token": "[*,*,*]"})
