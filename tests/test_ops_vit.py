@@ -32,12 +32,14 @@ def _timm(name: str, **kw: object) -> nn.Module:
 @pytest.mark.parametrize("model, kw", [
     ("vit_tiny_patch16_224", {}),
     ("deit_tiny_patch16_224", {"reg_tokens": 2, "global_pool": "avg"}),
-], ids=["vit-class-token", "deit-registers-avg"])
+    ("vit_tiny_patch16_224", {"no_embed_class": True, "reg_tokens": 1}),
+], ids=["vit-class-token", "deit-registers-avg", "vit-no-embed-class"])
 def test_timm_vit_equals_one_process(model: str, kw: dict, name: str) -> None:
     """timm's ViT as ``create_model`` gives it (its forward's ``attn_mask=None`` bound):
     ``cls_token.expand(B, -1, -1)`` (and the register tokens') joined to the patches, the
-    positional embedding added, attention, and the class token (``x[:, 0]``) or the mean of the
-    patches (``x[:, num_prefix_tokens:]``) pooled."""
+    positional embedding added after the join or, ``no_embed_class``, to the patches before it,
+    attention, and the class token (``x[:, 0]``) or the mean of the patches
+    (``x[:, num_prefix_tokens:]``) pooled."""
     gen = torch.Generator().manual_seed(0)
     vit = seeded(_timm(model, **kw).double(), gen)
     x = torch.randn(IMAGE, generator=gen, dtype=torch.float64)
