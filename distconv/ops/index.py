@@ -151,7 +151,9 @@ class IndexHandler(Handler):
 
     def samples(self) -> Sequence[Sample]:
         return (Sample("index-stacked", lambda: SampleNet(_Stacked(), 4), (5, 4, 7, 6),
-                       SAMPLE_GRIDS),)
+                       SAMPLE_GRIDS),
+                Sample("partial-slices", lambda: SampleNet(_Slices(), 4), (5, 4, 7, 6),
+                       SAMPLE_GRIDS))
 
 
 #: node.meta key: the split dims whose integer index their owners take (a pending sum)
@@ -240,3 +242,15 @@ class _Stacked(nn.Module):
         y = s[0] * s[1] + s[-1] * self.scale[1]
         g = y[:, 1][:, None, ..., None]  # [N, 1, H, W, 1]
         return y + torch.sigmoid(g[..., 0] + y[:, :, 2, None])
+
+
+class _Slices(nn.Module):
+    """Partial slices of rows (split under a spatial config: gathered first), of channels with a
+    step over the columns, a row taken by an integer (its owner's: a pending sum, indexed again
+    before it is completed), and slices of the results."""
+
+    def forward(self, x: Any) -> Any:
+        a = x[:, :, 1:]  # [N, C, 6, 6]
+        b = x[:, 1:3, :, ::2]  # [N, 2, 7, 3]
+        c = x[:, :, 5]  # [N, C, 6]: the second row block's
+        return a[:, :, :4] * c[:, :, None, :] + b.mean((1, 3), keepdim=True)[:, :, -4:]
