@@ -6,6 +6,8 @@ configs end to end, and one fixed case on a real gloo world."""
 
 from __future__ import annotations
 
+import operator
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -110,3 +112,37 @@ def test_class_token_and_split_tokens_on_gloo(gloo4) -> None:  # noqa: ANN001
     x = torch.randn(TOKENS_SHAPE, generator=gen, dtype=torch.float64)
     check_rows(square_mean_reference(model, x),
                gloo4.run(square_mean_step, model, OPTIONS["spatial"], x))
+
+
+class _Optional(nn.Module):
+    """A forward with arguments after the input that have defaults, one guarding a branch (as
+    ``if attn_mask is not None`` does)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 4, 3, padding=1)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor, scale: torch.Tensor | None = None,
+                square: bool = False) -> torch.Tensor:
+        y = self.stem(x)
+        if scale is not None:
+            y = y * scale
+        if square:
+            y = y * y
+        return self.head(y.mean((2, 3)))
+
+
+def test_forward_arguments_with_defaults_take_them() -> None:
+    """The captured graph is ``model(x)``'s: one input, each later argument its default (the
+    branches it guards not taken), exact against one process."""
+    from distconv.parallel.graph import trace
+
+    gm = trace(_Optional(), TOKENS_SHAPE)
+    assert [n.name for n in gm.graph.nodes if n.op == "placeholder"] == ["x"]
+    assert not any(n.target is operator.mul for n in gm.graph.nodes)
+    gen = torch.Generator().manual_seed(3)
+    model = seeded(_Optional().double(), gen)
+    x = torch.randn(TOKENS_SHAPE, generator=gen, dtype=torch.float64)
+    check_rows(square_mean_reference(model, x),
+               run_threads(square_mean_step, 4, model, OPTIONS["spatial"], x))

@@ -23,6 +23,7 @@ from __future__ import annotations
 import builtins
 import contextlib
 import copy
+import inspect
 import operator
 import os
 import sys
@@ -100,7 +101,6 @@ def _trace(model: nn.Module, tracer: _Tracer) -> fx.GraphModule:
         ) from exc
     if isinstance(tracer, _SizedTracer):
         tracer.add_guards(graph)
-    _bind_defaults(graph)
     gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
     _keep_uncalled(gm, model)
     _order_like(gm, model)  # fx registers modules in call order; users expect theirs
@@ -147,6 +147,19 @@ class _Tracer(fx.Tracer):
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         return super().is_leaf_module(m, module_qualified_name) or ops.is_leaf(m)
+
+    def _proxy_placeholder(self, name: str, concrete_args: Any, sig: inspect.Signature,
+                           fn_for_analysis: Any) -> Any:
+        """The forward's arguments after the input that have defaults (timm's
+        ``VisionTransformer.forward(x, attn_mask=None, is_causal=False)``) are their defaults:
+        the parallel model takes one input, so the Python runs as the plain call ``model(x)``
+        runs it (an ``if attn_mask is not None`` included), and no placeholder stands for them."""
+        names = [n for n in sig.parameters if n != "self"]
+        param = sig.parameters.get(name)
+        if (param is not None and names and name != names[0] and not concrete_args
+                and param.default is not inspect.Parameter.empty):
+            return param.default
+        return super()._proxy_placeholder(name, concrete_args, sig, fn_for_analysis)
 
     def call_module(self, m: nn.Module, forward: Any, args: Any, kwargs: Any) -> Any:
         try:
@@ -490,18 +503,3 @@ def _prefixes(path: str) -> list[str]:
     """``a.b.c`` -> ``a``, ``a.b``, ``a.b.c`` (a parameter's path names its modules)."""
     parts = path.split(".")
     return [".".join(parts[:i]) for i in range(1, len(parts) + 1)]
-
-
-def _bind_defaults(graph: fx.Graph) -> None:
-    """The forward's arguments after the input that have defaults (timm's ``VisionTransformer.
-    forward(x, attn_mask=None, is_causal=False)``) bound to them: the parallel model takes one
-    input, so each such placeholder is replaced by its default where it is used (an operand of
-    ``None`` or ``False``, as the plain call gives), never placed as the input."""
-    for node in [n for n in graph.nodes if n.op == "placeholder"][1:]:
-        if not node.args:
-            continue
-        default = node.args[0]
-        for user in list(node.users):
-            user.args = fx.node.map_arg(user.args, lambda a: default if a is node else a)
-            user.kwargs = fx.node.map_arg(user.kwargs, lambda a: default if a is node else a)
-        graph.erase_node(node)
