@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 from distconv import ops
@@ -176,3 +178,35 @@ def test_what_picks_or_grows_the_samples_is_refused_naming_the_node(model: nn.Mo
                                                                    words: str) -> None:
     with pytest.raises(ops.Unsupported, match=words):
         explain(model, OPTIONS["sample"], SHAPE, world_size=4)
+
+
+class _Sliced(nn.Module):
+    """A slice and an integer of the rows of a map (split over H under a spatial config)."""
+
+    def __init__(self, rows: slice, row: int) -> None:
+        super().__init__()
+        self.rows, self.row = rows, row
+        self.stem = nn.Conv2d(2, 3, 1)
+        self.head = nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.stem(x)
+        return self.head(y[:, :, self.rows].mean((2, 3)) * y[:, :, self.row].sum(2))
+
+
+@settings(max_examples=8)
+@given(rows=st.integers(3, 9), parts=st.integers(2, 3), data=st.data())
+def test_slices_and_integers_of_uneven_split_rows_equal_one_process(rows: int, parts: int,
+                                                                   data: st.DataObject) -> None:
+    """Any slice (start, stop, step) and any integer, negative ones included, of rows split
+    unevenly over 2 or 3 ranks: the slice on the gathered rows, the integer its owner's."""
+    start = data.draw(st.integers(-rows, rows - 1))
+    stop = data.draw(st.one_of(st.none(), st.integers(start % rows + 1, rows)))
+    step = data.draw(st.integers(1, 3))
+    row = data.draw(st.integers(-rows, rows - 1))
+    gen = torch.Generator().manual_seed(rows)
+    model = seeded(_Sliced(slice(start, stop, step), row).double(), gen)
+    x = torch.randn((3, 2, rows, 2), generator=gen, dtype=torch.float64)
+    config = {"default": {"grid": {"H": parts}, "algorithm": "spatial"}, "data": {"H": parts}}
+    check_rows(square_mean_reference(model, x),
+               run_threads(square_mean_step, parts, model, config, x))
