@@ -141,12 +141,13 @@ class _Picks(torch.nn.Module):
         self.conv = torch.nn.Conv2d(3, 4, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.conv(x)[:, 1:3].mean((1, 2, 3))
+        return self.conv(x)[:, [1, 2]].mean((1, 2, 3))
 
 
 def test_indexing_that_picks_elements_is_refused_naming_the_node() -> None:
-    """Only size-1 dims may be added by indexing (None with ':' and '...'); a slice that picks
-    channels is refused before anything runs, naming the node and what would work."""
+    """Only integers, slices and new size-1 dims (None with slices and '...') index a value; a
+    list that picks channels is refused before anything runs, naming the node and what would
+    work."""
     with pytest.raises(ops.Unsupported, match=r"node 'getitem'.*picks elements.*None"):
         explain(_Picks(), {"default": {"grid": {"N": 2}}}, (4, 3, 5, 5), world_size=2)
 

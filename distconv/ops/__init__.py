@@ -21,6 +21,7 @@ from distconv.ops.einsum import EinsumHandler
 from distconv.ops.elementwise import (
     BinaryHandler, CatHandler, DropoutHandler, PointwiseHandler, StackHandler,
 )
+from distconv.ops.expand import ExpandHandler
 from distconv.ops.index import IndexHandler
 from distconv.ops.linear import LinearHandler
 from distconv.ops.norm import (
@@ -54,10 +55,9 @@ REGISTRY: tuple[Handler, ...] = (
     ResampleHandler(), DropoutHandler(), StochasticDepthHandler(), FunctionalLayerNormHandler(),
     FunctionalBatchNormHandler(), FunctionalGroupNormHandler(), FunctionalInstanceNormHandler(),
     PadHandler(), FlattenHandler(), ReshapeHandler(), SplitHandler(), IndexHandler(),
-    NewAxisHandler(),
-    PermuteHandler(), PointwiseHandler(), BinaryHandler(), CatHandler(), StackHandler(),
-    SoftmaxHandler(),
-    EinsumHandler(), UnbindHandler(), SdpaHandler(),
+    NewAxisHandler(), PermuteHandler(), PointwiseHandler(), BinaryHandler(), CatHandler(),
+    StackHandler(), SoftmaxHandler(), EinsumHandler(), UnbindHandler(), SdpaHandler(),
+    ExpandHandler(),
 )
 
 

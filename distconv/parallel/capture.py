@@ -23,6 +23,7 @@ from __future__ import annotations
 import builtins
 import contextlib
 import copy
+import inspect
 import operator
 import os
 import sys
@@ -156,6 +157,19 @@ class _Tracer(fx.Tracer):
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         return super().is_leaf_module(m, module_qualified_name) or ops.is_leaf(m)
+
+    def _proxy_placeholder(self, name: str, concrete_args: Any, sig: inspect.Signature,
+                           fn_for_analysis: Any) -> Any:
+        """The forward's arguments after the input that have defaults (timm's
+        ``VisionTransformer.forward(x, attn_mask=None, is_causal=False)``) are their defaults:
+        the parallel model takes one input, so the Python runs as the plain call ``model(x)``
+        runs it (an ``if attn_mask is not None`` included), and no placeholder stands for them."""
+        names = [n for n in sig.parameters if n != "self"]
+        param = sig.parameters.get(name)
+        if (param is not None and names and name != names[0] and not concrete_args
+                and param.default is not inspect.Parameter.empty):
+            return param.default
+        return super()._proxy_placeholder(name, concrete_args, sig, fn_for_analysis)
 
     def call_module(self, m: nn.Module, forward: Any, args: Any, kwargs: Any) -> Any:
         try:
