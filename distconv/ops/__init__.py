@@ -31,6 +31,7 @@ from distconv.ops.pool import (
     AdaptiveAvgPoolHandler, AdaptivePoolHandler, MeanHandler, PoolHandler, ReduceHandler,
 )
 from distconv.ops.resample import ResampleHandler
+from distconv.ops.roll import RollHandler
 from distconv.ops.shape import FlattenHandler, NewAxisHandler, ReshapeHandler
 from distconv.ops.sizes import SizeHandler
 from distconv.ops.sdpa import SdpaHandler
@@ -50,7 +51,7 @@ REGISTRY: tuple[Handler, ...] = (
     ResampleHandler(), DropoutHandler(), StochasticDepthHandler(), FunctionalLayerNormHandler(),
     PadHandler(), FlattenHandler(), ReshapeHandler(), IndexHandler(), NewAxisHandler(),
     PermuteHandler(), PointwiseHandler(), BinaryHandler(), CatHandler(), SoftmaxHandler(),
-    EinsumHandler(), UnbindHandler(), SdpaHandler(),
+    EinsumHandler(), UnbindHandler(), SdpaHandler(), RollHandler(),
 )
 
 

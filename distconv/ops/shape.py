@@ -303,6 +303,8 @@ class ReshapeHandler(Handler):
         if len(sizes) == 1 and isinstance(sizes[0], (tuple, list)):
             sizes = list(sizes[0])
         out = _global_shape(node)
+        if out is None:  # the global sizes asked for (the program binds them), -1 resolved
+            out = tuple(torch.empty(in_shape, device="meta").reshape(sizes).shape)
         for k, i in node.meta[_CARRIERS].items():
             sizes[k] = (x.shape[i] if out is None or in_shape[i] == out[k]
                         else x.shape[i] * out[k] // in_shape[i])

@@ -491,8 +491,9 @@ def _einops_on_proxies() -> Iterator[None]:
     its ``permute``/``reshape`` are recorded as nodes, and the sizes it reads are the global
     shape's, as Python ints under guards (the sized capture's; without ``input_shape=`` they
     stay traced values). Registered for the proxy types alone, and removed after."""
-    backends = sys.modules.get("einops._backends")
-    if backends is None:
+    try:  # (a forward may import einops itself, while it is traced)
+        import einops._backends as backends
+    except ImportError:
         yield
         return
     table = backends._type2backend
