@@ -102,10 +102,24 @@ def _case(model: nn.Module, seed: int = 3) -> tuple[nn.Module, torch.Tensor]:
     return model, torch.randn(SHAPE, generator=gen, dtype=torch.float64)
 
 
-def test_swin_block_under_sample_parallelism_equals_one_process() -> None:
+@pytest.mark.parametrize("name", ["sample", "spatial", "stationary-x"])
+def test_swin_block_equals_one_process(name: str) -> None:
+    """Sample-parallel: the windows of each rank's samples stay local; spatial: the rows, split
+    over H, are gathered by the roll before the windows are cut; stationary-x: the channels,
+    split over C, are gathered by the Linear layers' rule."""
     model, x = _case(SwinNet())
     check_rows(square_mean_reference(model, x),
-               run_threads(_sized_step, 4, model, OPTIONS["sample"], x))
+               run_threads(_sized_step, 4, model, OPTIONS[name], x))
+
+
+def test_windows_of_a_batch_the_blocks_do_not_divide_are_refused_before_a_step() -> None:
+    """5 samples over 4 blocks: the windows' blocks would not be the samples' blocks times the
+    window count, so the reverse's view is refused naming it, before any step runs."""
+    gen = torch.Generator().manual_seed(3)
+    model = seeded(SwinNet().double(), gen)
+    x = torch.randn((5, 3, 8, 8), generator=gen, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"node 'view_\d+'.*does not keep input dim\(s\) \[0\]"):
+        run_threads(_sized_step, 4, model, OPTIONS["sample"], x)
 
 
 class Shift(nn.Module):
