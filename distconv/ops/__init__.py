@@ -21,6 +21,7 @@ from distconv.ops.einsum import EinsumHandler
 from distconv.ops.elementwise import BinaryHandler, CatHandler, DropoutHandler, PointwiseHandler
 from distconv.ops.index import IndexHandler
 from distconv.ops.linear import LinearHandler
+from distconv.ops.mha import MultiheadAttentionHandler
 from distconv.ops.norm import (
     BatchNormHandler, FunctionalLayerNormHandler, GroupNormHandler, InstanceNormHandler,
     LayerNormHandler,
@@ -52,6 +53,7 @@ REGISTRY: tuple[Handler, ...] = (
     PadHandler(), FlattenHandler(), ReshapeHandler(), IndexHandler(), NewAxisHandler(),
     PermuteHandler(), PointwiseHandler(), BinaryHandler(), CatHandler(), SoftmaxHandler(),
     EinsumHandler(), UnbindHandler(), SdpaHandler(), RollHandler(),
+    MultiheadAttentionHandler(),
 )
 
 

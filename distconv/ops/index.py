@@ -24,6 +24,7 @@ from torch import nn
 from distconv.distribution import Dist
 from distconv.ops.base import SAMPLE_GRIDS, Handler, Sample, SampleNet
 from distconv.ops.elementwise import is_constant
+from distconv.ops.mha import tuple_item
 from distconv.ops.shape import model_tensor
 from distconv.ops.unbind import unbound_dim
 from distconv.parallel.placement import Placement
@@ -77,6 +78,12 @@ class IndexHandler(Handler):
         from distconv.parallel.steps import Step
 
         args = an.tensor_args(node)
+        item = tuple_item(an, args[0], node.args[1]) if args and node.args[0] is args[0] else None
+        if item is not None:  # an item of nn.MultiheadAttention's (attn_output, attn_weights)
+            placed, samples = item
+            if placed is None:
+                return Step(node, "meta", None)  # attn_weights with need_weights=False: None
+            return Step(node, "pointwise", placed, {}, samples=samples)  # the local item
         if not args or node.args[0] is not args[0]:
             return Step(node, "meta", None)  # an index into a shape or a tuple of values
         arg, index = args[0], node.args[1]
