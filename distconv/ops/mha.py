@@ -152,9 +152,10 @@ class MultiheadAttentionHandler(Handler):
 
 
 class _SelfAttention(nn.Module):
-    """torchvision's ``EncoderBlock`` attention over a map's positions (tokens split under
-    spatial, the embedding under the stationary options: made whole), back to a map; with
-    ``batch_first=False`` the tokens lead and the samples are dim 1."""
+    """torchvision's ``EncoderBlock`` attention (``batch_first=True``) over a map's positions
+    (made whole by the flatten under spatial; the embedding, split under the stationary
+    options, made whole), back to a map; with ``batch_first=False`` over the map's rows (split
+    under spatial: the self-attention gathers them), the tokens leading, the samples dim 1."""
 
     def __init__(self, batch_first: bool) -> None:
         super().__init__()
@@ -164,21 +165,20 @@ class _SelfAttention(nn.Module):
 
     def forward(self, x: Any) -> Any:
         n, c, h, w = x.shape
-        t = x.flatten(2).transpose(1, 2)  # [N, L, C]
-        y = self.norm(t)
-        if not self.batch_first:
-            t, y = t.transpose(0, 1), y.transpose(0, 1)  # [L, N, C]
-        y, _ = self.attn(y, y, y, need_weights=False)
-        t = t + y
-        if not self.batch_first:
-            t = t.transpose(0, 1)
-        return t.transpose(1, 2).reshape(n, c, h, w)
+        if self.batch_first:
+            t = x.flatten(2).transpose(1, 2)  # [N, L, C]
+            y = self.norm(t)
+            y, _ = self.attn(y, y, y, need_weights=False)
+            return (t + y).transpose(1, 2).reshape(n, c, h, w)
+        t = self.norm(x.mean(3).transpose(1, 2)).transpose(0, 1)  # rows as tokens [H, N, C]
+        y = self.attn(t, t, t, need_weights=False)[0]
+        return x + y.permute(1, 2, 0)[..., None]
 
 
 class _RowQueries(nn.Module):
-    """Queries that are a value of their own (kept split over their tokens under spatial), keys
-    and values another with other embedding sizes (gathered), and the averaged and per-head
-    attention weights taken from the tuple and used."""
+    """A map's rows as tokens: queries that are a value of their own (kept split over their
+    tokens under spatial), keys and values another with other embedding sizes (gathered), and
+    the averaged and per-head attention weights taken from the tuple and used."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -187,12 +187,11 @@ class _RowQueries(nn.Module):
         self.heads = nn.MultiheadAttention(4, 2, batch_first=True, bias=False)
 
     def forward(self, x: Any) -> Any:
-        n, c, h, w = x.shape
-        t = x.flatten(2).transpose(1, 2)  # [N, L, C]
+        t = x.mean(3).transpose(1, 2)  # rows as tokens [N, H, C], split under spatial
         kv = torch.tanh(self.kv(t))
         out, weights = self.attn(t, kv, kv)  # weights [N, L, L]
         t = t + out * weights.amax(-1, keepdim=True)
-        mixed, per_head = self.heads(t, x.flatten(2).transpose(1, 2) * 0.5, t,
+        mixed, per_head = self.heads(t, x.amax(3).transpose(1, 2), t,
                                  average_attn_weights=False)  # [N, 2, L, L]
         t = mixed + per_head.sum(1).mean(-1, keepdim=True)
-        return t.transpose(1, 2).reshape(n, c, h, w)
+        return x + t.transpose(1, 2)[..., None]
