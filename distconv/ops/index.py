@@ -8,7 +8,9 @@ index whole dims: every rank takes the same element of its block. An integer on 
 makes that dim whole first (an allgather over the grid dims that split it, priced as the
 conversion it is), then each rank takes the element. The samples' dim (``Step.samples``) moves
 to where the kept dims put it. An integer ``i`` into the tuple ``x.unbind(d)`` returns
-(:mod:`distconv.ops.unbind`) is placed as ``x`` indexed by ``i`` at dim ``d``. Refused by name:
+(:mod:`distconv.ops.unbind`) is placed as ``x`` indexed by ``i`` at dim ``d``; an item of
+``nn.MultiheadAttention``'s ``(attn_output, attn_weights)`` as :func:`distconv.ops.mha.tuple_item`
+places it. Refused by name:
 an integer that picks one sample, a new dim before the samples, a slice that picks part of a
 dim, and tensors or lists as indices.
 """
