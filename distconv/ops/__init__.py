@@ -24,6 +24,7 @@ from distconv.ops.elementwise import (
 from distconv.ops.expand import ExpandHandler
 from distconv.ops.index import IndexHandler
 from distconv.ops.linear import LinearHandler
+from distconv.ops.mha import MultiheadAttentionHandler
 from distconv.ops.norm import (
     BatchNormHandler, FunctionalBatchNormHandler, FunctionalGroupNormHandler,
     FunctionalInstanceNormHandler, FunctionalLayerNormHandler, GroupNormHandler,
@@ -35,6 +36,7 @@ from distconv.ops.pool import (
     AdaptiveAvgPoolHandler, AdaptivePoolHandler, MeanHandler, PoolHandler, ReduceHandler,
 )
 from distconv.ops.resample import ResampleHandler
+from distconv.ops.roll import RollHandler
 from distconv.ops.shape import FlattenHandler, NewAxisHandler, ReshapeHandler
 from distconv.ops.sizes import SizeHandler
 from distconv.ops.sdpa import SdpaHandler
@@ -57,7 +59,7 @@ REGISTRY: tuple[Handler, ...] = (
     PadHandler(), FlattenHandler(), ReshapeHandler(), SplitHandler(), IndexHandler(),
     NewAxisHandler(), PermuteHandler(), PointwiseHandler(), BinaryHandler(), CatHandler(),
     StackHandler(), SoftmaxHandler(), EinsumHandler(), UnbindHandler(), SdpaHandler(),
-    ExpandHandler(),
+    ExpandHandler(), RollHandler(), MultiheadAttentionHandler(),
 )
 
 

@@ -291,10 +291,14 @@ def with_constants(an: Any, node: fx.Node, args: list[fx.Node]) -> Any:
 
 def is_constant(node: fx.Node) -> bool:
     """Whether ``node``'s value comes from parameters and buffers only (``self.gamma``,
-    ``self.gamma.view(1, -1, 1, 1)``, ``self.gamma[:, None, None]``), never from the input."""
+    ``self.gamma.view(1, -1, 1, 1)``, ``self.gamma[:, None, None]``), never from the input;
+    sizes of the global shape may shape it (``table[index[:n, :n]].view(n, n, -1)``: the same
+    on every rank)."""
+    from distconv.ops.sizes import is_size
+
     if node.op == "get_attr":
         return True
-    inputs = node.all_input_nodes
+    inputs = [a for a in node.all_input_nodes if not is_size(a)]
     return node.op.startswith("call_") and bool(inputs) and all(is_constant(a) for a in inputs)
 
 

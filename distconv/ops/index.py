@@ -15,8 +15,10 @@ elements: exact for any slice and any (uneven) blocks; the sliced dim is whole i
 The samples' dim
 (``Step.samples``) moves to where the kept dims put it. An integer ``i`` into the tuple
 ``x.unbind(d)`` returns (:mod:`distconv.ops.unbind`) is placed as ``x`` indexed by ``i`` at dim
-``d``. Refused by name: an integer or a partial slice on the samples' dim (it picks samples), a
-new dim before the samples, and tensors or lists as indices.
+``d``; an item of ``nn.MultiheadAttention``'s ``(attn_output, attn_weights)`` as
+:func:`distconv.ops.mha.tuple_item` places it. Refused by name: an integer or a partial
+slice on the samples' dim (it picks samples), a new dim before the samples, and tensors or lists
+as indices.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from torch import nn
 from distconv.distribution import Dist
 from distconv.ops.base import SAMPLE_GRIDS, Handler, Sample, SampleNet
 from distconv.ops.elementwise import is_constant
+from distconv.ops.mha import tuple_item
 from distconv.ops.shape import model_tensor
 from distconv.ops.unbind import unbound_dim
 from distconv.parallel.placement import Placement
@@ -99,6 +102,12 @@ class IndexHandler(Handler):
         from distconv.parallel.steps import LayerSpec, Step
 
         args = an.tensor_args(node)
+        item = tuple_item(an, args[0], node.args[1]) if args and node.args[0] is args[0] else None
+        if item is not None:  # an item of nn.MultiheadAttention's (attn_output, attn_weights)
+            placed, samples = item
+            if placed is None:
+                return Step(node, "meta", None)  # attn_weights with need_weights=False: None
+            return Step(node, "pointwise", placed, {}, samples=samples)  # the local item
         if not args or node.args[0] is not args[0]:
             return Step(node, "meta", None)  # an index into a shape or a tuple of values
         arg, index = args[0], node.args[1]

@@ -50,6 +50,9 @@ def _meta_value(gm: fx.GraphModule, node: Any) -> Any:
     """What a node computed from model tensors alone gives, on meta tensors (its dims)."""
     if not isinstance(node, fx.Node):
         return node
+    size = node.meta.get("capture_value")  # a size the sized capture read off the global shape
+    if size is not None and not isinstance(size, torch.Tensor):
+        return size
     if node.op == "get_attr":
         value: Any = gm
         for part in str(node.target).split("."):
@@ -300,6 +303,8 @@ class ReshapeHandler(Handler):
         if len(sizes) == 1 and isinstance(sizes[0], (tuple, list)):
             sizes = list(sizes[0])
         out = _global_shape(node)
+        if out is None:  # the global sizes asked for (the program binds them), -1 resolved
+            out = tuple(torch.empty(in_shape, device="meta").reshape(sizes).shape)
         for k, i in node.meta[_CARRIERS].items():
             sizes[k] = (x.shape[i] if out is None or in_shape[i] == out[k]
                         else x.shape[i] * out[k] // in_shape[i])
@@ -344,6 +349,8 @@ class NewAxisHandler(Handler):
         from distconv.parallel.steps import Step, samples_of
 
         args = an.tensor_args(node)
+        if is_constant(args[0]):
+            return model_tensor(an, node)  # a model tensor's new axis (a bias's batch dim)
         p = an.placement(args[0])
         out = list(p.dist.entries)
         dim = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else None)

@@ -30,6 +30,7 @@ import sys
 import threading
 from typing import Any, Iterator, Sequence
 
+import numpy
 import torch
 import torch.fx as fx
 from torch import nn
@@ -145,6 +146,28 @@ def _where(exc: BaseException, model: nn.Module) -> str:
     return f" at {frame.f_code.co_filename}:{frame.f_lineno}{module}"
 
 
+def _is_array_protocol(name: str) -> bool:
+    """numpy's protocols, which it asks for by attribute (``__array_struct__``, ...): a proxy
+    must not answer them with a proxy of the attribute, as fx's would."""
+    return name.startswith("__array") and name != "__array__"
+
+
+class _Proxy(fx.Proxy):
+    """fx's proxy, which numpy reads as a refusal that says what would work: a size read
+    through numpy (``np.array(x.shape[2:])``) is captured with ``input_shape=`` given."""
+
+    def __getattr__(self, name: str) -> Any:
+        if _is_array_protocol(name):
+            raise AttributeError(name)
+        return super().__getattr__(name)
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> Any:
+        raise fx.proxy.TraceError(
+            f"numpy reads the traced value {self.node.name!r}: give input_shape= so the "
+            "capture reads sizes through numpy (as Python ints, checked once per input shape); "
+            "a tensor's values cannot be read into numpy")
+
+
 class _Tracer(fx.Tracer):
     """fx's tracer, keeping as one call each module and loaded function a handler binds by name
     (:func:`distconv.ops.is_leaf`, :func:`distconv.ops.loaded_functions`: e.g. stochastic depth,
@@ -154,6 +177,9 @@ class _Tracer(fx.Tracer):
 
     def __init__(self) -> None:
         super().__init__(autowrap_functions=ops.loaded_functions())
+
+    def proxy(self, node: fx.Node) -> fx.Proxy:
+        return _Proxy(node, self)
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         return super().is_leaf_module(m, module_qualified_name) or ops.is_leaf(m)
@@ -181,14 +207,19 @@ class _Tracer(fx.Tracer):
         return super().call_module(m, forward, args, kwargs)
 
 
+#: the torch functions that make a tensor from sizes (:meth:`_SizedTracer._from_sizes`)
+_FACTORIES = frozenset({torch.zeros, torch.ones, torch.full, torch.empty, torch.arange,
+                        torch.eye, torch.linspace})
+
 #: a node's value on the sized capture's meta input (``node.meta`` key)
 _VALUE = "capture_value"
 
 
-class _SizedProxy(fx.Proxy):
+class _SizedProxy(_Proxy):
     """A traced value whose meta value the tracer knows. Where Python needs a size as a plain
-    value (an ``if``, ``range()``, a list's length, an index), it gets the global one and the
-    tracer records a guard on it; tensors' values stay out of reach (fx's refusal)."""
+    value (an ``if``, ``range()``, a list's length, an index, numpy's ``np.array(x.shape[2:])``
+    or ``np.ceil(h / w)``), it gets the global one and the tracer records a guard on it;
+    tensors' values stay out of reach (fx's refusal, or numpy's, naming the value)."""
 
     @property
     def known(self) -> bool:
@@ -204,7 +235,19 @@ class _SizedProxy(fx.Proxy):
         assert isinstance(self.tracer, _SizedTracer)
         return self.tracer.concrete(self)
 
+    def __array__(self, dtype: Any = None, copy: Any = None) -> Any:
+        """The size as numpy reads it (guarded); a tensor's values are refused by name."""
+        assert isinstance(self.tracer, _SizedTracer)
+        if not (self.known and is_size(self.node)):
+            raise fx.proxy.TraceError(
+                f"numpy reads the values of {self.node.name!r}, which are a tensor's, not its "
+                "sizes: each rank holds a block of it. Keep it a torch op in the model, or "
+                "read only sizes (x.shape) through numpy")
+        return numpy.asarray(self.concrete(), dtype=dtype)
+
     def __getattr__(self, name: str) -> Any:
+        if _is_array_protocol(name):
+            raise AttributeError(name)
         if name == "ndim" and self.known and isinstance(self.value, torch.Tensor):
             return self.tracer.create_proxy("call_function", getattr, (self, name), {}).concrete()
         return super().__getattr__(name)
@@ -246,6 +289,12 @@ class _SizedTracer(_Tracer):
 
     def create_proxy(self, kind: str, target: Any, args: Any, kwargs: Any, *rest: Any,
                      **more: Any) -> fx.Proxy:
+        if kind in ("call_function", "call_method"):
+            made = self._from_sizes(kind, target, args, kwargs)
+            if made is not None:
+                return made
+        if kind == "call_method" and target == "to" and self._same_dtype(args, kwargs):
+            return args[0]  # x.to(v.dtype) of a value of that dtype: x itself (MONAI's Swin)
         proxy = super().create_proxy(kind, target, args, kwargs, *rest, **more)
         try:
             value = proxy.node.meta[_VALUE] = self._evaluate(proxy.node)
@@ -254,6 +303,61 @@ class _SizedTracer(_Tracer):
         if isinstance(value, torch.Tensor):
             proxy.node.meta[CAPTURED_SHAPE] = tuple(value.shape)
         return proxy
+
+    def _from_sizes(self, kind: str, target: Any, args: Any, kwargs: Any) -> Any:
+        """A tensor made from sizes and metadata alone (``torch.zeros((1, hp, wp, 1),
+        device=x.device)``, where Swin builds its shifted-window mask), or computed from such a
+        tensor and sizes (its window partition, ``view(h // ws, ...)``): made here, on the
+        model's own device, each size guarded, so the Python that fills it in runs on a tensor
+        and the graph holds the result as a constant (the same on every rank). None where an
+        argument is another traced value, a tensor that needs a gradient, or nothing is made
+        (no factory, no tensor)."""
+        device = next((t.device for t in self.root.parameters()), torch.device("cpu"))
+        plain, tensors = True, 0
+
+        def value(a: Any) -> Any:
+            nonlocal plain, tensors
+            if isinstance(a, torch.Tensor):
+                tensors += 1
+                plain = plain and not a.requires_grad
+                return a
+            if not isinstance(a, fx.Proxy):
+                return a
+            node = a.node
+            if node.op == "call_function" and node.target is getattr and node.args[1] in (
+                    "device", "dtype") and _VALUE in node.meta:
+                return device if node.args[1] == "device" else node.meta[_VALUE]
+            if _VALUE in node.meta and is_size(node):
+                return a
+            plain = False
+            return None
+
+        args, kwargs = map_aggregate((args, kwargs), value)
+        if not plain or not (tensors or (kind == "call_function" and target in _FACTORIES)):
+            return None
+        args, kwargs = map_aggregate((args, kwargs), lambda a: self.concrete(a) if isinstance(
+            a, fx.Proxy) else a)
+        if kind == "call_method":
+            return getattr(args[0], target)(*args[1:], **kwargs)
+        return target(*args, **kwargs)
+
+    @staticmethod
+    def _same_dtype(args: Any, kwargs: Any) -> bool:
+        """Whether ``x.to(dtype)`` (one dtype argument, as a value of the graph or a constant)
+        asks for the dtype ``x`` has on the captured shape."""
+        if kwargs or len(args) != 2 or not isinstance(args[0], fx.Proxy):
+            return False
+        value = args[0].node.meta.get(_VALUE)
+        dtype = args[1].node.meta.get(_VALUE) if isinstance(args[1], fx.Proxy) else args[1]
+        return isinstance(value, torch.Tensor) and isinstance(dtype, torch.dtype) and (
+            dtype == value.dtype)
+
+    def _value_of(self, node: fx.Node) -> Any:
+        """An argument's value; a constant the trace made while it traced (fx's
+        ``_tensor_constant``, a ``get_attr`` it creates without a proxy) is evaluated here."""
+        if _VALUE not in node.meta and node.op == "get_attr":
+            node.meta[_VALUE] = self._evaluate(node)
+        return node.meta[_VALUE]
 
     def _evaluate(self, node: fx.Node) -> Any:
         if node.op == "placeholder":
@@ -265,11 +369,13 @@ class _SizedTracer(_Tracer):
             if not node.args:
                 raise LookupError(node.name)
             return node.args[0]  # a default
-        args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta[_VALUE])
+        args, kwargs = fx.node.map_arg((node.args, node.kwargs), self._value_of)
         if node.op == "get_attr":
             value: Any = self.twin
             for part in str(node.target).split("."):
-                value = getattr(value, part)
+                value = getattr(value, part, None)
+            if value is None:  # a constant the trace made (:meth:`_from_sizes`): its shape
+                value = torch.empty_like(getattr(self.root, str(node.target)), device="meta")
             return value
         if node.op == "call_module":
             return self.twin.get_submodule(str(node.target))(*args, **kwargs)
@@ -395,10 +501,60 @@ def _capture_patches(tracer: fx.Tracer, model: str) -> Iterator[None]:
     real_as_tensor = torch.as_tensor
     torch.jit.isinstance, builtins.len, torch.as_tensor = jit_isinstance, length, as_tensor
     try:
-        yield
+        with _einops_on_proxies():
+            yield
     finally:
         torch.jit.isinstance, builtins.len, torch.as_tensor = (real_isinstance, real_len,
                                                                 real_as_tensor)
+
+
+@contextlib.contextmanager
+def _einops_on_proxies() -> Iterator[None]:
+    """While tracing, einops' functions (``rearrange(x, "b c h w -> b h w c")``, as MONAI's
+    SwinUNETR calls them on traced values) take a traced value as torch's backend takes a tensor:
+    its ``permute``/``reshape`` are recorded as nodes, and the sizes it reads are the global
+    shape's, as Python ints under guards (the sized capture's; without ``input_shape=`` they
+    stay traced values). Registered for the proxy types alone, and removed after."""
+    try:  # (a forward may import einops itself, while it is traced)
+        import einops._backends as backends
+    except ImportError:
+        yield
+        return
+    table = backends._type2backend
+    torch_backend = next((b for b in list(backends._loaded_backends.values())
+                          if b.framework_name == "torch"), None)
+    if torch_backend is None:
+        torch_backend = backends.TorchBackend()
+    mine = _EinopsProxyBackend(torch_backend)
+    saved = {t: table.get(t) for t in (_Proxy, _SizedProxy)}
+    table.update(dict.fromkeys(saved, mine))
+    try:
+        yield
+    finally:
+        for t, b in saved.items():
+            if b is None:
+                table.pop(t, None)
+            else:
+                table[t] = b
+
+
+class _EinopsProxyBackend:
+    """einops' torch backend for traced values: every op delegated to it (each runs on the
+    proxy and is recorded), the shape read as the global one where the capture knows it."""
+
+    def __init__(self, torch_backend: Any) -> None:
+        self._torch = torch_backend
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._torch, name)
+
+    def is_appropriate_type(self, tensor: Any) -> bool:
+        return isinstance(tensor, fx.Proxy)
+
+    def shape(self, x: Any) -> Any:
+        if isinstance(x, _SizedProxy) and x.known:
+            return tuple(int(x.shape[i]) for i in range(x.value.dim()))
+        return x.shape
 
 
 def _keep_uncalled(gm: nn.Module, model: nn.Module) -> None:
