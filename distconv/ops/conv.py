@@ -17,7 +17,7 @@ import torch.fx as fx
 from torch import nn
 
 from distconv.conv_groups import group_role, groups_aligned
-from distconv.nn.conv import ALGORITHMS, DistConv2d, conv_dists
+from distconv.nn.conv import DistConv2d, conv_dists
 from distconv.conv_geometry import HaloPlan
 from distconv.nn.conv_nd import conv_nd_dims, spatial_roles
 from distconv.nn.halo_conv import interior_share
@@ -230,22 +230,20 @@ def group_blocks(groups: int, channels: int) -> list[int]:
 
 def split_groups(an: Any, node: fx.Node, module: Any, choice: Any) -> tuple[str, ...]:
     """The grid dims a convolution keeps whole under a default entry where its C×F blocks
-    would cut groups (RegNet's 25 groups over C = 2) or outnumber its channels (an RGB stem, a
-    squeeze-and-excitation's narrow layer): it runs with its channels (and rows) whole,
-    ``x[o_N,*,*,*]``. Blocks that hold whole groups (a depthwise layer of any width) split. A
-    layer's own entry splits its groups as asked: where the blocks cut groups, x is gathered
-    over them first (:class:`~distconv.nn.conv.DistConv2d`); :func:`check_channel_blocks`
-    refuses one with too few channels."""
+    would not divide its groups (RegNet's 25 groups over C = 2, a depthwise layer of odd width)
+    or outnumber its channels (an RGB stem, a squeeze-and-excitation's narrow layer): it runs
+    with its channels (and rows) whole, ``x[o_N,*,*,*]``, as the planner and K-FAC expect. A
+    layer's own entry splits its groups as asked: locally where every block holds the same
+    whole groups, else with x gathered over the blocks first
+    (:class:`~distconv.nn.conv.DistConv2d`); :func:`check_channel_blocks` refuses one with too
+    few channels."""
     ext = dict(choice.layout or ())
     blocks = ext.get("C", 1) * ext.get("F", 1)
     if choice.source == "default" and blocks > min(module.in_channels, module.out_channels):
         return tuple(d for d, e in choice.layout if e > 1 and d != "N")  # fewer channels
     if module.groups == 1 or blocks == 1 or choice.source != "default":
         return ()
-    algorithm = "stationary-x" if choice.algorithm in ("sample", "spatial") else (
-        choice.algorithm)
-    roles = {"C": "C", "F": "F"}
-    if algorithm not in ALGORITHMS or not grouping(module, choice.layout, algorithm, roles)[1]:
+    if module.groups % blocks == 0:
         return ()
     return tuple(d for d, e in choice.layout if e > 1 and d != "N")
 

@@ -26,8 +26,9 @@ output rows/cols (balanced blocks), ``s`` the element size, and the channel bloc
 Grouped convolutions with channel (filter) parallelism whose blocks hold whole groups (groups
 divisible by C (F); depthwise) are local: ``Cx = Cg = blk(C,P,i)``, ``Fp = Fy = blk(F,P,i)``,
 only the halo and gradient allreduce remain. Blocks that cut groups gather x over the role dims
-R first (``(C - Cx) n h w s``, and its adjoint reduce-scatter ``(P_R - 1) n Cx h w s``), and
-the halo carries ``Cg``, the channels of the groups the rank's filters reach into.
+R first (``(C - Cx) n h w s``; its adjoint reduce-scatter, over C×F in the two steps the
+redistribution takes, the bytes of its plan), and the halo carries ``Cg``, the channels of the
+groups the rank's filters reach into.
 """
 
 from __future__ import annotations
@@ -41,7 +42,6 @@ from distconv.conv_geometry import HaloPlan, pair
 from distconv.conv_groups import group_span, groups_aligned
 from distconv.distribution import balanced_block, nested_block
 from distconv.grid import grid_layout
-
 from distconv.pricing.problem import ConvProblem
 
 __all__ = ["ALGORITHMS", "Roles", "Traffic", "conv_traffic"]
@@ -176,14 +176,12 @@ def conv_traffic(
 
     gathers_x = algorithm != "stationary-x" and pf > 1 and not aligned_groups
     reduces_y = algorithm != "stationary-y" and pc > 1 and not aligned_groups
-    gather_dim, gather_peers, gathered = ro.filter, pf, cg
-    if gather_groups:  # every channel gathered; the groups of its filters convolved
-        gathers_x, gather_dim, gather_peers, gathered = True, role, pc * pf, C
-    if gather_groups:  # over C×F in one or two steps: the redistribution's own bytes
+    gather_dim, gather_peers = ro.filter, pf
+    moved = ((cg - cx) * n * own[0] * own[1] * s, (pf - 1) * n * cx * own[0] * own[1] * s)
+    if gather_groups:  # every channel gathered (over C×F in one or two steps: the
+        # redistribution's own bytes); the groups of its filters convolved
+        gathers_x, gather_dim, gather_peers = True, role, pc * pf
         moved = _gathered_x_bytes(pb, layout, coords, ro, role, (dh.length, dw.length), s)
-    else:
-        moved = ((gathered - cx) * n * own[0] * own[1] * s,
-                 (gather_peers - 1) * n * cx * own[0] * own[1] * s)
     if gathers_x:
         step(t.forward, f"allgather x over {gather_dim}", "allgather", gather_peers, moved[0])
     if plans[0]:
