@@ -202,10 +202,10 @@ class _Analyser:
             if dim:
                 anywhere = ", ".join(type(h).__name__.removesuffix("Handler").lower()
                                      for h in ops.REGISTRY if h.samples_anywhere)
-                self.fail(node, f"its input {arg.name!r} holds the samples in dim {dim} (node "
-                          f"{mover!r} moves the samples (dim 0) there), and this op finds them "
-                          "in dim 0: move them back first (permute, movedim), or keep to the ops "
-                          f"that take the samples in any dim ({anywhere})")
+                self.fail(node, "move the samples back to dim 0 first (permute, movedim), or "
+                          f"keep to the ops that take the samples in any dim ({anywhere}): its "
+                          f"input {arg.name!r} holds the samples in dim {dim} (node {mover!r} "
+                          "moves the samples (dim 0) there), and this op finds them in dim 0")
 
     def visit_or_record(self, node: fx.Node) -> Step:
         """``visit``; with ``strict=False`` an unsupported node is recorded and its value is
