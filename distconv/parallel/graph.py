@@ -28,6 +28,7 @@ from distconv import ops
 from distconv.distribution import Dist
 from distconv.ops.extents import captured_shape
 from distconv.parallel.capture import MODULE_PATHS, UntraceableModelError, trace
+from distconv.parallel.capture import _VALUE as CAPTURED_VALUE
 from distconv.parallel.config import AliasedConfig, ParallelConfig
 from distconv.parallel.placement import Placement, layout_str
 from distconv.parallel.steps import SAMPLES, Analysis, LayerSpec, Step, sample_dist, samples_of
@@ -221,8 +222,10 @@ class _Analyser:
                 return Step(node, "unsupported", None)
             p = self.placement(args[0]).settled()
             shape = captured_shape(node)
-            if shape is None and captured_shape(args[0]) is not None:
-                return Step(node, "unsupported", None)  # a capture on the shape: no tensor
+            value = node.meta.get(CAPTURED_VALUE)
+            if (shape is None and captured_shape(args[0]) is not None
+                    and not isinstance(value, (tuple, list))):
+                return Step(node, "unsupported", None)  # captured on the shape: not a tensor
             if shape is not None and len(shape) != p.ndim:  # (.item(), a full reduction)
                 p = Placement(p.layout, Dist.replicated(len(shape)))
                 return Step(node, "unsupported", p, {args[0]: self.placement(args[0]).settled()})
