@@ -91,9 +91,11 @@ class ParallelModel(nn.Module):
     """A model whose Conv2d layers run on the grids and algorithms of a declarative config.
 
     Made by :func:`distconv.parallelize`; see the module docstring for the training contract.
-    It works on its own copy of the model (the caller's model is left as it was). Parameters and
-    buffers are the local shards (``distconv.nn.shard_specs(pmodel)`` says where
-    each lies); the state-dict keys are the original model's.
+    It works on its own copy of the model (the caller's model is left as it was), which starts
+    from rank 0's parameters and buffers on every rank, as DDP's construction does
+    (:func:`~distconv.parallel.state_sync.sync_module_states`). Parameters and buffers are the
+    local shards (``distconv.nn.shard_specs(pmodel)`` says where each lies); the state-dict keys
+    are the original model's.
 
     Attributes:
         config: the validated :class:`~distconv.parallel.config.ParallelConfig`.
