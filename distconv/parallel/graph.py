@@ -226,7 +226,7 @@ class _Analyser:
             if (shape is None and captured_shape(args[0]) is not None
                     and not isinstance(value, (tuple, list))):
                 return Step(node, "unsupported", None)  # captured on the shape: not a tensor
-            if shape is not None and len(shape) != p.ndim:  # (.item(), a full reduction)
+            if shape is not None and len(shape) != p.ndim:  # (a full reduction: x.max())
                 p = Placement(p.layout, Dist.replicated(len(shape)))
                 return Step(node, "unsupported", p, {args[0]: self.placement(args[0]).settled()})
             node.meta[SAMPLES] = samples_of(args[0])
