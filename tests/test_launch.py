@@ -102,8 +102,8 @@ def test_launch_in_a_job_of_another_size_is_refused_at_once(monkeypatch) -> None
 
 def test_an_uncaught_refusal_in_a_job_is_one_line_per_rank(tmp_path: Path) -> None:
     """Under a launcher (torchrun's variables for a job of one process), the wrong job size is
-    reported as one line (torch prefixes it with the rank) naming the fix, with no traceback, and torchrun's error
-    file carries the same line for its summary."""
+    reported as one line (torch prefixes it with the rank) naming the fix, with no traceback,
+    and torchrun's error file carries the same line for its summary."""
     script = tmp_path / "program.py"
     script.write_text(PROGRAM)
     with socket.socket() as s:

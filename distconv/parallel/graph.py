@@ -28,6 +28,7 @@ from distconv import ops
 from distconv.distribution import Dist
 from distconv.ops.extents import captured_shape
 from distconv.parallel.capture import MODULE_PATHS, UntraceableModelError, trace
+from distconv.parallel.capture import _VALUE as CAPTURED_VALUE
 from distconv.parallel.config import AliasedConfig, ParallelConfig
 from distconv.parallel.placement import Placement, layout_str
 from distconv.parallel.steps import SAMPLES, Analysis, LayerSpec, Step, sample_dist, samples_of
@@ -202,10 +203,10 @@ class _Analyser:
             if dim:
                 anywhere = ", ".join(type(h).__name__.removesuffix("Handler").lower()
                                      for h in ops.REGISTRY if h.samples_anywhere)
-                self.fail(node, f"its input {arg.name!r} holds the samples in dim {dim} (node "
-                          f"{mover!r} moves the samples (dim 0) there), and this op finds them "
-                          "in dim 0: move them back first (permute, movedim), or keep to the ops "
-                          f"that take the samples in any dim ({anywhere})")
+                self.fail(node, "move the samples back to dim 0 first (permute, movedim), or "
+                          f"keep to the ops that take the samples in any dim ({anywhere}): its "
+                          f"input {arg.name!r} holds the samples in dim {dim} (node {mover!r} "
+                          "moves the samples (dim 0) there), and this op finds them in dim 0")
 
     def visit_or_record(self, node: fx.Node) -> Step:
         """``visit``; with ``strict=False`` an unsupported node is recorded and its value is
@@ -221,9 +222,11 @@ class _Analyser:
                 return Step(node, "unsupported", None)
             p = self.placement(args[0]).settled()
             shape = captured_shape(node)
-            if shape is None and captured_shape(args[0]) is not None:
-                return Step(node, "unsupported", None)  # a capture on the shape: no tensor
-            if shape is not None and len(shape) != p.ndim:  # (.item(), a full reduction)
+            value = node.meta.get(CAPTURED_VALUE)
+            if (shape is None and captured_shape(args[0]) is not None
+                    and not isinstance(value, (tuple, list))):
+                return Step(node, "unsupported", None)  # captured on the shape: not a tensor
+            if shape is not None and len(shape) != p.ndim:  # (a full reduction: x.max())
                 p = Placement(p.layout, Dist.replicated(len(shape)))
                 return Step(node, "unsupported", p, {args[0]: self.placement(args[0]).settled()})
             node.meta[SAMPLES] = samples_of(args[0])

@@ -91,9 +91,11 @@ class ParallelModel(nn.Module):
     """A model whose Conv2d layers run on the grids and algorithms of a declarative config.
 
     Made by :func:`distconv.parallelize`; see the module docstring for the training contract.
-    It works on its own copy of the model (the caller's model is left as it was). Parameters and
-    buffers are the local shards (``distconv.nn.shard_specs(pmodel)`` says where
-    each lies); the state-dict keys are the original model's.
+    It works on its own copy of the model (the caller's model is left as it was), which starts
+    from rank 0's parameters and buffers on every rank, as DDP's construction does
+    (:func:`~distconv.parallel.state_sync.sync_module_states`). Parameters and buffers are the
+    local shards (``distconv.nn.shard_specs(pmodel)`` says where each lies); the state-dict keys
+    are the original model's.
 
     Attributes:
         config: the validated :class:`~distconv.parallel.config.ParallelConfig`.
@@ -417,14 +419,15 @@ class ParallelModel(nn.Module):
             s = tuple(int(v) for v in s)
             if s[1:] != tuple(x.shape[1:]) or len(s) != x.dim():
                 raise ValueError(
-                    f"ranks disagree on the input's non-sample dims: rank {r} has {s}, rank "
-                    f"{self.comm.rank} has {tuple(x.shape)}")
+                    "give every rank inputs with the same non-sample dims: ranks disagree on "
+                    f"them: rank {r} has {s}, rank {self.comm.rank} has {tuple(x.shape)}")
             n = grid.coords_of(r).get("N", 0)
             if n in blocks and blocks[n][1] != s[0]:
                 raise ValueError(
-                    f"ranks {blocks[n][0]} and {r} share sample block N={n} of the data grid "
-                    f"{layout_str(grid.layout)} but hold {blocks[n][1]} and {s[0]} samples; every "
-                    "rank of one N block must see the same samples (distconv.data.GridSampler)")
+                    "give every rank of one N block the same samples (distconv.data."
+                    f"GridSampler deals them): ranks {blocks[n][0]} and {r} share sample block "
+                    f"N={n} of the data grid {layout_str(grid.layout)} but hold {blocks[n][1]} "
+                    f"and {s[0]} samples")
             blocks[n] = (r, s[0])
         total = sum(b[1] for b in blocks.values())
         for n, (r, got) in sorted(blocks.items()):
@@ -432,9 +435,10 @@ class ParallelModel(nn.Module):
             if got != want:
                 sizes = [blocks[i][1] for i in range(p_n)]
                 raise ValueError(
-                    f"sample blocks {sizes} of a global batch of {total} are not balanced: block "
-                    f"N={n} must hold {want} (blocks of N//P_N, one more for the first N%P_N); "
-                    "distconv.data.GridSampler deals samples that way")
+                    "deal the global batch in balanced blocks (distconv.data.GridSampler, or "
+                    f"distconv.data.sample_block): sample blocks {sizes} of a global batch of "
+                    f"{total} are not balanced: block N={n} must hold {want} (blocks of N//P_N, "
+                    "one more for the first N%P_N)")
         if get_debug() and self.comm.size > 1:
             self._check_replicas(x)
         self.global_batch_size = total
@@ -451,9 +455,10 @@ class ParallelModel(nn.Module):
             n = self.data_grid.coords_of(r).get("N", 0)
             if n in first and not torch.equal(digests[first[n]], d):
                 raise ValueError(
-                    f"ranks {first[n]} and {r} share sample block N={n} of the data grid "
-                    f"{layout_str(self.data_grid.layout)} but hold different samples; every rank "
-                    "of one N block must see the same samples (distconv.data.GridSampler)")
+                    "give every rank of one N block the same samples (distconv.data."
+                    f"GridSampler deals them): ranks {first[n]} and {r} share sample block "
+                    f"N={n} of the data grid {layout_str(self.data_grid.layout)} but hold "
+                    "different samples")
             first.setdefault(n, r)
         if x.numel() == 0:
             return
@@ -461,10 +466,10 @@ class ParallelModel(nn.Module):
             for m, q in first.items():
                 if m > n and torch.equal(digests[r], digests[q]):
                     raise ValueError(
+                        "give each N block its own block of the global batch (distconv.data."
+                        "GridSampler, or distconv.data.sample_block), not the whole batch: "
                         f"sample blocks N={n} (rank {r}) and N={m} (rank {q}) of the data grid "
-                        f"{layout_str(self.data_grid.layout)} hold identical samples: is every "
-                        "rank given the whole global batch? Each N block takes its own block of "
-                        "it (distconv.data.GridSampler, or distconv.scatter of the batch)")
+                        f"{layout_str(self.data_grid.layout)} hold identical samples")
 
     def _plan(self, shape: tuple[int, ...], dtype: torch.dtype,
               compiled: bool = False) -> Callable[[torch.Tensor], Any]:
