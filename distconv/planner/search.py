@@ -163,11 +163,14 @@ class _Search:
         self.ndim: dict[Any, int | None] = {}
         #: each node's checkpointed segment (the config's, the same in every plan)
         self.segment = {st.node: st.segment for st in reference.steps}
+        #: whether a gradient flows back into each node's inputs (the same in every plan)
+        self._grad_in: dict[Any, bool] = {}
         for st in reference.steps:
             n = st.node
             owns = n.op == "call_module" and any(True for _ in self.modules[n.target].parameters())
             self.grad[n.name] = owns or any(self.grad.get(a.name, False) for a in st.needs)
             self.ndim[n] = st.out.ndim if st.out is not None else None
+            self._grad_in[n] = any(self.grad.get(a.name, False) for a in st.needs)
         self._reports: dict[tuple, LayerReport] = {}
         self._moves: dict[tuple, LayerReport] = {}
         self._steps: dict[tuple, Step | None] = {}
@@ -182,6 +185,8 @@ class _Search:
             u for a in n.all_input_nodes for u in a.users)) if m in self.decides}))
             for n in self.order}
         self._placed: dict[tuple, Step | Exception] = {}
+        self._canon: dict[tuple, Placement] = {}
+        self._of_step: dict[int, tuple[Step, LayerReport]] = {}  # a placed step's own report
         self._walker = _Analyser(self.gm, aliased(self.view, self.gm),  # type: ignore[arg-type]
                                  len(net.input_shape))
         self._priced: dict[tuple, _Priced | Exception] = {}
@@ -215,8 +220,12 @@ class _Search:
         cached per shape and placements (shared by every node that converts alike)."""
         if step.segment is not None:  # recomputed in backward: priced whole
             return [self._whole(step, moves, grad_in)]
-        key = (step.node, step.out, step.layer, tuple(step.needs.items()), grad_in)
-        base = self._reports.get(key)
+        mine = self._of_step.get(id(step))
+        if mine is not None and mine[0] is step:  # (a step the exact price's walk placed)
+            base = mine[1]
+        else:
+            key = (step.node, step.out, step.layer, tuple(step.needs.items()), grad_in)
+            base = self._reports.get(key)
         if base is None:
             layouts = [p.layout for p in (step.out, *step.needs.values()) if p is not None]
             if step.layer is not None:
@@ -224,6 +233,8 @@ class _Search:
             base = cost.price_step(step, [], self.modules, self.shapes, self.itemsize, self.P,
                                    self.ranks(layouts), grad_in, self.grad, self.machine)
             self._reports[key] = base
+        if mine is None and self.memo and step.node in self._grad_in:
+            self._of_step[id(step)] = (step, base)
         out = [base]
         for a, src, need, _ in moves:
             back = self.grad.get(a.name, False)
@@ -419,14 +430,19 @@ class _Search:
         walker.out, walker.steps = {}, []
         walker.__dict__.pop("_unit_dims", None)  # (a memo of the walk's own: made anew)
         choice = {**self.view.first, **chosen}
+        canon = self._canon
         for node in self.order:
-            key = (node, tuple(walker.out.get(a) for a in node.all_input_nodes),
+            # (placements by identity: each placed value's placement is kept once, canonical)
+            key = (node, tuple(id(walker.out.get(a)) for a in node.all_input_nodes),
                    tuple(choice[n] for n in self.reads[node]), data)
             step = self._placed.get(key)
             if step is None:
                 try:
                     step = walker.visit(node)
                     step.segment = self.segment.get(node)
+                    if step.out is not None:  # (one object per placement and its dims' names)
+                        step.out = canon.setdefault((step.out, step.out.dist.tensor_dims),
+                                                    step.out)
                 except (Unsupported, ValueError) as exc:
                     step = exc
                 self._placed[key] = step
@@ -443,7 +459,7 @@ class _Search:
         done: set = set()
         for step in analysis.steps[1:]:
             moves = cost.conversions(step, analysis.step, self.shapes, done) if step.needs else []
-            grad_in = any(self.grad.get(a.name, False) for a in step.needs)
+            grad_in = self._grad_in[step.node]
             rep = self.report(step, moves, grad_in)
             if cost.kept(rep):
                 # coalescing takes the running statistics out of a report's steps: a copy
