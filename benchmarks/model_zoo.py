@@ -1,5 +1,5 @@
 """The model zoo's support matrix: every zoo model (``tests/zoo/catalogue.py``: MONAI, torchvision,
-timm, made tiny) under every config (sample, spatial, the deepest convolutions over channels or
+timm, segmentation-models-pytorch, made tiny) under every config (sample, spatial, the deepest convolutions over channels or
 over filters, ``auto``, ``plan_network``'s plan), two SGD steps on 4 thread ranks in fp64 against
 one process: exact (with the largest relative error), refused (the exception, the node and module
 it names, the reason), or an internal error. Then ``distkfac.KFAC`` on each model's channel
@@ -7,11 +7,17 @@ config against one process's K-FAC (the layers it does not precondition, by name
 time of each sample-parallel model against torch DDP on a real gloo world (medians of interleaved
 steps, the slower rank).
 
-Writes ``benchmarks/results/model_zoo.{md,json}``::
+Writes ``benchmarks/results/model_zoo.{md,json}`` (rewritten after every model, so a long run
+that is stopped keeps what it did)::
 
-    .venv/bin/python benchmarks/model_zoo.py                      # everything (a few minutes)
-    .venv/bin/python benchmarks/model_zoo.py --models 'monai.*' --configs sample,spatial \\
+    .venv/bin/python benchmarks/model_zoo.py                      # everything (long: see below)
+    .venv/bin/python benchmarks/model_zoo.py --models 'timm.*,smp.*' --skip-configs auto,plan \\
         --no-kfac --no-timing                                     # a part of the matrix
+
+A package that does not import here (for any reason) skips its models, saying why; torchvision
+loads beside the CPU torch through ``tests/vision_ops.py``. ``auto`` and ``plan`` search a
+plan per model and can take minutes on branchy graphs (DenseNet, GoogLeNet): ``--skip-configs
+auto,plan`` leaves them out, and the table says which configs ran.
 """
 
 from __future__ import annotations
@@ -19,12 +25,13 @@ from __future__ import annotations
 import argparse
 import copy
 import fnmatch
+import json
 import statistics
 import sys
 import time
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +39,10 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
+from tests.vision_ops import install as install_vision_ops  # noqa: E402
+
+install_vision_ops()  # before anything imports torchvision (timm, MONAI and smp do)
 
 from benchmarks._paired import command_line, write_results  # noqa: E402
 from tests.zoo.catalogue import (  # noqa: E402
@@ -48,13 +59,22 @@ KFAC_MAX_PARAMETERS = 200_000
 PER_RANK = 4
 
 
-def matrix(entries: list[Entry], configs: list[str]) -> dict[str, dict[str, Outcome]]:
+def matrix(entries: list[Entry], configs: list[str],
+           save: Callable[[dict[str, dict[str, Outcome]]], None] | None = None
+           ) -> dict[str, dict[str, Outcome]]:
+    """Every pair's outcome; ``save(rows so far)`` after each model."""
     from tqdm import tqdm
 
-    out: dict[str, dict[str, Outcome]] = {e.name: {} for e in entries}
-    pairs = [(e, c) for e in entries for c in configs]
-    for entry, config in tqdm(pairs, desc="matrix", unit="pair"):
-        out[entry.name][config] = run_pair(entry, config)
+    out: dict[str, dict[str, Outcome]] = {}
+    with tqdm(total=len(entries) * len(configs), desc="matrix", unit="pair") as bar:
+        for entry in entries:
+            out[entry.name] = {}
+            for config in configs:
+                bar.set_postfix_str(f"{entry.name} {config}")
+                out[entry.name][config] = run_pair(entry, config)
+                bar.update()
+            if save is not None:
+                save(out)
     return out
 
 
@@ -186,6 +206,10 @@ def table(results: dict[str, dict[str, Outcome]], configs: list[str], kfac_rows:
               "`distconv.planner.plan_network(..., machine='lassen').config()`.", ""]
     if refusals:
         lines += ["Refusals:", ""] + [f"{i}. {r}" for i, r in enumerate(refusals, 1)] + [""]
+        lines += ["Refused pairs by construct (the refusal's first sentence, names left out):",
+                  "", "| pairs | refusal | pairs refused |", "|---|---|---|"]
+        lines += [f"| {len(v)} | {k} | {', '.join(v)} |" for k, v in by_construct(results)]
+        lines.append("")
     if kfac_rows:
         lines += [f"K-FAC (`distkfac.KFAC`, the `{KFAC_CONFIG}` config, two steps) against one "
                   "process's K-FAC:", "", "| model | outcome | not preconditioned |",
@@ -204,36 +228,98 @@ def table(results: dict[str, dict[str, Outcome]], configs: list[str], kfac_rows:
     return "\n".join(lines)
 
 
+def by_construct(results: dict[str, dict[str, Outcome]]) -> list[tuple[str, list[str]]]:
+    """The refused pairs grouped by what refused them: the refusal's first sentence with the
+    names of modules and nodes in backquotes or quotes left out, most pairs first."""
+    import re
+
+    groups: dict[str, list[str]] = {}
+    for name, row in results.items():
+        for config, o in row.items():
+            if o.kind != "refused":
+                continue
+            text = re.sub(r"^(parallelize|explain): ", "", " ".join(o.message.split()))
+            first = re.split(r"(?<=[.;])\s", text, maxsplit=1)[0]
+            key = f"{o.raised}: " + re.sub(r"('[^']*'|`[^`]*`|\"[^\"]*\")", "…", first)[:160]
+            groups.setdefault(key, []).append(f"{name} {config}")
+    return sorted(groups.items(), key=lambda kv: -len(kv[1]))
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default="*", help="fnmatch patterns of zoo names, comma-separated")
     ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--skip-configs", default="", help="configs left out, comma-separated "
+                    "(e.g. auto,plan: their searches are slow on branchy graphs)")
     ap.add_argument("--no-kfac", action="store_true")
     ap.add_argument("--no-timing", action="store_true")
     ap.add_argument("--steps", type=int, default=20, help="timed steps per side")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument("--update", action="store_true", help="rerun only the --models given and "
+                    "keep every other model's rows of the existing results (same configs)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     patterns = args.models.split(",")
     entries = [e for e in ZOO.values() if any(fnmatch.fnmatch(e.name, p) for p in patterns)]
-    configs = [c for c in args.configs.split(",") if c]
-    bad = [c for c in configs if c not in CONFIGS]
+    if not entries:
+        ap.error(f"--models {args.models!r} matches none of {list(ZOO)}")
+    skip = {c for c in args.skip_configs.split(",") if c}
+    configs = [c for c in args.configs.split(",") if c and c not in skip]
+    bad = [c for c in [*configs, *skip] if c not in CONFIGS]
     if bad:
-        ap.error(f"--configs: {bad} are not among {list(CONFIGS)}")
-    results = matrix(entries, configs)
-    runnable = [e for e in entries if e.missing() is None]
-    kfac_rows = {} if args.no_kfac else kfac(runnable)
-    exact = [e.name for e in runnable if results[e.name].get("sample", Outcome("")).kind
-             == "exact"]
-    times = {} if args.no_timing or not exact else timing(exact, args.steps, args.warmup)
+        ap.error(f"--configs/--skip-configs: {bad} are not among {list(CONFIGS)}")
     when = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     cmd = command_line("model_zoo.py", argv)
     header = f"Model zoo support matrix (`{cmd}`, {when}, torch {torch.__version__})"
-    doc = {"command": cmd, "date": when, "counts": counts(results),
-           "matrix": {m: {c: o.row() for c, o in row.items()} for m, row in results.items()},
-           "kfac": kfac_rows, "timing": times}
-    write_results(args.out, "model_zoo", doc, table(results, configs, kfac_rows, times, header))
+    if skip:
+        header += f"; configs not run: {', '.join(sorted(skip))}"
+
+    def write(results: dict, kfac_rows: dict, times: dict, done: bool) -> None:
+        doc = {"command": cmd, "date": when, "header": header, "finished": done,
+               "configs": configs,
+               "skipped_configs": sorted(skip), "counts": counts(results),
+               "matrix": {m: {c: o.row() for c, o in row.items()} for m, row in results.items()},
+               "refusals_by_construct": dict(by_construct(results)),
+               "kfac": kfac_rows, "timing": times}
+        text = table(results, configs, kfac_rows, times, header + ("" if done else
+                                                                    " (unfinished)"))
+        if done:
+            write_results(args.out, "model_zoo", doc, text)
+        else:
+            args.out.mkdir(parents=True, exist_ok=True)
+            (args.out / "model_zoo.json").write_text(json.dumps(doc, indent=1))
+            (args.out / "model_zoo.md").write_text(text + "\n")
+
+    old: dict[str, Any] = {"matrix": {}, "kfac": {}, "timing": {}}
+    if args.update:
+        old = json.loads((args.out / "model_zoo.json").read_text())
+        if old["configs"] != configs:
+            ap.error(f"--update: the results ran {old['configs']}, not {configs}")
+        first = old.get("header") or (
+            f"Model zoo support matrix (`{old['command']}`, {old['date']}, torch "
+            f"{torch.__version__})" + (f"; configs not run: {', '.join(old['skipped_configs'])}"
+                                      if old.get("skipped_configs") else ""))
+        header = f"{first}; {args.models} rerun by `{cmd}`, {when}"
+        cmd, when = old["command"], old["date"]
+    kept = {m: {c: Outcome(**o) for c, o in row.items()} for m, row in old["matrix"].items()}
+
+    def merged(new: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
+        """Every model of the zoo in zoo order: the new rows, else the kept ones."""
+        return {m: new[m] if m in new else before[m] for m in ZOO if m in new or m in before}
+
+    results = matrix(entries, configs,
+                     save=lambda rows: write(merged(rows, kept), old["kfac"], old["timing"],
+                                             False))
+    results = merged(results, kept)
+    runnable = [e for e in entries if e.missing() is None]
+    kfac_rows = merged({} if args.no_kfac else kfac(runnable), old["kfac"])
+    write(results, kfac_rows, old["timing"], False)
+    exact = [e.name for e in runnable if results[e.name].get("sample", Outcome("")).kind
+             == "exact"]
+    times = merged({} if args.no_timing or not exact else timing(exact, args.steps, args.warmup),
+                   old["timing"])
+    write(results, kfac_rows, times, True)
 
 
 if __name__ == "__main__":

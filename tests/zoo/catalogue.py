@@ -1,4 +1,5 @@
-"""The model zoo: networks as users bring them (MONAI, torchvision, timm), made tiny, the configs
+"""The model zoo: networks as users bring them (MONAI, torchvision, timm,
+segmentation-models-pytorch), made tiny (narrow widths, one or two blocks a stage, 32x32 inputs), the configs
 each is trained under, and the harness that trains one (model, config) pair on thread ranks
 against one process. Module-level, so real worker processes and ``benchmarks/model_zoo.py``
 import it.
@@ -25,6 +26,10 @@ from torch import nn
 from distconv.data import sample_block
 from distconv.nn import shard_specs
 from distconv.redistribute import gather
+from tests.vision_ops import install as _install_vision_ops
+
+# torchvision's models load beside the CPU torch (tests/vision_ops.py); timm, MONAI and smp import it
+_install_vision_ops()
 
 #: the largest relative error of an exact pair (fp64)
 REL_TOL = 1e-9
@@ -57,13 +62,11 @@ class Entry:
         return len(self.shape) - 2
 
     def missing(self) -> str | None:
-        """The first module this entry needs that does not import here, or None."""
-        for name in self.needs:
-            try:
-                importlib.import_module(name)
-            except Exception:  # noqa: BLE001 - a broken install skips the model like a missing one
-                return name
-        return None
+        """Why a module this entry needs does not import here (missing, or installed and
+        failing for any reason), or None."""
+        from tests.optional import why_not
+
+        return why_not(*self.needs)
 
 
 def _monai(name: str, *args: Any, **kw: Any) -> Callable[[], nn.Module]:
@@ -72,39 +75,239 @@ def _monai(name: str, *args: Any, **kw: Any) -> Callable[[], nn.Module]:
     return build
 
 
-def _tv(name: str, **kw: Any) -> Callable[[], nn.Module]:
-    def build() -> nn.Module:
-        return getattr(importlib.import_module("torchvision.models"), name)(weights=None, **kw)
-    return build
+def _narrow(model: nn.Module, k: int) -> nn.Module:
+    """Every convolution, batch norm and Linear of ``model`` rebuilt with its channels divided by
+    ``k`` (the image's channels and the classes kept): the model's own code at a width that
+    trains in seconds, for classes without a width option (torchvision's ResNet, GoogLeNet)."""
+    for parent in list(model.modules()):
+        for name, c in list(parent.named_children()):
+            if isinstance(c, nn.Conv2d):
+                new: nn.Module = nn.Conv2d(
+                    c.in_channels if c.in_channels == 3 else c.in_channels // k,
+                    c.out_channels // k, c.kernel_size, c.stride, c.padding, c.dilation,
+                    c.groups if c.groups == 1 else c.groups // k, c.bias is not None)
+            elif isinstance(c, nn.BatchNorm2d):
+                new = nn.BatchNorm2d(c.num_features // k, c.eps, c.momentum)
+            elif isinstance(c, nn.Linear):
+                new = nn.Linear(c.in_features // k, c.out_features, c.bias is not None)
+            else:
+                continue
+            setattr(parent, name, new)
+    return model
 
 
-def _seg_tv(name: str, **kw: Any) -> Callable[[], nn.Module]:
-    def build() -> nn.Module:
-        seg = importlib.import_module("torchvision.models.segmentation")
-        return _OutOf(getattr(seg, name)(weights=None, weights_backbone=None, **kw))
-    return build
+# ---------------------------------------------------------------------------- torchvision
+def _tv_resnet() -> nn.Module:
+    from torchvision.models.resnet import BasicBlock, ResNet
+    return _narrow(ResNet(BasicBlock, [1, 1, 1, 1], num_classes=3), 16)
 
 
+def _tv_mobilenet_v3() -> nn.Module:
+    from torchvision.models.mobilenetv3 import InvertedResidualConfig as C
+    from torchvision.models.mobilenetv3 import MobileNetV3
+    # (in, kernel, expanded, out, SE, activation, stride, dilation, width)
+    setting = [C(8, 3, 8, 8, True, "RE", 2, 1, 1.0), C(8, 3, 24, 16, False, "RE", 2, 1, 1.0),
+               C(16, 5, 32, 16, True, "HS", 1, 1, 1.0)]
+    return MobileNetV3(setting, last_channel=32, num_classes=3, dropout=0.0)
+
+
+def _tv_efficientnet() -> nn.Module:
+    from torchvision.models.efficientnet import EfficientNet, MBConvConfig
+    # (expand, kernel, stride, in, out, layers, width, depth)
+    setting = [MBConvConfig(1, 3, 1, 8, 8, 1, 1.0, 1.0), MBConvConfig(4, 3, 2, 8, 16, 2, 1.0, 1.0),
+               MBConvConfig(4, 5, 2, 16, 16, 1, 1.0, 1.0)]
+    return EfficientNet(setting, dropout=0.0, stochastic_depth_prob=0.0, num_classes=3,
+                        last_channel=32)
+
+
+def _tv_regnet() -> nn.Module:
+    from torchvision.models.regnet import BlockParams, RegNet
+    return RegNet(BlockParams.from_init_params(depth=3, w_0=8, w_a=8.0, w_m=2.0, group_width=4),
+                  num_classes=3, stem_width=8)
+
+
+def _tv_convnext() -> nn.Module:
+    from torchvision.models.convnext import CNBlockConfig, ConvNeXt
+    return ConvNeXt([CNBlockConfig(8, 16, 1), CNBlockConfig(16, None, 1)],
+                    stochastic_depth_prob=0.0, num_classes=3)
+
+
+def _tv_densenet() -> nn.Module:
+    from torchvision.models.densenet import DenseNet
+    return DenseNet(growth_rate=4, block_config=(2, 2), num_init_features=8, bn_size=2,
+                    num_classes=3)
+
+
+def _tv_shufflenet() -> nn.Module:
+    from torchvision.models.shufflenetv2 import ShuffleNetV2
+    return ShuffleNetV2([1, 1, 1], [8, 8, 16, 32, 64], num_classes=3)
+
+
+def _tv_googlenet() -> nn.Module:
+    from torchvision.models.googlenet import GoogLeNet
+    # dropout 0: a dropout mask is a random draw, never the one process's (its default is 0.2)
+    return _narrow(GoogLeNet(num_classes=3, aux_logits=False, transform_input=False,
+                             init_weights=False, dropout=0.0), 8)
+
+
+def _tv_vgg() -> nn.Module:
+    from torchvision.models.vgg import VGG, make_layers
+    model = VGG(make_layers([8, "M", 16, "M", 32, "M"], batch_norm=True), num_classes=3,
+                init_weights=False, dropout=0.0)
+    # its classifier's 25088 x 4096 layer, 16 wide (the same layers: Linear, ReLU, Dropout)
+    for i, (fan_in, fan_out) in zip((0, 3, 6), ((32 * 7 * 7, 16), (16, 16), (16, 3))):
+        model.classifier[i] = nn.Linear(fan_in, fan_out)
+    return model
+
+
+def _tv_vit() -> nn.Module:
+    from torchvision.models.vision_transformer import VisionTransformer
+    return VisionTransformer(image_size=32, patch_size=8, num_layers=1, num_heads=2,
+                             hidden_dim=16, mlp_dim=32, num_classes=3)
+
+
+# ---------------------------------------------------------------------------- timm
 def _timm(name: str, **kw: Any) -> Callable[[], nn.Module]:
+    """``timm.create_model`` (no download with ``pretrained=False``), sizes overridden."""
     def build() -> nn.Module:
-        return importlib.import_module("timm").create_model(name, pretrained=False, **kw)
+        return importlib.import_module("timm").create_model(name, pretrained=False,
+                                                            num_classes=3, **kw)
     return build
 
 
-class _OutOf(nn.Module):
-    """torchvision's segmentation models return ``{"out": ...}``: the tensor the loss reads."""
+_TINY_RESNET = {"layers": (1, 1, 1, 1), "channels": (8, 16, 32, 64), "stem_width": 8}
 
-    def __init__(self, model: nn.Module) -> None:
-        super().__init__()
-        self.model = model
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.model(x)["out"]
+def _timm_efficientnet(arch: list[list[str]], **kw: Any) -> Callable[[], nn.Module]:
+    """timm's ``EfficientNet`` class (EfficientNet, MixNet, ...) from a short architecture
+    string list, as its ``_gen_*`` functions build it."""
+    def build() -> nn.Module:
+        from timm.models._efficientnet_builder import decode_arch_def
+        from timm.models.efficientnet import EfficientNet
+        return EfficientNet(decode_arch_def(arch), num_classes=3, num_features=32, stem_size=8,
+                            **kw)
+    return build
+
+
+def _timm_mobilenet_v3() -> nn.Module:
+    from functools import partial
+
+    from timm.layers import get_act_layer
+    from timm.models._efficientnet_blocks import SqueezeExcite
+    from timm.models._efficientnet_builder import decode_arch_def, round_channels
+    from timm.models.mobilenetv3 import MobileNetV3
+    arch = [["ds_r1_k3_s2_e1_c8_se0.25_nre"], ["ir_r1_k3_s2_e4.5_c16_nre"],
+            ["ir_r1_k5_s2_e4_c16_se0.25"]]
+    se = partial(SqueezeExcite, gate_layer="hard_sigmoid", force_act_layer=nn.ReLU,
+                 rd_round_fn=round_channels)
+    return MobileNetV3(decode_arch_def(arch), num_classes=3, stem_size=8, num_features=32,
+                       act_layer=get_act_layer("hard_swish"), se_layer=se)
+
+
+def _timm_regnety() -> nn.Module:
+    from timm.models.regnet import RegNet, RegNetCfg
+    return RegNet(RegNetCfg(depth=5, w0=8, wa=12.0, wm=2.0, group_size=4, se_ratio=0.25,
+                            stem_width=8), num_classes=3)
+
+
+def _timm_repvgg() -> nn.Module:
+    from timm.models.byobnet import ByobNet, ByoBlockCfg, ByoModelCfg
+    cfg = ByoModelCfg(blocks=(ByoBlockCfg("rep", d=2, c=8, s=2, gs=0),
+                              ByoBlockCfg("rep", d=1, c=16, s=2, gs=0)),
+                      stem_type="rep", stem_chs=8, stem_pool=None, num_features=0)
+    return ByobNet(cfg, num_classes=3)
+
+
+def _timm_cspdarknet() -> nn.Module:
+    from timm.models.cspnet import CspModelCfg, CspNet, CspStagesCfg, CspStemCfg
+    cfg = CspModelCfg(stem=CspStemCfg(out_chs=8, kernel_size=3, stride=1, pool=""),
+                      stages=CspStagesCfg(depth=(1, 1), out_chs=(16, 32), stride=2,
+                                          expand_ratio=(2.0, 1.0), bottle_ratio=(0.5, 1.0),
+                                          block_ratio=(1.0, 0.5), down_growth=True,
+                                          block_type="dark"))
+    return CspNet(cfg, num_classes=3)
+
+
+def _timm_dla() -> nn.Module:
+    from timm.models.dla import DLA, DlaBasic
+    return DLA(levels=(1, 1, 1, 1, 1, 1), channels=(4, 8, 8, 16, 16, 32), block=DlaBasic,
+               num_classes=3)
+
+
+def _timm_ghostnet() -> nn.Module:
+    from timm.models.ghostnet import GhostNet
+    # per stage, per block: kernel, expanded, out, SE ratio, stride
+    cfgs = [[[3, 8, 8, 0.25, 1]], [[3, 24, 16, 0, 2]], [[5, 32, 16, 0.25, 2]]]
+    return GhostNet(cfgs, num_classes=3, width=0.5, drop_rate=0.0)
+
+
+def _timm_dpn() -> nn.Module:
+    from timm.models.dpn import DPN
+    return DPN(k_sec=(1, 1, 1, 1), inc_sec=(4, 4, 4, 4), k_r=8, groups=2, small=True,
+               num_init_features=8, num_classes=3)
+
+
+def _timm_vovnet() -> nn.Module:
+    from timm.models.vovnet import VovNet
+    cfg = {"stem_chs": [8, 8, 16], "stage_conv_chs": [8, 8, 16, 16],
+           "stage_out_chs": [16, 16, 32, 32], "layer_per_block": 2,
+           "block_per_stage": [1, 1, 1, 1], "residual": True, "depthwise": False, "attn": "ese"}
+    return VovNet(cfg, num_classes=3)
+
+
+def _timm_levit() -> nn.Module:
+    from timm.models.levit import Levit
+    return Levit(img_size=32, embed_dim=(16, 24), key_dim=8, depth=(1, 1),
+                 num_heads=(1, 2), num_classes=3)
+
+
+def _timm_pit() -> nn.Module:
+    from timm.models.pit import PoolingVisionTransformer
+    return PoolingVisionTransformer(img_size=32, patch_size=4, stride=2, base_dims=(8, 8),
+                                    depth=(1, 1), heads=(1, 2), mlp_ratio=2, num_classes=3)
+
+
+def _timm_mixer() -> nn.Module:
+    from timm.models.mlp_mixer import MlpMixer
+    return MlpMixer(num_classes=3, img_size=32, patch_size=8, num_blocks=1, embed_dim=16)
+
+
+def _timm_convmixer() -> nn.Module:
+    from timm.models.convmixer import ConvMixer
+    return ConvMixer(dim=16, depth=1, kernel_size=3, patch_size=4, num_classes=3)
+
+
+# ---------------------------------------------------------------------------- MONAI extras
+def _monai_swinunetr() -> nn.Module:
+    from monai.networks.nets import SwinUNETR
+    return SwinUNETR(in_channels=1, out_channels=2, feature_size=12, depths=(1, 1, 1, 1),
+                     num_heads=(1, 1, 1, 1), window_size=4, spatial_dims=2)
+
+
+def _monai_vnet() -> nn.Module:
+    from monai.networks.nets import VNet
+    model = VNet(spatial_dims=2, in_channels=1, out_channels=2, dropout_prob_down=0.0,
+                 dropout_prob_up=(0.0, 0.0))
+    for m in (model.up_tr64.dropout2, model.up_tr32.dropout2):  # 0.5, fixed in its __init__
+        m.p = 0.0
+    return model
+
+
+# ---------------------------------------------------------------------------- smp
+def _smp(arch: str, **kw: Any) -> Callable[[], nn.Module]:
+    """A segmentation-models-pytorch network (no download: ``encoder_weights=None``) on timm's
+    ResNet made tiny (``tu-`` encoders pass their keywords to ``timm.create_model``)."""
+    def build() -> nn.Module:
+        smp = importlib.import_module("segmentation_models_pytorch")
+        return getattr(smp, arch)(encoder_name="tu-resnet18", encoder_weights=None, classes=2,
+                                  **{"encoder_depth": 3, **_TINY_RESNET, **kw})
+    return build
 
 
 _IMG, _VOL = (4, 1, 32, 32), (4, 1, 8, 8, 8)
 _RGB = (4, 3, 32, 32)
-_MONAI, _TV, _TIMM = ("monai",), ("torchvision",), ("timm", "torchvision")
+_MONAI, _TV = ("monai",), ("torchvision",)
+_TIMM, _SMP = ("timm",), ("segmentation_models_pytorch", "timm")
 
 #: every model of the matrix, by name
 ZOO: dict[str, Entry] = {e.name: e for e in [
@@ -151,27 +354,64 @@ ZOO: dict[str, Entry] = {e.name: e for e in [
     Entry("monai.UNETR", "monai", _monai(
         "UNETR", 1, 2, img_size=16, feature_size=4, hidden_size=16, mlp_dim=32, num_heads=2,
         spatial_dims=3), (4, 1, 16, 16, 16), 2, (*_MONAI, "einops")),  # 16³ patches
-    # torchvision and timm (their smallest variants at a small input)
-    Entry("torchvision.resnet18", "torchvision", _tv("resnet18", num_classes=3), _RGB, 3, _TV),
-    Entry("torchvision.regnet_x_400mf", "torchvision", _tv("regnet_x_400mf", num_classes=3),
-          _RGB, 3, _TV),
-    Entry("torchvision.efficientnet_b0", "torchvision", _tv("efficientnet_b0", num_classes=3),
-          _RGB, 3, _TV),
-    Entry("torchvision.mobilenet_v3_small", "torchvision",
-          _tv("mobilenet_v3_small", num_classes=3), _RGB, 3, _TV),
-    Entry("torchvision.shufflenet_v2_x0_5", "torchvision",
-          _tv("shufflenet_v2_x0_5", num_classes=3), _RGB, 3, _TV),
-    Entry("torchvision.densenet121", "torchvision", _tv("densenet121", num_classes=3), _RGB, 3,
-          _TV),
-    Entry("torchvision.vgg11", "torchvision", _tv("vgg11", num_classes=3), _RGB, 3, _TV),
-    Entry("torchvision.deeplabv3_mobilenet_v3_large", "torchvision",
-          _seg_tv("deeplabv3_mobilenet_v3_large", num_classes=2, aux_loss=False), _RGB, 2, _TV),
-    Entry("timm.regnetx_002", "timm", _timm("regnetx_002", num_classes=3), _RGB, 3, _TIMM),
-    Entry("timm.convnext_atto", "timm", _timm("convnext_atto", num_classes=3), _RGB, 3, _TIMM),
-    Entry("timm.mobilenetv3_small_050", "timm", _timm("mobilenetv3_small_050", num_classes=3),
+    # its encoder halves the map five times and instance-normalises what is left: 64 x 64
+    Entry("monai.SwinUNETR", "monai", _monai_swinunetr, (4, 1, 64, 64), 2, (*_MONAI, "einops")),
+    # its input block adds the input repeated to 16 channels; its widths are fixed (16 to 256)
+    Entry("monai.VNet", "monai", _monai_vnet, (4, 1, 16, 16), 2, _MONAI),
+    # torchvision: each through its class, narrow and shallow
+    Entry("torchvision.ResNet", "torchvision", _tv_resnet, _RGB, 3, _TV),
+    Entry("torchvision.MobileNetV3", "torchvision", _tv_mobilenet_v3, _RGB, 3, _TV),
+    Entry("torchvision.EfficientNet", "torchvision", _tv_efficientnet, _RGB, 3, _TV),
+    Entry("torchvision.RegNet", "torchvision", _tv_regnet, _RGB, 3, _TV),
+    Entry("torchvision.ConvNeXt", "torchvision", _tv_convnext, _RGB, 3, _TV),
+    Entry("torchvision.DenseNet", "torchvision", _tv_densenet, _RGB, 3, _TV),
+    Entry("torchvision.ShuffleNetV2", "torchvision", _tv_shufflenet, _RGB, 3, _TV),
+    Entry("torchvision.GoogLeNet", "torchvision", _tv_googlenet, _RGB, 3, _TV),
+    Entry("torchvision.VGG", "torchvision", _tv_vgg, _RGB, 3, _TV),
+    Entry("torchvision.ViT", "torchvision", _tv_vit, _RGB, 3, _TV),
+    # timm: create_model with sizes overridden, or the family's class from a small config
+    Entry("timm.ResNet", "timm", _timm("resnet18", **_TINY_RESNET), _RGB, 3, _TIMM),
+    Entry("timm.Res2Net", "timm", _timm("res2net50_26w_4s", **_TINY_RESNET), _RGB, 3, _TIMM),
+    Entry("timm.ResNeSt", "timm", _timm("resnest14d", **_TINY_RESNET), _RGB, 3, _TIMM),
+    Entry("timm.SE-ResNeXt", "timm", _timm("seresnext26d_32x4d", **_TINY_RESNET, cardinality=4,
+                                           base_width=32), _RGB, 3, _TIMM),
+    Entry("timm.EfficientNet", "timm", _timm_efficientnet(
+        [["ds_r1_k3_s1_e1_c8_se0.25"], ["ir_r2_k3_s2_e4_c16_se0.25"],
+         ["ir_r1_k5_s2_e4_c16_se0.25"]]), _RGB, 3, _TIMM),
+    Entry("timm.MixNet", "timm", _timm_efficientnet(
+        [["ds_r1_k3_s1_e1_c8"], ["ir_r1_k3.5_a1.1_p1.1_s2_e3_c16"],
+         ["ir_r1_k3.5.7_s2_e4_c16_se0.5_nsw"]]), _RGB, 3, _TIMM),
+    Entry("timm.MobileNetV3", "timm", _timm_mobilenet_v3, _RGB, 3, _TIMM),
+    Entry("timm.GhostNet", "timm", _timm_ghostnet, _RGB, 3, _TIMM),
+    Entry("timm.RegNetY", "timm", _timm_regnety, _RGB, 3, _TIMM),
+    Entry("timm.RepVGG", "timm", _timm_repvgg, _RGB, 3, _TIMM),
+    Entry("timm.CSPDarknet", "timm", _timm_cspdarknet, _RGB, 3, _TIMM),
+    Entry("timm.DLA", "timm", _timm_dla, _RGB, 3, _TIMM),
+    Entry("timm.DPN", "timm", _timm_dpn, _RGB, 3, _TIMM),
+    Entry("timm.VoVNet", "timm", _timm_vovnet, _RGB, 3, _TIMM),
+    Entry("timm.ConvNeXt", "timm", _timm("convnext_atto", depths=(1, 1, 1, 1),
+                                         dims=(8, 16, 32, 64)), _RGB, 3, _TIMM),
+    Entry("timm.ConvMixer", "timm", _timm_convmixer, _RGB, 3, _TIMM),
+    Entry("timm.ViT", "timm", _timm("vit_tiny_patch16_224", img_size=32, patch_size=8,
+                                    embed_dim=16, depth=1, num_heads=2), _RGB, 3, _TIMM),
+    Entry("timm.DeiT", "timm", _timm("deit_tiny_distilled_patch16_224", img_size=32,
+                                     patch_size=8, embed_dim=16, depth=1, num_heads=2),
           _RGB, 3, _TIMM),
-    Entry("timm.efficientnet_b0", "timm", _timm("efficientnet_b0", num_classes=3), _RGB, 3,
-          _TIMM),
+    Entry("timm.Swin", "timm", _timm("swin_tiny_patch4_window7_224", img_size=32, patch_size=4,
+                                     window_size=4, embed_dim=8, depths=(1, 1),
+                                     num_heads=(1, 2), drop_path_rate=0.0), _RGB, 3, _TIMM),
+    Entry("timm.MLPMixer", "timm", _timm_mixer, _RGB, 3, _TIMM),
+    Entry("timm.LeViT", "timm", _timm_levit, _RGB, 3, _TIMM),
+    Entry("timm.PiT", "timm", _timm_pit, _RGB, 3, _TIMM),
+    # segmentation-models-pytorch on a tiny timm ResNet encoder, three stages deep
+    Entry("smp.Unet", "smp", _smp("Unet", decoder_channels=(16, 8, 8)), _RGB, 2, _SMP),
+    Entry("smp.FPN", "smp", _smp("FPN", decoder_pyramid_channels=16,
+                                 decoder_segmentation_channels=32, upsampling=1,
+                                 decoder_dropout=0.0), _RGB, 2, _SMP),
+    Entry("smp.DeepLabV3Plus", "smp", _smp("DeepLabV3Plus", encoder_output_stride=8,
+                                           decoder_channels=16, decoder_aspp_dropout=0.0), _RGB, 2, _SMP),
+    Entry("smp.Linknet", "smp", _smp("Linknet"), _RGB, 2, _SMP),
+    Entry("smp.PSPNet", "smp", _smp("PSPNet", psp_out_channels=16, psp_dropout=0.0), _RGB, 2, _SMP),
 ]}
 
 
@@ -180,6 +420,9 @@ def case(entry: Entry, seed: int = 0) -> tuple[nn.Module, torch.Tensor, torch.Te
     global generator), a global input batch and its labels (per sample or per voxel)."""
     gen = torch.Generator().manual_seed(seed)
     model = entry.build().double()
+    random = random_layers(model)
+    assert not random, (f"{entry.name}: {random} draw random masks in training, which no "
+                        "parallel run reproduces on sample-split values (build it with p=0)")
     with torch.no_grad():
         for p in model.parameters():
             fan_in = p[0].numel() if p.dim() > 1 else p.numel()
@@ -189,6 +432,20 @@ def case(entry: Entry, seed: int = 0) -> tuple[nn.Module, torch.Tensor, torch.Te
         out = copy.deepcopy(model)(x)
     labels = (entry.shape[0], *out.shape[2:])  # a label per sample, or per output voxel
     return model, x, torch.randint(0, entry.classes, labels, generator=gen)
+
+
+def random_layers(model: nn.Module) -> list[str]:
+    """The modules that draw a random mask in training (dropout with p > 0, stochastic depth):
+    zoo models are built without them, since sample-split values draw their own masks (as
+    DDP's ranks do) and a pair could not be compared with one process."""
+    found = []
+    for name, m in model.named_modules():
+        p = getattr(m, "p", None) if isinstance(m, nn.modules.dropout._DropoutNd) else None
+        p = getattr(m, "drop_prob", p) if "DropPath" in type(m).__name__ else p
+        p = getattr(m, "p", p) if type(m).__name__ == "StochasticDepth" else p
+        if p:
+            found.append(name or "(the root)")
+    return found
 
 
 def deepest_convs(model: nn.Module, x: torch.Tensor) -> list[str]:
@@ -362,7 +619,7 @@ def run_pair(entry: Entry, config_name: str, seed: int = 0) -> Outcome:
     """Train one pair on :data:`WORLD` thread ranks against one process."""
     missing = entry.missing()
     if missing is not None:
-        return Outcome("skipped", message=f"{missing} does not import here")
+        return Outcome("skipped", message=missing)
     from distconv.testing import run_threads
 
     model, x, y = case(entry, seed)
@@ -435,7 +692,7 @@ def run_kfac(entry: Entry, config_name: str, seed: int = 0) -> tuple[Outcome, di
     (name -> why; the same on one process and on the parallel model, or the outcome says so)."""
     missing = entry.missing()
     if missing is not None:
-        return Outcome("skipped", message=f"{missing} does not import here"), {}
+        return Outcome("skipped", message=missing), {}
     from distconv.testing import run_threads
 
     model, x, y = case(entry, seed)
