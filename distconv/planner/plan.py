@@ -279,7 +279,7 @@ def _search(s: _Search, mu: float, limit: float, width: int) -> Found:
         plans.setdefault((tuple(sorted(p.items(), key=lambda kv: kv[0])), data), (p, data))
 
     for lam in (0.0, 1.0):
-        for p, data in s.beam(lam, mu, width)[:BEAM_PLANS]:
+        for _, p, data in s.beam(lam, mu, width)[:BEAM_PLANS]:
             add(p, data)
     add(_own_picks(s), s.base.data)
     for p in _uniform(s):

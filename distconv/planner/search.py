@@ -327,10 +327,12 @@ class _Search:
 
     # ---------------------------------------------------------------- the beam
     def beam(self, lam: float, mu: float, width: int
-             ) -> list[tuple[dict[str, Choice], Layout]]:
-        """The plans of the ``width`` cheapest frontiers after the last node, cheapest first.
-        Every data grid starts a state; none is dropped before the first chosen layer has
-        priced the conversion from it."""
+             ) -> list[tuple[float, dict[str, Choice], Layout]]:
+        """The plans of the ``width`` cheapest frontiers after the last node, cheapest first,
+        each with its score (the parts' seconds, ``lam`` times the gradient allreduces and
+        ``mu`` times the bytes). Every data grid starts a state; none is dropped before the
+        first chosen layer has priced the conversion from it; of the states that reach one
+        frontier, the cheapest goes on."""
         walker = _Analyser(self.gm, self.view, len(self.net.input_shape))  # type: ignore[arg-type]
         walker.ndim = self.ndim
         # (score, frontier: value -> its step, chosen, conversions made, data grid)
@@ -375,7 +377,7 @@ class _Search:
             if name is not None:
                 keep = width
             states = sorted(merged.values(), key=lambda s: s[0])[:keep]
-        return [(s[2], s[4]) for s in states]
+        return [(s[0], s[2], s[4]) for s in states]
 
     def _visit(self, walker: Any, node: Any, live: Mapping[Any, Step],
                picked: Mapping[str, Choice], ch: Choice | None) -> Step | None:
