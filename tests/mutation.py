@@ -764,10 +764,12 @@ MUTANTS += [
     Mutant("softmax-negative-dim", "distconv/ops/softmax.py", "        dim %= p.ndim\n", "",
            (f"{PINS_WAVE}::test_a_split_dim_is_made_whole_where_the_op_reads_it_whole",),
            "a softmax over a negative dim that is split normalises each rank's block alone"),
-    Mutant("index-split-dim-kept", "distconv/ops/index.py",
-           "        if any(entries[d] is not None for d in dropped):", "        if False:",
+    Mutant("index-split-dim-complete", "distconv/ops/index.py",
+           "        pending = p.dist.pending | {g for d in picked for g in p.dist.grid_dims_of(d)}",
+           "        pending = p.dist.pending",
            (f"{PINS_WAVE}::test_a_split_dim_is_made_whole_where_the_op_reads_it_whole",),
-           "an integer index into a split dim takes each rank's own block's element"),
+           "an integer index into a split dim: each rank's pick (the owner's element, the "
+           "others' zeros) taken as the whole value, never summed"),
     Mutant("recompute-replay-last-first", "distconv/nn/recompute.py",
            "copy.set_state(replaying[-1].pop(0))", "copy.set_state(replaying[-1].pop())",
            (f"{PINS_WAVE}::test_two_dropouts_in_one_recomputed_segment_replay_their_own_masks",),
@@ -783,6 +785,17 @@ MUTANTS += [
            "        if next(m.parameters(), None) is None:\n            continue",
            (f"{PINS_WAVE}::test_a_never_called_module_with_only_buffers_keeps_them_in_the_state",),
            "a never-called module holding only buffers drops out of the parallel model's state"),
+    Mutant("planner-own-picks-dropped", "distconv/planner/plan.py",
+           "    add(_own_picks(s), s.base.data)\n", "",
+           ("tests/test_pins_planner.py::"
+            "test_the_search_keeps_each_layers_own_cheapest_choice_as_a_starting_plan",),
+           "the search no longer starts from each layer's own cheapest choice: a plan priced "
+           "above it can come out"),
+    Mutant("beam-keeps-first-state", "distconv/planner/search.py",
+           "if key not in merged or score + add < merged[key][0]:", "if key not in merged:",
+           ("tests/test_pins_planner.py::"
+            "test_the_beam_keeps_the_cheapest_state_that_reaches_a_frontier",),
+           "the beam keeps the first state that reaches a frontier, not the cheapest"),
 ]
 
 
