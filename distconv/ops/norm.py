@@ -214,8 +214,7 @@ class FunctionalBatchNormHandler(Handler):
         call = batch_norm_call(node.args, node.kwargs)
         _, owner = batch_norm_owner(node.graph.owning_module, call)
         return DistBatchNormCall(grid=grid, input_dist=step.layer.input.dist, eps=call["eps"],
-                                 training=bool(call["training"]), momentum=call["momentum"],
-                                 owner=owner)
+                                 training=bool(call["training"]), owner=owner)
 
     def price(self, report: Any, step: Any, module: Any, ctx: PriceContext) -> None:
         call = batch_norm_call(step.node.args, step.node.kwargs)
