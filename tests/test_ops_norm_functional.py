@@ -216,3 +216,29 @@ class TimmNet(nn.Module):
 def test_timms_batchnormact2d_equals_one_process(world: int, config: dict) -> None:
     model, x, y = _case(TimmNet, (4, 3, 8, 6))
     _check(model, world, config, x, y)
+
+
+class _TrackedInstance(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("mean", torch.zeros(4))
+        self.register_buffer("var", torch.ones(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.instance_norm(x, self.mean, self.var, use_input_stats=True)
+
+
+def test_instance_norm_call_with_running_statistics_is_refused_by_name() -> None:
+    with pytest.raises(ops.Unsupported, match="node 'instance_norm'.*: use an nn.InstanceNorm"):
+        explain(SampleNet(_TrackedInstance(), 4), SAMPLE_GRIDS[1][1], SHAPE, world_size=2)
+
+
+class _PlainGroups(nn.GroupNorm):
+    """A subclass that keeps torch's forward."""
+
+
+def test_group_norm_subclass_with_torchs_forward_is_the_distributed_layer() -> None:
+    model, x, y = _case(lambda: SampleNet(_PlainGroups(2, 4), 4))
+    world, config = SAMPLE_GRIDS[1]
+    assert all("DistGroupNorm" in k for k in run_threads(_kinds, world, model, config))
+    _check(model, world, config, x, y)

@@ -46,21 +46,21 @@ class DistBatchNormCall(nn.Module):
     module's). With an owner, the call follows the module as ``nn.BatchNorm``'s forward does:
     batch statistics in training or without running statistics, the running statistics updated
     in training when tracked, ``num_batches_tracked`` counted and ``momentum=None`` a cumulative
-    average; without, it is the call as captured (``training``, ``momentum``).
+    average; without, it is the call as captured (``training``), which then updates no running
+    statistics (:class:`~distconv.ops.norm.FunctionalBatchNormHandler` refuses one that would).
 
     Args:
         grid: the :class:`~distconv.grid.ProcessorGrid` over all ranks.
         input_dist: the Dist of ``x`` (no pending dims).
-        eps, training, momentum: the call's.
-        owner: see above.
+        eps, training: the call's (default: ``training=True``).
+        owner: see above (default: None).
     """
 
     def __init__(self, *, grid: ProcessorGrid, input_dist: Dist, eps: float,
-                 training: bool = True, momentum: float | None = 0.1,
-                 owner: nn.Module | None = None) -> None:
+                 training: bool = True, owner: nn.Module | None = None) -> None:
         super().__init__()
         self.grid, self.input_dist, self.eps = grid, input_dist, float(eps)
-        self.call_training, self.call_momentum = bool(training), momentum
+        self.call_training = bool(training)
         object.__setattr__(self, "_owner", owner)  # (not a child: the model holds it)
         nd = input_dist.ndim
         # sub-communicators are created collectively, in the same order on every rank

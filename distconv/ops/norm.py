@@ -214,8 +214,7 @@ class FunctionalBatchNormHandler(Handler):
         call = batch_norm_call(node.args, node.kwargs)
         _, owner = batch_norm_owner(node.graph.owning_module, call)
         return DistBatchNormCall(grid=grid, input_dist=step.layer.input.dist, eps=call["eps"],
-                                 training=bool(call["training"]), momentum=call["momentum"],
-                                 owner=owner)
+                                 training=bool(call["training"]), owner=owner)
 
     def price(self, report: Any, step: Any, module: Any, ctx: PriceContext) -> None:
         call = batch_norm_call(step.node.args, step.node.kwargs)
@@ -341,9 +340,7 @@ def _counts_batches(owner: nn.Module, ndim: int) -> bool:
     ``nn.BatchNorm``'s does: a copy of it run once on zeros (torch's generator left as it was).
     The trace cannot see it: fx records no in-place update of a buffer."""
     found = _COUNTS.get(owner)
-    if found is None:
-        from distconv.parallel.capture import TRACING
-
+    if found is None:  # (placement runs after the capture: no trace intercepts this call)
         twin = copy.deepcopy(owner)
         if any(t.is_meta for t in twin.state_dict().values()):
             twin = twin.to_empty(device="cpu")
@@ -352,7 +349,7 @@ def _counts_batches(owner: nn.Module, ndim: int) -> bool:
                         dtype=None if ref is None else ref.dtype,
                         device=None if ref is None else ref.device)
         try:
-            with TRACING, torch.no_grad(), torch.random.fork_rng(devices=[]):
+            with torch.no_grad(), torch.random.fork_rng(devices=[]):
                 twin.num_batches_tracked.zero_()
                 twin.train()(x)
             found = int(twin.num_batches_tracked) == 1
