@@ -120,12 +120,16 @@ def report(rows: list[dict[str, Any]]) -> str:
 
 
 def main() -> None:
+    global OUT
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", nargs="*", default=list(MODELS))
     ap.add_argument("--no-paper", action="store_true", help="leave out ResNet-50 at 1024 GPUs")
+    ap.add_argument("--out", type=Path, default=OUT, help="where the results go (default "
+                    "benchmarks/results)")
     ap.add_argument("--paper-first", action="store_true",
                     help="time ResNet-50 at 1024 GPUs before the zoo models")
     args = ap.parse_args()
+    OUT = args.out
     torch.set_num_threads(1)
     rows: list[dict[str, Any]] = []
     if args.paper_first and not args.no_paper:

@@ -268,12 +268,14 @@ def gradient_buckets(gm: fx.GraphModule, analysis: Any, P: int, ranks: list[int]
         if params is None:
             params = cache[("parameters",)] = dict(gm.named_parameters())
     specs: dict[str, ShardSpec] = {}
+    groups: dict[tuple, list[str]] | None = None if cache is None else {}
     for name, p in params.items():
         owner, _, leaf = name.rpartition(".")
         step = owners.get(owner)
-        key = None if cache is None else ("spec", name, None if step is None else (
-            step.layer, step.out, tuple(step.needs.items())))
-        spec = None if key is None else cache.get(key)
+        # (a step by identity, kept in the entry: the planner's steps live as long as it does)
+        key = None if cache is None else ("spec", name, id(step))
+        got = None if key is None else cache.get(key)
+        spec = got[1] if got is not None and got[0] is step else None
         if spec is None:
             dists = None if step is None else step.handler.param_dists(step, gm.get_submodule(owner))
             dist = None if dists is None else dists[leaf]
@@ -284,8 +286,14 @@ def gradient_buckets(gm: fx.GraphModule, analysis: Any, P: int, ranks: list[int]
                 spec = ShardSpec(paper_grid(layout, 0), Placement(layout, dist).dist,
                                  tuple(p.shape))
             if key is not None:
-                cache[key] = spec
+                # its group, as gradient_groups finds it (in parameter order below)
+                one = gradient_groups({name: spec}, {name: p})
+                cache[key] = (step, spec, next(iter(one), None))
         specs[name] = spec
+        if groups is not None:
+            group = cache[key][2]
+            if group is not None:
+                groups.setdefault(group, []).append(name)
     report = LayerReport("(gradients)", "grad-sync", "-", "-", {})
     def ready_after(bucket: list[int], names: list[str]) -> str | None:
         """The layer whose backward completes the bucket: its first owner in forward order."""
@@ -293,12 +301,15 @@ def gradient_buckets(gm: fx.GraphModule, analysis: Any, P: int, ranks: list[int]
         known = [o for o in owned if o in order]
         return min(known, key=order.__getitem__) if len(known) == len(owned) else None
 
-    for (layout, dims), names in gradient_groups(specs, params).items():
+    if groups is None:
+        groups = gradient_groups(specs, params)
+    for (layout, dims), names in groups.items():
         if layout is None and P == 1:
             continue
         key = None if cache is None else (
-            "group", layout, dims, tuple((n, specs[n].dist) for n in names), tuple(ranks), P,
-            isz, bucket_bytes, tuple(order.get(n.rpartition(".")[0]) for n in names))
+            "group", layout, dims, tuple(names), tuple(id(specs[n]) for n in names),
+            tuple(ranks), P, isz, bucket_bytes,
+            tuple(order.get(n.rpartition(".")[0]) for n in names))
         if key is not None and key in cache:
             report.steps += cache[key]
             continue

@@ -271,7 +271,7 @@ class _Search:
         for conv in parts[1:]:
             steps.insert(0, conv.steps[0])
             steps += conv.steps[1:]
-        return replace(parts[0], steps=steps)
+        return _with_steps(parts[0], steps)
 
     def seconds(self, rep: LayerReport) -> tuple[float, float, float]:
         """A report's forward and backward seconds on the critical path, and its memory."""
@@ -465,7 +465,7 @@ class _Search:
             rep = self.report(step, moves, grad_in)
             if cost.kept(rep):
                 # coalescing takes the running statistics out of a report's steps: a copy
-                layers.append(replace(rep, steps=list(rep.steps)) if _running(rep) else rep)
+                layers.append(_with_steps(rep, list(rep.steps)) if _running(rep) else rep)
         running = cost.coalesced_running(layers)
         if running is not None:
             layers.append(running)
@@ -482,6 +482,15 @@ class _Search:
         t = timeline(layers, self.machine)
         mem = sum(cost.memory(layers, self.itemsize, self.optimizer_states).values())
         return _Priced(t.step, t.forward, float(mem), layers, analysis)
+
+
+def _with_steps(report: LayerReport, steps: list) -> LayerReport:
+    """``dataclasses.replace(report, steps=steps)``, made as a shallow copy of its fields (many
+    a plan needs one)."""
+    new = object.__new__(type(report))
+    new.__dict__.update(report.__dict__)
+    new.steps = steps
+    return new
 
 
 def _running(report: LayerReport) -> bool:
