@@ -85,6 +85,12 @@ def _pure_prices(model: nn.Module, shape: tuple[int, ...], names: list[str]) -> 
     """``explain``'s step time on Lassen of each pure alternative the layers can all run."""
     out = {}
     for grid, algorithm in PURE:
+        if grid.get("N", 1) > shape[0]:
+            # more sample blocks than samples: explain runs it with ranks that hold nothing,
+            # which the planner never offers (e.g. one 64³ volume on {N: 2, F: 2}: the second
+            # row idle). Priced with its conversions over their segments, such a plan can be
+            # the cheaper: the input moves to the 2 ranks of the first row, not to all 4.
+            continue
         config = {"layers": [{"match": n, "grid": grid, "algorithm": algorithm} for n in names]}
         try:
             ex = explain(model, config, shape, world_size=4, machine=lassen())

@@ -163,11 +163,15 @@ def conversion(report: LayerReport, name: str, src: Placement, dst: Placement,
                shape: tuple[int, ...], isz: int, P: int, ranks: list[int],
                backward: bool) -> None:
     """The conversion of ``name`` from ``src`` to ``dst`` (and its adjoint with ``backward``) on
-    ``report``: the bytes each evaluated rank receives, run among its segment (the ranks it
-    exchanges data with: :func:`~distconv.pricing.segments.conversion_segments`), the adjoint
-    on the same segments."""
+    ``report``: the bytes each evaluated rank receives, run among the segments of the first and
+    the last rank (the ranks they exchange data with:
+    :func:`~distconv.pricing.segments.conversion_segments`), the adjoint on the same segments.
+    With the balanced, row-major layouts used here every segment of a conversion is a
+    translate of these (the same size and span); finding every evaluated rank's would cost a
+    search from each per conversion priced, and the price must not depend on which ranks a
+    caller evaluates."""
     fwd = {r: conversion_bytes(src, dst, shape, isz, r) for r in ranks}
-    groups = conversion_segments(src, dst, shape, ranks)
+    groups = conversion_segments(src, dst, shape, (0, P - 1))
     peers = max((len(g) for g in groups), default=1)
     what = f"redistribute {name}: {src.format()} -> {dst.format()}"
     report.steps.insert(0, CommStep("forward", what, "redistribute", fwd, peers, groups=groups))

@@ -47,11 +47,12 @@ class CommStep:
         :func:`~distconv.pricing.machine.resolve_machine` makes of it, as everywhere)."""
         nbytes = max(self.bytes.values())
         machine = resolve_machine(machine, hierarchical=True)
-        if self.groups is not None:
+        if self.groups:
             # each segment exchanges on its own: its size for the latency (a pairwise exchange,
-            # one step per peer), the level it spans for the bandwidth; the slowest segment
-            return max((machine.link_time(g, self._most(g, nbytes), len(g) - 1)
-                        for g in self.groups), default=0.0) if nbytes else 0.0
+            # one step per peer), the level it spans for the bandwidth; the slowest segment,
+            # with the most bytes any rank receives
+            return max(machine.link_time(g, nbytes, len(g) - 1)
+                       for g in self.groups) if nbytes else 0.0
         dims = self.dims or tuple(d for d, _ in self.layout or ())
         if self.op in _COLLECTIVES:
             return machine.collective_time(self.op, self.peers, nbytes, layout=self.layout,
@@ -60,12 +61,6 @@ class CommStep:
                  else list(range(self.peers)))
         return machine.link_time(group, nbytes, max(self.peers - 1, 1)) if nbytes else 0.0
 
-
-    def _most(self, group: tuple[int, ...], nbytes: int) -> int:
-        """The most bytes an evaluated rank of ``group`` receives (``nbytes``, the step's most,
-        where none of its ranks is evaluated)."""
-        own = [self.bytes[r] for r in group if r in self.bytes]
-        return max(own) if own else nbytes
 
     def segment(self, machine: AnyMachine | None = None) -> str:
         """The ranks a conversion runs among, e.g. ``"4 ranks, one node"`` (the largest segment

@@ -246,7 +246,9 @@ def repartition(
     if bound is None or not isinstance(x, torch.Tensor) or x.shape != bound[0]:
         x, bound = _bind_repartition(x, src_grid, src, dst_grid, dst, global_shape, key)
     _, plan, where, plain_dst, shape, segment = bound
-    if segment is None:  # every rank already holds its target block: no collective on any rank
+    if segment is None or len(segment[1]) == 1:
+        # this rank already holds its target block (on every rank: no collective anywhere;
+        # a segment of one: this rank trades with no other)
         y = _own_block(x, plan, src_grid.comm.rank)
     else:
         y = _Repartition.apply(x, plan, segment, src_grid.comm.rank, where)
@@ -256,7 +258,8 @@ def repartition(
 
 
 def _own_block(x: torch.Tensor, plan: RepartitionPlan, rank: int) -> torch.Tensor:
-    """Rank ``rank``'s target block of a :attr:`RepartitionPlan.local` plan, cut from its own
+    """Rank ``rank``'s target block where it trades with no other rank (a
+    :attr:`RepartitionPlan.local` plan, or a segment of one), cut from its own
     source block ``x`` (``x`` itself when the boxes agree; autograd's slice adjoint pads)."""
     own, target = plan.src_boxes[rank], plan.dst_boxes[rank]
     if own == target:
