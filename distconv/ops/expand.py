@@ -11,10 +11,10 @@ where that is a dim of a placed value on the same grid (a ViT's class token
 ``cls_token.expand(x.shape[0], -1, -1)`` is ``[o_N,*,*]`` where ``x`` holds the samples as
 ``[o_N,*,*]``: each rank expands to its own samples' count, and ``torch.cat`` with ``x`` moves
 nothing), else whole. The local block is the expansion (a view) narrowed to the rank's block
-(:class:`~distconv.nn` style: the layer knows the grid). Its adjoint is local: the sum over the
-expanded rows of the block, a pending sum over the grid dims that split them where the input is
-replicated (the sum convention); a parameter's gradient is completed by the replicated
-parameters' all-rank sum.
+of the output's Dist on its grid (:class:`_Grow`, built per node). Its adjoint is local: the
+sum over the expanded rows of the block, a pending sum over the grid dims that split them where
+the input is replicated (the sum convention); a parameter's gradient is completed by the
+replicated parameters' all-rank sum.
 
 ``x.expand_as(y)`` takes ``y``'s placement: ``x`` is converted to it, the dims it broadcasts
 over whole (:func:`~distconv.ops.elementwise.broadcast_need`), and each rank expands its block
