@@ -1,11 +1,11 @@
 """The model zoo's support matrix: every zoo model (``tests/zoo/catalogue.py``: MONAI, torchvision,
-timm, segmentation-models-pytorch, made tiny) under every config (sample, spatial, the deepest convolutions over channels or
-over filters, ``auto``, ``plan_network``'s plan), two SGD steps on 4 thread ranks in fp64 against
-one process: exact (with the largest relative error), refused (the exception, the node and module
-it names, the reason), or an internal error. Then ``distkfac.KFAC`` on each model's channel
-config against one process's K-FAC (the layers it does not precondition, by name), and the step
-time of each sample-parallel model against torch DDP on a real gloo world (medians of interleaved
-steps, the slower rank).
+timm, segmentation-models-pytorch, made tiny) under every config (sample, spatial, the deepest
+convolutions over channels or over filters, ``auto``, ``plan_network``'s plan), two SGD steps on 4
+thread ranks in fp64 against one process: exact (with the largest relative error), refused (the
+exception, the node and module it names, the reason), or an internal error. Then ``distkfac.KFAC``
+on each model's channel config against one process's K-FAC (the layers it does not precondition, by
+name), and the step time of each sample-parallel model against torch DDP on a real gloo world
+(medians of interleaved steps, the slower rank).
 
 Writes ``benchmarks/results/model_zoo.{md,json}`` (rewritten after every model, so a long run
 that is stopped keeps what it did)::

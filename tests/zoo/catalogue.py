@@ -1,7 +1,7 @@
 """The model zoo: networks as users bring them (MONAI, torchvision, timm,
-segmentation-models-pytorch), made tiny (narrow widths, one or two blocks a stage, 32x32 inputs), the configs
-each is trained under, and the harness that trains one (model, config) pair on thread ranks
-against one process. Module-level, so real worker processes and ``benchmarks/model_zoo.py``
+segmentation-models-pytorch), made tiny (narrow widths, one or two blocks a stage, 32x32 inputs),
+the configs each is trained under, and the harness that trains one (model, config) pair on thread
+ranks against one process. Module-level, so real worker processes and ``benchmarks/model_zoo.py``
 import it.
 
 A pair's outcome is ``exact`` (fp64, two SGD steps with momentum on 4 ranks: outputs, gradients,
@@ -28,7 +28,7 @@ from distconv.nn import shard_specs
 from distconv.redistribute import gather
 from tests.vision_ops import install as _install_vision_ops
 
-# torchvision's models load beside the CPU torch (tests/vision_ops.py); timm, MONAI and smp import it
+# torchvision's models load beside the CPU torch (tests/vision_ops.py); timm, MONAI, smp import it
 _install_vision_ops()
 
 #: the largest relative error of an exact pair (fp64)
@@ -409,7 +409,8 @@ ZOO: dict[str, Entry] = {e.name: e for e in [
                                  decoder_segmentation_channels=32, upsampling=1,
                                  decoder_dropout=0.0), _RGB, 2, _SMP),
     Entry("smp.DeepLabV3Plus", "smp", _smp("DeepLabV3Plus", encoder_output_stride=8,
-                                           decoder_channels=16, decoder_aspp_dropout=0.0), _RGB, 2, _SMP),
+                                           decoder_channels=16, decoder_aspp_dropout=0.0),
+          _RGB, 2, _SMP),
     Entry("smp.Linknet", "smp", _smp("Linknet"), _RGB, 2, _SMP),
     Entry("smp.PSPNet", "smp", _smp("PSPNet", psp_out_channels=16, psp_dropout=0.0), _RGB, 2, _SMP),
 ]}
