@@ -166,3 +166,38 @@ def test_a_never_called_module_with_only_buffers_keeps_them_in_the_state() -> No
     for got in run_threads(_state_keys, 2, model):
         assert list(got) == list(want)
         assert torch.equal(got["stats.mean"], torch.arange(4.0, dtype=torch.float64))
+
+
+class _Unsaved(nn.Module):
+    """A non-persistent buffer read in the forward (timm's relative position index) and a mask
+    built from sizes (Swin's shifted-window mask, a constant of the capture): neither is state."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 1)
+        self.register_buffer("scale", torch.linspace(0.5, 2.0, 4, dtype=torch.float64)[:, None,
+                                                                                       None],
+                             persistent=False)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h, w = x.shape[2:]
+        mask = torch.zeros((h, w), dtype=x.dtype, device=x.device)
+        mask[: h // 2] = 1.0
+        return self.head((self.conv(x) * self.scale * (1 + mask)).mean((2, 3)))
+
+
+def _unsaved_state(comm: Any, model: nn.Module, x: torch.Tensor) -> tuple[list, list]:
+    pmodel = parallelize(copy.deepcopy(model),
+                         {"default": {"grid": {"N": 2}, "algorithm": "sample"}}, comm=comm,
+                         input_shape=tuple(x.shape))
+    return list(pmodel.state_dict()), list(pmodel.gather_state_dict())
+
+
+def test_unsaved_buffers_and_the_captures_constants_stay_out_of_the_state() -> None:
+    model = _Unsaved().double()
+    x = torch.randn(4, 3, 6, 5, dtype=torch.float64)
+    want = ["conv.weight", "conv.bias", "head.weight", "head.bias"]
+    assert list(model.state_dict()) == want
+    for local, gathered in run_threads(_unsaved_state, 2, model, x):
+        assert local == want and gathered == want

@@ -60,7 +60,9 @@ def shard_specs(model: nn.Module) -> dict[str, ShardSpec]:
     for prefix, module in model.named_modules(remove_duplicate=False):
         own = module._shard_specs() if hasattr(module, "_shard_specs") else {}
         tensors = dict(module.named_parameters(recurse=False))
-        tensors.update(dict(module.named_buffers(recurse=False)))
+        # a non-persistent buffer (timm's relative position index) is no key of the state dict
+        tensors.update({n: b for n, b in module.named_buffers(recurse=False)
+                        if n not in module._non_persistent_buffers_set})
         for name, t in tensors.items():
             if t is None:
                 continue

@@ -112,11 +112,25 @@ def _trace(model: nn.Module, tracer: _Tracer) -> fx.GraphModule:
     if isinstance(tracer, _SizedTracer):
         tracer.add_guards(graph)
     gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
+    _constants_out_of_state(gm, model)
     _keep_uncalled(gm, model)
     _keep_traced_into(gm, model)
     _order_like(gm, model)  # fx registers modules in call order; users expect theirs
     gm.meta[MODULE_PATHS] = module_paths(model)
     return gm
+
+
+def _constants_out_of_state(gm: fx.GraphModule, model: nn.Module) -> None:
+    """The buffers of the graph's root that are no state of the model's root -- the tensors the
+    trace made constants of (fx's ``_tensor_constant*``: a mask computed from sizes, say) and
+    the model's own non-persistent buffers (fx registers every buffer it copies as persistent)
+    -- are non-persistent, so ``state_dict()`` and checkpoints list the single-process model's
+    keys only."""
+    saved = {name for name, _ in model.named_buffers(recurse=False)
+             if name not in model._non_persistent_buffers_set}
+    for name, _ in gm.named_buffers(recurse=False):
+        if name not in saved:
+            gm._non_persistent_buffers_set.add(name)
 
 
 def module_paths(model: nn.Module) -> dict[str, tuple[str, ...]]:

@@ -181,8 +181,9 @@ class ParallelModel(nn.Module):
             self.add_module(name, child)
         for name, value in list(gm.named_parameters(recurse=False)):
             self.register_parameter(name, value)
-        for name, value in list(gm.named_buffers(recurse=False)):
-            self.register_buffer(name, value)
+        for name, value in list(gm.named_buffers(recurse=False)):  # the trace's constants too
+            self.register_buffer(name, value,
+                                 persistent=name not in gm._non_persistent_buffers_set)
         # The traced graph (its modules are this model's children): distkfac reads it to tell a
         # head, whose output is the model's, from a replicated layer inside the model.
         object.__setattr__(self, "_gm", gm)
