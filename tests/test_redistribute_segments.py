@@ -183,6 +183,20 @@ def test_a_one_grid_conversion_runs_over_its_steps_grid_dims():
     assert conversion_segments(gathered, split, shape, range(4)) == ()
 
 
+def test_a_one_grid_all_to_all_runs_among_the_ranks_of_its_grid_dim():
+    """On {N: 2, C: 2} (rank 2n + c) channels over C to rows over C is one all-to-all over C:
+    the ranks of a sample row, {0, 1} and {2, 3}; samples over N to rows over N is one over N:
+    the columns {0, 2} and {1, 3}."""
+    shape = (4, 4, 2, 2)
+    split = Placement(CHANNELS, X_CHANNELS)
+    rows_over_c = Placement(CHANNELS, Dist(("N", None, "C", None), tensor_dims="NCHW"))
+    rows_over_n = Placement(CHANNELS, Dist((None, "C", "N", None), tensor_dims="NCHW"))
+    assert [conversion_segment(split, rows_over_c, shape, r) for r in range(4)] == [
+        (0, 1), (0, 1), (2, 3), (2, 3)]
+    assert [conversion_segment(split, rows_over_n, shape, r) for r in range(4)] == [
+        (0, 2), (1, 3), (0, 2), (1, 3)]
+
+
 def test_explain_names_each_conversions_segment_and_its_machine_level():
     """The issue's case on 8 ranks: {N: 2, H: 4} then {N: 2, C: 4}; each N row (4 ranks, one
     Lassen node) converts on its own, and the row says so; the bytes are the exchange's."""
@@ -234,3 +248,19 @@ def test_a_segment_is_priced_on_its_own_ranks_and_level():
     step = CommStep("forward", "x", "redistribute", {0: 2000, 1: 500}, 4,
                     groups=((0, 1, 2, 3),))
     assert math.isclose(step.seconds(machine), 3e-6 + 2e-8, rel_tol=1e-12)
+
+
+def test_a_segment_is_described_by_its_size_and_the_units_it_spans():
+    """On Lassen (2 ranks a socket, 4 a node): ranks {0, 1} share a socket, {0..3} a node;
+    {0, 4, 8, 12} lie on 4 nodes, {0, 1, 4, 5} on 2 (the largest segment is named)."""
+    from distconv.pricing.machine import resolve_machine
+    from distconv.pricing.segments import describe_segment
+
+    lassen = resolve_machine("lassen", hierarchical=True)
+    assert describe_segment(((0, 1),), lassen) == "2 ranks, one socket"
+    assert describe_segment(((0, 1), (2, 3)), lassen) == "2 ranks, one socket"
+    assert describe_segment(((0, 1, 2, 3),), lassen) == "4 ranks, one node"
+    assert describe_segment(((0, 4, 8, 12),), lassen) == "4 ranks, 4 nodes"
+    assert describe_segment(((0, 1, 4, 5), (2, 3)), lassen) == "4 ranks, 2 nodes"
+    assert describe_segment((), lassen) == "no exchange"
+    assert describe_segment(((0, 4, 8),)) == "3 ranks"
