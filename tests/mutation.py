@@ -859,7 +859,7 @@ MUTANTS += [
     Mutant("priced-adjoint-without-segments", "distconv/parallel/cost.py",
            '"redistribute", bwd,\n                                     peers, groups=groups))',
            '"redistribute", bwd,\n                                     peers))',
-           (f"{SEGMENTS}::test_explain_names_each_conversions_segment_and_its_machine_level",),
+           (f"{SEGMENTS}::test_a_conversions_adjoint_is_priced_on_its_forward_segments",),
            "the adjoint of a conversion is priced without its segments (over the first "
            "ranks), though it runs on the forward's segment communicators"),
     Mutant("group-span-floor", "distconv/conv_groups.py",

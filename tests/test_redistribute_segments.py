@@ -80,6 +80,11 @@ def converted(comm, src_layout, src, dst_layout, dst, shape, seed, whole_world=F
     # {4n + 1, 4n + 3} trade: segments of 2 of the 8 ranks
     ((("N", 2), ("H", 2), ("R", 2)), X_SPATIAL, (("N", 2), ("C", 4)), X_CHANNELS, (5, 6, 3, 2),
      2),
+    # 5 samples over 4 ranks ([2, 1, 1, 1]) to whole copies on every rank: rank 0 sends its
+    # 2 samples to all 4 (8 sample slices), more than any rank receives (5), and the adjoint
+    # sums the 4 copies' gradients
+    ((("N", 4),), Dist(("N", None, None, None), tensor_dims="NCHW"), (("R", 4),),
+     Dist((None, None, None, None), tensor_dims="NCHW"), (5, 2, 3, 2), 4),
     # stationary-x to stationary-y, sample rows of 2 (the issue's chain)
     (CHANNELS, X_CHANNELS, (("N", 2), ("F", 2)), Dist(("N", None, "F", None), tensor_dims="NCHW"),
      (3, 5, 3, 2), 2),
@@ -264,3 +269,32 @@ def test_a_segment_is_described_by_its_size_and_the_units_it_spans():
     assert describe_segment(((0, 1, 4, 5), (2, 3)), lassen) == "4 ranks, 2 nodes"
     assert describe_segment((), lassen) == "no exchange"
     assert describe_segment(((0, 4, 8),)) == "3 ranks"
+
+
+def test_a_conversions_adjoint_is_priced_on_its_forward_segments():
+    """The adjoint runs on the forward's segment communicators, so it is priced and named on
+    them too: {N: 2, H: 4} -> {N: 2, C: 4} on 8 ranks, each N row (ranks 4n..4n+3, one Lassen
+    node) both ways."""
+    from torch import nn
+
+    from distconv.parallel.explain import explain
+
+    class Two(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Conv2d(8, 8, 3, padding=1), nn.Conv2d(8, 8, 3, padding=1)
+
+        def forward(self, x):
+            return self.b(self.a(x)).mean((2, 3))
+
+    config = {"default": {"grid": {"N": 2, "H": 4}, "algorithm": "spatial"},
+              "data": {"N": 2, "H": 4},
+              "layers": [{"match": "b", "grid": {"N": 2, "C": 4}, "algorithm": "stationary-x"}]}
+    e = explain(Two(), config, (4, 8, 8, 8), world_size=8, machine="lassen")
+    steps = [st for lay in e.layers for st in lay.steps if "redistribute a:" in st.what]
+    assert [st.phase for st in steps] == ["forward", "backward"]
+    for st in steps:
+        assert st.groups == ((0, 1, 2, 3), (4, 5, 6, 7)), st
+    text = " ".join(str(e).split())
+    assert ("768 B adjoint of redistribute a: [o,*,o,*] on {N:2,H:4} -> [o,o_C,*,*] on "
+            "{N:2,C:4} (4 ranks, one node)") in text, text
