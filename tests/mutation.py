@@ -910,9 +910,17 @@ MUTANTS += [
     Mutant("linear-entry-w-roles-not-swapped", "distconv/ops/linear.py",
            "met.dist.entries[-1] == (f, c)):", "met.dist.entries[-1] == (c, f)):",
            ("tests/test_explicit_entries.py::"
-            "test_an_own_entry_over_the_last_stage_equals_one_process_and_its_price",),
+            "test_stationary_w_linears_in_a_row_take_each_others_output_with_the_roles_swapped",),
            "a stationary-w Linear after another one converts its y[...,o_{F×C}] back to C×F "
            "instead of taking it with the roles swapped"),
+    Mutant("grouping-cut-ignored", "distconv/ops/conv.py",
+           "    return True, not groups_aligned(conv.in_channels, conv.out_channels, conv.groups, "
+           "extents)",
+           "    return True, False",
+           ("tests/test_explicit_entries.py::"
+            "test_explain_states_the_linear_and_grouped_layouts_of_an_own_entry",),
+           "the planner takes a grouped convolution whose blocks cut groups for a local one: "
+           "its gather of x neither placed nor priced"),
 ]
 
 
