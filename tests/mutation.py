@@ -790,9 +790,12 @@ MUTANTS += [
 # adjoint, a conversion priced over its segment) and explicit entries (DistLinear stationary-x,
 # -y, -w; grouped convolutions whose blocks cut groups)
 SEGMENTS = "tests/test_redistribute_segments.py"
-SEGMENTED = f"{SEGMENTS}::test_a_segmented_conversion_is_exact_adjoint_and_moves_the_whole_worlds_bytes"
-GROUPS_CUT = "tests/nn/test_conv.py::test_grouped_layers_whose_blocks_cut_groups_gather_x_and_equal_conv2d"
-DIST_LINEAR = "tests/test_explicit_entries.py::test_dist_linear_equals_the_whole_layer_under_every_algorithm"
+SEGMENTED = (f"{SEGMENTS}::"
+             "test_a_segmented_conversion_is_exact_adjoint_and_moves_the_whole_worlds_bytes")
+GROUPS_CUT = ("tests/nn/test_conv.py::"
+              "test_grouped_layers_whose_blocks_cut_groups_gather_x_and_equal_conv2d")
+DIST_LINEAR = ("tests/test_explicit_entries.py::"
+               "test_dist_linear_equals_the_whole_layer_under_every_algorithm")
 MUTANTS += [
     Mutant("segment-exchange-subrank-as-rank", "distconv/redistribute/between_grids.py",
            "incoming = [plan.sends[s][rank] for s in group]",
@@ -895,7 +898,8 @@ MUTANTS += [
            (DIST_LINEAR,),
            "stationary-w's partial y summed over F (where x was gathered) instead of over C"),
     Mutant("linear-grad-sync-dropped", "distconv/nn/linear.py",
-           "self.grad_sync = redundant_sync(grid, self.weight_dist, name, (self.weight, self.bias))",
+           "self.grad_sync = redundant_sync(grid, self.weight_dist, name, "
+           "(self.weight, self.bias))",
            "self.grad_sync = None",
            (DIST_LINEAR,),
            "a DistLinear's weight gradient not completed over the grid dims it is replicated "
@@ -910,7 +914,8 @@ MUTANTS += [
     Mutant("linear-entry-w-roles-not-swapped", "distconv/ops/linear.py",
            "met.dist.entries[-1] == (f, c)):", "met.dist.entries[-1] == (c, f)):",
            ("tests/test_explicit_entries.py::"
-            "test_stationary_w_linears_in_a_row_take_each_others_output_with_the_roles_swapped",),
+            "test_stationary_w_linears_in_a_row_take_each_others_output_with_the_roles_swapped",
+            ),
            "a stationary-w Linear after another one converts its y[...,o_{F×C}] back to C×F "
            "instead of taking it with the roles swapped"),
     Mutant("grouping-cut-ignored", "distconv/ops/conv.py",
