@@ -799,6 +799,149 @@ MUTANTS += [
 ]
 
 
+# segmented repartitions (the send graph's groups, segment communicators, the exchange and its
+# adjoint, a conversion priced over its segment) and explicit entries (DistLinear stationary-x,
+# -y, -w; grouped convolutions whose blocks cut groups)
+SEGMENTS = "tests/test_redistribute_segments.py"
+SEGMENTED = (f"{SEGMENTS}::"
+             "test_a_segmented_conversion_is_exact_adjoint_and_moves_the_whole_worlds_bytes")
+GROUPS_CUT = ("tests/nn/test_conv.py::"
+              "test_grouped_layers_whose_blocks_cut_groups_gather_x_and_equal_conv2d")
+DIST_LINEAR = ("tests/test_explicit_entries.py::"
+               "test_dist_linear_equals_the_whole_layer_under_every_algorithm")
+MUTANTS += [
+    Mutant("segment-exchange-subrank-as-rank", "distconv/redistribute/between_grids.py",
+           "incoming = [plan.sends[s][rank] for s in group]",
+           "incoming = [plan.sends[s][rank] for s in range(len(group))]",
+           (SEGMENTED,),
+           "a segment's exchange reads the plan by sub-rank (0..k-1) instead of world rank: "
+           "every segment but the first places the first segment's boxes"),
+    Mutant("segment-adjoint-overwrites", "distconv/redistribute/between_grids.py",
+           "plan.src_boxes[r], True,", "plan.src_boxes[r], False,",
+           (SEGMENTED,),
+           "the adjoint places the returned pieces into an uninitialised block instead of "
+           "summing them into zeros (a replica no target reads from gets garbage gradients)"),
+    Mutant("segment-replica-first-only", "distconv/redistribute/between_grids.py",
+           "if replicas[src_boxes[r]][t % len(replicas[src_boxes[r]])] == r else None",
+           "if replicas[src_boxes[r]][0] == r else None",
+           (SEGMENTED,),
+           "every target reads a replicated source block from its first replica: exact, but "
+           "the segments merge (one replica sends to every target) and the load is not spread"),
+    Mutant("segment-split-skipped", "distconv/redistribute/between_grids.py",
+           "return comm.split(groups), plan.group_of(comm.rank)",
+           "return comm, plan.group_of(comm.rank)",
+           (f"{SEGMENTS}::test_the_segment_communicators_are_made_once_by_every_rank",),
+           "the segment's exchange runs on the whole communicator with the group's boxes: "
+           "the split into segment communicators dropped"),
+    Mutant("segment-forward-buffer-of-adjoint", "distconv/redistribute/between_grids.py",
+           "plan.dst_boxes[rank], False, where, plan.most_sent)",
+           "plan.dst_boxes[rank], False, where, plan.most_returned)",
+           (SEGMENTED,),
+           "the forward exchange sizes its buffer by the most any rank returns in the adjoint, "
+           "not the most it sends (too small where a rank sends more than it gets back)"),
+    Mutant("priced-segment-first-holder", "distconv/pricing/segments.py",
+           "if t != rank and mine[t % len(mine)] == rank:",
+           "if t != rank and mine[0] == rank:",
+           (f"{SEGMENTS}::test_the_priced_segment_is_the_executed_one",),
+           "the price assumes every target reads a replicated block from its first holder, "
+           "unlike the executor (t % holders): a segment priced that the run never forms"),
+    Mutant("priced-segment-dims-inverted", "distconv/pricing/segments.py",
+           "base = base * e + (0 if name in dims else coords[name])",
+           "base = base * e + (coords[name] if name in dims else 0)",
+           (f"{SEGMENTS}::test_a_one_grid_conversion_runs_over_its_steps_grid_dims",),
+           "a one-grid conversion's segment varies the dims its steps do NOT run over"),
+    Mutant("priced-segment-alltoall-ignored", "distconv/pricing/segments.py",
+           'elif kind in ("AllGather", "ReduceScatter", "AllToAll"):',
+           'elif kind in ("AllGather", "ReduceScatter"):',
+           (f"{SEGMENTS}::test_a_one_grid_all_to_all_runs_among_the_ranks_of_its_grid_dim",),
+           "a one-grid conversion whose step is an all-to-all is priced as moving nothing "
+           "among no ranks (its segment: the rank alone)"),
+    Mutant("priced-segment-units-modulo", "distconv/pricing/segments.py",
+           "units = max(len({r // unit.ranks for r in g}) for g in groups)",
+           "units = max(len({r % unit.ranks for r in g}) for g in groups)",
+           (f"{SEGMENTS}::test_a_segment_is_described_by_its_size_and_the_units_it_spans",),
+           "a segment spanning nodes counts its ranks' places within a node, not its nodes"),
+    Mutant("priced-segment-latency-off-by-one", "distconv/pricing/timeline.py",
+           "machine.link_time(g, self._most(g, nbytes), len(g) - 1)",
+           "machine.link_time(g, self._most(g, nbytes), len(g))",
+           (f"{SEGMENTS}::test_a_segment_is_priced_on_its_own_ranks_and_level",),
+           "a segment of k ranks pays k latencies, not the k - 1 steps of a pairwise exchange"),
+    Mutant("priced-segment-whole-grid", "distconv/pricing/timeline.py",
+           "        if self.groups is not None:\n            # each segment",
+           "        if False:\n            # each segment",
+           (f"{SEGMENTS}::test_a_segment_is_priced_on_its_own_ranks_and_level",),
+           "a conversion priced as before segments: over the first ranks of its size, not "
+           "the level its segments span"),
+    Mutant("priced-adjoint-without-segments", "distconv/parallel/cost.py",
+           '"redistribute", bwd,\n                                     peers, groups=groups))',
+           '"redistribute", bwd,\n                                     peers))',
+           (f"{SEGMENTS}::test_a_conversions_adjoint_is_priced_on_its_forward_segments",),
+           "the adjoint of a conversion is priced without its segments (over the first "
+           "ranks), though it runs on the forward's segment communicators"),
+    Mutant("group-span-floor", "distconv/conv_groups.py",
+           "g0, g1 = f0 // per, -(-(f0 + n) // per)", "g0, g1 = f0 // per, (f0 + n) // per",
+           (GROUPS_CUT,),
+           "the groups a filter block reaches into stop before the group its last filters cut"),
+    Mutant("group-window-lead-trail-swapped", "distconv/nn/conv_forward.py",
+           "return torch.cat([t.new_zeros((span.lead, *t.shape[1:])), t,\n"
+           "                          t.new_zeros((span.trail, *t.shape[1:]))])",
+           "return torch.cat([t.new_zeros((span.trail, *t.shape[1:])), t,\n"
+           "                          t.new_zeros((span.lead, *t.shape[1:]))])",
+           (GROUPS_CUT,),
+           "a rank's weight padded with the other ranks' filters after its own where they "
+           "come before (lead and trail swapped)"),
+    Mutant("group-window-channel-offset", "distconv/nn/conv_forward.py",
+           "x = x.narrow(1, span.g0 * per, (span.g1 - span.g0) * per)",
+           "x = x.narrow(1, span.g0, (span.g1 - span.g0) * per)",
+           (GROUPS_CUT,),
+           "the gathered channels of a rank's groups start at the group index, not at its "
+           "first channel"),
+    Mutant("group-role-w-swapped", "distconv/conv_groups.py",
+           '"stationary-w": (channel, filter)}', '"stationary-w": (filter, channel)}',
+           (GROUPS_CUT,),
+           "stationary-w's filter blocks taken F-major instead of C×F (C major): a rank "
+           "convolves another rank's groups"),
+    Mutant("linear-x-pending-dropped", "distconv/nn/linear.py",
+           "        pending = frozenset(names)\n", "        pending = frozenset()\n",
+           (DIST_LINEAR,),
+           "stationary-x's local matmul taken as the whole y: the partial sums over C never "
+           "reduced"),
+    Mutant("linear-w-partial-over-f", "distconv/nn/linear.py",
+           "        pending = frozenset({c})\n", "        pending = frozenset({f})\n",
+           (DIST_LINEAR,),
+           "stationary-w's partial y summed over F (where x was gathered) instead of over C"),
+    Mutant("linear-grad-sync-dropped", "distconv/nn/linear.py",
+           "self.grad_sync = redundant_sync(grid, self.weight_dist, name, "
+           "(self.weight, self.bias))",
+           "self.grad_sync = None",
+           (DIST_LINEAR,),
+           "a DistLinear's weight gradient not completed over the grid dims it is replicated "
+           "on (N)"),
+    Mutant("linear-entry-feature-count-unchecked", "distconv/ops/linear.py",
+           "            if n < blocks:\n                an.fail(",
+           "            if False:\n                an.fail(",
+           ("tests/test_explicit_entries.py::"
+            "test_a_linear_entry_on_a_grid_it_cannot_use_is_refused_saying_what_works",),
+           "a Linear entry with fewer features than its C×F blocks is not refused before the "
+           "first step"),
+    Mutant("linear-entry-w-roles-not-swapped", "distconv/ops/linear.py",
+           "met.dist.entries[-1] == (f, c)):", "met.dist.entries[-1] == (c, f)):",
+           ("tests/test_explicit_entries.py::"
+            "test_stationary_w_linears_in_a_row_take_each_others_output_with_the_roles_swapped",
+            ),
+           "a stationary-w Linear after another one converts its y[...,o_{F×C}] back to C×F "
+           "instead of taking it with the roles swapped"),
+    Mutant("grouping-cut-ignored", "distconv/ops/conv.py",
+           "    return True, not groups_aligned(conv.in_channels, conv.out_channels, conv.groups, "
+           "extents)",
+           "    return True, False",
+           ("tests/test_explicit_entries.py::"
+            "test_explain_states_the_linear_and_grouped_layouts_of_an_own_entry",),
+           "the planner takes a grouped convolution whose blocks cut groups for a local one: "
+           "its gather of x neither placed nor priced"),
+]
+
+
 def _copy_tree(dest: Path) -> None:
     ignore = shutil.ignore_patterns("__pycache__", ".hypothesis", ".pytest_cache", "output")
     for name in COPY:
@@ -910,3 +1053,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+

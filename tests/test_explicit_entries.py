@@ -126,6 +126,22 @@ def test_explain_states_the_linear_and_grouped_layouts_of_an_own_entry() -> None
     assert grouped.note == "3 groups cut by the blocks: x gathered"
 
 
+def test_stationary_w_linears_in_a_row_take_each_others_output_with_the_roles_swapped() -> None:
+    """Under stationary-w on {C: 2, F: 2} a Linear's y is ``y[...,o_{F×C}]``: the next one takes
+    it as it is, C and F trading roles (the paper's next layer), so no conversion runs between
+    them. The ConvNeXt stage's fc1 meets ``x[...,o_{F×C}]`` (gathered over C, reduced over F,
+    ``w[o_C,o_F]``), its fc2 the ``y[...,o_{C×F}]`` of fc1 (gathered over F, reduced over C)."""
+    plan = explain(_timm_convnext(), _config("stages.3*", "stationary-w"), SHAPE, world_size=4)
+    fc1, fc2 = (next(lay for lay in plan.layers if lay.name == f"stages.3.blocks.0.mlp.{n}")
+                for n in ("fc1", "fc2"))
+    assert fc1.dists == {"x": "x[*,*,*,o_{F×C}]", "w": "w[o_C,o_F]", "y": "y[*,*,*,o_{C×F}]"}
+    assert [s.what for s in fc1.steps] == ["x allgather over C", "y reduce-scatter over F",
+                                          "dL/dy allgather over F", "dL/dx reduce-scatter over C"]
+    assert fc2.dists == {"x": "x[*,*,*,o_{C×F}]", "w": "w[o_F,o_C]", "y": "y[*,*,*,o_{F×C}]"}
+    assert [s.what for s in fc2.steps] == ["x allgather over F", "y reduce-scatter over C",
+                                          "dL/dy allgather over C", "dL/dx reduce-scatter over F"]
+
+
 def test_a_linear_entry_on_a_grid_it_cannot_use_is_refused_saying_what_works() -> None:
     config = {"layers": [{"match": "stages.3.blocks.0.mlp.fc1", "grid": {"C": 2, "D": 2},
                           "algorithm": "stationary-x"}]}

@@ -80,6 +80,11 @@ def converted(comm, src_layout, src, dst_layout, dst, shape, seed, whole_world=F
     # {4n + 1, 4n + 3} trade: segments of 2 of the 8 ranks
     ((("N", 2), ("H", 2), ("R", 2)), X_SPATIAL, (("N", 2), ("C", 4)), X_CHANNELS, (5, 6, 3, 2),
      2),
+    # 5 samples over 4 ranks ([2, 1, 1, 1]) to whole copies on every rank: rank 0 sends its
+    # 2 samples to all 4 (8 sample slices), more than any rank receives (5), and the adjoint
+    # sums the 4 copies' gradients
+    ((("N", 4),), Dist(("N", None, None, None), tensor_dims="NCHW"), (("R", 4),),
+     Dist((None, None, None, None), tensor_dims="NCHW"), (5, 2, 3, 2), 4),
     # stationary-x to stationary-y, sample rows of 2 (the issue's chain)
     (CHANNELS, X_CHANNELS, (("N", 2), ("F", 2)), Dist(("N", None, "F", None), tensor_dims="NCHW"),
      (3, 5, 3, 2), 2),
@@ -183,6 +188,20 @@ def test_a_one_grid_conversion_runs_over_its_steps_grid_dims():
     assert conversion_segments(gathered, split, shape, range(4)) == ()
 
 
+def test_a_one_grid_all_to_all_runs_among_the_ranks_of_its_grid_dim():
+    """On {N: 2, C: 2} (rank 2n + c) channels over C to rows over C is one all-to-all over C:
+    the ranks of a sample row, {0, 1} and {2, 3}; samples over N to rows over N is one over N:
+    the columns {0, 2} and {1, 3}."""
+    shape = (4, 4, 2, 2)
+    split = Placement(CHANNELS, X_CHANNELS)
+    rows_over_c = Placement(CHANNELS, Dist(("N", None, "C", None), tensor_dims="NCHW"))
+    rows_over_n = Placement(CHANNELS, Dist((None, "C", "N", None), tensor_dims="NCHW"))
+    assert [conversion_segment(split, rows_over_c, shape, r) for r in range(4)] == [
+        (0, 1), (0, 1), (2, 3), (2, 3)]
+    assert [conversion_segment(split, rows_over_n, shape, r) for r in range(4)] == [
+        (0, 2), (1, 3), (0, 2), (1, 3)]
+
+
 def test_explain_names_each_conversions_segment_and_its_machine_level():
     """The issue's case on 8 ranks: {N: 2, H: 4} then {N: 2, C: 4}; each N row (4 ranks, one
     Lassen node) converts on its own, and the row says so; the bytes are the exchange's."""
@@ -209,3 +228,73 @@ def test_explain_names_each_conversions_segment_and_its_machine_level():
             "(4 ranks, one node)") in text, text
     plain = " ".join(str(explain(Two(), config, (4, 8, 8, 8), world_size=8)).split())
     assert "{N:2,C:4} (4 ranks)" in plain
+
+
+def test_a_segment_is_priced_on_its_own_ranks_and_level():
+    """Each segment exchanges on its own: k - 1 latencies of the level it spans (a pairwise
+    exchange, one step per peer) and the most bytes one of its ranks receives over that
+    level's bandwidth; the step takes its slowest segment. Written out by hand on a machine of
+    4-rank nodes (1 us, 100 GB/s inside, 10 us and 1 GB/s between nodes, no shared links)."""
+    from distconv.machines.base import Level, Machine
+    from distconv.pricing.timeline import CommStep
+
+    machine = Machine("two-level", (Level("node", 4, 1e-6, 100e9),
+                                    Level("network", 0, 1e-5, 1e9)), 1e12)
+    # rank 0's 8000 B inside node 0 (1 us + 80 ns); ranks 2 and 6 span two nodes: 10 us for
+    # the one step + 1000 B at 1 GB/s (1 us), the slowest segment
+    step = CommStep("forward", "x", "redistribute", {0: 8000, 2: 1000}, 2,
+                    groups=((0, 1), (2, 6)))
+    assert math.isclose(step.seconds(machine), 1e-5 + 1e-6, rel_tol=1e-12)
+    # one segment of 4 ranks over two nodes: 3 steps at 10 us + 2000 B at 1 GB/s
+    step = CommStep("forward", "x", "redistribute", {0: 2000, 1: 500}, 4,
+                    groups=((0, 1, 4, 5),))
+    assert math.isclose(step.seconds(machine), 3e-5 + 2e-6, rel_tol=1e-12)
+    # the same exchange inside one node: 3 steps at 1 us + 2000 B at 100 GB/s
+    step = CommStep("forward", "x", "redistribute", {0: 2000, 1: 500}, 4,
+                    groups=((0, 1, 2, 3),))
+    assert math.isclose(step.seconds(machine), 3e-6 + 2e-8, rel_tol=1e-12)
+
+
+def test_a_segment_is_described_by_its_size_and_the_units_it_spans():
+    """On Lassen (2 ranks a socket, 4 a node): ranks {0, 1} share a socket, {0..3} a node;
+    {0, 4, 8, 12} lie on 4 nodes, {0, 1, 4, 5} on 2 (the largest segment is named)."""
+    from distconv.pricing.machine import resolve_machine
+    from distconv.pricing.segments import describe_segment
+
+    lassen = resolve_machine("lassen", hierarchical=True)
+    assert describe_segment(((0, 1),), lassen) == "2 ranks, one socket"
+    assert describe_segment(((0, 1), (2, 3)), lassen) == "2 ranks, one socket"
+    assert describe_segment(((0, 1, 2, 3),), lassen) == "4 ranks, one node"
+    assert describe_segment(((0, 4, 8, 12),), lassen) == "4 ranks, 4 nodes"
+    assert describe_segment(((0, 1, 4, 5), (2, 3)), lassen) == "4 ranks, 2 nodes"
+    assert describe_segment((), lassen) == "no exchange"
+    assert describe_segment(((0, 4, 8),)) == "3 ranks"
+
+
+def test_a_conversions_adjoint_is_priced_on_its_forward_segments():
+    """The adjoint runs on the forward's segment communicators, so it is priced and named on
+    them too: {N: 2, H: 4} -> {N: 2, C: 4} on 8 ranks, each N row (ranks 4n..4n+3, one Lassen
+    node) both ways."""
+    from torch import nn
+
+    from distconv.parallel.explain import explain
+
+    class Two(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Conv2d(8, 8, 3, padding=1), nn.Conv2d(8, 8, 3, padding=1)
+
+        def forward(self, x):
+            return self.b(self.a(x)).mean((2, 3))
+
+    config = {"default": {"grid": {"N": 2, "H": 4}, "algorithm": "spatial"},
+              "data": {"N": 2, "H": 4},
+              "layers": [{"match": "b", "grid": {"N": 2, "C": 4}, "algorithm": "stationary-x"}]}
+    e = explain(Two(), config, (4, 8, 8, 8), world_size=8, machine="lassen")
+    steps = [st for lay in e.layers for st in lay.steps if "redistribute a:" in st.what]
+    assert [st.phase for st in steps] == ["forward", "backward"]
+    for st in steps:
+        assert st.groups == ((0, 1, 2, 3), (4, 5, 6, 7)), st
+    text = " ".join(str(e).split())
+    assert ("768 B adjoint of redistribute a: [o,*,o,*] on {N:2,H:4} -> [o,o_C,*,*] on "
+            "{N:2,C:4} (4 ranks, one node)") in text, text
