@@ -880,8 +880,15 @@ MUTANTS += [
     Mutant("mha-keys-kept-split", "distconv/ops/mha.py",
            "needs = {q: at(rows), k: at(None), v: at(None)}",
            "needs = {q: at(rows), k: at(rows), v: at(None)}",
+           (f"{MHA}::test_keys_apart_from_values_equal_one_process",),
+           "keys apart from the values keep their token split: each query scores its rank's "
+           "keys alone"),
+    Mutant("mha-keys-and-values-kept-split", "distconv/ops/mha.py",
+           "needs = {q: at(rows), k: at(None), v: at(None)}",
+           "needs = {q: at(rows), k: at(rows), v: at(rows)}",
            (f"{MHA}::test_rows_attention_equals_one_process",),
-           "cross-attention's keys keep their token split: each query attends its rank's keys"),
+           "cross-attention's keys and values keep their token split: each query attends its "
+           "rank's rows alone"),
     Mutant("mha-self-attention-rows-kept", "distconv/ops/mha.py",
            "rows = None if q in (k, v) else qp.dist.entries[1 - samples]",
            "rows = qp.dist.entries[1 - samples]",

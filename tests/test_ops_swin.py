@@ -151,6 +151,14 @@ def test_roll_equals_one_process(name: str) -> None:
                run_threads(_sized_step, 4, model, OPTIONS[name], x))
 
 
+def test_roll_of_negative_dims_equals_one_process() -> None:
+    """``dims=(-3, -2)`` are the rows and columns of ``[N, H, W, C]``: under N x H the rows,
+    split, are made whole as for ``dims=(1, 2)``."""
+    model, x = _case(Shift((-3, -2)))
+    check_rows(square_mean_reference(model, x),
+               run_threads(_sized_step, 4, model, OPTIONS["spatial"], x))
+
+
 @pytest.mark.parametrize("dims, words", [
     ((0, 1), r"node 'roll'.*roll a dim other than the samples"),
     (None, r"node 'roll'.*give dims= to torch.roll"),
