@@ -822,7 +822,8 @@ MUTANTS += [
     Mutant("sync-the-callers-model", "distconv/parallel/model.py",
            "        own = copy.deepcopy(model)\n        sync_module_states(own, comm)",
            "        sync_module_states(model, comm)\n        own = copy.deepcopy(model)",
-           (SYNC_SEEDED,),
+           (f"{SYNC}::test_the_callers_model_is_left_as_it_was_and_the_parallel_one_holds_"
+            "rank0s",),
            "the broadcast overwrites the caller's model instead of the parallel model's copy"),
     # ---- explain(strict=False) (distconv/parallel/explain.py, graph.py, shapes.py)
     Mutant("explain-listed-refusals-say-parallelize", "distconv/parallel/explain.py",
