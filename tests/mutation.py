@@ -922,7 +922,7 @@ MUTANTS += [
            "each rank rolls its own block of split rows (wraps inside the block)"),
     Mutant("roll-negative-dims-unnormalised", "distconv/ops/roll.py",
            "    return tuple(d % ndim for d in dims)", "    return tuple(dims)",
-           (f"{SWIN}::test_roll_equals_one_process",),
+           (f"{SWIN}::test_roll_of_negative_dims_equals_one_process",),
            "a roll over dims=(-3, -2) keeps those dims split"),
     Mutant("roll-samples-allowed", "distconv/ops/roll.py",
            "        if samples in dims:\n", "        if False:\n",
