@@ -931,7 +931,7 @@ MUTANTS += [
     Mutant("roll-pending-dropped", "distconv/ops/roll.py",
            "need = Placement(p.layout, Dist(entries, p.dist.pending))",
            "need = Placement(p.layout, Dist(entries))",
-           (f"{SWIN}::test_roll_equals_one_process",),
+           (f"{SWIN}::test_roll_of_an_unsettled_mean_over_split_rows_equals_one_process",),
            "a roll of a pending sum takes the partial sums for the settled value"),
     # ---- sizes through numpy and einops (distconv/parallel/capture.py)
     Mutant("numpy-reads-tensor-values", "distconv/parallel/capture.py",

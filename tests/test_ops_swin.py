@@ -159,6 +159,26 @@ def test_roll_of_negative_dims_equals_one_process() -> None:
                run_threads(_sized_step, 4, model, OPTIONS["spatial"], x))
 
 
+class _RolledMean(nn.Module):
+    """A roll of the columns of a mean over the rows: under N x H the mean is each rank's
+    partial sum over its rows until something settles it, the roll moving it as it is."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 4, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = self.stem(x)
+        r = torch.roll(a.mean(2), 1, 2)  # [N, C, W]
+        return a * r[:, :, None, :]
+
+
+def test_roll_of_an_unsettled_mean_over_split_rows_equals_one_process() -> None:
+    model, x = _case(_RolledMean())
+    check_rows(square_mean_reference(model, x),
+               run_threads(_sized_step, 4, model, OPTIONS["spatial"], x))
+
+
 @pytest.mark.parametrize("dims, words", [
     ((0, 1), r"node 'roll'.*roll a dim other than the samples"),
     (None, r"node 'roll'.*give dims= to torch.roll"),
