@@ -932,7 +932,8 @@ MUTANTS += [
            "need = Placement(p.layout, Dist(entries, p.dist.pending))",
            "need = Placement(p.layout, Dist(entries))",
            (f"{SWIN}::test_roll_of_an_unsettled_mean_over_split_rows_equals_one_process",),
-           "a roll of a pending sum takes the partial sums for the settled value"),
+           "a roll of a pending sum settles it first (an allreduce at the roll, not where a "
+           "product needs it)"),
     # ---- sizes through numpy and einops (distconv/parallel/capture.py)
     Mutant("numpy-reads-tensor-values", "distconv/parallel/capture.py",
            "        if not (self.known and is_size(self.node)):\n            raise fx.proxy.TraceError(",

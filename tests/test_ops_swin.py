@@ -174,6 +174,10 @@ class _RolledMean(nn.Module):
 
 
 def test_roll_of_an_unsettled_mean_over_split_rows_equals_one_process() -> None:
+    """The roll moves the partial sums as they are (nothing is summed at the roll: the sum
+    settles once, where the product needs it)."""
+    got = _placed(_RolledMean(), OPTIONS["spatial"], 4, SHAPE)["roll"]
+    assert got == ("Σ_H [o_N,*,*]", 0, {"mean": "Σ_H [o_N,*,*]"}), got
     model, x = _case(_RolledMean())
     check_rows(square_mean_reference(model, x),
                run_threads(_sized_step, 4, model, OPTIONS["spatial"], x))
