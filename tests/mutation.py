@@ -947,13 +947,14 @@ MUTANTS += [
     Mutant("einops-shape-traced", "distconv/parallel/capture.py",
            "            return tuple(int(x.shape[i]) for i in range(x.value.dim()))",
            "            return x.shape",
-           (f"{SWIN}::test_swin_block_equals_one_process",),
+           (f"{SWIN}::test_sizes_einops_reads_are_the_captured_shape_s_ints",),
            "einops reads traced sizes, not the captured shape's, under the sized capture"),
     Mutant("einops-only-if-imported-before", "distconv/parallel/capture.py",
            "    try:  # (a forward may import einops itself, while it is traced)\n"
            "        import einops._backends as backends\n    except ImportError:",
            '    backends = sys.modules.get("einops._backends")\n    if backends is None:',
-           (f"{SWIN}::test_swin_block_equals_one_process",),
+           (f"{SWIN}::"
+            "test_einops_first_imported_by_the_traced_forward_is_bound_to_traced_values",),
            "an einops the forward imports while it is traced is not bound to traced values"),
 ]
 

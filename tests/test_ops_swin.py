@@ -241,6 +241,44 @@ def test_the_mask_built_from_sizes_is_a_constant_of_the_graph() -> None:
     assert not [n for n in gm.graph.nodes if n.target in (torch.zeros, "masked_fill")]
 
 
+class _MergedTokens(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 4, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from einops import rearrange
+
+        return rearrange(self.stem(x), "b c h w -> b (h w) c").mean(1)
+
+
+def test_sizes_einops_reads_are_the_captured_shape_s_ints() -> None:
+    """``b (h w) c`` on the captured ``[4, 4, 8, 8]``: einops' reshape is recorded with the
+    global sizes as numbers (4 samples, 8 * 8 tokens, 4 channels), guarded."""
+    gm = trace(_MergedTokens(), SHAPE)
+    shaped = [n for n in gm.graph.nodes if n.target == "reshape"]
+    assert [tuple(n.args[1]) for n in shaped] == [(4, 64, 4)], [n.args for n in shaped]
+    assert [n for n in gm.graph.nodes if n.target is torch._assert]
+
+
+def test_einops_first_imported_by_the_traced_forward_is_bound_to_traced_values() -> None:
+    """A process that has not imported einops when the capture starts (the forward imports it
+    while it is traced): the capture still runs einops on traced values."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = ("import sys\n"
+            "from tests.test_ops_swin import SwinNet, SHAPE\n"
+            "from distconv.parallel.capture import trace\n"
+            "assert 'einops' not in sys.modules, 'einops was imported before the capture'\n"
+            "trace(SwinNet(), SHAPE)\n")
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True,
+                          text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
 @pytest.mark.gloo
 def test_swin_block_on_gloo(gloo4) -> None:  # noqa: ANN001
     model, x = _case(SwinNet())
