@@ -936,7 +936,8 @@ MUTANTS += [
            "product needs it)"),
     # ---- sizes through numpy and einops (distconv/parallel/capture.py)
     Mutant("numpy-reads-tensor-values", "distconv/parallel/capture.py",
-           "        if not (self.known and is_size(self.node)):\n            raise fx.proxy.TraceError(",
+           "        if not (self.known and is_size(self.node)):\n"
+           "            raise fx.proxy.TraceError(",
            "        if not self.known:\n            raise fx.proxy.TraceError(",
            (f"{SWIN}::test_numpy_reading_a_tensor_s_values_is_refused_with_the_fix",),
            "numpy reads a tensor's values at capture (one rank's block) as a constant"),
