@@ -26,6 +26,7 @@ of its tests, so a list with survivors takes longer.
     python tests/mutation.py --list          # what each one breaks; stale / moving ones marked
     python tests/mutation.py 'sampler-*' ring-broadcast-from-rank0   # names or shell patterns
     python tests/mutation.py --from bucket-zero-first-slot   # the last two waves' mutants
+    python tests/mutation.py --from sync-from-the-last-rank  # construction broadcast to Swin (31)
     python tests/mutation.py --baseline --out results.json   # the tests pass unmutated first
 """
 from __future__ import annotations
