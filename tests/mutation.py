@@ -26,6 +26,7 @@ of its tests, so a list with survivors takes longer.
     python tests/mutation.py --list          # what each one breaks; stale / moving ones marked
     python tests/mutation.py 'sampler-*' ring-broadcast-from-rank0   # names or shell patterns
     python tests/mutation.py --from bucket-zero-first-slot   # the last two waves' mutants
+    python tests/mutation.py --from sync-from-the-last-rank  # construction broadcast to Swin (31)
     python tests/mutation.py --baseline --out results.json   # the tests pass unmutated first
 """
 from __future__ import annotations
@@ -939,6 +940,180 @@ MUTANTS += [
             "test_explain_states_the_linear_and_grouped_layouts_of_an_own_entry",),
            "the planner takes a grouped convolution whose blocks cut groups for a local one: "
            "its gather of x neither placed nor priced"),
+]
+
+
+# The wave of construction broadcast, explain's strict=False truth, the refusals' lists,
+# nn.MultiheadAttention, Swin's roll and the sizes read through numpy and einops.
+SYNC = "tests/parallel/test_state_sync.py"
+SYNC_SEEDED = f"{SYNC}::test_ranks_seeded_differently_train_as_one_process_on_rank0s_model"
+TRUTH = "tests/parallel/test_explain_truth.py"
+FIX = "tests/test_refusals_lead_with_the_fix.py"
+MHA = "tests/test_ops_mha.py"
+SWIN = "tests/test_ops_swin.py"
+MUTANTS += [
+    # ---- construction broadcast (distconv/parallel/state_sync.py)
+    Mutant("sync-from-the-last-rank", "distconv/parallel/state_sync.py",
+           "flat = link.broadcast(flat, root=0,", "flat = link.broadcast(flat, root=comm.size - 1,",
+           (SYNC_SEEDED,),
+           "every rank starts from the last rank's model, not rank 0's (the reference)"),
+    Mutant("sync-buffers-skipped", "distconv/parallel/state_sync.py",
+           "    named = [*model.named_parameters(remove_duplicate=False),\n"
+           "             *model.named_buffers(remove_duplicate=False)]",
+           "    named = [*model.named_parameters(remove_duplicate=False)]",
+           (SYNC_SEEDED,),
+           "only parameters are broadcast: each rank keeps its own running statistics"),
+    Mutant("sync-offset-not-advanced", "distconv/parallel/state_sync.py",
+           "                offset += t.numel()\n", "",
+           (SYNC_SEEDED,),
+           "every tensor of a coalesced bucket is copied from the bucket's first elements"),
+    Mutant("sync-structure-unchecked", "distconv/parallel/state_sync.py",
+           "    if differ:\n        raise ValueError(", "    if False:\n        raise ValueError(",
+           (f"{SYNC}::test_ranks_that_build_different_models_are_refused_naming_them",),
+           "ranks that built different models broadcast mismatched buffers, unrefused"),
+    Mutant("sync-digest-without-shapes", "distconv/parallel/state_sync.py",
+           'text = "\\n".join(f"{n}:{tuple(t.shape)}:{t.dtype}" for n, t in state)',
+           'text = "\\n".join(f"{n}:{t.dtype}" for n, t in state)',
+           (f"{SYNC}::test_ranks_that_build_different_models_are_refused_naming_them",),
+           "models whose layers differ only in width pass the structure check"),
+    Mutant("sync-the-callers-model", "distconv/parallel/model.py",
+           "        own = copy.deepcopy(model)\n        sync_module_states(own, comm)",
+           "        sync_module_states(model, comm)\n        own = copy.deepcopy(model)",
+           (f"{SYNC}::test_the_callers_model_is_left_as_it_was_and_the_parallel_one_holds_"
+            "rank0s",),
+           "the broadcast overwrites the caller's model instead of the parallel model's copy"),
+    # ---- explain(strict=False) (distconv/parallel/explain.py, graph.py, shapes.py)
+    Mutant("explain-listed-refusals-say-parallelize", "distconv/parallel/explain.py",
+           "    result.unsupported = [(n, t, _by_explain(r)) for n, t, r in result.unsupported]\n",
+           "",
+           (f"{TRUTH}::test_item_is_listed_and_the_rest_explained_without_blaming_the_shape",),
+           "the refusals explain lists say parallelize"),
+    Mutant("explain-raised-refusal-says-parallelize", "distconv/parallel/explain.py",
+           "        _said_by_explain(exc)\n        raise", "        raise",
+           (f"{TRUTH}::test_explains_refusals_say_explain",),
+           "the refusal explain raises says parallelize"),
+    Mutant("explain-row-names-the-config-entry", "distconv/parallel/explain.py",
+           "configured={str(st.node.target): _runs(st, cfg)",
+           "configured={str(st.node.target): cfg.choice(str(st.node.target)).algorithm",
+           (f"{TRUTH}::test_a_linear_head_on_the_sample_grid_is_labelled_sample",),
+           "a Linear head on the samples alone is labelled with its spatial entry"),
+    Mutant("explain-sample-label-strict-subset", "distconv/parallel/explain.py",
+           'and split and split <= {"N"}:', 'and split and split < {"N"}:',
+           (f"{TRUTH}::test_a_linear_head_on_the_sample_grid_is_labelled_sample",),
+           "a layer split over the samples alone is never labelled sample (< for <=)"),
+    Mutant("explain-tolerate-not-passed", "distconv/parallel/explain.py",
+           "    propagate_shapes(meta, shape, dtype=dtype, module=model,  # is refused, not the "
+           "shape\n                     tolerate=refused)",
+           "    propagate_shapes(meta, shape, dtype=dtype, module=model)",
+           (f"{TRUTH}::test_item_is_listed_and_the_rest_explained_without_blaming_the_shape",),
+           "an .item() the analysis refused fails the shape propagation, blamed on the shape"),
+    Mutant("explain-branch-taken-false", "distconv/parallel/explain.py",
+           "                    \"if it were true)\")))\n                return True",
+           "                    \"if it were true)\")))\n                return False",
+           (f"{TRUTH}::test_a_branch_on_a_value_is_listed_where_it_is_and_the_rest_explained",),
+           "past a branch on a value the rest is captured as if false: its layers go unexplained"),
+    Mutant("explain-strict-lists-branches", "distconv/parallel/explain.py",
+           "gm, branches = (trace(model, shape), []) if strict else "
+           "_trace_listing_branches(model, shape)",
+           "gm, branches = _trace_listing_branches(model, shape)",
+           (f"{TRUTH}::test_a_branch_on_a_value_is_listed_where_it_is_and_the_rest_explained",),
+           "explain(strict=True) goes on past a branch on a value instead of refusing it"),
+    Mutant("graph-refused-reduction-keeps-its-dims", "distconv/parallel/graph.py",
+           "            if shape is not None and len(shape) != p.ndim:",
+           "            if False:",
+           (TRUTH,),
+           "a refused full reduction is placed with its input's number of dims"),
+    # ---- the refusals' lists (distconv/ops/__init__.py supported())
+    Mutant("supported-lists-every-form", "distconv/ops/__init__.py",
+           "picked = list(dict.fromkeys(picked + _family_heads(op)))[:MAX_LISTED]",
+           "picked = list(dict.fromkeys(picked + _family_heads(op)))",
+           (f"{FIX}::test_at_most_ten_forms_are_listed_and_the_page_named",),
+           "a refusal lists every supported form again (a 600-character line)"),
+    Mutant("supported-nearest-last", "distconv/ops/__init__.py",
+           "picked = list(dict.fromkeys(picked + _family_heads(op)))[:MAX_LISTED]",
+           "picked = list(dict.fromkeys(_family_heads(op) + picked))[:MAX_LISTED]",
+           (f"{FIX}::test_max_is_refused_pointing_to_amax_first",),
+           "the forms nearest the refused one come after the families' heads (or are cut)"),
+    # ---- nn.MultiheadAttention (distconv/ops/mha.py)
+    Mutant("mha-keys-kept-split", "distconv/ops/mha.py",
+           "needs = {q: at(rows), k: at(None), v: at(None)}",
+           "needs = {q: at(rows), k: at(rows), v: at(None)}",
+           (f"{MHA}::test_keys_apart_from_values_equal_one_process",),
+           "keys apart from the values keep their token split: each query scores its rank's "
+           "keys alone"),
+    Mutant("mha-keys-and-values-kept-split", "distconv/ops/mha.py",
+           "needs = {q: at(rows), k: at(None), v: at(None)}",
+           "needs = {q: at(rows), k: at(rows), v: at(rows)}",
+           (f"{MHA}::test_rows_attention_equals_one_process",),
+           "cross-attention's keys and values keep their token split: each query attends its "
+           "rank's rows alone"),
+    Mutant("mha-self-attention-rows-kept", "distconv/ops/mha.py",
+           "rows = None if q in (k, v) else qp.dist.entries[1 - samples]",
+           "rows = qp.dist.entries[1 - samples]",
+           (f"{MHA}::test_placements_follow_the_rule",),
+           "a self-attention's query keeps its rows split while the same value is gathered"),
+    Mutant("mha-weights-rows-whole", "distconv/ops/mha.py",
+           "return Placement(p.layout, Dist((batch, *heads, rows, None))), 0",
+           "return Placement(p.layout, Dist((batch, *heads, None, None))), 0",
+           (f"{MHA}::test_rows_attention_equals_one_process",),
+           "the attention weights of split query rows are placed as whole"),
+    Mutant("mha-per-head-axis-dropped", "distconv/ops/mha.py",
+           'heads = () if named["average_attn_weights"] else (None,)', "heads = ()",
+           (f"{MHA}::test_placements_follow_the_rule",),
+           "per-head weights [N, heads, L, S] placed as the averaged [N, L, S]"),
+    Mutant("mha-dropout-allowed", "distconv/ops/mha.py",
+           "        if module.dropout:\n", "        if False:\n",
+           (f"{MHA}::test_what_cannot_be_exact_is_refused_naming_the_node",),
+           "an attention with dropout runs, its fused draws no one process's"),
+    Mutant("mha-samples-as-tokens-allowed", "distconv/ops/mha.py",
+           "            if not is_constant(t) and dim != samples:",
+           "            if False:",
+           (f"{MHA}::test_what_cannot_be_exact_is_refused_naming_the_node",),
+           "a batch_first=False attention given [N, L, E] pairs one sample's tokens with "
+           "another's, unrefused"),
+    # ---- Swin's roll (distconv/ops/roll.py)
+    Mutant("roll-split-dim-kept", "distconv/ops/roll.py",
+           "entries = tuple(None if d in dims else e for d, e in enumerate(p.dist.entries))",
+           "entries = p.dist.entries",
+           (f"{SWIN}::test_roll_equals_one_process",),
+           "each rank rolls its own block of split rows (wraps inside the block)"),
+    Mutant("roll-negative-dims-unnormalised", "distconv/ops/roll.py",
+           "    return tuple(d % ndim for d in dims)", "    return tuple(dims)",
+           (f"{SWIN}::test_roll_of_negative_dims_equals_one_process",),
+           "a roll over dims=(-3, -2) keeps those dims split"),
+    Mutant("roll-samples-allowed", "distconv/ops/roll.py",
+           "        if samples in dims:\n", "        if False:\n",
+           (f"{SWIN}::test_a_roll_that_cannot_be_exact_is_refused_naming_the_node",),
+           "a roll of the samples moves one sample's values into another's, unrefused"),
+    Mutant("roll-pending-dropped", "distconv/ops/roll.py",
+           "need = Placement(p.layout, Dist(entries, p.dist.pending))",
+           "need = Placement(p.layout, Dist(entries))",
+           (f"{SWIN}::test_roll_of_an_unsettled_mean_over_split_rows_equals_one_process",),
+           "a roll of a pending sum settles it first (an allreduce at the roll, not where a "
+           "product needs it)"),
+    # ---- sizes through numpy and einops (distconv/parallel/capture.py)
+    Mutant("numpy-reads-tensor-values", "distconv/parallel/capture.py",
+           "        if not (self.known and is_size(self.node)):\n"
+           "            raise fx.proxy.TraceError(",
+           "        if not self.known:\n            raise fx.proxy.TraceError(",
+           (f"{SWIN}::test_numpy_reading_a_tensor_s_values_is_refused_with_the_fix",),
+           "numpy reads a tensor's values at capture (one rank's block) as a constant"),
+    Mutant("numpy-array-protocols-proxied", "distconv/parallel/capture.py",
+           'return name.startswith("__array") and name != "__array__"', "return False",
+           (f"{SWIN}::test_sizes_read_through_numpy_are_the_global_shape_s_under_guards",),
+           "numpy's __array_struct__ answered with a proxy: np.array(x.shape[2:]) breaks"),
+    Mutant("einops-shape-traced", "distconv/parallel/capture.py",
+           "            return tuple(int(x.shape[i]) for i in range(x.value.dim()))",
+           "            return x.shape",
+           (f"{SWIN}::test_sizes_einops_reads_are_the_captured_shape_s_ints",),
+           "einops reads traced sizes, not the captured shape's, under the sized capture"),
+    Mutant("einops-only-if-imported-before", "distconv/parallel/capture.py",
+           "    try:  # (a forward may import einops itself, while it is traced)\n"
+           "        import einops._backends as backends\n    except ImportError:",
+           '    backends = sys.modules.get("einops._backends")\n    if backends is None:',
+           (f"{SWIN}::"
+            "test_einops_first_imported_by_the_traced_forward_is_bound_to_traced_values",),
+           "an einops the forward imports while it is traced is not bound to traced values"),
 ]
 
 

@@ -87,6 +87,31 @@ def test_rows_attention_equals_one_process(model: nn.Module, name: str) -> None:
                run_threads(square_mean_step, 4, model, OPTIONS[name], x))
 
 
+class _KeysApart(Rows):
+    """Cross-attention whose keys and values are two values (neither the query): the keys'
+    rows and the values' rows, split over H under spatial, are each gathered."""
+
+    def __init__(self) -> None:
+        super().__init__(cross=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = self.stem(x)
+        q = a.mean(3).transpose(1, 2)  # [N, H, C]
+        b = self.kv(a)
+        k, v = b.amax(3).transpose(1, 2), torch.tanh(b).mean(3).transpose(1, 2)
+        out, _ = self.attn(q, k, v, need_weights=False)
+        return a + out.transpose(1, 2)[..., None]
+
+
+@pytest.mark.parametrize("name", ["spatial", "stationary-x"])
+def test_keys_apart_from_values_equal_one_process(name: str) -> None:
+    gen = torch.Generator().manual_seed(5)
+    model = seeded(_KeysApart().double(), gen)
+    x = torch.randn(SHAPE, generator=gen, dtype=torch.float64)
+    check_rows(square_mean_reference(model, x),
+               run_threads(square_mean_step, 4, model, OPTIONS[name], x))
+
+
 def test_placements_follow_the_rule() -> None:
     """Sample split: nothing moves, the samples in the module's batch dim. Rows split over H as
     the tokens: self-attention gathers them; cross-attention keeps the queries' rows and

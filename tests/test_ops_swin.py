@@ -151,6 +151,38 @@ def test_roll_equals_one_process(name: str) -> None:
                run_threads(_sized_step, 4, model, OPTIONS[name], x))
 
 
+def test_roll_of_negative_dims_equals_one_process() -> None:
+    """``dims=(-3, -2)`` are the rows and columns of ``[N, H, W, C]``: under N x H the rows,
+    split, are made whole as for ``dims=(1, 2)``."""
+    model, x = _case(Shift((-3, -2)))
+    check_rows(square_mean_reference(model, x),
+               run_threads(_sized_step, 4, model, OPTIONS["spatial"], x))
+
+
+class _RolledMean(nn.Module):
+    """A roll of the columns of a mean over the rows: under N x H the mean is each rank's
+    partial sum over its rows until something settles it, the roll moving it as it is."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 4, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = self.stem(x)
+        r = torch.roll(a.mean(2), 1, 2)  # [N, C, W]
+        return a * r[:, :, None, :]
+
+
+def test_roll_of_an_unsettled_mean_over_split_rows_equals_one_process() -> None:
+    """The roll moves the partial sums as they are (nothing is summed at the roll: the sum
+    settles once, where the product needs it)."""
+    got = _placed(_RolledMean(), OPTIONS["spatial"], 4, SHAPE)["roll"]
+    assert got == ("Σ_H [o_N,*,*]", 0, {"mean": "Σ_H [o_N,*,*]"}), got
+    model, x = _case(_RolledMean())
+    check_rows(square_mean_reference(model, x),
+               run_threads(_sized_step, 4, model, OPTIONS["spatial"], x))
+
+
 @pytest.mark.parametrize("dims, words", [
     ((0, 1), r"node 'roll'.*roll a dim other than the samples"),
     (None, r"node 'roll'.*give dims= to torch.roll"),
@@ -207,6 +239,44 @@ def test_the_mask_built_from_sizes_is_a_constant_of_the_graph() -> None:
     want = shift_mask(8, 8, WS, 2, "cpu").unsqueeze(1).unsqueeze(0)
     assert any(c.shape == want.shape and torch.equal(c, want) for c in consts)
     assert not [n for n in gm.graph.nodes if n.target in (torch.zeros, "masked_fill")]
+
+
+class _MergedTokens(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 4, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from einops import rearrange
+
+        return rearrange(self.stem(x), "b c h w -> b (h w) c").mean(1)
+
+
+def test_sizes_einops_reads_are_the_captured_shape_s_ints() -> None:
+    """``b (h w) c`` on the captured ``[4, 4, 8, 8]``: einops' reshape is recorded with the
+    global sizes as numbers (4 samples, 8 * 8 tokens, 4 channels), guarded."""
+    gm = trace(_MergedTokens(), SHAPE)
+    shaped = [n for n in gm.graph.nodes if n.target == "reshape"]
+    assert [tuple(n.args[1]) for n in shaped] == [(4, 64, 4)], [n.args for n in shaped]
+    assert [n for n in gm.graph.nodes if n.target is torch._assert]
+
+
+def test_einops_first_imported_by_the_traced_forward_is_bound_to_traced_values() -> None:
+    """A process that has not imported einops when the capture starts (the forward imports it
+    while it is traced): the capture still runs einops on traced values."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = ("import sys\n"
+            "from tests.test_ops_swin import SwinNet, SHAPE\n"
+            "from distconv.parallel.capture import trace\n"
+            "assert 'einops' not in sys.modules, 'einops was imported before the capture'\n"
+            "trace(SwinNet(), SHAPE)\n")
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True,
+                          text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
 
 
 @pytest.mark.gloo

@@ -91,3 +91,23 @@ def _identically_seeded(comm: Any, model: nn.Module) -> bool:
 def test_identical_models_keep_their_values_bit_for_bit() -> None:
     model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Linear(4, 2)).double()
     assert all(run_threads(_identically_seeded, 2, model))
+
+
+def _own_values_passed(comm: Any) -> tuple[bool, bool]:
+    """This rank's model holds ``rank + 1`` in every parameter and buffer; parallelize is given
+    it directly (no copy in between)."""
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)).double()
+    with torch.no_grad():
+        for t in (*model.parameters(), *model.buffers()):
+            t.fill_(comm.rank + 1)
+    pmodel = parallelize(model, {"default": {"grid": {"N": 2}, "algorithm": "sample"}},
+                         comm=comm)
+    caller_kept = all(torch.equal(t, torch.full_like(t, comm.rank + 1))
+                      for t in (*model.parameters(), *model.buffers()))
+    from_rank0 = all(torch.equal(t, torch.full_like(t, 1))
+                     for t in (*pmodel.parameters(), *pmodel.buffers()))
+    return caller_kept, from_rank0
+
+
+def test_the_callers_model_is_left_as_it_was_and_the_parallel_one_holds_rank0s() -> None:
+    assert run_threads(_own_values_passed, 2) == [(True, True), (True, True)]
