@@ -170,9 +170,9 @@ class _SlicesSamples(_ExpandsSamples):
 
 
 @pytest.mark.parametrize("model, words", [
-    (_ExpandsSamples(), r"^parallelize: node 'repeat'.*: Expand or repeat the samples outside "
+    (_ExpandsSamples(), r"^explain: node 'repeat'.*: Expand or repeat the samples outside "
      r"the model: repeat grows dim 0"),
-    (_SlicesSamples(), r"^parallelize: node 'getitem'.*: Slice the plain model's input instead"),
+    (_SlicesSamples(), r"^explain: node 'getitem'.*: Slice the plain model's input instead"),
 ], ids=["repeat-samples", "slice-samples"])
 def test_what_picks_or_grows_the_samples_is_refused_naming_the_node(model: nn.Module,
                                                                    words: str) -> None:

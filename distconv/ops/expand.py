@@ -34,6 +34,7 @@ from distconv.distribution import Dist
 from distconv.ops.base import SAMPLE_GRIDS, VOLUME_GRIDS, Handler, Sample
 from distconv.ops.elementwise import is_constant
 from distconv.ops.shape import model_tensor
+from distconv.ops.sizes import is_size
 from distconv.parallel.placement import Placement
 from distconv.parallel.steps import samples_of
 
@@ -101,7 +102,7 @@ class ExpandHandler(Handler):
         x = node.args[0]
         if not isinstance(x, fx.Node) or an.out.get(x) is None:
             an.fail(node, f"{_name(node)} of a value that is not a tensor of the graph")
-        if is_constant(node):
+        if is_constant(node) and not any(is_size(a) for a in node.all_input_nodes):
             return model_tensor(an, node)  # a model tensor expanded by numbers: whole
         name = _name(node)
         if name == "expand_as":
