@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from distconv.parallel.steps import Step
 
 __all__ = ["SAMPLE_GRIDS", "SIGNAL_GRIDS", "VOLUME_GRIDS", "Handler", "PoolNet", "PriceContext",
-           "Sample", "SampleNet", "Unsupported", "qualified_name"]
+           "Sample", "SampleNet", "Unsupported", "ViewHeadNet", "qualified_name"]
 
 
 class Unsupported(NotImplementedError):
@@ -91,6 +91,21 @@ SIGNAL_GRIDS: tuple[tuple[int, dict], ...] = (
     (2, {"default": {"grid": {"N": 2}, "algorithm": "sample"}}),
     (4, {"default": {"grid": {"N": 2, "W": 2}, "algorithm": "spatial"}}),
 )
+
+
+class ViewHeadNet(nn.Module):
+    """A conformance sample: a 1x1 stem convolution (placed by the config) whose ``[N, 4, 4, 4]``
+    maps a head reads as ``y.view(y.size(0), -1)``: a view that merges every dim but the
+    samples, sized by a shape read."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(4, 4, 1)
+        self.head = nn.Linear(64, 3)
+
+    def forward(self, x: Any) -> Any:
+        y = self.stem(x)
+        return self.head(y.view(y.size(0), -1))
 
 
 class PoolNet(nn.Module):

@@ -56,6 +56,9 @@ def compute(report: Any, step: Any, module: Any, ctx: PriceContext) -> None:
 
 class LinearHandler(Handler):
     modules = (nn.Linear,)
+    #: ``nn.Linear`` subclasses whose forward is ``F.linear`` of their own weight and bias (timm's
+    #: classifier heads): one call, as ``nn.Linear``
+    module_names = frozenset({"timm.layers.linear.Linear"})
 
     def place(self, an: Any, node: Any, module: Any) -> Any:
         from distconv.parallel.steps import LayerSpec, Step, sample_dist

@@ -18,7 +18,7 @@ import torch.fx as fx
 from torch import nn
 
 from distconv.distribution import Dist
-from distconv.ops.base import SAMPLE_GRIDS, Handler, Sample, SampleNet
+from distconv.ops.base import SAMPLE_GRIDS, Handler, Sample, SampleNet, ViewHeadNet
 from distconv.ops.elementwise import is_constant
 from distconv.parallel.placement import Placement, layout_str
 
@@ -330,7 +330,7 @@ class ReshapeHandler(Handler):
         return misplaced(step, in_shape, tuple(out))
 
     def samples(self) -> Sequence[Sample]:
-        return (Sample("view-head", lambda: _ViewNet(), (5, 4, 4, 4), SAMPLE_GRIDS),
+        return (Sample("view-head", lambda: ViewHeadNet(), (5, 4, 4, 4), SAMPLE_GRIDS),
                 Sample("channel-shuffle", lambda: SampleNet(_ChannelShuffle(), 4), (5, 4, 7, 6),
                        SAMPLE_GRIDS))
 
@@ -397,10 +397,6 @@ class _FlatNet(nn.Module):
         return self.head(torch.flatten(self.stem(x), 1))
 
 
-class _ViewNet(_FlatNet):
-    def forward(self, x: Any) -> Any:
-        y = self.stem(x)
-        return self.head(y.view(y.size(0), -1))
 
 
 class _ChannelShuffle(nn.Module):

@@ -27,8 +27,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
-from distconv.ops.base import SAMPLE_GRIDS, Handler, Sample
-from distconv.ops.shape import _ViewNet
+from distconv.ops.base import SAMPLE_GRIDS, Handler, Sample, ViewHeadNet
 
 __all__ = ["SizeHandler", "is_size"]
 
@@ -108,7 +107,7 @@ class SizeHandler(Handler):
         spatial = ((2, {"default": {"grid": {"H": 2}, "algorithm": "spatial"},
                         "data": {"H": 2}}),)
         return (
-            Sample("size-view-head", lambda: _ViewNet(), (5, 4, 4, 4), SAMPLE_GRIDS[:3]),
+            Sample("size-view-head", lambda: ViewHeadNet(), (5, 4, 4, 4), SAMPLE_GRIDS[:3]),
             Sample("decoder-interpolate-to-skip", lambda: _Decoder(), (5, 2, 8, 6),
                    SAMPLE_GRIDS[:3] + spatial),
         )

@@ -104,6 +104,8 @@ EXPECTED: dict[tuple[str, str], str | Refused] = {
     ("timm.Swin", "sample"): EXACT,
     # the FPN decoder's merge: torch.stack(features).sum(0)
     ("smp.FPN", "sample"): EXACT,
+    # its classifier is timm's Linear (an nn.Linear whose forward calls F.linear): one call
+    ("timm.MobileNetV3", "sample"): EXACT,
     # refused, naming the node, its module and what refuses it: LeViT's LinearNorm
     # batch-normalises samples and tokens as one dim, x.flatten(0, 1)
     ("timm.LeViT", "sample"): Refused("Unsupported", ("'flatten_1'", "merges or splits the "
