@@ -2,7 +2,9 @@
 their factors.
 
 Registration walks the model once: plain ``nn.Linear`` / ``nn.Conv*d`` layers get an adapter
-(:mod:`distkfac.layers`) and a forward hook; ``DistConv2d`` / ``DistConvNd`` layers a work hook
+(:mod:`distkfac.layers`) and a forward hook, as does a ``DistLinear`` of a parallelized model
+(the whole layer's factors from its rows gathered over the features,
+:mod:`distkfac.sharded.linear`); ``DistConv2d`` / ``DistConvNd`` layers a work hook
 whose factors follow the weight's distribution (:mod:`distkfac.sharded`, layouts ``'exact'`` and
 ``'block'``).  On factor-update steps the hooks form ``sum a a^T`` from the layer input and
 ``sum d d^T`` from its output's gradient; each is packed (upper triangle) into the open bucket of
@@ -128,6 +130,12 @@ class FactorHooks:
         reduced over every rank as a data-parallel layer's; over replicas (grid dims that split
         neither rows nor features) the output's gradient is a pending sum, completed before G
         is formed as for a replicated plain layer."""
+        if self._parallel is None:
+            self._detach_layers()
+            raise NotImplementedError(
+                f"build the model with distconv.parallelize (or skip {name!r} with skip_layers): "
+                f"K-FAC of DistLinear {name!r} takes its loss convention (the cotangent dl_i / N "
+                "of the global batch N) from a parallelized model, and this model is not one")
         if self._frozen(name, module):
             return
         adapter = DistLinearAdapter(module, name)

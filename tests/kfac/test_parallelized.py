@@ -295,3 +295,30 @@ def test_channels_last_linears_split_over_their_features_equal_single_process(co
         assert set(split) <= set(names)
         for k, g in want.items():
             torch.testing.assert_close(grads[k], g, rtol=1e-9, atol=1e-11, msg=k)
+
+
+def _standalone_linear(comm):
+    from torch import nn
+
+    from distconv.distribution import Dist
+    from distconv.grid import ProcessorGrid
+    from distconv.nn.linear import DistLinear
+
+    grid = ProcessorGrid({"N": 1, "C": 2}, comm=comm)
+    layer = DistLinear.from_module(nn.Linear(4, 3).double(), grid=grid,
+                                   input_dist=Dist(("N", None, "C")))
+    model = nn.Sequential(layer)
+    with pytest.raises(NotImplementedError, match=r"^build the model with distconv\.paral"):
+        distkfac.KFAC(model, **KW)
+    # skipped by name, nothing is registered and the model keeps no hook
+    kfac = distkfac.KFAC(model, skip_layers=["0"], **KW)
+    return len(kfac.layers), len(layer._forward_hooks)
+
+
+def test_a_distlinear_outside_a_parallelized_model_is_refused_by_name():
+    """Without a parallelized model's loss convention (the cotangent dl_i / N of the global
+    batch) a DistLinear's G would be scaled by a guess: K-FAC refuses it before any step."""
+    from distconv.testing.threads import run_threads
+
+    for registered, hooks in run_threads(_standalone_linear, 2):
+        assert (registered, hooks) == (0, 0)
