@@ -2,7 +2,9 @@
 their factors.
 
 Registration walks the model once: plain ``nn.Linear`` / ``nn.Conv*d`` layers get an adapter
-(:mod:`distkfac.layers`) and a forward hook; ``DistConv2d`` / ``DistConvNd`` layers a work hook
+(:mod:`distkfac.layers`) and a forward hook, as does a ``DistLinear`` of a parallelized model
+(the whole layer's factors from its rows gathered over the features,
+:mod:`distkfac.sharded.linear`); ``DistConv2d`` / ``DistConvNd`` layers a work hook
 whose factors follow the weight's distribution (:mod:`distkfac.sharded`, layouts ``'exact'`` and
 ``'block'``).  On factor-update steps the hooks form ``sum a a^T`` from the layer input and
 ``sum d d^T`` from its output's gradient; each is packed (upper triangle) into the open bucket of
@@ -23,6 +25,7 @@ from torch import Tensor, nn
 
 from distconv.nn.conv import DistConv2d
 from distconv.nn.conv_nd import DistConvNd
+from distconv.nn.linear import DistLinear
 from distkfac.comm import FactorReducer, PayloadBroadcaster
 from distkfac.layers import LayerAdapter, adapter_for
 from distkfac.preconditioner.layer import Layer
@@ -35,6 +38,7 @@ from distkfac.sharded import (
     attach,
     redundant_comm,
 )
+from distkfac.sharded.linear import DistLinearAdapter
 
 __all__ = ["FactorHooks"]
 
@@ -72,6 +76,9 @@ class FactorHooks:
                 continue
             if isinstance(module, (DistConv2d, DistConvNd)):  # factors sharded like the weight
                 self._register_dist(name, module)
+                continue
+            if isinstance(module, DistLinear):  # features split: the whole layer's factors
+                self._register_linear(name, module)
                 continue
             if not isinstance(module, (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d,
                                        nn.modules.conv._ConvTransposeNd)):
@@ -116,6 +123,26 @@ class FactorHooks:
         replicas = [d for d, e in grid.shape.items() if e > 1 and d not in samples]
         root = all(grid.coords[d] == 0 for d in replicas)
         return root, (grid.subcomm(replicas) if replicas else None)
+
+    def _register_linear(self, name: str, module: DistLinear) -> None:
+        """A DistLinear (a Linear whose features are split): factors of the whole layer from
+        every rank's rows gathered over the features (:mod:`distkfac.sharded.linear`),
+        reduced over every rank as a data-parallel layer's; over replicas (grid dims that split
+        neither rows nor features) the output's gradient is a pending sum, completed before G
+        is formed as for a replicated plain layer."""
+        if self._parallel is None:
+            self._detach_layers()
+            raise NotImplementedError(
+                f"build the model with distconv.parallelize (or skip {name!r} with skip_layers): "
+                f"K-FAC of DistLinear {name!r} takes its loss convention (the cotangent dl_i / N "
+                "of the global batch N) from a parallelized model, and this model is not one")
+        if self._frozen(name, module):
+            return
+        adapter = DistLinearAdapter(module, name)
+        pending = module.grid.subcomm(adapter.replicas) if adapter.replicas else None
+        layer = self._add_layer(adapter, self._group_comm(adapter))
+        layer.handles.append(module.register_forward_hook(
+            self._forward_hook(layer, adapter.root, pending)))
 
     def _add_layer(self, adapter: LayerAdapter, comm) -> Layer:
         layer = Layer(adapter, comm, self.factor_dtype)

@@ -11,6 +11,7 @@ from torch import nn
 import distconv.comm
 from distconv.nn.conv import DistConv2d
 from distconv.nn.conv_nd import DistConvNd
+from distconv.nn.linear import DistLinear
 from distkfac.comm import FactorReducer, PayloadBroadcaster
 from distkfac.lowprec import check_comm_dtype
 from distkfac.methods import Method, method_for
@@ -65,7 +66,8 @@ def _check_int(name: str, value: Any, low: int) -> int:
 
 class KFAC(FactorHooks, Decompositions, Preconditioning):
     """Distributed K-FAC preconditioner for the ``nn.Linear``, ``nn.Conv2d`` and ``DistConv2d``
-    layers of a model.
+    layers of a model (and ``DistLinear``: a Linear whose features are split gets the whole
+    layer's factors, see :mod:`distkfac.sharded.linear`).
 
     Args (keyword-only; the numbers marked (s) may also be callables ``f(step) -> value``,
     checked when evaluated):
@@ -217,7 +219,7 @@ class KFAC(FactorHooks, Decompositions, Preconditioning):
 
     def _resolve_comm(self, comm):
         dist = [(n, m) for n, m in self.model.named_modules()
-                if isinstance(m, (DistConv2d, DistConvNd))]
+                if isinstance(m, (DistConv2d, DistConvNd, DistLinear))]
         if comm is None and self._parallel is not None:
             # a parallelized model's own communicator, also where no layer of it is a DistConv2d
             # (a 3-D network runs sample-parallel): its factors are reduced over its ranks

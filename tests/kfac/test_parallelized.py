@@ -224,3 +224,101 @@ def test_a_3d_unet_with_transposed_convolutions_equals_single_process(size, conf
         assert "ConvTransposeAdapter" in kinds, kinds
         for k, g in want.items():
             torch.testing.assert_close(grads[k], g, rtol=1e-9, atol=1e-11, msg=k)
+
+
+# ---------------------------------------------------------------- channels-last Linear layers
+class _TokenMixer(torch.nn.Module):
+    """A conv stem, then channels-last Linear layers: an MLP on ``[N, H, W, C]`` and one on
+    ``[N, L, C]`` tokens; the stem's channel split reaches them as a split of their features."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from torch import nn
+
+        self.stem = nn.Conv2d(3, 4, 3, padding=1)
+        self.fc1 = nn.Linear(4, 6)
+        self.fc2 = nn.Linear(6, 4)
+        self.tok = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x):
+        h = self.stem(x).permute(0, 2, 3, 1)                      # [N, H, W, C]
+        h = self.fc2(torch.tanh(self.fc1(h)))
+        t = torch.tanh(self.tok(h.flatten(1, 2)))                 # [N, L, C]
+        return self.head(t.mean(1))
+
+
+def _token_mixer():
+    gen = torch.Generator().manual_seed(8)
+    model = _TokenMixer().double()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * 0.4)
+    x = torch.randn(4, 3, 4, 4, generator=gen, dtype=torch.float64)
+    return model, x, torch.randint(0, 3, (4,), generator=gen)
+
+
+_SAMPLE = {"grid": {"N": 4}, "algorithm": "sample"}
+_STEM = {"match": "stem", "grid": {"N": 2, "C": 2}, "algorithm": "stationary-x"}
+_TOKEN_CONFIGS = {
+    # the Linears meet the stem's channel split on their features: stationary-x in place
+    "in-place": {"default": _SAMPLE, "layers": [_STEM]},
+    # their own entries: features over F, and over C x F
+    "stationary-y": {"default": _SAMPLE, "layers": [
+        _STEM, {"match": "fc1", "grid": {"N": 2, "F": 2}, "algorithm": "stationary-y"}]},
+    "stationary-w": {"default": _SAMPLE, "layers": [
+        _STEM, {"match": "fc1", "grid": {"N": 1, "C": 2, "F": 2}, "algorithm": "stationary-w"},
+        {"match": "fc2", "grid": {"N": 1, "C": 2, "F": 2}, "algorithm": "stationary-w"}]},
+}
+
+
+def _token_run(comm, config):
+    model, x, y = _token_mixer()
+    pmodel = parallelize(copy.deepcopy(model), config, comm=comm, input_shape=x.shape)
+    kfac = distkfac.KFAC(pmodel, **KW)
+    rows = sample_block(x.shape[0], pmodel.data_grid)
+    train(pmodel, x[rows], y[rows], kfac)
+    split = [n for n, m in pmodel.named_modules() if type(m).__name__ == "DistLinear"]
+    return _gathered_grads(pmodel), split, sorted({ly.name for ly in kfac.layers})
+
+
+@pytest.mark.parametrize("config", sorted(_TOKEN_CONFIGS))
+def test_channels_last_linears_split_over_their_features_equal_single_process(config):
+    """A Linear on ``[N, H, W, C]`` or ``[N, L, C]`` tokens whose features a channel-parallel
+    layer split runs as a DistLinear: K-FAC takes its factors over every feature and every
+    position of the global batch, and its preconditioned gradient is one process's."""
+    from distconv.testing.threads import run_threads
+
+    want = reference(_token_mixer)
+    for grads, split, names in run_threads(_token_run, 4, _TOKEN_CONFIGS[config]):
+        assert split, "no Linear runs split over its features: the test would test nothing"
+        assert set(split) <= set(names)
+        for k, g in want.items():
+            torch.testing.assert_close(grads[k], g, rtol=1e-9, atol=1e-11, msg=k)
+
+
+def _standalone_linear(comm):
+    from torch import nn
+
+    from distconv.distribution import Dist
+    from distconv.grid import ProcessorGrid
+    from distconv.nn.linear import DistLinear
+
+    grid = ProcessorGrid({"N": 1, "C": 2}, comm=comm)
+    layer = DistLinear.from_module(nn.Linear(4, 3).double(), grid=grid,
+                                   input_dist=Dist(("N", None, "C")))
+    model = nn.Sequential(layer)
+    with pytest.raises(NotImplementedError, match=r"^build the model with distconv\.paral"):
+        distkfac.KFAC(model, **KW)
+    # skipped by name, nothing is registered and the model keeps no hook
+    kfac = distkfac.KFAC(model, skip_layers=["0"], **KW)
+    return len(kfac.layers), len(layer._forward_hooks)
+
+
+def test_a_distlinear_outside_a_parallelized_model_is_refused_by_name():
+    """Without a parallelized model's loss convention (the cotangent dl_i / N of the global
+    batch) a DistLinear's G would be scaled by a guess: K-FAC refuses it before any step."""
+    from distconv.testing.threads import run_threads
+
+    for registered, hooks in run_threads(_standalone_linear, 2):
+        assert (registered, hooks) == (0, 0)
