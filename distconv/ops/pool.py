@@ -304,7 +304,9 @@ class MeanHandler(Handler):
         p = an.placement(args[0]).settled()
         dims, keep = reduced_dims(node, p.ndim)
         if not dims or 0 in dims or node.kwargs.get("dtype") is not None:
-            an.fail(node, "mean is supported over non-sample dims (e.g. x.mean((2, 3)))")
+            an.fail(node, "Take the mean over other dims than the samples' (e.g. x.mean((2, "
+                    "3))), and over the samples in the loss: mean is supported over non-sample "
+                    "dims")
         split = [g for d in dims for g in p.dist.grid_dims_of(d)]
         entries = [None if i in dims else e for i, e in enumerate(p.dist.entries)]
         if not keep:
@@ -337,8 +339,9 @@ class ReduceHandler(Handler):
         what = getattr(node.target, "__name__", node.target)
         samples = samples_of(args[0])[0]
         if not dims or samples in dims or node.kwargs.get("dtype") is not None:
-            an.fail(node, f"{what} is supported over non-sample dims (e.g. x.{what}((2, 3)); "
-                    f"the samples are in dim {samples})")
+            an.fail(node, f"Reduce other dims than the samples' (e.g. x.{what}((2, 3))), and "
+                    f"the samples in the loss: {what} is supported over non-sample dims (the "
+                    f"samples are in dim {samples})")
         split = frozenset(g for d in dims for g in p.dist.grid_dims_of(d))
         entries = [None if i in dims else e for i, e in enumerate(p.dist.entries)]
         need = p if what == "sum" else Placement(p.layout, Dist(tuple(entries)))

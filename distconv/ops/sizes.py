@@ -84,10 +84,10 @@ class SizeHandler(Handler):
         from distconv.parallel.steps import Step
 
         if node.op == "call_method" and node.target in VALUE_METHODS:
-            an.fail(node, f".{node.target}() reads the tensor's values into Python: each rank "
-                    "holds a block of the tensor, so the value would differ by rank and "
-                    "nothing computed from it could be exact. Keep it a tensor (x.sum(), not "
-                    "x.sum().item()), or compute it outside the model")
+            an.fail(node, f"Keep it a tensor (x.sum(), not x.sum().item()), or compute it "
+                    f"outside the model: .{node.target}() reads the tensor's values into Python; "
+                    "each rank holds a block of the tensor, so the value would differ by rank "
+                    "and nothing computed from it could be exact")
         if node.target is torch._assert:
             cond = node.args[0] if node.args else node.kwargs.get("condition")
             if isinstance(cond, fx.Node) and not is_size(cond):
