@@ -74,9 +74,9 @@ def regroup(an: Any, node: Any, arg: Any, out_ndim: int, kept: dict[int, int]) -
     from distconv.parallel.steps import LayerSpec, Step
 
     if kept.get(0) != 0:
-        an.fail(node, "it merges or splits the samples (dim 0); the parallel model's output "
-                "rows are its samples, so shape ops keep dim 0 as it is (write its size as "
-                "x.size(0) or x.shape[0])")
+        an.fail(node, "Keep dim 0 as it is (write its size as x.size(0) or x.shape[0]): "
+                "it merges or splits the samples (dim 0), and the parallel model's output rows "
+                "are its samples")
     node.meta[_CARRIERS] = kept  # what run() regroups by and refuse() checks
     p = an.placement(arg)
     mine = set(kept.values())
