@@ -302,8 +302,10 @@ MUTANTS = [
             "test_operands_that_cost_the_same_meet_where_the_first_is",),
            "operands that cost the same to move meet at the second's placement, not the first's"),
     Mutant("bn-price-drops-m2", "distconv/ops/norm.py",
-           "fwd[r] = (s - 1) * (1 + 2 * c) * isz",
-           "fwd[r] = (s - 1) * (1 + c) * isz",
+           "            params = max(params, 2 * c if bn.affine else 0)\n"
+           "            fwd[r] = (s - 1) * (1 + 2 * c) * isz",
+           "            params = max(params, 2 * c if bn.affine else 0)\n"
+           "            fwd[r] = (s - 1) * (1 + c) * isz",
            ("tests/test_ops.py",),
            "BatchNorm's statistics allgather is priced without the M2 term"),
     Mutant("mean-local-count", "distconv/ops/pool.py",
@@ -786,6 +788,13 @@ MUTANTS += [
            "        if next(m.parameters(), None) is None:\n            continue",
            (f"{PINS_WAVE}::test_a_never_called_module_with_only_buffers_keeps_them_in_the_state",),
            "a never-called module holding only buffers drops out of the parallel model's state"),
+    Mutant("functional-bn-price-drops-m2", "distconv/ops/norm.py",
+           "            c = p.dist.local_shape(ctx.in_shape, g)[1]\n"
+           "            fwd[r] = (s - 1) * (1 + 2 * c) * isz",
+           "            c = p.dist.local_shape(ctx.in_shape, g)[1]\n"
+           "            fwd[r] = (s - 1) * (1 + c) * isz",
+           ("tests/test_ops.py::test_sample_equals_one_process_and_its_price",),
+           "F.batch_norm's statistics allgather is priced without the M2 term"),
     Mutant("planner-own-picks-dropped", "distconv/planner/plan.py",
            "    add(_own_picks(s), s.base.data)\n", "",
            ("tests/test_pins_planner.py::"
@@ -863,12 +872,12 @@ MUTANTS += [
            (f"{SEGMENTS}::test_a_segment_is_described_by_its_size_and_the_units_it_spans",),
            "a segment spanning nodes counts its ranks' places within a node, not its nodes"),
     Mutant("priced-segment-latency-off-by-one", "distconv/pricing/timeline.py",
-           "machine.link_time(g, self._most(g, nbytes), len(g) - 1)",
-           "machine.link_time(g, self._most(g, nbytes), len(g))",
+           "            return max(machine.link_time(g, nbytes, len(g) - 1)",
+           "            return max(machine.link_time(g, nbytes, len(g))",
            (f"{SEGMENTS}::test_a_segment_is_priced_on_its_own_ranks_and_level",),
            "a segment of k ranks pays k latencies, not the k - 1 steps of a pairwise exchange"),
     Mutant("priced-segment-whole-grid", "distconv/pricing/timeline.py",
-           "        if self.groups is not None:\n            # each segment",
+           "        if self.groups:\n            # each segment",
            "        if False:\n            # each segment",
            (f"{SEGMENTS}::test_a_segment_is_priced_on_its_own_ranks_and_level",),
            "a conversion priced as before segments: over the first ranks of its size, not "
