@@ -793,7 +793,8 @@ MUTANTS += [
            "            fwd[r] = (s - 1) * (1 + 2 * c) * isz",
            "            c = p.dist.local_shape(ctx.in_shape, g)[1]\n"
            "            fwd[r] = (s - 1) * (1 + c) * isz",
-           ("tests/test_ops.py::test_sample_equals_one_process_and_its_price",),
+           ("tests/test_ops_norm_functional.py::"
+            "test_functional_batch_norm_moves_the_bytes_explain_prices",),
            "F.batch_norm's statistics allgather is priced without the M2 term"),
     Mutant("planner-own-picks-dropped", "distconv/planner/plan.py",
            "    add(_own_picks(s), s.base.data)\n", "",

@@ -242,3 +242,20 @@ def test_group_norm_subclass_with_torchs_forward_is_the_distributed_layer() -> N
     world, config = SAMPLE_GRIDS[1]
     assert all("DistGroupNorm" in k for k in run_threads(_kinds, world, model, config))
     _check(model, world, config, x, y)
+
+
+@pytest.mark.parametrize("option", [2, 4], ids=["stationary-x", "stationary-w"])
+def test_functional_batch_norm_moves_the_bytes_explain_prices(option: int) -> None:
+    """Channels split: each block's statistics (its 2·C moments and the count) are gathered
+    over the sample and row splits, and the running statistics over the channel blocks; the
+    communicators count what explain prices, rank by rank."""
+    from tests.parallel.cases import counted_step
+
+    world, config = SAMPLE_GRIDS[option]
+    model = seeded(SampleNet(_BatchNormAct(4), 4).double(), torch.Generator().manual_seed(3))
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(SHAPE, generator=gen, dtype=torch.float64)
+    y = torch.randint(0, 3, (SHAPE[0],), generator=gen)
+    plan = explain(model, config, SHAPE, world_size=world)
+    for r, got in enumerate(run_threads(counted_step, world, model, config, x, y)):
+        assert got["counted"] == tuple(plan.rank_bytes(r).values()), r
