@@ -232,19 +232,20 @@ def test_explain_names_each_conversions_segment_and_its_machine_level():
 
 def test_a_segment_is_priced_on_its_own_ranks_and_level():
     """Each segment exchanges on its own: k - 1 latencies of the level it spans (a pairwise
-    exchange, one step per peer) and the most bytes one of its ranks receives over that
-    level's bandwidth; the step takes its slowest segment. Written out by hand on a machine of
-    4-rank nodes (1 us, 100 GB/s inside, 10 us and 1 GB/s between nodes, no shared links)."""
+    exchange, one step per peer) and the most bytes any evaluated rank receives over that
+    level's bandwidth (the same price whichever ranks a caller evaluates); the step takes its
+    slowest segment. Written out by hand on a machine of 4-rank nodes (1 us, 100 GB/s inside,
+    10 us and 1 GB/s between nodes, no shared links)."""
     from distconv.machines.base import Level, Machine
     from distconv.pricing.timeline import CommStep
 
     machine = Machine("two-level", (Level("node", 4, 1e-6, 100e9),
                                     Level("network", 0, 1e-5, 1e9)), 1e12)
-    # rank 0's 8000 B inside node 0 (1 us + 80 ns); ranks 2 and 6 span two nodes: 10 us for
-    # the one step + 1000 B at 1 GB/s (1 us), the slowest segment
+    # the most bytes, 8000 B: inside node 0, 1 us + 80 ns; ranks 2 and 6 span two nodes: 10 us
+    # for the one step + 8000 B at 1 GB/s (8 us), the slowest segment
     step = CommStep("forward", "x", "redistribute", {0: 8000, 2: 1000}, 2,
                     groups=((0, 1), (2, 6)))
-    assert math.isclose(step.seconds(machine), 1e-5 + 1e-6, rel_tol=1e-12)
+    assert math.isclose(step.seconds(machine), 1e-5 + 8e-6, rel_tol=1e-12)
     # one segment of 4 ranks over two nodes: 3 steps at 10 us + 2000 B at 1 GB/s
     step = CommStep("forward", "x", "redistribute", {0: 2000, 1: 500}, 4,
                     groups=((0, 1, 4, 5),))
