@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from distconv.distribution import Dist
+from distconv.memo import BoundedMemo
 from distconv.ops.base import SAMPLE_GRIDS, Handler, Sample, SampleNet
 from distconv.parallel.placement import Placement, conversion_bytes, evaluated_ranks
 from distconv.parallel.steps import samples_of
@@ -328,12 +329,23 @@ def meeting(a: Placement, b: Placement) -> Placement:
     The one rule of the executor, ``explain`` and the planner."""
     if a == b:
         return a
+    # (a pure function of the two placements, asked again for every plan a search prices: a
+    # DenseNet's concatenations meet dozens of operands each)
+    return b if _MEETS_AT_B.get((a, b), lambda: _meets_at_b(a, b)) else a
+
+
+def _meets_at_b(a: Placement, b: Placement) -> bool:
     size = math.prod(e for _, e in a.layout)
     shape = (2 * size,) * a.ndim
     ranks = evaluated_ranks([a.layout, b.layout], size)
     cost_to_a = sum(conversion_bytes(b, a, shape, 1, r) for r in ranks)
     cost_to_b = sum(conversion_bytes(a, b, shape, 1, r) for r in ranks)
-    return b if cost_to_b < cost_to_a else a
+    return cost_to_b < cost_to_a
+
+
+#: :func:`meeting`'s choices, per pair of placements (equality ignores the dims' names, and so
+#: does the choice: it keeps the operand itself)
+_MEETS_AT_B: BoundedMemo[bool] = BoundedMemo(1 << 14)
 
 
 class _Residual(nn.Module):

@@ -17,7 +17,7 @@ from distconv.ops import Unsupported
 from distconv.pricing.timeline import LayerReport, largest_block, timeline
 from distconv.parallel import cost
 from distconv.parallel.config import LayerChoice, Layout, ParallelConfig
-from distconv.parallel.graph import _Analyser, aliased, analyse, trace
+from distconv.parallel.graph import _Analyser, aliased, analyse, operand_need, trace
 from distconv.parallel.placement import Placement, evaluated_ranks
 from distconv.parallel.shapes import check_input_shape, propagate_shapes
 from distconv.parallel.steps import Analysis, Step
@@ -191,6 +191,9 @@ class _Search:
                                  len(net.input_shape))
         self._priced: dict[tuple, _Priced | Exception] = {}
         self._groups: dict[tuple, Any] = {}  # the gradient buckets' parts
+        self._step_seconds: dict[int, tuple[Any, ...]] = {}  # a layer's seconds, on the machine
+        self._step_moves: dict[int, tuple[Step, list]] = {}  # a placed step's conversions
+        self._step_reports: dict[tuple, tuple] = {}  # its report, per the conversions it makes
         self.visited = 0  # plans priced exactly
         #: called now and then while the search runs (``plan_network``'s ``progress``)
         self.progress: Any = None
@@ -454,18 +457,48 @@ class _Search:
             walker.steps.append(step)
         return Analysis(self.gm, list(walker.steps), data)
 
+    def _candidates(self, step: Step, analysis: Analysis) -> list[tuple[tuple, cost.Move]]:
+        """The conversions ``step`` makes of its operands where no earlier step made them
+        (:func:`~distconv.parallel.cost.conversions`' keys and moves), kept per step: a placed
+        step belongs to one set of input placements."""
+        got = self._step_moves.get(id(step))
+        if got is None or got[0] is not step:
+            out = []
+            for a in step.needs:
+                need = operand_need(step, a, self.shapes)
+                src_step = analysis.step(a)
+                inside = step.segment is not None and src_step.segment == step.segment
+                if src_step.out != need:
+                    out.append(((a.name, need, step.segment if inside else None),
+                                (a, src_step.out, need, inside)))
+            got = self._step_moves[id(step)] = (step, out)
+        return got[1]
+
     def _price(self, chosen: Mapping[str, Choice], data: Layout) -> _Priced:
         self.visited += 1
         analysis = self.analysis(chosen, data)
         layers = [cost.entry_report(analysis, self.net.input_shape, self.P, [0])]
         done: set = set()
         for step in analysis.steps[1:]:
-            moves = cost.conversions(step, analysis.step, self.shapes, done) if step.needs else []
-            grad_in = self._grad_in[step.node]
-            rep = self.report(step, moves, grad_in)
-            if cost.kept(rep):
+            # the conversions a step may make are its own (a placed step is kept per the
+            # placements of its inputs): those an earlier step made of the same value are not
+            # made again, and the report is kept per step and the conversions it makes
+            candidates = self._candidates(step, analysis) if step.needs else ()
+            taken, moves = 0, []
+            for bit, (key, move) in enumerate(candidates):
+                if key not in done:
+                    done.add(key)
+                    moves.append(move)
+                    taken |= 1 << bit
+            got = self._step_reports.get((id(step), taken))
+            if got is None or got[0] is not step:
+                rep = self.report(step, moves, self._grad_in[step.node])
+                got = (step, rep, cost.kept(rep), _running(rep))
+                self._step_reports[(id(step), taken)] = got
+            _, rep, listed, running = got
+            if listed:
                 # coalescing takes the running statistics out of a report's steps: a copy
-                layers.append(_with_steps(rep, list(rep.steps)) if _running(rep) else rep)
+                layers.append(_with_steps(rep, list(rep.steps)) if running else rep)
         running = cost.coalesced_running(layers)
         if running is not None:
             layers.append(running)
@@ -479,7 +512,7 @@ class _Search:
         sync = self._buckets[placed]
         if sync is not None:
             layers.append(sync)
-        t = timeline(layers, self.machine)
+        t = timeline(layers, self.machine, cache=self._step_seconds)
         mem = sum(cost.memory(layers, self.itemsize, self.optimizer_states).values())
         return _Priced(t.step, t.forward, float(mem), layers, analysis)
 

@@ -118,33 +118,48 @@ class Timeline:
         return self.step - self.forward - self.backward
 
 
-def timeline(layers: Sequence[LayerReport], machine: AnyMachine) -> Timeline:
+def timeline(layers: Sequence[LayerReport], machine: AnyMachine,
+             cache: dict[int, tuple[Any, ...]] | None = None) -> Timeline:
     """The step of ``layers`` (in forward order) on ``machine``: the forward, then the backward in
     reverse order on a compute stream; each gradient allreduce (a step with ``after``) goes on a
     communication stream once the backward of its layer is done and the previous allreduce has
     finished, as the gradient buckets run, and takes the share ``1 - comm_overlap`` of its time
     from the compute stream too (the processor moves what the network does not). Every other
-    collective is on the critical path."""
+    collective is on the critical path.
+
+    ``cache``: each layer's collective seconds by the report's identity, for a caller that prices
+    many plans made of the same reports on one machine and never changes a report's steps (the
+    planner); the report is kept beside its seconds, so an identity is never reused while it is
+    remembered."""
     machine = resolve_machine(machine, hierarchical=True)  # once, not per step
     busy = 1.0 - machine.comm_overlap
 
     def seconds(lay: LayerReport, phase: str) -> float:
         return sum(s.seconds(machine) for s in lay.steps if s.phase == phase and s.after is None)
 
-    forward = sum(lay.forward_seconds + seconds(lay, "forward") - lay.overlap.get("forward", 0.0)
-                  for lay in layers)
+    def collectives(lay: LayerReport) -> tuple[Any, ...]:
+        """(the report, its forward and backward collectives' seconds on the critical path, its
+        gradient allreduces as (after, seconds))"""
+        got = None if cache is None else cache.get(id(lay))
+        if got is None or got[0] is not lay:
+            got = (lay, seconds(lay, "forward"), seconds(lay, "backward"),
+                   tuple((s.after, s.seconds(machine)) for s in lay.steps if s.after is not None))
+            if cache is not None:
+                cache[id(lay)] = got
+        return got
+
+    own = [collectives(lay) for lay in layers]
+    forward = sum(lay.forward_seconds + fwd - lay.overlap.get("forward", 0.0)
+                  for lay, fwd, _, _ in own)
     compute = comm = forward
     gradients = 0.0
     names = {lay.name for lay in layers}
     waiting: dict[str | None, list[float]] = {}
-    for lay in layers:
-        for s in lay.steps:
-            if s.after is not None:
-                waiting.setdefault(s.after if s.after in names else None,
-                                   []).append(s.seconds(machine))
-    for lay in reversed(layers):
-        compute += (lay.backward_seconds + seconds(lay, "backward")
-                    - lay.overlap.get("backward", 0.0))
+    for _, _, _, afters in own:
+        for after, t in afters:
+            waiting.setdefault(after if after in names else None, []).append(t)
+    for lay, _, bwd, _ in reversed(own):
+        compute += lay.backward_seconds + bwd - lay.overlap.get("backward", 0.0)
         for t in waiting.pop(lay.name, ()):
             comm = max(comm, compute) + t
             compute += busy * t
