@@ -225,6 +225,7 @@ class Communicator(abc.ABC):
         ``sends`` and ``recvs`` describe the call and are only formatted in debug mode."""
         if not isinstance(meta, str):
             raise TypeError(f"meta must be a str, got {type(meta).__name__}")
+        self._op = op  # (the call a failure while opening a host channel names)
         if get_debug():
             common = common()
             sends = sends() if sends is not None else None

@@ -107,11 +107,18 @@ def open_ring(comm: Any, *, slots: int = SLOTS, slot_bytes: int = SLOT_BYTES
     """:meth:`HostChannel.open` for the communicator ``comm`` (collective over its ranks),
     through its backend's own broadcast of the file's name (``comm._broadcast_name``) and
     allreduce of a flag (``comm._all_ok``), never through a ring."""
-    return HostChannel.open(
-        rank=comm.rank, size=comm.size, timeout=comm.timeout,
-        describe=f"rank {comm.rank}, backend {comm.backend!r}",
-        broadcast_name=comm._broadcast_name, all_ok=comm._all_ok, slots=slots,
-        slot_bytes=slot_bytes)
+    try:
+        return HostChannel.open(
+            rank=comm.rank, size=comm.size, timeout=comm.timeout,
+            describe=f"rank {comm.rank}, backend {comm.backend!r}",
+            broadcast_name=comm._broadcast_name, all_ok=comm._all_ok, slots=slots,
+            slot_bytes=slot_bytes)
+    except CommError as exc:
+        # opened at the first collective that fits it: a peer missing there is reported as a
+        # failure of that call (the user's allreduce), not of the setup's own broadcast
+        op = getattr(comm, "_op", "")
+        raise type(exc)(f"rank {comm.rank}, backend {comm.backend!r}, op {op!r}: opening the "
+                        f"communicator's host channel at this call failed: {exc}") from exc
 
 
 def _start_time(pid: int) -> int | None:
