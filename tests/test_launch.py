@@ -124,3 +124,33 @@ def test_an_uncaught_refusal_in_a_job_is_one_line_per_rank(tmp_path: Path) -> No
     assert re.fullmatch(r"\[rank0\]: ValueError: launch\(fn, 2\) runs in a job of 1 processes .*"
                         r"start it with `torchrun --nproc-per-node 2`.*", lines[0]), lines[0]
     assert "ValueError: launch(fn, 2) runs in a job of 1" in error_file.read_text()
+
+
+@pytest.mark.gloo
+def test_distconv_run_ends_a_failed_job_in_one_line_per_rank(tmp_path: Path) -> None:
+    """``python -m distconv.run`` is torchrun whose failed job prints no traceback: each rank's
+    refusal (a program of 2 ranks in a job of 3) is its own line, then one line per failed
+    rank from the runner, and the job's exit code is the ranks'."""
+    script = tmp_path / "program.py"
+    script.write_text(PROGRAM)
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
+                "DISTCONV_TRACEBACK", *dcomm._MPI_RANK_VARS):
+        env.pop(var, None)
+    proc = subprocess.run([sys.executable, "-m", "distconv.run", "--standalone",
+                           "--nproc-per-node", "3", str(script)], capture_output=True,
+                          text=True, timeout=240, env=env, cwd=tmp_path)
+    assert proc.returncode == 1, proc.stderr
+    assert "Traceback" not in proc.stderr and "ChildFailedError" not in proc.stderr, proc.stderr
+    refusal = (r"ValueError: launch\(fn, 2\) runs in a job of 3 processes .*start it with "
+               r"`torchrun --nproc-per-node 2`.*")
+    # torchrun stops the other ranks once one fails: one that was stopped before it reached
+    # its refusal has no line of its own; every line there is is the refusal
+    own = [ln for ln in proc.stderr.splitlines() if ln.startswith("[rank")]
+    assert own and all(re.fullmatch(r"\[rank\d\]: " + refusal, ln) for ln in own), proc.stderr
+    summary = [ln for ln in proc.stderr.splitlines() if ln.startswith("distconv.run:")]
+    failed = [ln for ln in summary if "(exit code 1)" in ln]
+    assert failed and all(re.fullmatch(r"distconv\.run: rank \d failed \(exit code 1\): "
+                                       + refusal, ln) for ln in failed), proc.stderr
+    assert all("(stopped by SIGTERM)" in ln for ln in summary if ln not in failed), proc.stderr
+    assert len({ln.split()[2] for ln in summary}) == len(summary), proc.stderr
