@@ -17,7 +17,7 @@ demo: $(STAMP)
 	$(PY) examples/demo.py
 
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n auto --dist loadgroup
 
 docs: $(STAMP)
 	$(PY) -m mkdocs build --strict --site-dir site

@@ -56,3 +56,16 @@ def mpi4():
     if find_mpiexec() is None:
         pytest.skip("mpi4 needs an mpiexec beside python or on PATH (pip install mpich)")
     yield from _pool("mpi", 4)
+
+
+#: the session's real worlds: under pytest-xdist (``make test`` runs ``-n auto --dist loadgroup``)
+#: every test that uses one runs in the same worker, so each world is still started once
+WORLDS = frozenset({"gloo2", "gloo4", "mpi4"})
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not config.pluginmanager.hasplugin("xdist"):
+        return
+    for item in items:
+        if WORLDS & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.xdist_group("worlds"))
