@@ -174,13 +174,13 @@ class _Search:
         self._reports: dict[tuple, LayerReport] = {}
         self._moves: dict[tuple, LayerReport] = {}
         self._steps: dict[tuple, Step | None] = {}
-        self._buckets: dict[tuple, LayerReport | None] = {}
         self._seconds: dict[int, tuple[LayerReport, float, float, float]] = {}
         self._grads: dict[tuple, float] = {}
         self._own: dict[tuple, float] = {}
         # the exact price's walk: each node's step per the placements of its inputs, the data
         # grid and the choices its handler reads (its own; a convolution's also those of the
         # convolutions reading its input, which decide whether it takes that input gathered)
+        self._inputs = {n: tuple(n.all_input_nodes) for n in self.order}
         self.reads = {n: tuple(sorted({self.decides[m] for m in (n, *(
             u for a in n.all_input_nodes for u in a.users)) if m in self.decides}))
             for n in self.order}
@@ -192,8 +192,7 @@ class _Search:
         self._priced: dict[tuple, _Priced | Exception] = {}
         self._groups: dict[tuple, Any] = {}  # the gradient buckets' parts
         self._step_seconds: dict[int, tuple[Any, ...]] = {}  # a layer's seconds, on the machine
-        self._step_moves: dict[int, tuple[Step, list]] = {}  # a placed step's conversions
-        self._step_reports: dict[tuple, tuple] = {}  # its report, per the conversions it makes
+        self._records: dict[int, tuple] = {}  # what is kept per placed step (_price)
         self.visited = 0  # plans priced exactly
         #: called now and then while the search runs (``plan_network``'s ``progress``)
         self.progress: Any = None
@@ -432,15 +431,15 @@ class _Search:
         if not self.memo:
             return analyse(self.gm, self.view, input_ndim=len(self.net.input_shape))  # type: ignore[arg-type]
         walker = self._walker
-        walker.out, walker.steps = {}, []
+        walker.out, walker.steps = out, steps = {}, []
         walker.__dict__.pop("_unit_dims", None)  # (a memo of the walk's own: made anew)
         choice = {**self.view.first, **chosen}
-        canon = self._canon
+        canon, placed, reads, inputs = self._canon, self._placed, self.reads, self._inputs
         for node in self.order:
             # (placements by identity: each placed value's placement is kept once, canonical)
-            key = (node, tuple(id(walker.out.get(a)) for a in node.all_input_nodes),
-                   tuple(choice[n] for n in self.reads[node]), data)
-            step = self._placed.get(key)
+            key = (node, tuple([id(out.get(a)) for a in inputs[node]]),
+                   tuple([choice[n] for n in reads[node]]), data)
+            step = placed.get(key)
             if step is None:
                 try:
                     step = walker.visit(node)
@@ -450,66 +449,65 @@ class _Search:
                                                     step.out)
                 except (Unsupported, ValueError) as exc:
                     step = exc
-                self._placed[key] = step
+                placed[key] = step
             if isinstance(step, Exception):
                 raise step
-            walker.out[node] = step.out
-            walker.steps.append(step)
-        return Analysis(self.gm, list(walker.steps), data)
+            out[node] = step.out
+            steps.append(step)
+        return Analysis(self.gm, list(steps), data)
 
     def _candidates(self, step: Step, analysis: Analysis) -> list[tuple[tuple, cost.Move]]:
         """The conversions ``step`` makes of its operands where no earlier step made them
-        (:func:`~distconv.parallel.cost.conversions`' keys and moves), kept per step: a placed
-        step belongs to one set of input placements."""
-        got = self._step_moves.get(id(step))
-        if got is None or got[0] is not step:
-            out = []
-            for a in step.needs:
-                need = operand_need(step, a, self.shapes)
-                src_step = analysis.step(a)
-                inside = step.segment is not None and src_step.segment == step.segment
-                if src_step.out != need:
-                    out.append(((a.name, need, step.segment if inside else None),
-                                (a, src_step.out, need, inside)))
-            got = self._step_moves[id(step)] = (step, out)
-        return got[1]
+        (:func:`~distconv.parallel.cost.conversions`' keys and moves)."""
+        out = []
+        for a in step.needs:
+            need = operand_need(step, a, self.shapes)
+            src_step = analysis.step(a)
+            inside = step.segment is not None and src_step.segment == step.segment
+            if src_step.out != need:
+                out.append(((a.name, need, step.segment if inside else None),
+                            (a, src_step.out, need, inside)))
+        return out
 
     def _price(self, chosen: Mapping[str, Choice], data: Layout) -> _Priced:
         self.visited += 1
         analysis = self.analysis(chosen, data)
         layers = [cost.entry_report(analysis, self.net.input_shape, self.P, [0])]
         done: set = set()
+        records, layouts = self._records, {analysis.data}
         for step in analysis.steps[1:]:
-            # the conversions a step may make are its own (a placed step is kept per the
-            # placements of its inputs): those an earlier step made of the same value are not
-            # made again, and the report is kept per step and the conversions it makes
-            candidates = self._candidates(step, analysis) if step.needs else ()
+            # what is kept of a placed step (it belongs to one set of input placements): the
+            # conversions it may make, the grids it touches, and its report per the conversions
+            # it makes (those no earlier step of the plan made of the same value)
+            rec = records.get(id(step))
+            if rec is None or rec[0] is not step:
+                rec = records[id(step)] = (
+                    step, self._candidates(step, analysis) if step.needs else (),
+                    frozenset(p.layout for p in [step.out, *step.needs.values()]
+                              if p is not None), {})
             taken, moves = 0, []
-            for bit, (key, move) in enumerate(candidates):
+            for bit, (key, move) in enumerate(rec[1]):
                 if key not in done:
                     done.add(key)
                     moves.append(move)
                     taken |= 1 << bit
-            got = self._step_reports.get((id(step), taken))
-            if got is None or got[0] is not step:
+            got = rec[3].get(taken)
+            if got is None:
                 rep = self.report(step, moves, self._grad_in[step.node])
-                got = (step, rep, cost.kept(rep), _running(rep))
-                self._step_reports[(id(step), taken)] = got
-            _, rep, listed, running = got
+                got = rec[3][taken] = (rep, cost.kept(rep), _running(rep))
+            rep, listed, running = got
             if listed:
                 # coalescing takes the running statistics out of a report's steps: a copy
                 layers.append(_with_steps(rep, list(rep.steps)) if running else rep)
+            layouts |= rec[2]
         running = cost.coalesced_running(layers)
         if running is not None:
             layers.append(running)
-        placed = (tuple((st.node, st.layer) for st in analysis.steps if st.layer is not None),
-                  analysis.data)
-        if placed not in self._buckets:
-            corners = self.ranks(sorted({lay for lay in _layouts_of(analysis)}))
-            self._buckets[placed] = cost.gradient_buckets(
-                self.gm, analysis, self.P, corners, self.itemsize, 25 << 20,
-                cache=self._groups if self.memo else None)
-        sync = self._buckets[placed]
+        # (the buckets differ with every layer's placement: no two plans share them; their
+        # groups' parts are kept across plans)
+        corners = self.ranks(sorted(layouts))
+        sync = cost.gradient_buckets(self.gm, analysis, self.P, corners, self.itemsize, 25 << 20,
+                                     cache=self._groups if self.memo else None)
         if sync is not None:
             layers.append(sync)
         t = timeline(layers, self.machine, cache=self._step_seconds)
