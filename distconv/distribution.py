@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import operator
 import re
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterable, Iterator, Mapping, Sequence, Union
+from typing import TYPE_CHECKING, Any, Union
 
 if TYPE_CHECKING:
     from distconv.grid import ProcessorGrid
@@ -47,6 +48,8 @@ def as_size(value: Any, name: str) -> int:
     Raises ``TypeError`` for a non-integer and ``ValueError`` for a negative value, naming
     ``name`` and the value received.
     """
+    if type(value) is int and value >= 0:
+        return value
     if isinstance(value, bool) or isinstance(value, float):
         raise TypeError(f"{name} must be a non-negative int, got {value!r}")
     try:
@@ -66,6 +69,8 @@ def as_shape(shape: Any, name: str) -> tuple[int, ...]:
     Raises ``TypeError`` for something that is not a sequence of integers and ``ValueError`` for
     a negative size, naming ``name`` and the shape received.
     """
+    if type(shape) is tuple and all(type(n) is int and n >= 0 for n in shape):
+        return shape  # (the common case, checked at C speed)
     if isinstance(shape, (str, bytes)) or not isinstance(shape, Sequence):
         raise TypeError(
             f"{name} must be a shape (a sequence of non-negative ints), got {shape!r}"
