@@ -26,6 +26,7 @@ import argparse
 import copy
 import fnmatch
 import json
+import re
 import statistics
 import sys
 import time
@@ -188,15 +189,15 @@ def table(results: dict[str, dict[str, Outcome]], configs: list[str], kfac_rows:
              f"{n['inexact']} inexact; {n['skipped']} skipped (the package does not import "
              "here).", "",
              "| model | " + " | ".join(configs) + " |", "|---|" + "---|" * len(configs)]
-    for name, row in results.items():
-        lines.append(f"| {name} | " + " | ".join(_cell(row[c], refusals) for c in configs)
-                     + " |")
-    ran_of = {c: [row[c].kind for row in results.values() if row[c].kind != "skipped"]
-              for c in configs}
+    for name, row in results.items():  # (a cell not run yet: "-", while a run goes on)
+        lines.append(f"| {name} | " + " | ".join(_cell(row[c], refusals) if c in row else "-"
+                                                  for c in configs) + " |")
+    ran_of = {c: [row[c].kind for row in results.values()
+                  if c in row and row[c].kind != "skipped"] for c in configs}
     lines.append("| exact of those that ran | " + " | ".join(
         f"{ran_of[c].count('exact')} of {len(ran_of[c])}" for c in configs) + " |")
     skipped = {name: row[configs[0]].message for name, row in results.items()
-               if row[configs[0]].kind == "skipped"}
+               if configs[0] in row and row[configs[0]].kind == "skipped"}
     if skipped:
         lines += ["", "Skipped: " + "; ".join(f"{k} ({v})" for k, v in skipped.items()) + "."]
     lines += ["", "Configs: `sample` `{N: 4}`; `spatial` `{N: 2, H: 2}` (`D` for volumes), data "
@@ -256,8 +257,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--steps", type=int, default=20, help="timed steps per side")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--out", type=Path, default=RESULTS)
-    ap.add_argument("--update", action="store_true", help="rerun only the --models given and "
-                    "keep every other model's rows of the existing results (same configs)")
+    ap.add_argument("--update", action="store_true", help="rerun only the --models and "
+                    "--configs given and keep every other cell of the existing results (configs "
+                    "not run before are added as columns)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     patterns = args.models.split(",")
@@ -292,15 +294,18 @@ def main(argv: list[str] | None = None) -> None:
             (args.out / "model_zoo.md").write_text(text + "\n")
 
     old: dict[str, Any] = {"matrix": {}, "kfac": {}, "timing": {}}
+    ran = configs  # the configs this run measures; ``configs``: the results' columns
     if args.update:
         old = json.loads((args.out / "model_zoo.json").read_text())
-        if old["configs"] != configs:
-            ap.error(f"--update: the results ran {old['configs']}, not {configs}")
+        configs = [c for c in CONFIGS if c in old["configs"] or c in ran]
+        skip = {c for c in CONFIGS if c not in configs}
         first = old.get("header") or (
             f"Model zoo support matrix (`{old['command']}`, {old['date']}, torch "
             f"{torch.__version__})" + (f"; configs not run: {', '.join(old['skipped_configs'])}"
                                       if old.get("skipped_configs") else ""))
-        header = f"{first}; {args.models} rerun by `{cmd}`, {when}"
+        if not skip:  # every column has run now
+            first = re.sub(r"; configs not run: [^;]*", "", first)
+        header = f"{first}; {','.join(ran)} of {args.models} rerun by `{cmd}`, {when}"
         cmd, when = old["command"], old["date"]
     kept = {m: {c: Outcome(**o) for c, o in row.items()} for m, row in old["matrix"].items()}
 
@@ -308,10 +313,15 @@ def main(argv: list[str] | None = None) -> None:
         """Every model of the zoo in zoo order: the new rows, else the kept ones."""
         return {m: new[m] if m in new else before[m] for m in ZOO if m in new or m in before}
 
-    results = matrix(entries, configs,
-                     save=lambda rows: write(merged(rows, kept), old["kfac"], old["timing"],
-                                             False))
-    results = merged(results, kept)
+    def cells(new: dict[str, dict[str, Outcome]]) -> dict[str, dict[str, Outcome]]:
+        """Every model's row: the kept cells, with this run's in their place (configs order)."""
+        rows = {m: {**kept.get(m, {}), **new.get(m, {})} for m in ZOO
+                if m in new or m in kept}
+        return {m: {c: row[c] for c in configs if c in row} for m, row in rows.items()}
+
+    results = matrix(entries, ran,
+                     save=lambda rows: write(cells(rows), old["kfac"], old["timing"], False))
+    results = cells(results)
     runnable = [e for e in entries if e.missing() is None]
     kfac_rows = merged({} if args.no_kfac else kfac(runnable), old["kfac"])
     write(results, kfac_rows, old["timing"], False)
