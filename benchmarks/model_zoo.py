@@ -13,6 +13,8 @@ that is stopped keeps what it did)::
     .venv/bin/python benchmarks/model_zoo.py                      # everything (long: see below)
     .venv/bin/python benchmarks/model_zoo.py --models 'timm.*,smp.*' --skip-configs auto,plan \\
         --no-kfac --no-timing                                     # a part of the matrix
+    .venv/bin/python benchmarks/model_zoo.py --update --kfac-only --models timm.Swin
+                                                                  # one model's K-FAC row
 
 A package that does not import here (for any reason) skips its models, saying why; torchvision
 loads beside the CPU torch through ``tests/vision_ops.py``. ``auto`` and ``plan`` search a
@@ -258,7 +260,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", type=Path, default=RESULTS)
     ap.add_argument("--update", action="store_true", help="rerun only the --models given and "
                     "keep every other model's rows of the existing results (same configs)")
+    ap.add_argument("--kfac-only", action="store_true", help="with --update: rerun only the "
+                    "K-FAC rows of the --models given, keeping every matrix row and step time "
+                    "of the existing results")
     args = ap.parse_args(argv)
+    if args.kfac_only and (not args.update or args.no_kfac):
+        ap.error("--kfac-only reruns K-FAC rows into existing results: pass it with --update "
+                 "and without --no-kfac")
     torch.set_num_threads(1)
     patterns = args.models.split(",")
     entries = [e for e in ZOO.values() if any(fnmatch.fnmatch(e.name, p) for p in patterns)]
@@ -294,13 +302,16 @@ def main(argv: list[str] | None = None) -> None:
     old: dict[str, Any] = {"matrix": {}, "kfac": {}, "timing": {}}
     if args.update:
         old = json.loads((args.out / "model_zoo.json").read_text())
+        if args.kfac_only:  # the matrix is kept whole: its configs are the results' own
+            configs, skip = old["configs"], set(old["skipped_configs"])
         if old["configs"] != configs:
             ap.error(f"--update: the results ran {old['configs']}, not {configs}")
         first = old.get("header") or (
             f"Model zoo support matrix (`{old['command']}`, {old['date']}, torch "
             f"{torch.__version__})" + (f"; configs not run: {', '.join(old['skipped_configs'])}"
                                       if old.get("skipped_configs") else ""))
-        header = f"{first}; {args.models} rerun by `{cmd}`, {when}"
+        rerun = "K-FAC rerun" if args.kfac_only else "rerun"
+        header = f"{first}; {args.models} {rerun} by `{cmd}`, {when}"
         cmd, when = old["command"], old["date"]
     kept = {m: {c: Outcome(**o) for c, o in row.items()} for m, row in old["matrix"].items()}
 
@@ -308,17 +319,17 @@ def main(argv: list[str] | None = None) -> None:
         """Every model of the zoo in zoo order: the new rows, else the kept ones."""
         return {m: new[m] if m in new else before[m] for m in ZOO if m in new or m in before}
 
-    results = matrix(entries, configs,
-                     save=lambda rows: write(merged(rows, kept), old["kfac"], old["timing"],
-                                             False))
+    results = {} if args.kfac_only else matrix(
+        entries, configs,
+        save=lambda rows: write(merged(rows, kept), old["kfac"], old["timing"], False))
     results = merged(results, kept)
     runnable = [e for e in entries if e.missing() is None]
     kfac_rows = merged({} if args.no_kfac else kfac(runnable), old["kfac"])
     write(results, kfac_rows, old["timing"], False)
     exact = [e.name for e in runnable if results[e.name].get("sample", Outcome("")).kind
              == "exact"]
-    times = merged({} if args.no_timing or not exact else timing(exact, args.steps, args.warmup),
-                   old["timing"])
+    times = merged({} if args.no_timing or args.kfac_only or not exact
+                   else timing(exact, args.steps, args.warmup), old["timing"])
     write(results, kfac_rows, times, True)
 
 
