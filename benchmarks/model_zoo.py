@@ -13,6 +13,8 @@ that is stopped keeps what it did)::
     .venv/bin/python benchmarks/model_zoo.py                      # everything (long: see below)
     .venv/bin/python benchmarks/model_zoo.py --models 'timm.*,smp.*' --skip-configs auto,plan \\
         --no-kfac --no-timing                                     # a part of the matrix
+    .venv/bin/python benchmarks/model_zoo.py --update --kfac-only --models timm.Swin
+                                                                  # one model's K-FAC row
 
 A package that does not import here (for any reason) skips its models, saying why; torchvision
 loads beside the CPU torch through ``tests/vision_ops.py``. ``auto`` and ``plan`` search a
@@ -260,7 +262,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--update", action="store_true", help="rerun only the --models and "
                     "--configs given and keep every other cell of the existing results (configs "
                     "not run before are added as columns)")
+    ap.add_argument("--kfac-only", action="store_true", help="with --update: rerun only the "
+                    "K-FAC rows of the --models given, keeping every matrix cell and step time "
+                    "of the existing results")
     args = ap.parse_args(argv)
+    if args.kfac_only and (not args.update or args.no_kfac):
+        ap.error("--kfac-only reruns K-FAC rows into existing results: pass it with --update "
+                 "and without --no-kfac")
     torch.set_num_threads(1)
     patterns = args.models.split(",")
     entries = [e for e in ZOO.values() if any(fnmatch.fnmatch(e.name, p) for p in patterns)]
@@ -305,7 +313,8 @@ def main(argv: list[str] | None = None) -> None:
                                       if old.get("skipped_configs") else ""))
         if not skip:  # every column has run now
             first = re.sub(r"; configs not run: [^;]*", "", first)
-        header = f"{first}; {','.join(ran)} of {args.models} rerun by `{cmd}`, {when}"
+        what = "K-FAC" if args.kfac_only else ",".join(ran)
+        header = f"{first}; {what} of {args.models} rerun by `{cmd}`, {when}"
         cmd, when = old["command"], old["date"]
     kept = {m: {c: Outcome(**o) for c, o in row.items()} for m, row in old["matrix"].items()}
 
@@ -319,16 +328,17 @@ def main(argv: list[str] | None = None) -> None:
                 if m in new or m in kept}
         return {m: {c: row[c] for c in configs if c in row} for m, row in rows.items()}
 
-    results = matrix(entries, ran,
-                     save=lambda rows: write(cells(rows), old["kfac"], old["timing"], False))
+    results = {} if args.kfac_only else matrix(
+        entries, ran,
+        save=lambda rows: write(cells(rows), old["kfac"], old["timing"], False))
     results = cells(results)
     runnable = [e for e in entries if e.missing() is None]
     kfac_rows = merged({} if args.no_kfac else kfac(runnable), old["kfac"])
     write(results, kfac_rows, old["timing"], False)
     exact = [e.name for e in runnable if results[e.name].get("sample", Outcome("")).kind
              == "exact"]
-    times = merged({} if args.no_timing or not exact else timing(exact, args.steps, args.warmup),
-                   old["timing"])
+    times = merged({} if args.no_timing or args.kfac_only or not exact
+                   else timing(exact, args.steps, args.warmup), old["timing"])
     write(results, kfac_rows, times, True)
 
 

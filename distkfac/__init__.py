@@ -14,9 +14,9 @@ Conventions (see :mod:`distkfac.layers`, :mod:`distkfac.sharded` and :mod:`distk
 
 * Factors: ``A = mean over rows of a a^T`` (im2col rows for convolutions, bias as a trailing 1),
   ``G = mean over rows of d d^T`` with ``d`` each sample's own loss gradient at the layer's
-  output (``n dL/dy``: n the local batch for a plain model, the global batch for parallelized
-  models and DistConv2d layers).  Ranks reduce sums and row counts, so P ranks equal one
-  process on the concatenated batch.
+  output (``n dL/dy``: n the local batch for a plain model, the leading dim of the model's
+  input; the global batch for parallelized models and DistConv2d layers).  Ranks reduce sums
+  and row counts, so P ranks equal one process on the concatenated batch.
 * DistConv2d factors follow the weight's distribution: ``factor_sharding='exact'`` (the global
   layer's K-FAC from row blocks) or ``'block'`` (per-shard diagonal blocks, no extra traffic).
 * Damping: factored Tikhonov, ``V~ = (G + sqrt(lam) I)^-1 V (A + sqrt(lam) I)^-1`` for both

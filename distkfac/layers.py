@@ -7,8 +7,11 @@ row count, so that factors reduced over ranks are exactly those of the concatena
     G = (1/R) sum_r  d_r d_r^T          d_r = n * dL/dy_r, n the local batch size
 
 R counts rows: samples for ``nn.Linear`` (times any middle dims), samples x output positions for
-``nn.Conv1d``, ``nn.Conv2d`` and ``nn.Conv3d``.  With a loss that is a mean over the local batch, ``d_r`` is the gradient of the
-row's own sample loss, so ``G`` does not depend on how the batch is split over ranks.
+``nn.Conv1d``, ``nn.Conv2d`` and ``nn.Conv3d``.  ``n`` counts samples, the leading dim of the
+model's input (read there by :class:`~distkfac.KFAC`): a layer may see more leading rows, as
+Swin's window attention sees ``N * windows``.  With a loss that is a mean over the local
+batch, ``d_r`` is the gradient of the row's own sample loss, so ``G`` does not depend on how the
+batch is split over ranks.
 
 Grouped convolutions get block-diagonal factors, one block per group: every factor is stored as
 a batch ``(groups, d, d)``; ``groups == 1`` for everything else.
@@ -69,7 +72,8 @@ class LayerAdapter(abc.ABC):
     @staticmethod
     @abc.abstractmethod
     def batch_size(x: Tensor) -> int:
-        """Local batch size n seen in the input (the factor of ``d = n dL/dy``)."""
+        """Local batch size n seen in the layer's input (the factor of ``d = n dL/dy`` where
+        the model's own input gives none)."""
 
     def weight_matrix(self, w: Tensor) -> Tensor:
         """A tensor shaped like the weight as ``(groups, g_dim, a_dim - bias)``."""

@@ -43,6 +43,15 @@ from distkfac.sharded.linear import DistLinearAdapter
 __all__ = ["FactorHooks"]
 
 
+def _input_batch(args: tuple, kwargs: dict | None) -> int | None:
+    """The batch of a model's call: the leading dim of its first tensor argument (positional,
+    else keyword) when that has one besides its features; None otherwise."""
+    for value in (*args, *(kwargs or {}).values()):
+        if isinstance(value, Tensor):
+            return int(value.shape[0]) if value.dim() >= 2 else None
+    return None
+
+
 class FactorHooks:
     """Registration, factor hooks and the running averages' update of
     :class:`~distkfac.preconditioner.KFAC` (a base of it: these methods read and fill its model,
@@ -224,9 +233,10 @@ class FactorHooks:
             if isinstance(m, (DistConv2d, DistConvNd)):
                 m.work_hook = None
 
-    def _count_micro_batch(self, module: nn.Module, args: Any) -> None:
+    def _count_micro_batch(self, module: nn.Module, args: Any, kwargs: Any) -> None:
         if not (self._collecting and module.training and torch.is_grad_enabled()):
             return
+        self._model_batch = _input_batch(args, kwargs)
         self._micro += 1
         if self._micro > self.accumulation_steps:  # the last step's step() never came
             for reducer in self._reducers.values():
@@ -246,7 +256,7 @@ class FactorHooks:
             # d = n dL/dy: n the local batch under data parallelism (each rank's loss a local
             # mean); the global batch in a parallelized model (the cotangent is dl_i / N)
             n = (self._parallel.global_batch_size if self._parallel is not None
-                 else layer.adapter.batch_size(x))
+                 else self._local_batch(layer.adapter, x))
             batch = n * self.accumulation_steps
             a, rows = layer.adapter.a_sum(x, self.factor_dtype)
             if not root:  # a replica of samples another rank counts
@@ -267,6 +277,19 @@ class FactorHooks:
 
             output.register_hook(grad_hook)
         return hook
+
+    def _local_batch(self, adapter: LayerAdapter, x: Tensor) -> int:
+        """``n`` of a plain model's ``d = n dL/dy``: the samples its loss averages, read as the
+        leading dim of the model's input -- not of the layer's, which may hold more rows than
+        samples (Swin's window attention sees ``[N * windows, tokens, C]``: n = N * windows
+        made its G ``windows^2`` times the per-sample one, and a parallelized model's, whose n
+        is its global batch).  A layer called on an unbatched input (its adapter counts 1
+        sample where the leading dim is not 1), or outside the model's own forward, counts
+        what its adapter reads from its input."""
+        own = adapter.batch_size(x)
+        if self._model_batch is None or (own == 1 and x.shape[0] != 1):
+            return own
+        return self._model_batch
 
     def _work_hook(self, targets: list, reducer: FactorReducer):
         """DistConv2d work hook: A from the local convolution's input, G from its output's

@@ -191,9 +191,11 @@ class KFAC(FactorHooks, Decompositions, Preconditioning):
         self._broadcasters: dict[int, PayloadBroadcaster] = {}
         self._warned: set[str] = set()
         self._micro = 0
+        self._model_batch: int | None = None  # the leading dim of the model's input
         self._register()
         self._exact_stale = {ly.name: (Stale(), Stale()) for ly in self.exact_layers}
-        self._root_hook = model.register_forward_pre_hook(self._count_micro_batch)
+        self._root_hook = model.register_forward_pre_hook(self._count_micro_batch,
+                                                          with_kwargs=True)
         self._begin_step()
 
     @property
@@ -258,6 +260,7 @@ class KFAC(FactorHooks, Decompositions, Preconditioning):
 
     def _begin_step(self) -> None:
         self._micro = 0
+        self._model_batch = None
         self._collecting = self._every("factor_update_steps", self.steps)
         if self._collecting:
             for key, reducer in self._reducers.items():

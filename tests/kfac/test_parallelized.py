@@ -322,3 +322,113 @@ def test_a_distlinear_outside_a_parallelized_model_is_refused_by_name():
 
     for registered, hooks in run_threads(_standalone_linear, 2):
         assert (registered, hooks) == (0, 0)
+
+
+# ---------------------------------------------------------------- windowed attention (Swin)
+_WS = 4  # window side: an 8 x 8 map holds 4 windows per sample
+
+
+class _Windows(torch.nn.Module):
+    """Swin's window attention: the channels-last map ``[N, H, W, C]`` is cut into windows
+    ``[N * windows, ws * ws, C]`` (the samples merged with the window count, as timm writes
+    it), so the Linear layers inside see ``N * windows`` leading rows, not ``N``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from torch import nn
+
+        self.stem = nn.Conv2d(3, 4, 3, padding=1)
+        self.qkv = nn.Linear(4, 12)
+        self.proj = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x):
+        b, c, h, w = x.shape
+        t = self.stem(x).permute(0, 2, 3, 1)                              # [N, H, W, C]
+        t = t.reshape(b, h // _WS, _WS, w // _WS, _WS, 4).permute(0, 1, 3, 2, 4, 5)
+        win = t.reshape(-1, _WS * _WS, 4)                                 # [N * 4, 16, C]
+        q, k, v = self.qkv(win).chunk(3, -1)
+        o = self.proj(((q @ k.transpose(-2, -1)) * 0.5).softmax(-1) @ v)
+        o = o.reshape(b, h // _WS, w // _WS, _WS, _WS, 4).permute(0, 1, 3, 2, 4, 5)
+        return self.head(torch.tanh(o.reshape(b, h, w, 4)).mean((1, 2)))
+
+
+def _windows(batch: int = 4):
+    gen = torch.Generator().manual_seed(9)
+    model = _Windows().double()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * 0.5)
+    x = torch.randn(batch, 3, 8, 8, generator=gen, dtype=torch.float64)
+    return model, x, torch.randint(0, 3, (batch,), generator=gen)
+
+
+def _windowed_g(model, x, y, name: str) -> torch.Tensor:
+    """G of the windowed Linear ``name`` as the convention defines it, written out: the mean
+    over every row (sample x window x token) of ``d d^T``, ``d`` the row's gradient of its own
+    sample's loss (each sample run alone)."""
+    module = dict(model.named_modules())[name]
+    rows = []
+    for i in range(x.shape[0]):
+        out = {}
+        handle = module.register_forward_hook(lambda m, inp, o: out.__setitem__("y", o))
+        loss = F.cross_entropy(model(x[i:i + 1]), y[i:i + 1])
+        handle.remove()
+        (gy,) = torch.autograd.grad(loss, [out["y"]])
+        rows.append(gy.reshape(-1, gy.shape[-1]))
+    d = torch.cat(rows)
+    return d.T @ d / d.shape[0]
+
+
+def _first_factors(model, kfac, x, y) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """The factors of one step's batch (the running averages after their first update)."""
+    F.cross_entropy(model(x), y).backward()
+    kfac.step()
+    return {ly.name: (ly.a.value[0].clone(), ly.g.value[0].clone()) for ly in kfac.layers}
+
+
+def test_one_process_g_of_windowed_linears_is_per_sample_not_per_window():
+    """On one process the Linear layers inside the windows see ``N * windows`` leading rows;
+    ``d = n dL/dy`` takes ``n`` from the model's batch (the samples the loss averages), so G
+    is the per-sample convention's, not ``windows^2`` times it."""
+    model, x, y = _windows()
+    want = {n: _windowed_g(copy.deepcopy(model), x, y, n) for n in ("qkv", "proj")}
+    kfac = distkfac.KFAC(model, comm=None, **KW)
+    got = _first_factors(model, kfac, x, y)
+    for name, g in want.items():
+        torch.testing.assert_close(got[name][1], g, rtol=1e-12, atol=1e-18, msg=name)
+
+
+def _windows_run(comm, batch):
+    model, x, y = _windows(batch)
+    config = {"default": {"grid": {"N": comm.size}, "algorithm": "sample"}}
+    pmodel = parallelize(copy.deepcopy(model), config, comm=comm, input_shape=x.shape)
+    kfac = distkfac.KFAC(pmodel, **KW)
+    rows = sample_block(x.shape[0], pmodel.data_grid)
+    factors = _first_factors(pmodel, kfac, x[rows], y[rows])
+    pmodel.zero_grad()
+    train(pmodel, x[rows], y[rows], kfac)
+    return factors, _gathered_grads(pmodel)
+
+
+@pytest.mark.parametrize("batch", [4, 8])
+def test_windowed_linears_of_a_sample_parallel_model_equal_single_process(batch):
+    """Swin-style window attention sample-parallel on 4 ranks (1 or 2 samples each): the
+    windowed Linear layers' factors of one step, and the preconditioned gradients after two
+    steps more, are one process's (a one-process G that read ``n`` from the layer's own
+    leading dim, samples x windows, was ``windows^2 = 16`` times the parallel one)."""
+    from distconv.testing.threads import run_threads
+
+    model, x, y = _windows(batch)
+    kfac = distkfac.KFAC(model, comm=None, **KW)
+    want = _first_factors(model, kfac, x, y)
+    model.zero_grad()
+    train(model, x, y, kfac)
+    want_grads = {k: p.grad.clone() for k, p in model.named_parameters()}
+    for factors, grads in run_threads(_windows_run, 4, batch):
+        assert set(factors) == set(want) == {"stem", "qkv", "proj", "head"}, sorted(factors)
+        for name, (a, g) in want.items():
+            torch.testing.assert_close(factors[name][0], a, rtol=1e-12, atol=1e-16, msg=name)
+            torch.testing.assert_close(factors[name][1], g, rtol=1e-12, atol=1e-16, msg=name)
+        for k, g in want_grads.items():
+            torch.testing.assert_close(grads[k], g, rtol=1e-9, atol=1e-11, msg=k)
