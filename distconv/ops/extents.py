@@ -119,5 +119,8 @@ def _new_axes(node: fx.Node, first: frozenset[int], ndim: int, in_ndim: int) -> 
     from distconv.ops.unbind import unbound_dim
 
     index, d = node.args[1], unbound_dim(node.args[0], in_ndim)
-    kept, _ = indexed_dims(index if d is None else (slice(None),) * d + (index,), in_ndim)
+    try:
+        kept, _ = indexed_dims(index if d is None else (slice(None),) * d + (index,), in_ndim)
+    except (TypeError, ValueError):
+        return frozenset()  # an index the index handler refuses, saying what to write instead
     return frozenset(i for i, k in enumerate(kept) if k is None or k in first)
