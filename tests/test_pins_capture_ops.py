@@ -201,3 +201,38 @@ def test_unsaved_buffers_and_the_captures_constants_stay_out_of_the_state() -> N
     assert list(model.state_dict()) == want
     for local, gathered in run_threads(_unsaved_state, 2, model, x):
         assert local == want and gathered == want
+
+
+# ----------------------------------------------------------------------------- root tensors
+class _TableBias(nn.Module):
+    """A relative-position-style bias: a parameter table indexed by the root's own buffer,
+    sliced to the captured size (the capture reads the buffer into a constant, so the graph
+    never reads the buffer itself)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 1)
+        self.table = nn.Parameter(torch.randn(9, 4))
+        self.register_buffer("index", torch.arange(36).remainder(9).view(6, 6))
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.conv(x)
+        n = y.shape[2]
+        bias = self.table[self.index.clone()[:n, :n].reshape(-1)].view(n, n, -1)
+        y = y + bias.permute(2, 0, 1)[None, :, :, :y.shape[3]]
+        return self.head(y.mean((2, 3)))
+
+
+def test_a_root_buffer_the_graph_never_reads_stays_in_the_state() -> None:
+    gen = torch.Generator().manual_seed(11)
+    model = seeded(_TableBias().double(), gen)
+    x = torch.randn(4, 3, 6, 5, generator=gen, dtype=torch.float64)
+    y = torch.randint(0, 3, (4,), generator=gen)
+    ref = reference_step(model, x, y)
+    assert "index" in ref["state"]  # (the one-process model's state lists it)
+    for got in run_threads(train_step, 4, model, OPTIONS["spatial"], x, y, "mean",
+                           tuple(x.shape)):
+        assert sorted(got["state"]) == sorted(ref["state"])
+        err = max_errors(ref, got)
+        assert max(err.values()) < TOL, err

@@ -113,6 +113,7 @@ def _trace(model: nn.Module, tracer: _Tracer) -> fx.GraphModule:
         tracer.add_guards(graph)
     gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
     _constants_out_of_state(gm, model)
+    _keep_root_tensors(gm, model)
     _keep_uncalled(gm, model)
     _keep_traced_into(gm, model)
     _order_like(gm, model)  # fx registers modules in call order; users expect theirs
@@ -131,6 +132,22 @@ def _constants_out_of_state(gm: fx.GraphModule, model: nn.Module) -> None:
     for name, _ in gm.named_buffers(recurse=False):
         if name not in saved:
             gm._non_persistent_buffers_set.add(name)
+
+
+def _keep_root_tensors(gm: fx.GraphModule, model: nn.Module) -> None:
+    """Hold the root's own parameters and buffers that the graph never reads: a buffer the
+    trace read into a constant (``self.index.clone()[:n]`` on the captured shape) or a tensor
+    the forward does not use. The single-process model's ``state_dict()`` lists them, so the
+    parallel model's does too (whole on every rank), and a checkpoint of one loads into the
+    other."""
+    have = {name for name, _ in gm.named_parameters(recurse=False)} | {
+        name for name, _ in gm.named_buffers(recurse=False)}
+    for name, p in model.named_parameters(recurse=False):
+        if name not in have:
+            gm.register_parameter(name, p)
+    for name, b in model.named_buffers(recurse=False):
+        if name not in have:
+            gm.register_buffer(name, b, persistent=name not in model._non_persistent_buffers_set)
 
 
 def module_paths(model: nn.Module) -> dict[str, tuple[str, ...]]:
