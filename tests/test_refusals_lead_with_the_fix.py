@@ -55,7 +55,7 @@ def test_an_unknown_module_is_refused_saying_what_to_do_first() -> None:
 # ---------------------------------------------------------------- every refusal's first word
 #: the verbs a refusal may open with: each says what to do (the reason follows)
 IMPERATIVES = frozenset("""
-    add call compute construct convert count cut expand gather give index keep leave move
+    add call compute concatenate construct convert count cut expand gather give index keep leave move
     pass permute pool put reduce repeat return rewrite roll slice split stack take unbind use
     write""".split())
 
