@@ -55,9 +55,9 @@ def test_an_unknown_module_is_refused_saying_what_to_do_first() -> None:
 # ---------------------------------------------------------------- every refusal's first word
 #: the verbs a refusal may open with: each says what to do (the reason follows)
 IMPERATIVES = frozenset("""
-    add call compute concatenate construct convert count cut expand gather give index keep leave move
-    pass permute pool put reduce repeat return rewrite roll slice split stack take unbind use
-    write""".split())
+    add call check compute concatenate construct convert count cut expand gather give index keep
+    leave move name pass permute pool put reduce repeat return rewrite roll slice split stack take
+    unbind use write""".split())
 
 #: refusals whose whole text is another function's, its first words checked by triggering it
 #: (below): file, the message expression as ``ast.unparse`` writes it
@@ -137,3 +137,26 @@ def test_every_refusal_opens_with_what_to_do() -> None:
                 offenders.append(f"distconv/{rel}:{line}: {shown[:60]!r}")
     assert not offenders, (f"{len(offenders)} refusals do not open with what to do:\n"
                            + "\n".join(offenders))
+
+
+def test_a_forwarded_refusal_opens_with_what_to_do() -> None:
+    """The statistics refusal a BatchNorm module's handler forwards (:data:`FORWARDED`)."""
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4))
+    config = {"default": {"grid": {"N": 4}, "algorithm": "sample", "statistics": 3}}
+    with pytest.raises(ValueError) as info:
+        explain(model, config, (8, 3, 8, 8), world_size=4)
+    why = str(info.value).split("): ", 1)[1]
+    assert why.startswith("give statistics a k that divides 4, 'local' or 'global': "), why
+    assert "statistics 3 groups sample blocks" in why
+
+
+def test_the_check_fails_where_a_refusal_opens_with_its_reason() -> None:
+    """The scan reads a refusal that opens with its reason, or with a value, as an offender."""
+    names: dict[str, list[ast.expr]] = {}
+    for source, opens in (('an.fail(node, "give it as an int: got x")', True),
+                          ('an.fail(node, f"it unbinds dim {d}; give the dim as an int")', False),
+                          ('an.fail(node, f"{source} asks for pipeline")', False),
+                          ('an.fail(node, str(exc))', False)):
+        message = ast.parse(source).body[0].value.args[1]  # type: ignore[attr-defined]
+        text = _openings(message, names)[0]
+        assert (text is not None and text.split()[0] in IMPERATIVES) == opens, source

@@ -75,7 +75,7 @@ def trace(model: nn.Module, input_shape: Sequence[int] | None = None) -> fx.Grap
     node also records its global shape on this input (:data:`~distconv.ops.extents.CAPTURED_SHAPE`).
     """
     if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+        raise TypeError(f"pass an nn.Module as model: got {type(model).__name__}")
     if input_shape is not None:
         return _trace(model, _SizedTracer(model, input_shape))
     try:
