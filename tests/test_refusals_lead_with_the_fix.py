@@ -66,6 +66,8 @@ FORWARDED = {
 }
 
 ROOT = Path(__file__).resolve().parents[1] / "distconv"
+#: the handlers' methods (and their helper) that say why a step cannot run on a shape
+_REFUSE = ("refuse", "refuse_operands", "misplaced")
 
 
 def _openings(node: ast.expr, names: dict[str, list[ast.expr]]) -> list[str | None]:
@@ -90,7 +92,7 @@ def _openings(node: ast.expr, names: dict[str, list[ast.expr]]) -> list[str | No
 def _refusals() -> list[tuple[str, int, ast.expr, dict[str, list[ast.expr]]]]:
     """(file, line, message, its function's local assignments) of every refusal an op handler,
     the analysis or the capture raises: ``an.fail(node, message)``, ``Unsupported(message)``,
-    and the capture's raises."""
+    the capture's raises, and the reasons a handler's ``refuse`` gives for an input shape."""
     found = []
     for path in sorted(ROOT.rglob("*.py")):
         rel = path.relative_to(ROOT).as_posix()
@@ -105,6 +107,9 @@ def _refusals() -> list[tuple[str, int, ast.expr, dict[str, list[ast.expr]]]]:
                         a.targets[0], ast.Name):
                     names.setdefault(a.targets[0].id, []).append(a.value)
             for call in ast.walk(fn):
+                if (isinstance(call, ast.Return) and fn.name in _REFUSE
+                        and _openings(call.value or ast.Constant(None), {}) != [None]):
+                    found.append((rel, call.lineno, call.value, names))
                 if not isinstance(call, ast.Call):
                     continue
                 f = call.func

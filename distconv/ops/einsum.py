@@ -188,9 +188,9 @@ class EinsumHandler(Handler):
                     for a, t in zip(args, terms) if c in t]
             sizes = sorted({n for _, n in held})
             if len(sizes) > 1 and any(e is not None for e, _ in held):
-                return (f"letter {c!r} of {eq or 'the matmul'!r} has sizes {sizes} (torch "
-                        "broadcasts them) but is split as placed for the input shape the model "
-                        "was captured on; parallelize it with input_shape= this shape")
+                return (f"pass input_shape= this shape to parallelize: letter {c!r} of "
+                        f"{eq or 'the matmul'!r} has sizes {sizes} (torch broadcasts them) but "
+                        "is split as placed for the input shape the model was captured on")
         return None
 
     def samples(self) -> Sequence[Sample]:

@@ -96,10 +96,11 @@ class SdpaHandler(Handler):
                     continue
                 for d, e in enumerate(need.dist.entries[:-2]):
                     if e is not None and shapes[a.name][d] != shapes[b.name][d]:
-                        return (f"dim {d} of {a.name!r} and {b.name!r} has sizes "
+                        return ("pass input_shape= this shape to parallelize: dim "
+                                f"{d} of {a.name!r} and {b.name!r} has sizes "
                                 f"{shapes[a.name][d]} and {shapes[b.name][d]} (torch broadcasts "
                                 "them) but is split as placed for the input shape the model was "
-                                "captured on; parallelize it with input_shape= this shape")
+                                "captured on")
         return None
 
     @staticmethod

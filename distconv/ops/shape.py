@@ -145,9 +145,9 @@ def misplaced(step: Any, in_shape: tuple[int, ...], out_shape: tuple[int, ...]) 
                    if entries[i] is not None and found.get(k) != i)
     if not wrong:
         return None
-    return (f"{step.node.target} to {out_shape} does not keep input dim(s) {wrong} (split on "
-            f"{layout_str(step.layer.layout)}) in place as placed; write their sizes as "
-            "x.size(i) / x.shape[i] of the input itself")
+    return ("write the kept dims' sizes as x.size(i) / x.shape[i] of the input itself: "
+            f"{step.node.target} to {out_shape} does not keep input dim(s) {wrong} (split on "
+            f"{layout_str(step.layer.layout)}) in place as placed")
 
 
 def _size_of(a: Any, x: fx.Node, ndim: int) -> int | None:
@@ -327,7 +327,8 @@ class ReshapeHandler(Handler):
         try:
             out = torch.empty(in_shape, device="meta").reshape(sizes).shape
         except RuntimeError as exc:
-            return f"{node.target} to {tuple(sizes)}: {exc}"
+            return (f"give sizes that fit the input shape {tuple(in_shape)}: {node.target} to "
+                    f"{tuple(sizes)}: {exc}")
         return misplaced(step, in_shape, tuple(out))
 
     def samples(self) -> Sequence[Sample]:
