@@ -55,9 +55,9 @@ def test_an_unknown_module_is_refused_saying_what_to_do_first() -> None:
 # ---------------------------------------------------------------- every refusal's first word
 #: the verbs a refusal may open with: each says what to do (the reason follows)
 IMPERATIVES = frozenset("""
-    add call check compute concatenate construct convert count cut expand gather give index keep
-    leave move name pass permute pool put reduce repeat return rewrite roll slice split stack take
-    unbind use write""".split())
+    add branch call check compute concatenate construct convert count cut expand gather give index
+    keep leave move name pass permute pool put reduce repeat return rewrite roll slice split stack
+    take unbind use write""".split())
 
 #: refusals whose whole text is another function's, its first words checked by triggering it
 #: (below): file, the message expression as ``ast.unparse`` writes it
@@ -119,7 +119,8 @@ def _refusals() -> list[tuple[str, int, ast.expr, dict[str, list[ast.expr]]]]:
                 elif name == "Unsupported" and call.args:
                     found.append((rel, call.lineno, call.args[0], names))
                 elif (rel == "parallel/capture.py" and call.args
-                      and name in ("UntraceableModelError", "TypeError", "ValueError")):
+                      and name in ("UntraceableModelError", "TraceError", "TypeError",
+                                   "ValueError")):
                     found.append((rel, call.lineno, call.args[0], names))
     # a call in a nested function is met from each enclosing one: its innermost (last) kept
     return sorted({(r, ln): (r, ln, m, n) for r, ln, m, n in found}.values(),
