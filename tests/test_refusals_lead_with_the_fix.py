@@ -1,5 +1,7 @@
 """Refusals lead with the fix: an unsupported op's message says first what to write, names at
-most ten alternatives (the nearest first) and points to docs/support.md for the rest."""
+most ten alternatives (the nearest first) and points to docs/support.md for the rest; every
+refusal of the op handlers, the analysis and the capture opens with what to do (an imperative
+verb, read from the source), then the reason."""
 
 from __future__ import annotations
 
