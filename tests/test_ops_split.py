@@ -123,7 +123,8 @@ class _StackWhole(nn.Module):
 
 @pytest.mark.parametrize("layer,words", [
     (_Whole, "take the items of chunk's tuple"),
-    (_Batch, "split along the samples (dim 0) cuts the batch"),
+    (_Batch, "cut another dim, or cut the batch in the plain model's input: split along the "
+             "samples (dim 0) cuts the batch"),
     (_StackWhole, "take the items of tensor_split's tuple"),
 ], ids=["tuple-whole", "samples", "stack-of-tuple"])
 def test_what_cannot_run_is_refused_by_name(layer: Any, words: str) -> None:

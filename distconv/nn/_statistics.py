@@ -30,9 +30,9 @@ def resolve_statistics(value: str | int, blocks: int, where: str) -> str | int:
     if isinstance(value, str):
         return value
     if blocks % value:
-        raise ValueError(f"{where}: statistics {value} groups sample blocks {value} by {value}, "
-                         f"but the layer has {blocks} sample block(s); use a k that divides "
-                         f"{blocks}, 'local' or 'global'")
+        raise ValueError(f"{where}: give statistics a k that divides {blocks}, 'local' or "
+                         f"'global': statistics {value} groups sample blocks {value} by "
+                         f"{value}, but the layer has {blocks} sample block(s)")
     return "local" if value == 1 else "global" if value == blocks else value
 
 

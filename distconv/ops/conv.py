@@ -86,9 +86,9 @@ def check_channel_blocks(an: Any, node: Any, module: Any, choice: Any) -> None:
     parts = ext.get("C", 1) * ext.get("F", 1)
     for what, n in (("in_channels", module.in_channels), ("out_channels", module.out_channels)):
         if n < parts:
-            an.fail(node, f"{choice.source}: layer {str(node.target)!r}: {what}={n} is smaller "
-                    f"than the {parts} channel/filter blocks of {dict(choice.layout)}; use at "
-                    "most that many C×F ranks", ValueError)
+            an.fail(node, f"use at most {n} C×F ranks for {choice.source}: layer "
+                    f"{str(node.target)!r}: {what}={n} is smaller than the {parts} "
+                    f"channel/filter blocks of {dict(choice.layout)}", ValueError)
 
 
 def row_refusal(module: Any, layout: Any, in_shape: Sequence[int]) -> str | None:
@@ -121,11 +121,11 @@ def halo_overlap(an: Any, node: Any, module: Any, choice: Any, ext: dict[str, in
             and (kernel[split[0]] - 1) * dilation[split[0]] > 0):
         return True
     if choice.overlap == "required":
-        an.fail(node, f"{choice.source} asks for overlap, but this {type(module).__name__} on "
-                f"{dict(choice.layout)} has no halo of one split spatial dim to overlap (it "
-                "needs exactly one split spatial dim, a kernel wider than one row there, zero "
-                "padding and a direct convolution); leave overlap out for it, or put it in the "
-                "default entry (which applies where it can)", ValueError)
+        an.fail(node, "leave overlap out for this layer, or put it in the default entry (which "
+                f"applies where it can): {choice.source} asks for overlap, but this "
+                f"{type(module).__name__} on {dict(choice.layout)} has no halo of one split "
+                "spatial dim to overlap (it needs exactly one split spatial dim, a kernel wider "
+                "than one row there, zero padding and a direct convolution)", ValueError)
     return False
 
 
@@ -283,15 +283,15 @@ class ConvHandler(Handler):
         name = str(node.target)
         choice = an.config.choice(name)
         if choice.algorithm == "auto":
-            an.fail(node, "algorithm 'auto' must be resolved before placement (pass "
-                    "input_shape= to parallelize)", ValueError)
+            an.fail(node, "pass input_shape= to parallelize (it plans the layer): algorithm "
+                    "'auto' must be resolved before placement", ValueError)
         algorithm = "stationary-x" if choice.algorithm in ("sample", "spatial") else (
             choice.algorithm)
         ext = dict(choice.layout)
         if ext.get("D", 1) > 1:
-            an.fail(node, f"{choice.source} splits D on {dict(choice.layout)}, but a Conv2d's "
-                    "spatial dims are H and W: split those (D splits a volume's depth)",
-                    ValueError)
+            an.fail(node, f"split H and W instead, not D: {choice.source} splits D on "
+                    f"{dict(choice.layout)}, but a Conv2d's spatial dims are H and W (D splits "
+                    "a volume's depth)", ValueError)
         args = an.tensor_args(node)
         whole = whole_rows(an, node, module, choice) or split_groups(an, node, module, choice)
         if whole:
@@ -305,10 +305,10 @@ class ConvHandler(Handler):
                     "across its channel/filter blocks, so it gathers x whole first, which is "
                     "not pipelined", ValueError)
         if choice.pipeline > 1 and not moves_data(choice.layout, dists):
-            an.fail(node, f"{choice.source} asks for pipeline: {choice.pipeline}, but this "
-                    f"{'grouped ' if grouped else ''}{algorithm} convolution on "
-                    f"{dict(choice.layout)} moves no data to overlap (each rank's channel block "
-                    "holds whole groups); leave pipeline out for it", ValueError)
+            an.fail(node, f"leave pipeline out for {choice.source}: it asks for pipeline: "
+                    f"{choice.pipeline}, but this {'grouped ' if grouped else ''}{algorithm} "
+                    f"convolution on {dict(choice.layout)} moves no data to overlap (each "
+                    "rank's channel block holds whole groups)", ValueError)
         need = Placement(choice.layout, dists["input"])
         if args and not grouped and _takes_gathered(an, node, args[0], choice, dists):
             # the allgather of x over F as the operand's conversion (with the move it needs

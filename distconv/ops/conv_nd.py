@@ -123,11 +123,11 @@ class ConvNdHandler(LinearHandler):
         kind = type(module).__name__
         live = {d for d, e in (choice.layout or ()) if e > 1}
         if choice.algorithm == "auto" and choice.source != "default":
-            an.fail(node, f"{choice.source} asks for algorithm 'auto', which must be resolved "
-                    "before placement: pass input_shape= to parallelize or explain (they plan "
-                    "it), or pass the config() of distconv.planner.plan_network(model, "
-                    "input_shape, config=..., world_size=..., machine=...), or give this "
-                    f"{kind} sample, spatial or stationary-x/-y/-w", ValueError)
+            an.fail(node, "pass input_shape= to parallelize or explain (they plan it), or pass "
+                    "the config() of distconv.planner.plan_network(model, input_shape, "
+                    "config=..., world_size=..., machine=...), or give this "
+                    f"{kind} sample, spatial or stationary-x/-y/-w: {choice.source} asks for "
+                    "algorithm 'auto', which must be resolved before placement", ValueError)
         # a stationary default plans the Conv2d layers: these run sample-parallel under it
         split = choice.algorithm == "spatial" or (
             choice.algorithm.startswith("stationary-") and choice.source != "default")
@@ -139,23 +139,23 @@ class ConvNdHandler(LinearHandler):
             rows = [r for r in roles if r not in ("N", "C", "F")]
             stray = sorted(live - set(roles))
             if stray:
-                an.fail(node, f"{choice.source} splits {stray} on {dict(choice.layout)}, but "
-                        f"this {kind} has {len(rows)} spatial dim(s), split over grid dims "
-                        f"{rows}: name those (and N, C, F)", ValueError)
+                an.fail(node, f"name grid dims {rows} (and N, C, F) instead: {choice.source} "
+                        f"splits {stray} on {dict(choice.layout)}, but this {kind} has "
+                        f"{len(rows)} spatial dim(s), split over grid dims {rows}", ValueError)
             ext = dict(choice.layout)
             blocks = ext.get("C", 1) * ext.get("F", 1)
             channels = min(module.in_channels, module.out_channels)
             if module.groups > 1 and module.groups % blocks:
-                an.fail(node, f"{choice.source} asks for {choice.algorithm} on "
-                        f"{dict(choice.layout)}, but this {kind} is grouped "
-                        f"(groups={module.groups}) and its {blocks} channel blocks would not "
-                        f"hold whole groups; use C×F among "
+                an.fail(node, "use C×F among "
                         f"{', '.join(map(str, group_blocks(module.groups, channels)))} "
-                        f"(dividing {module.groups}), or split it over N and {rows} only",
-                        ValueError)
+                        f"(dividing {module.groups}), or split it over N and {rows} only: "
+                        f"{choice.source} asks for {choice.algorithm} on {dict(choice.layout)}, "
+                        f"but this {kind} is grouped (groups={module.groups}) and its {blocks} "
+                        "channel blocks would not hold whole groups", ValueError)
             if choice.pipeline > 1:
-                an.fail(node, f"{choice.source} asks for pipeline: {choice.pipeline}, which is "
-                        f"implemented for Conv2d; leave it out for this {kind}", ValueError)
+                an.fail(node, f"leave pipeline out for {choice.source}: it asks for pipeline: "
+                        f"{choice.pipeline}, which is implemented for Conv2d, not this {kind}",
+                        ValueError)
             algorithm = "stationary-x" if choice.algorithm == "spatial" else choice.algorithm
             dists = _dists(algorithm, module, choice.layout)
             args = an.tensor_args(node)

@@ -112,14 +112,16 @@ class EinsumHandler(Handler):
 
         eq, args = operands(node)
         if not isinstance(eq, (str, type(None))) or not all(isinstance(a, fx.Node) for a in args):
-            an.fail(node, "its operands must be tensors of the graph and its equation a string "
-                    "(the sublist form is not supported)", TypeError)
+            an.fail(node, "give it an equation string and tensors of the graph as operands: "
+                    "the sublist form, or an operand that is no tensor, is not supported",
+                    TypeError)
         placed = [an.placement(a).settled() for a in args]
         ndims = [p.ndim for p in placed]
         try:
             terms, out = letters_of(node, eq, ndims)
         except ValueError as exc:
-            an.fail(node, f"{eq!r}: {exc}", ValueError)
+            an.fail(node, f"give an equation that fits the operands' dims {ndims}: {eq!r}: "
+                    f"{exc}", ValueError)
         values = [i for i, a in enumerate(args) if not is_constant(a)]
         home = placed[values[0] if values else 0].layout
         on = [p if p.layout == home else on_layout(p, home) for p in placed]
@@ -139,12 +141,14 @@ class EinsumHandler(Handler):
         """The letter of the samples (the same in every operand that is an activation)."""
         letters = {terms[i][samples_of(args[i])[0]] for i in values}
         if len(letters) > 1:
-            an.fail(node, f"its operands hold the samples under different letters "
-                    f"{sorted(letters)}; it would pair one sample with another")
+            an.fail(node, "give the operands' samples one letter: they hold the samples under "
+                    f"different letters {sorted(letters)}, which would pair one sample with "
+                    "another")
         letter = letters.pop() if letters else None
         if letter is not None and letter not in out:
-            an.fail(node, f"it sums over the samples (letter {letter!r}); the parallel model's "
-                    "output rows are its samples, so they stay in the result")
+            an.fail(node, f"keep the samples' letter {letter!r} in the result, and sum over "
+                    f"the samples in the loss: it sums over the samples (letter {letter!r}), and "
+                    "the parallel model's output rows are its samples")
         return letter
 
     @staticmethod
@@ -184,9 +188,9 @@ class EinsumHandler(Handler):
                     for a, t in zip(args, terms) if c in t]
             sizes = sorted({n for _, n in held})
             if len(sizes) > 1 and any(e is not None for e, _ in held):
-                return (f"letter {c!r} of {eq or 'the matmul'!r} has sizes {sizes} (torch "
-                        "broadcasts them) but is split as placed for the input shape the model "
-                        "was captured on; parallelize it with input_shape= this shape")
+                return (f"pass input_shape= this shape to parallelize: letter {c!r} of "
+                        f"{eq or 'the matmul'!r} has sizes {sizes} (torch broadcasts them) but "
+                        "is split as placed for the input shape the model was captured on")
         return None
 
     def samples(self) -> Sequence[Sample]:

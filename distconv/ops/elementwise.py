@@ -59,9 +59,9 @@ class PointwiseHandler(Handler):
         step = an.keep(node, "pointwise")
         if isinstance(module, nn.PReLU) and module.num_parameters > 1 and (
                 step.out.dist.grid_dims_of(1)):
-            an.fail(node, f"PReLU with one weight per channel ({module.num_parameters}) on a "
-                    "channel-split value: every rank would apply the first channels' weights. "
-                    "Use PReLU() (one weight) there, or keep the channels whole before it")
+            an.fail(node, "use PReLU() (one weight) here, or keep the channels whole before it: "
+                    f"with one weight per channel ({module.num_parameters}) on a channel-split "
+                    "value, every rank would apply the first channels' weights")
         return step
 
     def samples(self) -> Sequence[Sample]:
@@ -161,17 +161,19 @@ class BinaryHandler(Handler):
         if len(args) == 1:
             return an.keep(node, "pointwise")
         if len(args) != 2:
-            an.fail(node, f"expected two tensor operands, got {len(args)}")
+            an.fail(node, "split it into ops of two tensor operands each: it takes "
+                    f"{len(args)}")
         if any(is_constant(x) for x in args):
             return with_constants(an, node, args)
         a, b = (an.placement(x).settled() for x in args)
         if a.ndim != b.ndim:
-            an.fail(node, "operands with different numbers of dims (broadcasting across "
-                    "distributed dims) are not supported")
+            an.fail(node, "give both operands one number of dims (unsqueeze the smaller): "
+                    f"operands of {a.ndim} and {b.ndim} dims (broadcasting across distributed "
+                    "dims) are not supported")
         samples = {samples_of(x)[0] for x in args}
         if len(samples) > 1:
-            an.fail(node, f"its operands hold the samples in different dims {sorted(samples)}; "
-                    "move them to the same dim first")
+            an.fail(node, "move the operands' samples to one dim first: they hold the samples "
+                    f"in different dims {sorted(samples)}")
         target = meeting(a, b)
         return Step(node, "pointwise", target, {args[0]: target, args[1]: target},
                     samples=samples.pop())
@@ -196,7 +198,8 @@ class CatHandler(Handler):
         first = an.placement(args[0]).settled()
         dim = dim % first.ndim
         if dim == 0:
-            an.fail(node, "concatenating along the sample dim is not supported")
+            an.fail(node, "concatenate along another dim, or concatenate the batches outside "
+                    "the model: concatenating along the sample dim (0) is not supported")
 
         def whole(p: Placement) -> Placement:  # the operand with the joined dim whole
             entries = list(p.dist.entries)
@@ -247,8 +250,8 @@ class StackHandler(Handler):
                     ValueError)
         samples = {samples_of(a)[0] for a in args}
         if len(samples) > 1:
-            an.fail(node, f"its values hold the samples in different dims {sorted(samples)}; "
-                    "move them to the same dim first")
+            an.fail(node, "move the values' samples to one dim first: they hold the samples in "
+                    f"different dims {sorted(samples)}")
         s = samples.pop()
         target = placed[0]
         for p in placed[1:]:
@@ -274,7 +277,9 @@ def with_constants(an: Any, node: fx.Node, args: list[fx.Node]) -> Any:
 
     values = [a for a in args if not is_constant(a)]
     if len(values) > 1:
-        an.fail(node, f"expected one activation among the operands, got {len(values)}")
+        an.fail(node, "split it into ops of two operands each: it combines "
+                f"{len(values)} activations with a parameter or buffer, and one op takes model "
+                "tensors with at most one activation")
     if not values:
         out = max((an.placement(a) for a in args), key=lambda p: p.ndim)
         return Step(node, "pointwise", out, {a: an.placement(a) for a in args})
@@ -283,8 +288,9 @@ def with_constants(an: Any, node: fx.Node, args: list[fx.Node]) -> Any:
     for a in args:
         k = an.placement(a).ndim
         if a is not values[0] and k > act.ndim:
-            an.fail(node, f"a parameter of {k} dims broadcast against an activation of "
-                    f"{act.ndim}: the activation would gain dims")
+            an.fail(node, f"give the parameter at most {act.ndim} dims (the activation's): a "
+                    f"parameter of {k} dims broadcast against an activation of {act.ndim}: the "
+                    "activation would gain dims")
         needs[a] = act if a is values[0] else Placement(
             act.layout, Dist(act.dist.entries[act.ndim - k:]))
     return Step(node, "pointwise", act, needs, samples=samples_of(values[0])[0])

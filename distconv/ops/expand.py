@@ -101,7 +101,8 @@ class ExpandHandler(Handler):
 
         x = node.args[0]
         if not isinstance(x, fx.Node) or an.out.get(x) is None:
-            an.fail(node, f"{_name(node)} of a value that is not a tensor of the graph")
+            an.fail(node, f"call {_name(node)} on a tensor of the graph: here it takes a value "
+                    "that is not one")
         if is_constant(node) and not any(is_size(a) for a in node.all_input_nodes):
             return model_tensor(an, node)  # a model tensor expanded by numbers: whole
         name = _name(node)
@@ -111,7 +112,8 @@ class ExpandHandler(Handler):
         p = an.placement(x) if constant else an.placement(x).settled()
         offset, sizes = _layout(p.ndim, _sizes(name, node.args, node.kwargs), name)
         if offset < 0:
-            an.fail(node, f"{name} with {len(sizes)} sizes of a {p.ndim}-dim value", ValueError)
+            an.fail(node, f"give {name} at least {p.ndim} sizes, one per dim of the value: "
+                    f"{name} with {len(sizes)} sizes of a {p.ndim}-dim value", ValueError)
         kept = [d >= offset and self._keeps(name, sizes[d], x, d - offset)
                 for d in range(len(sizes))]
         x_samples = None if constant else samples_of(x)[0] + offset
@@ -165,8 +167,8 @@ class ExpandHandler(Handler):
         px = an.placement(x)
         offset = py.ndim - px.ndim
         if offset < 0:
-            an.fail(node, f"expand_as of a {px.ndim}-dim value to a {py.ndim}-dim one",
-                    ValueError)
+            an.fail(node, f"give expand_as a value of at least {px.ndim} dims: expand_as of a "
+                    f"{px.ndim}-dim value to a {py.ndim}-dim one", ValueError)
         if not is_constant(x) and samples_of(x)[0] + offset != samples_of(y)[0]:
             an.fail(node, "Move the samples to the same dim first: its operands hold the "
                     f"samples in dims {samples_of(x)[0]} and {samples_of(y)[0]}")

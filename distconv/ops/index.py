@@ -119,25 +119,26 @@ class IndexHandler(Handler):
         try:
             kept, dropped = indexed_dims(index, p.ndim)
         except TypeError as exc:
-            an.fail(node, f"indexing with {index!r} picks elements: {exc}. Supported: integers "
-                    "and slices on dims other than the samples, and adding size-1 dims (None "
-                    "with slices and '...'). Slice the plain model's input, or reduce (mean, "
-                    "sum) instead")
+            an.fail(node, "slice the plain model's input, or reduce (mean, sum) instead: "
+                    f"indexing with {index!r} picks elements ({exc}); supported: integers and "
+                    "slices on dims other than the samples, and adding size-1 dims (None with "
+                    "slices and '...')")
         except ValueError as exc:
-            an.fail(node, f"index {index!r}: {exc}")
+            an.fail(node, "index with at most one item per dim and one '...': index "
+                    f"{index!r}: {exc}")
         samples = samples_of(arg)[0]
         if samples in dropped:
-            an.fail(node, f"the index {index!r} picks one sample (dim {samples} holds the "
-                    "samples); index the plain model's input instead")
+            an.fail(node, f"index the plain model's input instead: the index {index!r} picks "
+                    f"one sample (dim {samples} holds the samples)")
         if samples in sliced_dims(index, p.ndim):
             an.fail(node, f"Slice the plain model's input instead: the index {index!r} picks "
                     f"part of the samples (dim {samples} holds them; each rank holds a block "
                     "of them, and the parallel model's output rows are its samples)")
         out_samples = kept.index(samples)
         if any(k is None for k in kept[:out_samples]):
-            an.fail(node, f"it adds a dim before the samples (dim {samples}); the parallel "
-                    "model's output rows are its samples and its layers find them there, so "
-                    "new dims go behind it")
+            an.fail(node, f"put new dims behind the samples (dim {samples}): it adds a dim "
+                    "before the samples, and the parallel model's output rows are its samples "
+                    "and its layers find them there")
         entries = p.dist.entries
         picked = [d for d in dropped if entries[d] is not None]  # taken by their owners
         if picked and (unbound_dim(args[0], p.ndim) is not None or _traced_items(index)):

@@ -72,8 +72,8 @@ def tuple_item(an: Any, node: fx.Node, index: Any) -> tuple[Placement | None, in
     if index in (0, -2):
         return p, samples
     if index not in (1, -1):
-        an.fail(node, f"its tuple (attn_output, attn_weights) is indexed with {index!r}; take "
-                "item 0 or 1 by an integer")
+        an.fail(node, "take item 0 or 1 by an integer: its tuple (attn_output, attn_weights) "
+                f"is indexed with {index!r}")
     named = _arguments(node)
     if not named["need_weights"]:
         return None, 0  # item 1 is None: the getitem's value carries no tensor
@@ -92,12 +92,13 @@ class MultiheadAttentionHandler(Handler):
         named = _arguments(node)
         q, k, v = (named.get(n) for n in _NAMES[:3])
         if not all(isinstance(t, fx.Node) and an.out.get(t) is not None for t in (q, k, v)):
-            an.fail(node, "query, key and value must be tensors of the graph", TypeError)
+            an.fail(node, "pass query, key and value as tensors of the graph: here one is not",
+                    TypeError)
         self._check_options(an, node, module, named)
         placed = [an.placement(t).settled() for t in (q, k, v)]
         if any(p.ndim != 3 for p in placed):
-            an.fail(node, f"query, key and value have {[p.ndim for p in placed]} dims; give "
-                    f"them a batch dim (unbatched attention has no samples to split); {_WORKS}")
+            an.fail(node, "give query, key and value a batch dim (unbatched attention has no "
+                    f"samples to split): they have {[p.ndim for p in placed]} dims; {_WORKS}")
         samples = 0 if module.batch_first else 1
         for t in (q, k, v):
             dim = samples_of(t)[0]

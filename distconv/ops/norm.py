@@ -67,8 +67,8 @@ class BatchNormHandler(Handler):
         step = an.keep(node, "batchnorm")
         dist = step.out.dist
         if dist.ndim not in (2, 3, 4, 5):
-            an.fail(node, f"{type(module).__name__} takes (N, C) to (N, C, D, H, W) inputs, got "
-                    f"{dist.ndim} dims")
+            an.fail(node, f"give {type(module).__name__} (N, C) to (N, C, D, H, W) inputs: it "
+                    f"got {dist.ndim} dims")
         ext = dict(step.out.layout)
         blocks = math.prod(ext[g] for g in dist.grid_dims_of(0))
         try:
@@ -169,8 +169,8 @@ class FunctionalBatchNormHandler(Handler):
         call = batch_norm_call(node.args, node.kwargs)
         x = call["input"]
         if not isinstance(x, fx.Node) or an.out.get(x) is None or is_constant(x):
-            an.fail(node, "batch_norm normalises an activation; its input here is no value "
-                    "computed from the model's input")
+            an.fail(node, "pass batch_norm an activation to normalise: its input here is no "
+                    "value computed from the model's input")
         for k in _TENSORS:
             v = call[k]
             if v is not None and not (isinstance(v, fx.Node) and v.op == "get_attr"):
@@ -182,7 +182,7 @@ class FunctionalBatchNormHandler(Handler):
                         f"graph (node {call[k].name!r})", TypeError)
         p = an.placement(x).settled()
         if p.ndim < 2:
-            an.fail(node, f"batch_norm takes (N, C, ...) inputs, got {p.ndim} dims", ValueError)
+            an.fail(node, f"give batch_norm (N, C, ...) inputs: it got {p.ndim} dims", ValueError)
         path, owner = batch_norm_owner(an.gm, call)
         if owner is not None:
             _check_follows(an, node, call, path, owner, p)
@@ -472,9 +472,9 @@ class _LocalNorm(Handler):
         ext = dict(step.out.layout)
         split = {d: [g for g in dist.grid_dims_of(d) if ext.get(g, 1) > 1] for d in whole}
         if split.get(0):
-            an.fail(node, f"{type(module).__name__} with running statistics averages them over "
-                    f"the samples, which the input splits over {'×'.join(split[0])}: keep the "
-                    "samples whole before it, or use track_running_stats=False")
+            an.fail(node, "keep the samples whole before it, or use track_running_stats=False: "
+                    f"{type(module).__name__} with running statistics averages them over the "
+                    f"samples, which the input splits over {'×'.join(split[0])}")
         if any(split.values()):
             entries = tuple(None if d in whole else e for d, e in enumerate(dist.entries))
             p = Placement(step.out.layout, Dist(entries, frozenset(), dist.tensor_dims))
@@ -645,19 +645,19 @@ class FunctionalLayerNormHandler(Handler):
 
         args = [a for a in an.tensor_args(node) if not is_constant(a)]
         if len(args) != 1 or node.args[0] is not args[0]:
-            an.fail(node, "layer_norm's weight and bias must be model tensors (parameters, "
-                    "buffers) or None, not values computed from the input")
+            an.fail(node, "pass layer_norm's weight and bias as model tensors (parameters, "
+                    "buffers) or None: here they are values computed from the input")
         shape = _normalized_shape(node)
         found: list[fx.Node] = []
         fx.node.map_arg(shape, found.append)
         if shape is None or found:
-            an.fail(node, f"normalized_shape {shape!r} is computed in the graph; give it as "
-                    "numbers (a module's normalized_shape attribute is)", TypeError)
+            an.fail(node, "give normalized_shape as numbers (a module's normalized_shape "
+                    f"attribute is): {shape!r} is computed in the graph", TypeError)
         k = 1 if isinstance(shape, int) else len(shape)
         p = an.placement(args[0]).settled()
         if not 1 <= k < p.ndim:
-            an.fail(node, f"normalized_shape {shape!r} must name 1 to {p.ndim - 1} trailing dims "
-                    f"of the {p.ndim}-dim value", ValueError)
+            an.fail(node, f"give a normalized_shape of 1 to {p.ndim - 1} trailing dims of the "
+                    f"{p.ndim}-dim value: got {shape!r}", ValueError)
         ext = dict(p.layout)
         if not any(ext.get(g, 1) > 1 for d in range(p.ndim - k, p.ndim)
                    for g in p.dist.grid_dims_of(d)):
@@ -818,8 +818,8 @@ class FunctionalGroupNormHandler(Handler):
         x = call["input"]
         name = getattr(node.target, "__name__", "norm")
         if not isinstance(x, fx.Node) or an.out.get(x) is None or is_constant(x):
-            an.fail(node, f"{name} normalises an activation; its input here is no value computed "
-                    "from the model's input")
+            an.fail(node, f"pass {name} an activation to normalise: its input here is no value "
+                    "computed from the model's input")
         for k in ("weight", "bias"):
             v = call[k]
             if v is not None and not (isinstance(v, fx.Node) and is_constant(v)):
@@ -830,7 +830,7 @@ class FunctionalGroupNormHandler(Handler):
         self.groups(an, node, call)
         p = an.placement(x).settled()
         if p.ndim < 2:
-            an.fail(node, f"{name} takes (N, C, ...) inputs, got {p.ndim} dims", ValueError)
+            an.fail(node, f"give {name} (N, C, ...) inputs: it got {p.ndim} dims", ValueError)
         need = Placement(p.layout, Dist((p.dist.entries[0], None, *p.dist.entries[2:])))
         needs = {x: need}
         for k in ("weight", "bias"):

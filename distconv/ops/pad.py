@@ -53,12 +53,13 @@ class PadHandler(Handler):
 
         args = an.tensor_args(node)
         if not args or node.args[0] is not args[0]:
-            an.fail(node, "pad takes the value to pad as its first argument")
+            an.fail(node, "pass the value to pad as pad's first argument: here its first "
+                    "argument is not a value of the graph")
         p = an.placement(args[0]).settled()
         pad = module.padding if module is not None else node.kwargs.get(
             "pad", node.args[1] if len(node.args) > 1 else None)
         if pad is None:
-            an.fail(node, "F.pad without its pad widths", TypeError)
+            an.fail(node, "give F.pad its pad widths: this call has none", TypeError)
         dims = padded_dims(pad, p.ndim)
         if dims is None:  # the whole tuple computed: every dim whole
             dims = tuple(range(p.ndim))

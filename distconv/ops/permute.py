@@ -45,8 +45,7 @@ def moved_dims(node: fx.Node, ndim: int) -> tuple[int, ...]:
     found: list[fx.Node] = []
     fx.node.map_arg(rest, found.append)
     if found:
-        raise TypeError(f"its dims {[n.name for n in found]} are computed in the graph; give "
-                        "them as numbers")
+        raise TypeError(f"its dims {[n.name for n in found]} are computed in the graph")
     probe = torch.empty(tuple(range(2, 2 + ndim)), device="meta")
     if node.op == "call_method":
         out = getattr(probe, str(node.target))(*node.args[1:], **node.kwargs)
@@ -91,9 +90,9 @@ class PermuteHandler(Handler):
         try:
             perm = moved_dims(node, p.ndim)
         except TypeError as exc:
-            an.fail(node, str(exc), TypeError)
+            an.fail(node, f"give the dims as numbers: {exc}", TypeError)
         except (RuntimeError, IndexError) as exc:  # dims that do not fit the value
-            an.fail(node, f"{exc} (the value has {p.ndim} dims)", ValueError)
+            an.fail(node, f"give dims that fit the value's {p.ndim} dims: {exc}", ValueError)
         return Step(node, "reshape", permuted(p, perm), {arg: p},
                     samples=perm.index(samples_of(arg)[0]))
 

@@ -233,8 +233,9 @@ class AdaptivePoolHandler(Handler):
             indices = bool(node.kwargs.get("return_indices",
                                            node.args[2] if len(node.args) > 2 else False))
         if indices:
-            an.fail(node, "adaptive max pooling with return_indices=True is not supported (its "
-                    "indices are positions in a block); pool without them")
+            an.fail(node, "pool without the indices (return_indices=False): adaptive max pooling "
+                    "with return_indices=True is not supported (its indices are positions in a "
+                    "block)")
         step = an.keep(node, "pool")
         p = step.out
         spatial = range(2, p.ndim)

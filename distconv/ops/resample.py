@@ -71,7 +71,8 @@ class ResampleHandler(Handler):
 
         args = an.tensor_args(node)
         if len(args) != 1:
-            an.fail(node, f"expected one tensor input, got {len(args)}")
+            an.fail(node, "give it one tensor input (its other arguments as numbers): it "
+                    f"takes {len(args)}")
         p = an.placement(args[0]).settled()
         ext = dict(p.layout)
         split = [[g for g in p.dist.grid_dims_of(i) if ext.get(g, 1) > 1]

@@ -46,11 +46,11 @@ def rolled_dims(node: fx.Node, ndim: int) -> tuple[int, ...]:
     fx.node.map_arg((shifts, dims), found.append)
     if [n for n in found if not is_size(n)]:
         raise TypeError(f"its shifts or dims {[n.name for n in found]} are computed from a "
-                        "tensor's values; give them as numbers or sizes")
+                        "tensor's values")
     if dims is None:
         return ()
     if isinstance(dims, fx.Node):
-        raise TypeError("its dims are computed in the graph; give them as numbers")
+        raise TypeError("its dims are computed in the graph")
     dims = (dims,) if isinstance(dims, int) else tuple(dims)
     return tuple(d % ndim for d in dims)
 
@@ -73,7 +73,7 @@ class RollHandler(Handler):
         try:
             dims = rolled_dims(node, p.ndim)
         except TypeError as exc:
-            an.fail(node, str(exc), TypeError)
+            an.fail(node, f"give the shifts and dims as numbers or sizes: {exc}", TypeError)
         if not dims:
             an.fail(node, "give dims= to torch.roll: without them it rolls the flattened value, "
                     "which moves elements across the samples", ValueError)

@@ -55,25 +55,27 @@ class SdpaHandler(Handler):
         named = _arguments(node)
         q, k, v = (named.get(n) for n in _NAMES[:3])
         if not all(isinstance(t, fx.Node) and an.out.get(t) is not None for t in (q, k, v)):
-            an.fail(node, "query, key and value must be tensors of the graph", TypeError)
+            an.fail(node, "pass query, key and value as tensors of the graph: here one is not",
+                    TypeError)
         self._check_options(an, node, named)
         placed = [an.placement(t).settled() for t in (q, k, v)]
         if len({p.ndim for p in placed}) > 1 or placed[0].ndim < 3:
-            an.fail(node, f"query, key and value have {[p.ndim for p in placed]} dims; "
-                    "supported: the same number of dims, at least 3 (batch-like dims, tokens, "
-                    f"head dim); {_WORKS}")
+            an.fail(node, "give query, key and value one number of dims, at least 3 "
+                    f"(batch-like dims, tokens, head dim): they have {[p.ndim for p in placed]} "
+                    f"dims; {_WORKS}")
         qp = placed[0]  # k and v are converted to its layout
         home, nd = qp.layout, qp.ndim
         for t in (q, k, v):
             dim = samples_of(t)[0]
             if dim >= nd - 2:
-                an.fail(node, f"{t.name!r} holds the samples in dim {dim}, its tokens or head "
-                        "dim; attention pairs tokens within each sample. Keep the samples in a "
-                        f"leading dim; {_WORKS}")
+                an.fail(node, f"keep the samples in a leading dim: {t.name!r} holds the samples "
+                        f"in dim {dim}, its tokens or head dim, and attention pairs tokens within "
+                        f"each sample; {_WORKS}")
         dims = {samples_of(t)[0] for t in (q, k, v) if not is_constant(t)}
         if len(dims) > 1:
-            an.fail(node, f"query, key and value hold the samples in dims {sorted(dims)}; it "
-                    f"would pair one sample's queries with another's keys; {_WORKS}")
+            an.fail(node, "move the samples of query, key and value to one dim: they hold the "
+                    f"samples in dims {sorted(dims)}, which would pair one sample's queries with "
+                    f"another's keys; {_WORKS}")
         shapes = [captured_shape(t) for t in (q, k, v)]
         batch = tuple(e if _same(shapes, d) else None
                       for d, e in enumerate(qp.dist.entries[:nd - 2]))
@@ -94,30 +96,31 @@ class SdpaHandler(Handler):
                     continue
                 for d, e in enumerate(need.dist.entries[:-2]):
                     if e is not None and shapes[a.name][d] != shapes[b.name][d]:
-                        return (f"dim {d} of {a.name!r} and {b.name!r} has sizes "
+                        return ("pass input_shape= this shape to parallelize: dim "
+                                f"{d} of {a.name!r} and {b.name!r} has sizes "
                                 f"{shapes[a.name][d]} and {shapes[b.name][d]} (torch broadcasts "
                                 "them) but is split as placed for the input shape the model was "
-                                "captured on; parallelize it with input_shape= this shape")
+                                "captured on")
         return None
 
     @staticmethod
     def _check_options(an: Any, node: Any, named: dict[str, Any]) -> None:
         if named["attn_mask"] is not None:
-            an.fail(node, "a tensor attn_mask is not supported (its blocks would have to follow "
-                    "the queries' and keys' splits); write the attention out instead, "
-                    "(q @ k.transpose(-2, -1) * scale + mask).softmax(-1) @ v, each op of which "
-                    f"runs distributed; {_WORKS}")
+            an.fail(node, "pass attn_mask=None, or write the attention out, (q @ "
+                    "k.transpose(-2, -1) * scale + mask).softmax(-1) @ v, each op of which runs "
+                    "distributed: a tensor attn_mask is not supported (its blocks would have to "
+                    f"follow the queries' and keys' splits); {_WORKS}")
         p = named["dropout_p"]
         if isinstance(p, fx.Node) or p != 0:
-            an.fail(node, f"dropout_p={p!r}: its draws inside the fused call are no one "
-                    "process's; use dropout_p=0 (timm passes 0 in eval) or an explicit "
-                    f"nn.Dropout on the attention weights; {_WORKS}")
+            an.fail(node, "use dropout_p=0 (timm passes 0 in eval) or an explicit nn.Dropout on "
+                    f"the attention weights: with dropout_p={p!r}, its draws inside the fused "
+                    f"call are no one process's; {_WORKS}")
         for name in ("is_causal", "enable_gqa", "scale"):
             if isinstance(named[name], fx.Node):
-                an.fail(node, f"{name} is a value of the graph; give it as a constant", TypeError)
+                an.fail(node, f"give {name} as a constant: it is a value of the graph", TypeError)
         if named["enable_gqa"]:
-            an.fail(node, f"enable_gqa=True broadcasts the keys' heads; repeat them explicitly "
-                    f"(repeat_interleave) instead; {_WORKS}")
+            an.fail(node, "repeat the keys' heads explicitly (repeat_interleave) instead: "
+                    f"enable_gqa=True broadcasts them; {_WORKS}")
 
     def samples(self) -> Sequence[Sample]:
         return (Sample("sdpa-heads", lambda: SampleNet(_Sdpa(), 4), (5, 4, 8, 6),

@@ -145,9 +145,9 @@ def misplaced(step: Any, in_shape: tuple[int, ...], out_shape: tuple[int, ...]) 
                    if entries[i] is not None and found.get(k) != i)
     if not wrong:
         return None
-    return (f"{step.node.target} to {out_shape} does not keep input dim(s) {wrong} (split on "
-            f"{layout_str(step.layer.layout)}) in place as placed; write their sizes as "
-            "x.size(i) / x.shape[i] of the input itself")
+    return ("write the kept dims' sizes as x.size(i) / x.shape[i] of the input itself: "
+            f"{step.node.target} to {out_shape} does not keep input dim(s) {wrong} (split on "
+            f"{layout_str(step.layer.layout)}) in place as placed")
 
 
 def _size_of(a: Any, x: fx.Node, ndim: int) -> int | None:
@@ -233,8 +233,8 @@ class FlattenHandler(Handler):
                 dim = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else None)
                 sizes = node.kwargs.get("sizes", node.args[2] if len(node.args) > 2 else None)
             if not isinstance(dim, int) or not isinstance(sizes, (tuple, list)):
-                an.fail(node, f"unflatten needs an int dim and a tuple of sizes, got {dim!r}, "
-                        f"{sizes!r}", TypeError)
+                an.fail(node, "give unflatten an int dim and a tuple of sizes: got "
+                        f"{dim!r}, {sizes!r}", TypeError)
             dim, extra = dim % ndim, len(sizes) - 1
             kept = {(i if i < dim else i + extra): i for i in range(ndim) if i != dim}
             return regroup(an, node, args[0], ndim + extra, kept)
@@ -245,8 +245,8 @@ class FlattenHandler(Handler):
             end = node.kwargs.get("end_dim", node.args[2] if len(node.args) > 2 else -1)
         start, end = start % ndim, end % ndim
         if end < start:
-            an.fail(node, f"flatten(start_dim={start}, end_dim={end}): start_dim comes after "
-                    "end_dim", ValueError)
+            an.fail(node, "give flatten a start_dim at or before its end_dim: "
+                    f"flatten(start_dim={start}, end_dim={end})", ValueError)
         merged = end - start
         kept = {(i if i < start else i - merged): i for i in range(ndim)
                 if not start <= i <= end or merged == 0}
@@ -286,7 +286,8 @@ class ReshapeHandler(Handler):
     def place(self, an: Any, node: Any, module: Any) -> Any:
         sizes = target_sizes(node)
         if any(isinstance(s, torch.dtype) for s in sizes):
-            an.fail(node, "view(dtype) reinterprets the bytes; it is not supported", TypeError)
+            an.fail(node, "convert with .to(dtype) instead: view(dtype) reinterprets the "
+                    "bytes, which is not supported", TypeError)
         arg = node.args[0]
         if not isinstance(arg, fx.Node) or is_constant(arg):
             return model_tensor(an, node)
@@ -326,7 +327,8 @@ class ReshapeHandler(Handler):
         try:
             out = torch.empty(in_shape, device="meta").reshape(sizes).shape
         except RuntimeError as exc:
-            return f"{node.target} to {tuple(sizes)}: {exc}"
+            return (f"give sizes that fit the input shape {tuple(in_shape)}: {node.target} to "
+                    f"{tuple(sizes)}: {exc}")
         return misplaced(step, in_shape, tuple(out))
 
     def samples(self) -> Sequence[Sample]:
@@ -355,14 +357,14 @@ class NewAxisHandler(Handler):
         out = list(p.dist.entries)
         dim = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else None)
         if not isinstance(dim, int):
-            an.fail(node, f"unsqueeze needs an int dim, got {dim!r}")
+            an.fail(node, f"give unsqueeze an int dim: got {dim!r}")
         dim %= len(out) + 1
         out.insert(dim, None)
         samples = samples_of(args[0])[0]
         if dim <= samples:
-            an.fail(node, f"it adds a dim before the samples (dim {samples}); the parallel "
-                    "model's output rows are its samples and its layers find them there, so "
-                    "new dims go behind it")
+            an.fail(node, f"put new dims behind the samples (dim {samples}): it adds a dim "
+                    "before the samples, and the parallel model's output rows are its samples "
+                    "and its layers find them there")
         placed = Placement(p.layout, Dist(tuple(out), p.dist.pending))
         return Step(node, "pointwise", placed, {args[0]: p}, samples=samples)
 

@@ -91,9 +91,9 @@ class SizeHandler(Handler):
         if node.target is torch._assert:
             cond = node.args[0] if node.args else node.kwargs.get("condition")
             if isinstance(cond, fx.Node) and not is_size(cond):
-                an.fail(node, "torch._assert on a tensor's values: each rank holds a block of "
-                        "it, so the check would differ by rank; only asserts on sizes (checked "
-                        "once per global input shape) are supported")
+                an.fail(node, "check only sizes with torch._assert (checked once per global "
+                        "input shape), or check the values outside the model: torch._assert on "
+                        "a tensor's values would differ by rank, as each rank holds a block of it")
             return Step(node, "size", None)
         if is_size(node):
             return Step(node, "size", None)

@@ -36,13 +36,14 @@ class SoftmaxHandler(Handler):
 
         args = an.tensor_args(node)
         if len(args) != 1 or node.args[0] is not args[0]:
-            an.fail(node, f"expected one tensor input, got {len(args)}")
+            an.fail(node, "give it one tensor input (its other arguments as numbers): it "
+                    f"takes {len(args)}")
         p = an.placement(args[0]).settled()
         dim = module.dim if module is not None else node.kwargs.get(
             "dim", node.args[1] if len(node.args) > 1 else None)
         if not isinstance(dim, int):
-            an.fail(node, f"it normalises over dim {dim!r}; give the dim as an int (torch's "
-                    "implicit dim is deprecated and depends on the number of dims)", TypeError)
+            an.fail(node, "give the dim as an int (torch's implicit dim is deprecated and "
+                    f"depends on the number of dims): it normalises over dim {dim!r}", TypeError)
         dim %= p.ndim
         need = Placement(p.layout, Dist(tuple(None if d == dim else e
                                               for d, e in enumerate(p.dist.entries))))

@@ -77,9 +77,9 @@ class SplitHandler(Handler):
         dim %= p.ndim
         samples = samples_of(args[0])[0]
         if dim == samples:
-            an.fail(node, f"{what} along the samples (dim {dim}) cuts the batch, whose pieces "
-                    "the ranks hold in other blocks: cut another dim, or cut the batch in the "
-                    "plain model's input")
+            an.fail(node, "cut another dim, or cut the batch in the plain model's input: "
+                    f"{what} along the samples (dim {dim}) cuts the batch, whose pieces the ranks "
+                    "hold in other blocks")
         for user in node.users:  # the tuple is placed as its input: only its items are values
             if user.target is not operator.getitem or not isinstance(user.args[1], int):
                 an.fail(node, f"take the items of {what}'s tuple (a, b = x.{what}(...), or "

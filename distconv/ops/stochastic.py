@@ -81,7 +81,7 @@ def _settings(an: Any, node: Any, module: Any) -> tuple[float, bool, bool, bool]
 def _mode(an: Any, node: Any, mode: Any) -> bool:
     """Whether torchvision's ``mode`` draws per sample ("row") or once ("batch")."""
     if mode not in ("row", "batch"):
-        why = f"stochastic depth mode must be 'row' or 'batch', got {mode!r}"
+        why = f"give stochastic depth mode 'row' or 'batch': got {mode!r}"
         if an is None:  # (building: placement refused it already)
             raise ValueError(why)
         an.fail(node, why, ValueError)

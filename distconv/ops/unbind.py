@@ -47,22 +47,22 @@ class UnbindHandler(Handler):
 
         args = an.tensor_args(node)
         if len(args) != 1 or node.args[0] is not args[0]:
-            an.fail(node, f"expected one tensor input, got {len(args)}")
+            an.fail(node, "give it one tensor input (its other arguments as numbers): it "
+                    f"takes {len(args)}")
         p = an.placement(args[0]).settled()
         dim = unbound_dim(node, p.ndim)
         if dim is None:
-            an.fail(node, f"it unbinds dim {node.kwargs.get('dim', node.args[1:])!r}; give the "
-                    "dim as an int", TypeError)
+            an.fail(node, "give the dim as an int: it unbinds dim "
+                    f"{node.kwargs.get('dim', node.args[1:])!r}", TypeError)
         for user in node.users:  # the tuple is placed as its input: only its items are values
             if user.target is not operator.getitem or not isinstance(user.args[1], int):
-                an.fail(node, f"its tuple is used whole by node {user.name!r}; supported: "
-                        "taking its items (q, k, v = x.unbind(0), or x.unbind(0)[i]), each a "
-                        "value of its own")
+                an.fail(node, "take its items (q, k, v = x.unbind(0), or x.unbind(0)[i]), each a "
+                        f"value of its own: its tuple is used whole by node {user.name!r}")
         samples = samples_of(args[0])[0]
         if dim == samples:
-            an.fail(node, f"it unbinds the samples (dim {dim}), giving one value per sample; "
-                    "the parallel model's values keep their samples: unbind another dim, or "
-                    "take the samples apart in the plain model's input")
+            an.fail(node, "unbind another dim, or take the samples apart in the plain model's "
+                    f"input: it unbinds the samples (dim {dim}), giving one value per sample, and "
+                    "the parallel model's values keep their samples")
         need = Placement(p.layout, Dist(tuple(None if d == dim else e
                                               for d, e in enumerate(p.dist.entries))))
         return Step(node, "pointwise", need, {args[0]: need}, samples=samples)

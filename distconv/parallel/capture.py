@@ -75,7 +75,7 @@ def trace(model: nn.Module, input_shape: Sequence[int] | None = None) -> fx.Grap
     node also records its global shape on this input (:data:`~distconv.ops.extents.CAPTURED_SHAPE`).
     """
     if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+        raise TypeError(f"pass an nn.Module as model: got {type(model).__name__}")
     if input_shape is not None:
         return _trace(model, _SizedTracer(model, input_shape))
     try:
@@ -194,9 +194,9 @@ class _Proxy(fx.Proxy):
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> Any:
         raise fx.proxy.TraceError(
-            f"numpy reads the traced value {self.node.name!r}: give input_shape= so the "
-            "capture reads sizes through numpy (as Python ints, checked once per input shape); "
-            "a tensor's values cannot be read into numpy")
+            "give input_shape= so the capture reads sizes through numpy (as Python ints, "
+            f"checked once per input shape): numpy reads the traced value {self.node.name!r}, "
+            "and a tensor's values cannot be read into numpy")
 
 
 class _Tracer(fx.Tracer):
@@ -271,9 +271,9 @@ class _SizedProxy(_Proxy):
         assert isinstance(self.tracer, _SizedTracer)
         if not (self.known and is_size(self.node)):
             raise fx.proxy.TraceError(
+                "keep it a torch op in the model, or read only sizes (x.shape) through numpy: "
                 f"numpy reads the values of {self.node.name!r}, which are a tensor's, not its "
-                "sizes: each rank holds a block of it. Keep it a torch op in the model, or "
-                "read only sizes (x.shape) through numpy")
+                "sizes, and each rank holds a block of it")
         return numpy.asarray(self.concrete(), dtype=dtype)
 
     def __getattr__(self, name: str) -> Any:
@@ -420,6 +420,7 @@ class _SizedTracer(_Tracer):
         node = obj.node  # (an attribute's node is made when asked for)
         if _VALUE not in node.meta or not is_size(node):
             raise fx.proxy.TraceError(
+                "branch on sizes only (x.shape[i], len(x)), not on a tensor's values: "
                 "symbolically traced variables cannot be used as inputs to control flow")
         self.guard(node, node.meta[_VALUE])
         return node.meta[_VALUE]

@@ -143,8 +143,8 @@ class _Analyser:
                     return 3
                 if isinstance(m, nn.Linear):
                     return 2
-        self.fail(node, "cannot tell the input's number of dims from its first layer; pass "
-                  "input_shape= to parallelize", ValueError)
+        self.fail(node, "pass input_shape= to parallelize: it cannot tell the input's number "
+                  "of dims from its first layer", ValueError)
         raise AssertionError
 
     def visit_output(self, node: fx.Node) -> Step:
@@ -152,20 +152,21 @@ class _Analyser:
         for arg in self.tensor_args(node):
             dim, mover = samples_of(arg)
             if dim:
-                self.fail(node, f"the model returns {arg.name!r} with the samples in dim {dim} "
-                          f"(node {mover!r} moves them there); the parallel model's output rows "
-                          "are its samples: return them in dim 0 (e.g. move them back with "
-                          "permute or movedim)")
+                self.fail(node, "return the samples in dim 0 (move them back with permute or "
+                          f"movedim): the model returns {arg.name!r} with the samples in dim "
+                          f"{dim} (node {mover!r} moves them there), and the parallel model's "
+                          "output rows are its samples")
             needs[arg] = Placement(self.config.data, sample_dist(self.placement(arg).ndim))
         if not needs:
-            self.fail(node, "the model returns no tensor")
+            self.fail(node, "return a tensor from the model: it returns no tensor")
         return Step(node, "output", None, needs)
 
     def keep(self, node: fx.Node, kind: str) -> Step:
         """A layer that runs on local blocks in its input's (settled) placement."""
         args = self.tensor_args(node)
         if len(args) != 1:
-            self.fail(node, f"expected one tensor input, got {len(args)}")
+            self.fail(node, "give it one tensor input (its other arguments as numbers): it "
+                      f"takes {len(args)}")
         p = self.placement(args[0]).settled()
         return Step(node, kind, p, {args[0]: p}, samples=samples_of(args[0])[0])
 
@@ -173,9 +174,9 @@ class _Analyser:
         """A module, function or method call: its handler's placement (the registry's)."""
         module = self.modules[node.target] if node.op == "call_module" else None
         if module is not None and isinstance(module, _distributed_modules()):
-            self.fail(node, f"module {str(node.target)!r} is already a distributed layer "
-                      f"({type(module).__name__}); parallelize takes the plain single-process "
-                      "model and converts its layers itself", TypeError)
+            self.fail(node, "pass the plain single-process model (parallelize converts its "
+                      f"layers itself): module {str(node.target)!r} is already a distributed "
+                      f"layer ({type(module).__name__})", TypeError)
         handler = ops.handler_for(node, module)
         if handler is None:
             name = (type(module).__name__ if node.op == "call_module"
