@@ -67,9 +67,9 @@ class LinearHandler(Handler):
         choice = an.config.choice(name)
         if (choice.algorithm not in ("sample", "auto", *LINEAR_ALGORITHMS)
                 and choice.source != "default"):
-            an.fail(node, "give this Linear algorithm 'sample' or stationary-x, -y or -w (over "
-                    f"its features): {choice.source} asks for {choice.algorithm}, which Linear "
-                    "layers do not run", ValueError)
+            an.fail(node, "give this Linear algorithm 'sample' or stationary-x, -y or -w: "
+                    f"{choice.source} asks for {choice.algorithm}, but Linear layers run "
+                    "sample-parallel or stationary-x, -y, -w over their features", ValueError)
         args = an.tensor_args(node)
         met = an.placement(args[0]).settled()
         if met.ndim > 2 and choice.source == "default":
