@@ -43,7 +43,7 @@ EXPECTED: dict[tuple[str, str], str | Refused] = {
     ("monai.MedNeXt", "spatial"): EXACT,
     # its decoder (MONAI's UpCat) asks torch.jit.isinstance of a traced value, loops over
     # range(len(x.shape) - 2) and pads where the skip's sizes differ: captured on the input shape
-    ("monai.FlexibleUNet", "sample"): EXACT,
+    # (the same capture under every config: spatial, which also splits the rows, runs it);
     # its ResNet encoder maps 32 rows to 1: the deepest convolutions keep their rows whole
     ("monai.FlexibleUNet", "spatial"): EXACT,
     ("monai.AttentionUnet", "channels"): EXACT,
@@ -59,7 +59,7 @@ EXPECTED: dict[tuple[str, str], str | Refused] = {
     # captured on the input shape, its ViT's einops rearrangement ("b h (qkv l d) -> qkv b l
     # h d") moves the samples behind the q/k/v axis, qkv[0] takes them back, the attention is
     # two einsums around a softmax; its blocks hold a cross-attention norm they never call
-    ("monai.UNETR", "sample"): EXACT,
+    # (channels runs all of it, its convolutions' channels split too)
     ("monai.UNETR", "channels"): EXACT,
     # an index the capture made a constant (its relative-position index, read on the captured
     # shape) under split rows: the analysis once crashed reading it as a new axis
