@@ -3,10 +3,10 @@ price) and :func:`predict`, with what the plan reports."""
 
 from __future__ import annotations
 
-import contextlib
+import functools
 import gc
 import math
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -152,6 +152,27 @@ BEAM_PLANS = 1
 SEED_SLACK = 1.5
 
 
+def _without_cyclic_gc(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` run without Python's cyclic garbage collector: a plan's capture and search make
+    hundreds of thousands of small objects that live until it ends, and each full collection
+    walked them, and everything else the program holds, again (a fifth to a quarter of
+    DenseNet-121's plan). Collection resumes after it, as it was; reference counting frees
+    everything else as usual."""
+
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        was = gc.isenabled()
+        gc.disable()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            if was:
+                gc.enable()
+
+    return run
+
+
+@_without_cyclic_gc
 def plan_network(
     model: torch.nn.Module | Network,
     input_shape: Sequence[int] | None = None,
@@ -244,31 +265,15 @@ def plan_network(
     search = _Search(net, world_size, machine, options, base, itemsize, optimizer_slots, first)
     search.progress = progress
     notes: list[str] = []
-    with _without_cyclic_gc():
-        best = _search(search, 0.0, limit, beam_width)
-        if best[2].memory > limit:
-            best = _fit_memory(search, limit, beam_width)
-        chosen, grid, priced = best
-        chosen, priced, runners = _descend(search, chosen, grid, priced, limit)
+    best = _search(search, 0.0, limit, beam_width)
+    if best[2].memory > limit:
+        best = _fit_memory(search, limit, beam_width)
+    chosen, grid, priced = best
+    chosen, priced, runners = _descend(search, chosen, grid, priced, limit)
     if search.binding:
         notes.append(f"memory limit {limit / 2**30:.2f} GiB per rank is binding")
     return _make_plan(search, chosen, priced, runners, notes,
                       base if config is not None else None, frozenset(options))
-
-
-@contextlib.contextmanager
-def _without_cyclic_gc() -> Iterator[None]:
-    """The search without Python's cyclic garbage collector: it keeps hundreds of thousands of
-    small objects it made alive until it ends, and each full collection walked them all again
-    (a fifth of DenseNet-121's plan). Collection resumes after it, as it was; reference
-    counting frees everything else as usual."""
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()
 
 
 def _traced(model: torch.nn.Module, input_shape: Sequence[int] | None) -> Network:
