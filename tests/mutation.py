@@ -296,8 +296,8 @@ MUTANTS = [
            "repartition's sent bytes (its adjoint's) have every target read from the first "
            "holder, not t % k"),
     Mutant("meeting-tie-to-second", "distconv/ops/elementwise.py",
-           "return b if cost_to_b < cost_to_a else a",
-           "return b if cost_to_b <= cost_to_a else a",
+           "return cost_to_b < cost_to_a",
+           "return cost_to_b <= cost_to_a",
            ("tests/test_pins_parallel.py::"
             "test_operands_that_cost_the_same_meet_where_the_first_is",),
            "operands that cost the same to move meet at the second's placement, not the first's"),
@@ -696,8 +696,8 @@ MUTANTS += [
            "{N: 2, F: 3} is taken for {C: 3, N: 2} renamed"),
     # ---- op handlers (distconv/ops/*, moving)
     Mutant("meeting-at-the-costlier", "distconv/ops/elementwise.py",
-           "return b if cost_to_b < cost_to_a else a",
-           "return a if cost_to_b < cost_to_a else b",
+           "return cost_to_b < cost_to_a",
+           "return cost_to_b >= cost_to_a",
            (f"{PINS_PARALLEL}::"
             "test_an_add_of_a_replicated_and_a_row_split_operand_moves_no_byte",),
            "operands meet where more bytes move"),
