@@ -1126,6 +1126,32 @@ MUTANTS += [
            "an einops the forward imports while it is traced is not bound to traced values"),
 ]
 
+# ---- this stop's wave: the root's unread tensors, the host channel's failures, the planner's
+# per-step records and the zoo's constant indices
+MUTANTS += [
+    Mutant("root-buffers-dropped", "distconv/parallel/capture.py",
+           "    for name, b in model.named_buffers(recurse=False):\n        if name not in have:",
+           "    for name, b in model.named_buffers(recurse=False):\n        if False:",
+           (f"{PINS_WAVE}::test_a_root_buffer_the_graph_never_reads_stays_in_the_state",),
+           "a root buffer the graph never reads is missing from the parallel model's state"),
+    Mutant("channel-failure-names-its-setup", "distconv/comm/host_channel.py",
+           'op = getattr(comm, "_op", "")',
+           'op = "broadcast"',
+           ("tests/comm/test_failures.py::test_missing_peer_times_out",),
+           "a missing peer at the call that opens the host channel is blamed on its setup"),
+    Mutant("step-record-one-conversion", "distconv/planner/search.py",
+           "                    taken |= 1 << bit",
+           "                    taken = 1 << bit",
+           ("tests/test_planner_speed.py", "tests/test_planner_prices.py"),
+           "a step converting two operands is priced with the report of one"),
+    Mutant("constant-index-crashes-the-walk", "distconv/ops/extents.py",
+           "    except (TypeError, ValueError):\n        return frozenset()  # an index",
+           "    except ZeroDivisionError:\n        return frozenset()  # an index",
+           ("tests/zoo/test_zoo.py::test_zoo_pair_is_exact_or_refused_as_stated"
+            "[monai.SwinUNETR-spatial]",),
+           "an index the capture made a constant crashes the unit-dims walk under split rows"),
+]
+
 
 def _copy_tree(dest: Path) -> None:
     ignore = shutil.ignore_patterns("__pycache__", ".hypothesis", ".pytest_cache", "output")
