@@ -850,7 +850,7 @@ MUTANTS += [
            (SEGMENTED,),
            "the forward exchange sizes its buffer by the most any rank returns in the adjoint, "
            "not the most it sends (too small where a rank sends more than it gets back)"),
-    Mutant("priced-segment-first-holder", "distconv/pricing/segments.py",
+    Mutant("priced-segment-first-holder", "distconv/parallel/placement.py",
            "if t != rank and mine[t % len(mine)] == rank:",
            "if t != rank and mine[0] == rank:",
            (f"{SEGMENTS}::test_the_priced_segment_is_the_executed_one",),

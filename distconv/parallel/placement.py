@@ -237,15 +237,21 @@ def repartition_bytes(src_layout: Layout, src: Dist, dst_layout: Layout, dst: Di
 
 def _sent(src_layout: Layout, src: Dist, dst_layout: Layout, dst: Dist,
           shape: tuple[int, ...], rank: int) -> int:
-    """Elements ``rank`` sends in :func:`repartition`, in closed form: to every target rank
-    whose box overlaps this rank's source box and reads it from this rank (the target ``t``
-    reads from the holder ``t % holders`` of the source box, holders in rank order: the ranks
-    that differ from this one on the source's redundant dims); O(overlapping blocks times
-    their replicas), not O(P)."""
+    """Elements ``rank`` sends in :func:`repartition`, in closed form (:func:`readers`)."""
+    return sum(n for _, n in readers(src_layout, src, dst_layout, dst, shape, rank))
+
+
+def readers(src_layout: Layout, src: Dist, dst_layout: Layout, dst: Dist,
+            shape: tuple[int, ...], rank: int) -> Iterable[tuple[int, int]]:
+    """``(target rank, elements)`` for each nonempty piece ``rank`` sends in
+    :func:`repartition` of plain dists: to every target whose box overlaps this rank's source
+    box and reads it from this rank (the target ``t`` reads from the holder ``t % holders`` of
+    the source box, holders in rank order: the ranks that differ from this one on the source's
+    redundant dims); O(overlapping blocks times their replicas), not O(P)."""
     sg, dg = paper_grid(src_layout, rank), paper_grid(dst_layout, rank)
     box = list(src.blocks(shape, sg))
     if any(k == 0 for _, k in box):
-        return 0
+        return
     used = src.used()
     redundant = [(n, e) for n, e in src_layout if n not in used]
     mine = []
@@ -263,10 +269,8 @@ def _sent(src_layout: Layout, src: Dist, dst_layout: Layout, dst: Dist,
                         _hits(n, [dg.extent(g) for g in names], lo, lo + k)])
     d_used = dst.used()
     spare = [(n, e) for n, e in dst_layout if n not in d_used]
-    sent = 0
 
-    def combine(d: int, coords: dict[str, int], elems: int) -> None:
-        nonlocal sent
+    def combine(d: int, coords: dict[str, int], elems: int) -> Iterable[tuple[int, int]]:
         if d == len(shape):
             for j in range(math.prod(e for _, e in spare)):
                 rep: dict[str, int] = {}
@@ -274,13 +278,12 @@ def _sent(src_layout: Layout, src: Dist, dst_layout: Layout, dst: Dist,
                     j, rep[n] = divmod(j, e)
                 t = dg.rank_of({**coords, **rep})
                 if t != rank and mine[t % len(mine)] == rank:
-                    sent += elems
+                    yield t, elems
             return
         for c, ov in per_dim[d]:
-            combine(d + 1, {**coords, **c}, elems * ov)
+            yield from combine(d + 1, {**coords, **c}, elems * ov)
 
-    combine(0, {}, 1)
-    return sent
+    yield from combine(0, {}, 1)
 
 
 def conversion_bytes(src: Placement, dst: Placement, shape: Sequence[int], itemsize: int,

@@ -20,7 +20,7 @@ from typing import Any
 from distconv.distribution import Dist
 from distconv.machines.base import group_of
 from distconv.parallel.placement import (
-    Layout, Placement, _hits, one_grid, paper_grid, repartition_sources,
+    Layout, Placement, one_grid, paper_grid, readers, repartition_sources,
 )
 
 __all__ = ["conversion_segment", "conversion_segments", "describe_segment"]
@@ -146,44 +146,6 @@ def _segment_of(layout: Layout, dims: tuple[str, ...], rank: int) -> tuple[int, 
 
 def _targets(src_layout: Layout, src: Dist, dst_layout: Layout, dst: Dist,
              shape: tuple[int, ...], rank: int) -> set[int]:
-    """The ranks that read a nonempty box from ``rank`` in the repartition of plain dists: the
-    target blocks its source box overlaps, of which the target ``t`` reads from the holder
-    ``t % holders`` (holders in rank order), as the exchange does."""
-    sg, dg = paper_grid(src_layout, rank), paper_grid(dst_layout, rank)
-    box = list(src.blocks(shape, sg))
-    if any(k == 0 for _, k in box):
-        return set()
-    used = src.used()
-    redundant = [(n, e) for n, e in src_layout if n not in used]
-    mine = []
-    for j in range(math.prod(e for _, e in redundant)):
-        coords = dict(sg.coords)
-        for n, e in reversed(redundant):
-            j, coords[n] = divmod(j, e)
-        mine.append(sg.rank_of(coords))
-    mine.sort()
-    per_dim = []
-    for d, n in enumerate(shape):
-        names = dst.grid_dims_of(d)
-        lo, k = box[d]
-        per_dim.append([dict(zip(names, c)) for c, _ in
-                        _hits(n, [dg.extent(g) for g in names], lo, lo + k)])
-    d_used = dst.used()
-    spare = [(n, e) for n, e in dst_layout if n not in d_used]
-    out: set[int] = set()
-
-    def combine(d: int, coords: dict[str, int]) -> None:
-        if d == len(shape):
-            for j in range(math.prod(e for _, e in spare)):
-                rep: dict[str, int] = {}
-                for n, e in reversed(spare):
-                    j, rep[n] = divmod(j, e)
-                t = dg.rank_of({**coords, **rep})
-                if t != rank and mine[t % len(mine)] == rank:
-                    out.add(t)
-            return
-        for c in per_dim[d]:
-            combine(d + 1, {**coords, **c})
-
-    combine(0, {})
-    return out
+    """The ranks that read a nonempty box from ``rank`` in the repartition of plain dists
+    (:func:`~distconv.parallel.placement.readers`: as the exchange does)."""
+    return {t for t, _ in readers(src_layout, src, dst_layout, dst, shape, rank)}
