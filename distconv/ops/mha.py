@@ -35,6 +35,7 @@ from torch import nn
 from distconv.distribution import Dist
 from distconv.ops.base import SAMPLE_GRIDS, Handler, PriceContext, Sample, SampleNet
 from distconv.ops.elementwise import is_constant
+from distconv.ops.sdpa import query_key_value
 from distconv.parallel.placement import Placement
 from distconv.parallel.steps import samples_of
 
@@ -90,10 +91,7 @@ class MultiheadAttentionHandler(Handler):
         from distconv.parallel.steps import Step
 
         named = _arguments(node)
-        q, k, v = (named.get(n) for n in _NAMES[:3])
-        if not all(isinstance(t, fx.Node) and an.out.get(t) is not None for t in (q, k, v)):
-            an.fail(node, "pass query, key and value as tensors of the graph: here one is not",
-                    TypeError)
+        q, k, v = query_key_value(an, node, named)
         self._check_options(an, node, module, named)
         placed = [an.placement(t).settled() for t in (q, k, v)]
         if any(p.ndim != 3 for p in placed):

@@ -45,6 +45,18 @@ def _arguments(node: fx.Node) -> dict[str, Any]:
     return named
 
 
+def query_key_value(an: Any, node: fx.Node, named: dict[str, Any]
+                    ) -> tuple[fx.Node, fx.Node, fx.Node]:
+    """An attention call's ``query``, ``key`` and ``value`` (by name, from ``named``): placed
+    values of the graph, or refused by name (``F.scaled_dot_product_attention`` and
+    ``nn.MultiheadAttention`` alike)."""
+    q, k, v = (named.get(n) for n in ("query", "key", "value"))
+    if not all(isinstance(t, fx.Node) and an.out.get(t) is not None for t in (q, k, v)):
+        an.fail(node, "pass query, key and value as tensors of the graph: here one is not",
+                TypeError)
+    return q, k, v
+
+
 class SdpaHandler(Handler):
     functions = frozenset({F.scaled_dot_product_attention})
     samples_anywhere = True
@@ -53,10 +65,7 @@ class SdpaHandler(Handler):
         from distconv.parallel.steps import Step
 
         named = _arguments(node)
-        q, k, v = (named.get(n) for n in _NAMES[:3])
-        if not all(isinstance(t, fx.Node) and an.out.get(t) is not None for t in (q, k, v)):
-            an.fail(node, "pass query, key and value as tensors of the graph: here one is not",
-                    TypeError)
+        q, k, v = query_key_value(an, node, named)
         self._check_options(an, node, named)
         placed = [an.placement(t).settled() for t in (q, k, v)]
         if len({p.ndim for p in placed}) > 1 or placed[0].ndim < 3:
