@@ -35,7 +35,6 @@ from torch import nn
 from distconv.distribution import Dist
 from distconv.ops.base import SAMPLE_GRIDS, Handler, PriceContext, Sample, SampleNet
 from distconv.ops.elementwise import is_constant
-from distconv.ops.sdpa import query_key_value
 from distconv.parallel.placement import Placement
 from distconv.parallel.steps import samples_of
 
@@ -81,6 +80,18 @@ def tuple_item(an: Any, node: fx.Node, index: Any) -> tuple[Placement | None, in
     batch, rows = p.dist.entries[samples], p.dist.entries[1 - samples]
     heads = () if named["average_attn_weights"] else (None,)
     return Placement(p.layout, Dist((batch, *heads, rows, None))), 0
+
+
+def query_key_value(an: Any, node: fx.Node, named: dict[str, Any]
+                    ) -> tuple[fx.Node, fx.Node, fx.Node]:
+    """An attention call's ``query``, ``key`` and ``value`` (by name, from ``named``): placed
+    values of the graph, or refused by name (``F.scaled_dot_product_attention`` and
+    ``nn.MultiheadAttention`` alike)."""
+    q, k, v = (named.get(n) for n in ("query", "key", "value"))
+    if not all(isinstance(t, fx.Node) and an.out.get(t) is not None for t in (q, k, v)):
+        an.fail(node, "pass query, key and value as tensors of the graph: here one is not",
+                TypeError)
+    return q, k, v
 
 
 class MultiheadAttentionHandler(Handler):

@@ -25,6 +25,7 @@ from distconv.distribution import Dist
 from distconv.ops.base import SAMPLE_GRIDS, Handler, Sample, SampleNet
 from distconv.ops.elementwise import is_constant
 from distconv.ops.extents import captured_shape
+from distconv.ops.mha import query_key_value
 from distconv.parallel.placement import Placement
 from distconv.parallel.steps import samples_of
 
@@ -43,18 +44,6 @@ def _arguments(node: fx.Node) -> dict[str, Any]:
     named.update(zip(_NAMES, node.args))
     named.update(node.kwargs)
     return named
-
-
-def query_key_value(an: Any, node: fx.Node, named: dict[str, Any]
-                    ) -> tuple[fx.Node, fx.Node, fx.Node]:
-    """An attention call's ``query``, ``key`` and ``value`` (by name, from ``named``): placed
-    values of the graph, or refused by name (``F.scaled_dot_product_attention`` and
-    ``nn.MultiheadAttention`` alike)."""
-    q, k, v = (named.get(n) for n in ("query", "key", "value"))
-    if not all(isinstance(t, fx.Node) and an.out.get(t) is not None for t in (q, k, v)):
-        an.fail(node, "pass query, key and value as tensors of the graph: here one is not",
-                TypeError)
-    return q, k, v
 
 
 class SdpaHandler(Handler):
